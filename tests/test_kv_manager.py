@@ -1,0 +1,387 @@
+"""Unit tests, one per bookkeeping rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvpage.kv import (
+    BlockPool,
+    FreeBlockQueue,
+    KVBlock,
+    KVCacheManager,
+    KVSequence,
+    StaticReservationManager,
+    block_hash,
+    make_kv_manager,
+    root_hash,
+    slot_mapping,
+    token_location,
+)
+
+
+def admit(m: KVCacheManager, seq: KVSequence, use_cache: bool = True):
+    hit = m.lookup_prefix(seq) if use_cache else None
+    cached = hit.num_tokens if hit else 0
+    alloc = m.allocate_slots(seq, len(seq.token_ids) - cached, hit)
+    if alloc is not None:
+        m.cache_computed_blocks(seq)
+    return alloc
+
+
+# ------------------------------------------------------------------ free queue
+def test_free_queue_orders_and_removes_from_middle():
+    blocks = [KVBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    assert [b.block_id for b in q] == [0, 1, 2, 3, 4]
+    q.remove(blocks[2])
+    assert [b.block_id for b in q] == [0, 1, 3, 4] and len(q) == 4
+    assert not q.contains(blocks[2])
+    assert q.popleft() is blocks[0]
+    q.append(blocks[2])
+    q.appendleft(blocks[0])
+    assert [b.block_id for b in q] == [0, 1, 3, 4, 2]
+    with pytest.raises(ValueError, match="not in the free queue"):
+        q.remove(KVBlock(9))
+    for _ in range(5):
+        q.popleft()
+    with pytest.raises(IndexError):
+        q.popleft()
+
+
+def test_block_pool_rejects_empty_pool():
+    with pytest.raises(ValueError, match="num_blocks must be positive"):
+        BlockPool(0)
+
+
+# ------------------------------------------------------------ allocation rules
+def test_allocation_grows_one_block_at_a_time_and_slots_follow_the_formula():
+    m = KVCacheManager(8, 4, watermark=0.0)
+    a = KVSequence("A", [1, 2, 3])
+    assert admit(m, a).new_blocks == (0,)
+    for t in (4, 5):
+        a.token_ids.append(t)
+        alloc = m.allocate_slots(a, 1)
+        assert alloc is not None
+    assert m.block_table("A") == [0, 1]
+    assert m.slot_mapping("A", 0, 5) == [0, 1, 2, 3, 4]
+    assert token_location([7, 2, 9], 4, 9) == (9, 1)
+    assert slot_mapping([7, 2, 9], 4, 3, 3) == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
+    with pytest.raises(IndexError):
+        slot_mapping([7], 4, 3, 2)
+
+
+def test_none_on_exhaustion_with_no_partial_allocation():
+    m = KVCacheManager(4, 4, watermark=0.0)
+    a = KVSequence("A", list(range(12)))
+    assert admit(m, a) is not None  # 3 blocks
+    b = KVSequence("B", list(range(100, 108)))  # needs 2, only 1 free
+    assert m.allocate_slots(b, 8) is None
+    assert not m.has_seq("B") and m.num_free_blocks == 1
+    # A running sequence that needs 2 more blocks while 1 is free: refused whole, table unchanged.
+    assert m.allocate_slots(a, 5) is None
+    assert m.block_table("A") == [0, 1, 2] and m.num_tokens("A") == 12
+    assert m.allocate_slots(a, 4) is not None
+    m.check_invariants()
+
+
+def test_watermark_applies_to_admission_only():
+    m = KVCacheManager(10, 4, watermark=0.2)  # keep 2 blocks free when admitting
+    assert m.watermark_blocks == 2
+    a = KVSequence("A", list(range(32)))  # 8 blocks -> leaves exactly 2
+    assert admit(m, a) is not None
+    assert m.allocate_slots(KVSequence("B", [1]), 1) is None  # would leave 1 < 2
+    # ...but the running sequence may take the reserve, down to zero.
+    assert m.allocate_slots(a, 8) is not None
+    assert m.num_free_blocks == 0
+    assert m.allocate_slots(a, 1) is None
+
+
+def test_watermark_counts_revived_cached_blocks():
+    m = KVCacheManager(5, 4, watermark=0.2)  # reserve 1 block
+    a = KVSequence("A", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    admit(m, a)
+    m.free(a)  # two cached full blocks go back to the free queue
+    filler = KVSequence("F", list(range(100, 104)))
+    admit(m, filler)  # takes the uncached block
+    b = KVSequence("B", [1, 2, 3, 4, 5, 6, 7, 8, 10])
+    hit = m.lookup_prefix(b)
+    assert hit.num_tokens == 8
+    # Reviving 2 cached blocks + 1 new block from 4 free leaves 1 = watermark: allowed.
+    assert m.allocate_slots(b, 1, hit) is not None
+    m.check_invariants()
+
+
+def test_max_model_len_is_enforced():
+    m = KVCacheManager(10, 4, max_model_len=8)
+    s = KVSequence("A", list(range(9)))
+    with pytest.raises(ValueError, match="exceeds max_model_len=8"):
+        m.allocate_slots(s, 9)
+    assert not m.has_seq("A")
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="block_size"):
+        KVCacheManager(4, 0)
+    with pytest.raises(ValueError, match="watermark"):
+        KVCacheManager(4, 4, watermark=1.5)
+    m = KVCacheManager(4, 4)
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        m.allocate_slots(KVSequence("A", [1]), -1)
+    with pytest.raises(KeyError, match="unknown sequence 'nope'"):
+        m.free("nope")
+    with pytest.raises(ValueError, match="unknown KV policy"):
+        make_kv_manager("contiguous", 4)
+
+
+# ----------------------------------------------------------------- prefix cache
+def test_prefix_hit_leaves_one_token_and_chains_blocks():
+    m = KVCacheManager(16, 4, watermark=0.0)
+    a = KVSequence("A", list(range(1, 13)))  # 3 full blocks
+    admit(m, a)
+    same = KVSequence("B", list(range(1, 13)))
+    hit = m.lookup_prefix(same)
+    assert hit.num_tokens == 8  # not 12: the last token must still be computed
+    assert hit.block_ids == m.block_table("A")[:2]
+    longer = KVSequence("C", [*range(1, 13), 99])
+    assert m.lookup_prefix(longer).num_tokens == 12
+    # Same second block, different first block: the chain makes it a miss.
+    other = KVSequence("D", [0, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert m.lookup_prefix(other).num_tokens == 0
+
+
+def test_hit_is_shared_with_ref_counts_and_stats():
+    m = KVCacheManager(16, 4, watermark=0.0)
+    a = KVSequence("A", list(range(1, 10)))
+    admit(m, a)
+    b = KVSequence("B", [*range(1, 9), 50, 51])
+    alloc = admit(m, b)
+    assert alloc.num_cached_tokens == 8
+    assert m.block_table("B")[:2] == m.block_table("A")[:2]
+    assert [m.ref_count(x) for x in m.block_table("A")] == [2, 2, 1]
+    st = m.stats()
+    assert st.prefix_query_tokens == 19 and st.prefix_hit_tokens == 8
+    assert st.live_tokens == 9 + 2 and st.logical_tokens == 19
+
+
+def test_cache_salt_isolates_the_whole_chain():
+    m = KVCacheManager(16, 4, watermark=0.0)
+    admit(m, KVSequence("A", list(range(1, 10)), cache_salt="tenant-a"))
+    assert m.lookup_prefix(KVSequence("B", list(range(1, 10)), cache_salt="tenant-b")).num_tokens == 0
+    assert m.lookup_prefix(KVSequence("C", list(range(1, 10)))).num_tokens == 0
+    assert m.lookup_prefix(KVSequence("D", list(range(1, 10)), cache_salt="tenant-a")).num_tokens == 8
+    # The salt seeds the root, so even a deep block differs between tenants.
+    r_a, r_b = root_hash(cache_salt="tenant-a"), root_hash(cache_salt="tenant-b")
+    assert block_hash(block_hash(r_a, [1, 2, 3, 4]), [5, 6, 7, 8]) != block_hash(
+        block_hash(r_b, [1, 2, 3, 4]), [5, 6, 7, 8]
+    )
+
+
+def test_model_and_adapter_ids_isolate():
+    m = KVCacheManager(16, 4, watermark=0.0, model_id="m1")
+    admit(m, KVSequence("A", list(range(1, 10)), adapter_id="lora-x"))
+    assert m.lookup_prefix(KVSequence("B", list(range(1, 10)))).num_tokens == 0
+    assert m.lookup_prefix(KVSequence("C", list(range(1, 10)), adapter_id="lora-x")).num_tokens == 8
+    assert root_hash("m1") != root_hash("m2")
+
+
+def test_hash_collision_is_a_miss_not_a_wrong_hit():
+    collide = lambda data: b"same"  # noqa: E731 - every block hashes alike
+    m = KVCacheManager(16, 4, watermark=0.0, hash_fn=collide)
+    admit(m, KVSequence("A", [1, 2, 3, 4, 5]))
+    assert m.lookup_prefix(KVSequence("B", [9, 9, 9, 9, 5])).num_tokens == 0
+    assert m.lookup_prefix(KVSequence("C", [1, 2, 3, 4, 5])).num_tokens == 4
+
+
+def test_hashes_are_deterministic_across_processes():
+    code = (
+        "from kvpage.kv import block_hash, root_hash;"
+        "print(block_hash(root_hash('m', None, 'salt'), [1, 2, 3]).hex())"
+    )
+    outs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    }
+    assert outs == {block_hash(root_hash("m", None, "salt"), [1, 2, 3]).hex() + "\n"}
+
+
+def test_cached_blocks_are_registered_only_once_computed():
+    m = KVCacheManager(16, 4, watermark=0.0)
+    a = KVSequence("A", list(range(1, 10)))
+    m.allocate_slots(a, 9)
+    assert m.lookup_prefix(KVSequence("B", list(range(1, 10)))).num_tokens == 0
+    assert m.cache_computed_blocks(a, 5) == 1  # only the first block is fully computed
+    assert m.lookup_prefix(KVSequence("B", list(range(1, 10)))).num_tokens == 4
+    assert m.cache_computed_blocks(a) == 1
+
+
+def test_freed_blocks_keep_hashes_and_are_revived():
+    m = KVCacheManager(8, 4, watermark=0.0)
+    a = KVSequence("A", list(range(1, 10)))
+    admit(m, a)
+    table = m.block_table("A")
+    m.free(a)
+    assert m.num_free_blocks == 8
+    assert m.stats().cached_free_blocks == 2
+    b = KVSequence("B", list(range(1, 10)))
+    alloc = admit(m, b)
+    assert alloc.num_cached_tokens == 8 and m.block_table("B")[:2] == table[:2]
+    m.check_invariants()
+
+
+def test_eviction_takes_uncached_then_deepest_cached_blocks_first():
+    m = KVCacheManager(6, 4, watermark=0.0)
+    a = KVSequence("A", list(range(1, 14)))  # blocks 0,1,2 full+cached, block 3 partial
+    admit(m, a)
+    assert m.block_table("A") == [0, 1, 2, 3]
+    m.free(a)
+    order = [b.block_id for b in m.pool.free_queue]
+    # Uncached partial block 3 is reused first; then never-used 4, 5; then the chain tail before its head.
+    assert order == [3, 4, 5, 2, 1, 0]
+    filler = KVSequence("F", list(range(100, 117)))  # 5 blocks: evicts block 2 and 1, keeps head 0
+    admit(m, filler)
+    assert m.stats().evictions == 2
+    hit = m.lookup_prefix(KVSequence("B", list(range(1, 14))))
+    assert hit.block_ids == [0]
+
+
+def test_reset_prefix_cache():
+    m = KVCacheManager(8, 4, watermark=0.0)
+    admit(m, KVSequence("A", list(range(1, 10))))
+    assert m.reset_prefix_cache() == 2
+    assert m.lookup_prefix(KVSequence("B", list(range(1, 10)))).num_tokens == 0
+    m.check_invariants()
+
+
+# ------------------------------------------------------------ fork and CoW
+def test_fork_shares_everything_and_copies_on_first_write():
+    m = KVCacheManager(8, 4, watermark=0.0)
+    a = KVSequence("A", [1, 2, 3, 4, 5, 6])
+    admit(m, a)
+    b = KVSequence("B", list(a.token_ids))
+    assert m.fork(a, b).copies == ()
+    assert m.block_table("B") == m.block_table("A") == [0, 1]
+    assert [m.ref_count(x) for x in (0, 1)] == [2, 2]
+    b.token_ids.append(7)
+    alloc = m.allocate_slots(b, 1)
+    assert alloc.copies == ((1, 2),)  # B copies the shared partial block, then writes its copy
+    assert m.block_table("B") == [0, 2] and m.ref_count(1) == 1
+    a.token_ids.append(8)
+    assert m.allocate_slots(a, 1).copies == ()  # A is the sole owner now: in place
+    assert m.stats().cow_copies == 1
+    with pytest.raises(ValueError, match="already holds blocks"):
+        m.fork(a, b)
+    m.check_invariants()
+
+
+def test_fork_of_full_block_boundary_needs_no_copy():
+    m = KVCacheManager(8, 4, watermark=0.0)
+    a = KVSequence("A", [1, 2, 3, 4])
+    admit(m, a)
+    m.fork(a, "B")
+    b = KVSequence("B", [1, 2, 3, 4, 9])
+    alloc = m.allocate_slots(b, 1)
+    assert alloc.copies == () and alloc.new_blocks == (1,)
+
+
+# ------------------------------------------------------------------- swapping
+def test_swap_out_and_in_move_ownership():
+    m = KVCacheManager(8, 4, watermark=0.0, num_swap_blocks=3, enable_prefix_caching=False)
+    a = KVSequence("A", list(range(1, 10)))
+    admit(m, a)
+    out = m.swap_out(a)
+    assert out == [(0, 0), (1, 1), (2, 2)]
+    assert m.is_swapped("A") and m.num_free_blocks == 8 and m.num_free_swap_blocks == 0
+    with pytest.raises(RuntimeError, match="swapped out"):
+        m.allocate_slots(a, 1)
+    back = m.swap_in(a)
+    assert [h for h, _ in back] == [0, 1, 2]
+    assert m.block_table("A") == [d for _, d in back] and m.num_tokens("A") == 9
+    assert m.stats().blocks_swapped_out == 3 and m.stats().blocks_swapped_in == 3
+    m.check_invariants()
+
+
+def test_swap_fails_cleanly_when_host_pool_is_full():
+    m = KVCacheManager(8, 4, watermark=0.0, num_swap_blocks=2)
+    a = KVSequence("A", list(range(1, 10)))  # 3 blocks > 2 host blocks
+    admit(m, a)
+    assert m.swap_out(a) is None
+    assert m.has_seq("A") and m.block_table("A") == [0, 1, 2] and m.num_free_swap_blocks == 2
+
+
+def test_swap_in_fails_cleanly_when_device_is_full():
+    m = KVCacheManager(4, 4, watermark=0.0, num_swap_blocks=4, enable_prefix_caching=False)
+    a = KVSequence("A", list(range(1, 10)))
+    admit(m, a)
+    m.swap_out(a)
+    admit(m, KVSequence("B", list(range(20, 30))))  # takes 3 of 4 blocks
+    assert m.swap_in(a) is None
+    assert m.is_swapped("A") and m.num_free_swap_blocks == 1
+    m.free("A")  # aborting a swapped sequence returns its host blocks
+    assert m.num_free_swap_blocks == 4
+    m.check_invariants()
+
+
+def test_swap_in_reuses_blocks_still_cached_on_device():
+    m = KVCacheManager(8, 4, watermark=0.0, num_swap_blocks=4)
+    a = KVSequence("A", list(range(1, 10)))
+    admit(m, a)
+    m.swap_out(a)
+    back = m.swap_in(a)  # the two full blocks are still cached on device: only the tail moves
+    assert len(back) == 1
+    assert m.block_table("A")[:2] == [0, 1]
+    m.check_invariants()
+
+
+# --------------------------------------------------------------------- static
+def test_static_policy_reserves_max_model_len_and_never_shares():
+    m = StaticReservationManager(16, 4, max_model_len=16, watermark=0.0)
+    a = KVSequence("A", [1, 2, 3, 4, 5])
+    assert len(admit(m, a).new_blocks) == 4
+    assert m.lookup_prefix(KVSequence("B", [1, 2, 3, 4, 5])).num_tokens == 0
+    b = KVSequence("B", [1, 2, 3, 4, 5])
+    admit(m, b)
+    assert not set(m.block_table("A")) & set(m.block_table("B"))
+    for t in range(11):
+        a.token_ids.append(t)
+        assert m.allocate_slots(a, 1).new_blocks == ()
+    with pytest.raises(ValueError, match="max_model_len"):
+        m.allocate_slots(a, 1)
+    fork = m.fork(a, "C")
+    assert len(fork.new_blocks) == 4 and len(fork.copies) == 4
+    assert m.allocate_slots(KVSequence("D", [1]), 1) is not None  # 12 of 16 used: one more fits
+    assert m.allocate_slots(KVSequence("E", [1]), 1) is None  # a one-token request still needs 4 blocks
+    st = m.stats()
+    assert st.used_blocks == 16 and st.live_tokens == 16 + 5 + 16 + 1
+    assert st.internal_waste == 64 - 38
+    m.check_invariants()
+
+
+def test_static_policy_requires_room_for_one_reservation():
+    with pytest.raises(ValueError, match="needs 8 blocks but the pool has 4"):
+        StaticReservationManager(4, 4, max_model_len=32)
+
+
+def test_paged_admits_more_than_static_on_the_same_pool():
+    def count_admitted(m: KVCacheManager) -> int:
+        n = 0
+        while m.allocate_slots(KVSequence(f"s{n}", list(range(20))), 20) is not None:
+            n += 1
+        return n
+
+    paged = count_admitted(make_kv_manager("paged", 64, 16, max_model_len=512, watermark=0.0))
+    static = count_admitted(make_kv_manager("static", 64, 16, max_model_len=512, watermark=0.0))
+    assert (paged, static) == (32, 2)
+
+
+def test_stats_waste_and_utilization():
+    m = KVCacheManager(200, 16, watermark=0.0)
+    admit(m, KVSequence("A", list(range(505))), use_cache=False)
+    admit(m, KVSequence("B", list(range(1000, 2000))), use_cache=False)
+    st = m.stats()
+    assert st.allocated_slots == 512 + 1008 and st.internal_waste == 7 + 8
+    assert st.utilization == pytest.approx(1505 / 1520)
+    d = st.as_dict()
+    assert d["internal_waste"] == 15 and "utilization" in d
