@@ -1,0 +1,238 @@
+"""KV cache sizing: bytes per token and block, blocks in a budget, concurrency paged vs static.
+
+Formulas (tensor payload only; weights, activations and runtime buffers are budgeted elsewhere):
+
+* bytes/token = layers x KV heads x (key dim + value dim) x bytes per value  (= 2·L·H·d·b when K and V
+  have the same width)
+* under tensor parallelism the KV heads are split evenly over the ranks when they divide; otherwise every
+  rank keeps all of them (the conservative replicated budget)
+* bytes/block = bytes/token (per rank) x block_size; blocks = floor(budget / bytes/block)
+* paged: a request of C tokens holds ceil(C / block_size) blocks -> max concurrency floor(blocks / that)
+* static reservation: every request holds ceil(max_model_len / block_size) blocks whatever its length
+* tail-waste estimate (the paper's "under 4%" figure): floor(budget / (C x bytes/token x (1 + tail)))
+* workload mix: a request averages prompt + output/2 live tokens over its life, plus (block_size-1)/2
+  slots of tail waste on average; the peak case holds prompt + output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4, "fp32": 4, "f32": 4,
+    "float16": 2, "fp16": 2, "half": 2, "f16": 2,
+    "bfloat16": 2, "bf16": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
+}
+CANONICAL_DTYPE = {
+    "fp32": "float32", "f32": "float32", "fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16",
+    "fp8": "fp8_e4m3",
+}
+
+
+def dtype_bytes(dtype: str) -> float:
+    try:
+        return DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown KV dtype {dtype!r}: choose one of {', '.join(sorted(DTYPE_BYTES))}") from None
+
+
+def canonical_dtype(dtype: str) -> str:
+    dtype_bytes(dtype)
+    return CANONICAL_DTYPE.get(dtype.lower(), dtype.lower())
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The part of a model that decides KV memory."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    v_head_dim: int | None = None
+    num_attention_heads: int | None = None
+    max_model_len: int | None = None
+    source: str = "explicit"
+
+    def __post_init__(self) -> None:
+        for n in ("num_layers", "num_kv_heads", "head_dim"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{n} must be a positive integer, got {v!r}")
+        dtype_bytes(self.dtype)
+
+    @property
+    def dtype_bytes(self) -> float:
+        return dtype_bytes(self.dtype)
+
+    def bytes_per_token(self, num_kv_heads: int | None = None) -> int:
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        width = self.head_dim + (self.v_head_dim or self.head_dim)
+        return int(self.num_layers * heads * width * self.dtype_bytes)
+
+
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> tuple[int, str]:
+    """(KV heads each rank stores, "sharded" | "replicated")."""
+    if tensor_parallel_size <= 0:
+        raise ValueError(f"tensor_parallel_size must be positive, got {tensor_parallel_size}")
+    if num_kv_heads % tensor_parallel_size == 0:
+        return num_kv_heads // tensor_parallel_size, "sharded"
+    return num_kv_heads, "replicated"
+
+
+@dataclass(frozen=True)
+class WorkloadCapacity:
+    mean_prompt_len: int
+    mean_output_len: int
+    mean_live_tokens: float
+    mean_slots_paged: float
+    paged_average: int  # concurrent requests, average case
+    paged_peak: int  # every request at prompt + output
+    static: int
+    static_utilization: float  # live tokens / reserved slots under static reservation
+    paged_utilization: float
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    shape: KVShape
+    block_size: int
+    kv_memory_bytes: int  # per rank
+    tensor_parallel_size: int
+    kv_heads_per_rank: int
+    tp_layout: str
+    bytes_per_token: int  # whole model, all ranks together (replicated heads counted once)
+    bytes_per_token_per_rank: int
+    bytes_per_block: int  # per rank
+    num_blocks: int
+    token_slots: int
+    context_len: int
+    max_model_len: int
+    request_bytes_per_rank: int  # one request at context_len, exact
+    blocks_per_request: int
+    paged_max_requests: int
+    static_blocks_per_request: int
+    static_max_requests: int
+    tail_waste: float | None
+    paged_max_requests_tail_estimate: int | None
+    request_bytes_per_rank_tail_estimate: float | None
+    workload: WorkloadCapacity | None = None
+    context_table: list[dict[str, int]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"]["dtype_bytes"] = self.shape.dtype_bytes
+        return d
+
+
+def plan_capacity(
+    shape: KVShape,
+    kv_memory_bytes: int,
+    *,
+    block_size: int = 16,
+    context_len: int | None = None,
+    max_model_len: int | None = None,
+    tensor_parallel_size: int = 1,
+    tail_waste: float | None = None,
+    mean_prompt_len: int | None = None,
+    mean_output_len: int | None = None,
+) -> CapacityPlan:
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if kv_memory_bytes <= 0:
+        raise ValueError(f"KV memory budget must be positive, got {kv_memory_bytes} bytes")
+    max_len = max_model_len or shape.max_model_len
+    ctx = context_len or max_len
+    if not ctx:
+        raise ValueError("no context length: pass --context-len (the model does not state its maximum)")
+    max_len = max_len or ctx
+    if ctx <= 0 or max_len <= 0:
+        raise ValueError(f"context length must be positive, got context_len={ctx}, max_model_len={max_len}")
+    if ctx > max_len:
+        raise ValueError(f"context_len={ctx} exceeds max_model_len={max_len}")
+    if tail_waste is not None and not 0 <= tail_waste < 1:
+        raise ValueError(f"tail waste must be a fraction in [0, 1), got {tail_waste}")
+    heads, layout = kv_heads_per_rank(shape.num_kv_heads, tensor_parallel_size)
+    bpt_rank = shape.bytes_per_token(heads)
+    bpb = bpt_rank * block_size
+    num_blocks = kv_memory_bytes // bpb
+    if num_blocks == 0:
+        raise ValueError(
+            f"a KV budget of {kv_memory_bytes} bytes per rank holds no block of {bpb} bytes "
+            f"(block_size {block_size}); did you forget a unit, e.g. 8GiB?"
+        )
+    blocks_per_req = math.ceil(ctx / block_size)
+    static_blocks = math.ceil(max_len / block_size)
+
+    tail_estimate = tail_bytes = None
+    if tail_waste is not None:
+        tail_bytes = ctx * bpt_rank * (1 + tail_waste)
+        tail_estimate = math.floor(kv_memory_bytes / tail_bytes)
+
+    workload = None
+    if mean_prompt_len is not None or mean_output_len is not None:
+        p, o = mean_prompt_len or 0, mean_output_len or 0
+        if p < 0 or o < 0 or p + o == 0:
+            raise ValueError(f"workload mix needs non-negative lengths with a positive sum, got {p} + {o}")
+        if p + o > max_len:
+            raise ValueError(f"mean prompt + output = {p + o} tokens exceeds max_model_len={max_len}")
+        live = p + o / 2
+        slots = live + (block_size - 1) / 2
+        workload = WorkloadCapacity(
+            mean_prompt_len=p,
+            mean_output_len=o,
+            mean_live_tokens=live,
+            mean_slots_paged=slots,
+            paged_average=math.floor(num_blocks * block_size / slots),
+            paged_peak=num_blocks // math.ceil((p + o) / block_size),
+            static=num_blocks // static_blocks,
+            static_utilization=live / (static_blocks * block_size),
+            paged_utilization=live / slots,
+        )
+
+    table = []
+    c = 1024
+    while c <= max(max_len, ctx):
+        table.append({
+            "context_len": c,
+            "request_bytes_per_rank": c * bpt_rank,
+            "request_bytes_total": c * shape.bytes_per_token(),
+            "paged_max_requests": num_blocks // math.ceil(c / block_size),
+        })
+        c *= 2
+
+    return CapacityPlan(
+        shape=shape,
+        block_size=block_size,
+        kv_memory_bytes=kv_memory_bytes,
+        tensor_parallel_size=tensor_parallel_size,
+        kv_heads_per_rank=heads,
+        tp_layout=layout,
+        bytes_per_token=shape.bytes_per_token(),
+        bytes_per_token_per_rank=bpt_rank,
+        bytes_per_block=bpb,
+        num_blocks=num_blocks,
+        token_slots=num_blocks * block_size,
+        context_len=ctx,
+        max_model_len=max_len,
+        request_bytes_per_rank=ctx * bpt_rank,
+        blocks_per_request=blocks_per_req,
+        paged_max_requests=num_blocks // blocks_per_req,
+        static_blocks_per_request=static_blocks,
+        static_max_requests=num_blocks // static_blocks,
+        tail_waste=tail_waste,
+        paged_max_requests_tail_estimate=tail_estimate,
+        request_bytes_per_rank_tail_estimate=tail_bytes,
+        workload=workload,
+        context_table=table,
+    )
+
+
+def num_blocks_for_budget(shape: KVShape, kv_memory_bytes: int, block_size: int, tensor_parallel_size: int = 1) -> int:
+    """Blocks a per-rank KV budget holds (what the engine sizes its pool with)."""
+    heads, _ = kv_heads_per_rank(shape.num_kv_heads, tensor_parallel_size)
+    return kv_memory_bytes // (shape.bytes_per_token(heads) * block_size)

@@ -1,0 +1,1 @@
+"""Llama-family model: configs, weight loading, tokenizer (the runtime parts import torch)."""

@@ -1,0 +1,187 @@
+"""Model architecture description, read from a GGUF file, a Hugging Face config.json, or a preset.
+
+Reading a config never imports torch: the capacity planner uses it on machines with no model runtime.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+# Architectures the runner implements (issue: Llama family). The planner accepts any decoder with a KV cache.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+# GGUF general.file_type codes -> the weight format name llama.cpp uses.
+GGUF_FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+    12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+    32: "BF16",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    architecture: str  # llama | mistral | qwen2 | ...
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    vocab_size: int = 0
+    max_position_embeddings: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    dtype: str = "bfloat16"  # the weights' native dtype: the default for the KV cache too
+    v_head_dim: int | None = None  # when values are narrower/wider than keys
+    source: str = "explicit"  # gguf:<path> | hf:<dir> | preset:<name> | explicit
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{self.name}: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.name}: {self.num_attention_heads} query heads do not group evenly over "
+                f"{self.num_kv_heads} KV heads"
+            )
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    def with_overrides(self, **changes: Any) -> ModelConfig:
+        clean = {k: v for k, v in changes.items() if v is not None}
+        return replace(self, **clean) if clean else self
+
+
+# --------------------------------------------------------------------------- GGUF
+def _gguf_fields(path: Path) -> dict[str, Any]:
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:  # pragma: no cover - gguf is a declared dependency
+        raise RuntimeError("reading GGUF files needs the 'gguf' package: pip install gguf") from e
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+    out: dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key not in (
+            "tokenizer.ggml.model", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"
+        ):
+            continue  # vocab arrays: large and not needed for the architecture
+        try:
+            out[key] = f.contents()
+        except Exception:  # pragma: no cover - exotic field types
+            continue
+    out["__tensor_names__"] = {t.name for t in reader.tensors}
+    return out
+
+
+def config_from_gguf(path: str | Path, name: str | None = None) -> ModelConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    meta = _gguf_fields(path)
+    arch = meta.get("general.architecture")
+    if not arch:
+        raise ValueError(f"{path}: GGUF metadata has no general.architecture")
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    n_layers = get("block_count")
+    n_heads = get("attention.head_count")
+    n_kv = get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer KV head counts (some hybrid models)
+        if len(set(n_kv)) != 1:
+            raise ValueError(f"{path}: per-layer KV head counts {sorted(set(n_kv))} are not supported")
+        n_kv = n_kv[0]
+    hidden = get("embedding_length", 0)
+    if n_layers is None or n_heads is None:
+        raise ValueError(f"{path}: GGUF metadata lacks {arch}.block_count or {arch}.attention.head_count")
+    head_dim = get("attention.key_length") or (hidden // n_heads if hidden else None)
+    v_dim = get("attention.value_length")
+    scaling = None
+    if get("rope.scaling.type"):
+        scaling = {
+            "rope_type": get("rope.scaling.type"),
+            "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+        }
+    file_type = meta.get("general.file_type")
+    return ModelConfig(
+        name=name or meta.get("general.name") or path.stem,
+        architecture=arch,
+        num_layers=int(n_layers),
+        num_attention_heads=int(n_heads),
+        num_kv_heads=int(n_kv),
+        head_dim=int(head_dim),
+        v_head_dim=int(v_dim) if v_dim and v_dim != head_dim else None,
+        hidden_size=int(hidden),
+        intermediate_size=int(get("feed_forward_length", 0)),
+        vocab_size=int(get("vocab_size", 0)),
+        max_position_embeddings=int(get("context_length", 0)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in meta["__tensor_names__"],
+        dtype="bfloat16",  # GGUF weights are dequantized to the run dtype; bf16 is kvpage's default
+        source=f"gguf:{path}",
+        extra={"file_type": GGUF_FILE_TYPES.get(file_type, str(file_type)) if file_type is not None else None},
+    )
+
+
+# ---------------------------------------------------------------- Hugging Face
+_HF_ARCH = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+
+def config_from_hf_dir(path: str | Path, name: str | None = None) -> ModelConfig:
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from e
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        cfg = {**cfg, **cfg["text_config"]}
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads") if k not in cfg]
+    if missing:
+        raise ValueError(f"{cfg_path}: missing {', '.join(missing)}")
+    n_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg.get("hidden_size", 0))
+    head_dim = cfg.get("head_dim") or (hidden // n_heads if hidden else None)
+    if not head_dim:
+        raise ValueError(f"{cfg_path}: cannot derive head_dim (no head_dim and no hidden_size)")
+    model_type = str(cfg.get("model_type", "unknown"))
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    return ModelConfig(
+        name=name or path.name,
+        architecture=_HF_ARCH.get(model_type, model_type),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=n_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=int(head_dim),
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size", 0)),
+        vocab_size=int(cfg.get("vocab_size", 0)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 0)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_scaling=cfg.get("rope_scaling"),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+        dtype=dtype,
+        source=f"hf:{path}",
+    )

@@ -1,0 +1,1 @@
+"""Simulation of scheduler + KV manager without a model: traces, workloads, pictures."""
