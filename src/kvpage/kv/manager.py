@@ -20,7 +20,6 @@ from kvpage.kv.block import KVBlock
 from kvpage.kv.block_pool import BlockPool
 from kvpage.kv.prefix_hash import BlockHash, HashFn, block_hash, root_hash, sha256_digest
 from kvpage.kv.sequence import SequenceLike
-from kvpage.kv.slot_mapping import slot_mapping
 from kvpage.kv.stats import KVCounters, KVStats
 
 
@@ -152,7 +151,14 @@ class KVCacheManager:
         return self.pool.blocks[block_id].ref_count
 
     def slot_mapping(self, seq_id: str, start: int, num_tokens: int) -> list[int]:
-        return slot_mapping(self.block_table(seq_id), self.block_size, start, num_tokens)
+        """Slots of positions start .. start+num_tokens-1 (``physical_block * block_size + offset``)."""
+        state = self._state(seq_id)
+        bs, table = self.block_size, state.table
+        if start < 0 or num_tokens < 0 or start + num_tokens > state.num_tokens:
+            raise IndexError(
+                f"{seq_id}: positions {start}..{start + num_tokens - 1} outside its {state.num_tokens} slotted tokens"
+            )
+        return [table[p // bs].block_id * bs + p % bs for p in range(start, start + num_tokens)]
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` tokens occupies under this policy."""

@@ -1,0 +1,116 @@
+"""The planner must reproduce the seeds' figures exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpage.capacity import KVShape, canonical_dtype, kv_heads_per_rank, num_blocks_for_budget, plan_capacity
+from kvpage.units import format_bytes, parse_size
+
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+
+
+def shape(layers=80, kv_heads=8, head_dim=128, dtype="fp16", **kw) -> KVShape:
+    return KVShape("t", layers, kv_heads, head_dim, canonical_dtype(dtype), **kw)
+
+
+def test_bytes_per_token_matches_the_seed_table():
+    assert shape().bytes_per_token() == 320 * KiB
+    assert shape(kv_heads=64).bytes_per_token() == int(2.5 * MiB)
+    assert shape(kv_heads=1).bytes_per_token() == 40 * KiB
+    assert shape(layers=32).bytes_per_token() == 128 * KiB
+    assert shape(layers=96, kv_heads=96).bytes_per_token() == int(4.5 * MiB)
+    assert format_bytes(shape().bytes_per_token()) == "320 KiB"
+    assert format_bytes(shape(kv_heads=64).bytes_per_token()) == "2.5 MiB"
+    assert format_bytes(shape(kv_heads=1).bytes_per_token()) == "40 KiB"
+
+
+@pytest.mark.parametrize(
+    ("layers", "kv_heads", "tokens", "expected"),
+    [
+        (80, 8, 4096, "1.25 GiB"),
+        (80, 8, 32768, "10 GiB"),
+        (80, 8, 131072, "40 GiB"),
+        (32, 8, 4096, "512 MiB"),
+        (32, 8, 32768, "4 GiB"),
+        (96, 96, 4096, "18 GiB"),
+        (96, 96, 32768, "144 GiB"),
+        (80, 64, 4096, "10 GiB"),
+    ],
+)
+def test_request_size_at_context(layers, kv_heads, tokens, expected):
+    p = plan_capacity(shape(layers, kv_heads), 200 * GiB, context_len=tokens, max_model_len=131072)
+    assert format_bytes(p.request_bytes_per_rank) == expected
+
+
+def test_tp2_8gib_8k_with_4pct_tail_admits_six():
+    p = plan_capacity(shape(), 8 * GiB, context_len=8192, tensor_parallel_size=2, tail_waste=0.04)
+    assert p.kv_heads_per_rank == 4 and p.tp_layout == "sharded"
+    assert p.request_bytes_per_rank == int(1.25 * GiB)
+    assert round(p.request_bytes_per_rank_tail_estimate / GiB, 2) == 1.30
+    assert p.paged_max_requests_tail_estimate == 6
+    assert p.paged_max_requests == 6  # exact block rounding agrees
+    assert p.bytes_per_block == int(2.5 * MiB) and p.num_blocks == 3276
+
+
+def test_tp_sharding_and_replication():
+    assert kv_heads_per_rank(8, 2) == (4, "sharded")
+    assert kv_heads_per_rank(8, 3) == (8, "replicated")
+    assert kv_heads_per_rank(1, 4) == (1, "replicated")
+    p = plan_capacity(shape(), 8 * GiB, context_len=8192, tensor_parallel_size=3)
+    assert p.tp_layout == "replicated" and p.bytes_per_token_per_rank == 320 * KiB
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        kv_heads_per_rank(8, 0)
+
+
+def test_static_vs_paged_and_workload_mix():
+    s = shape(layers=32)  # 128 KiB/token, 2 MiB blocks
+    p = plan_capacity(s, 8 * GiB, context_len=1000, max_model_len=4096, mean_prompt_len=600, mean_output_len=400)
+    assert p.num_blocks == 4096
+    assert p.blocks_per_request == 63 and p.paged_max_requests == 4096 // 63
+    assert p.static_blocks_per_request == 256 and p.static_max_requests == 16
+    w = p.workload
+    assert w.mean_live_tokens == 800
+    assert w.paged_average == int(4096 * 16 / (800 + 7.5))
+    assert w.paged_peak == 4096 // 63
+    assert w.static == 16
+    assert w.static_utilization == pytest.approx(800 / 4096)
+
+
+def test_plan_rejects_bad_input_with_named_values():
+    with pytest.raises(ValueError, match="holds no block"):
+        plan_capacity(shape(), 100, context_len=10)
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        plan_capacity(shape(), GiB, context_len=9000, max_model_len=8192)
+    with pytest.raises(ValueError, match="no context length"):
+        plan_capacity(shape(), GiB)
+    with pytest.raises(ValueError, match="tail waste"):
+        plan_capacity(shape(), GiB, context_len=10, tail_waste=1.5)
+    with pytest.raises(ValueError, match="unknown KV dtype 'int3'"):
+        KVShape("x", 1, 1, 1, "int3")
+    with pytest.raises(ValueError, match="num_layers"):
+        KVShape("x", 0, 1, 1)
+
+
+def test_num_blocks_for_budget():
+    assert num_blocks_for_budget(shape(), 8 * GiB, 16, tensor_parallel_size=2) == 3276
+
+
+def test_units():
+    assert parse_size("8GiB") == 8 * GiB
+    assert parse_size("512MiB") == 512 * MiB
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("2g") == 2 * GiB
+    assert parse_size("4096") == 4096
+    for bad in ("8 parsecs", "", "GiB", "-1GiB"):
+        with pytest.raises(ValueError, match="cannot read size"):
+            parse_size(bad)
+    assert format_bytes(1.25 * GiB) == "1.25 GiB" and format_bytes(100) == "100 B"
+
+
+def test_plan_json_is_complete():
+    p = plan_capacity(shape(), 8 * GiB, context_len=8192)
+    d = json.loads(json.dumps(p.as_dict()))
+    assert d["bytes_per_token"] == 327680 and d["shape"]["dtype_bytes"] == 2
