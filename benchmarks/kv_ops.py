@@ -79,7 +79,8 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the median of round medians is reported")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="interleaved rounds; the median of round medians is reported")
     args = ap.parse_args()
 
     variants = [

@@ -112,6 +112,7 @@ def test_plan_preset_override_and_replication(capsys):
 
 def test_plan_list_presets(capsys):
     code, out, _ = run(capsys, "plan", "--list-presets")
+    assert code == 0
     for name in ("Llama-3-8B", "Llama-3-70B", "Mistral-7B", "Qwen2.5-7B", "GPT-3-175B"):
         assert name in out
 

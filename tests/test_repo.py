@@ -1,0 +1,33 @@
+"""The README's two commands and .ci/run must stay in agreement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands() -> list[str]:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("```sh") + 1
+    end = lines.index("```", start)
+    return lines[start:end]
+
+
+def test_readme_starts_with_two_commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert lines[0].startswith("# ") and lines[2] == "```sh"
+    run, test = readme_commands()
+    assert run.endswith("kvpage plan") and "pytest" in test
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert readme_commands()[1] in ci
+
+
+def test_kv_and_core_never_import_torch():
+    for pkg in ("kv", "core", "sim"):
+        for f in (ROOT / "src" / "kvpage" / pkg).glob("*.py") if (ROOT / "src" / "kvpage" / pkg).exists() else []:
+            text = f.read_text()
+            assert "import torch" not in text, f"{f} imports torch"
