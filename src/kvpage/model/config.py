@@ -64,21 +64,24 @@ class ModelConfig:
 
 
 # --------------------------------------------------------------------------- GGUF
-def _gguf_fields(path: Path) -> dict[str, Any]:
+def open_gguf(path: Path) -> Any:
     try:
         from gguf import GGUFReader
     except ImportError as e:  # pragma: no cover - gguf is a declared dependency
         raise RuntimeError("reading GGUF files needs the 'gguf' package: pip install gguf") from e
     try:
-        reader = GGUFReader(str(path))
+        return GGUFReader(str(path))
     except Exception as e:
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+def gguf_fields(reader: Any, with_vocab: bool = False) -> dict[str, Any]:
+    """Metadata as Python values; the large vocab arrays only when asked for."""
     out: dict[str, Any] = {}
     for key, f in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key not in (
-            "tokenizer.ggml.model", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"
-        ):
-            continue  # vocab arrays: large and not needed for the architecture
+        if not with_vocab and key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                                      "tokenizer.ggml.scores"):
+            continue
         try:
             out[key] = f.contents()
         except Exception:  # pragma: no cover - exotic field types
@@ -87,11 +90,13 @@ def _gguf_fields(path: Path) -> dict[str, Any]:
     return out
 
 
-def config_from_gguf(path: str | Path, name: str | None = None) -> ModelConfig:
+def config_from_gguf(path: str | Path, name: str | None = None, meta: dict[str, Any] | None = None) -> ModelConfig:
+    """Architecture from GGUF metadata (``meta``: fields already read by ``gguf_fields``)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    meta = _gguf_fields(path)
+    if meta is None:
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        meta = gguf_fields(open_gguf(path))
     arch = meta.get("general.architecture")
     if not arch:
         raise ValueError(f"{path}: GGUF metadata has no general.architecture")

@@ -1,0 +1,104 @@
+"""Load a runnable model: config + weights + tokenizer, from the default name, a .gguf file or an HF dir."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvpage.attention.backends import get_attention_backend
+from kvpage.model.config import ModelConfig, config_from_gguf, config_from_hf_dir, gguf_fields, open_gguf
+from kvpage.model.llama import LlamaForCausalLM
+from kvpage.model.registry import DEFAULT_MODEL, resolve_model_path
+from kvpage.model.rope import rope_inv_freq
+from kvpage.model.tokenizer import KVTokenizer
+from kvpage.model.weights import check_architecture, iter_gguf_tensors, iter_safetensors
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: choose float32 or bfloat16 (float16 also accepted)") from None
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: KVTokenizer
+    dtype: torch.dtype
+    path: Path
+    load_seconds: float
+
+
+def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
+               attention_backend: str = "reference") -> LoadedModel:
+    """Everything from local files; never the network."""
+    t0 = time.perf_counter()
+    run_dtype = parse_dtype(dtype)
+    path = resolve_model_path(model)
+    if path is None:
+        raise ValueError(f"{model!r} is a preset (architecture numbers only, no weights): it can be planned, not run")
+    freq_factors = None
+    if path.is_dir() and (path / "config.json").is_file():
+        cfg = config_from_hf_dir(path)
+        check_architecture(cfg)
+        tensors = iter_safetensors(path)
+        tokenizer = KVTokenizer.from_hf_dir(path)
+    else:
+        if path.is_dir():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) != 1:
+                raise ValueError(f"{path}: expected config.json or exactly one .gguf file, found {len(ggufs)} .gguf")
+            path = ggufs[0]
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path}: unsupported model file (expected .gguf or a Hugging Face directory)")
+        reader = open_gguf(path)
+        fields = gguf_fields(reader, with_vocab=True)
+        cfg = config_from_gguf(path, name=DEFAULT_MODEL if model.lower() in (DEFAULT_MODEL.lower(), "default")
+                               else None, meta=fields)
+        check_architecture(cfg)
+        tokenizer = KVTokenizer.from_gguf_fields(fields, source=str(path))
+        if not cfg.vocab_size:
+            cfg = cfg.with_overrides(vocab_size=len(fields["tokenizer.ggml.tokens"]))
+        tensors = iter_gguf_tensors(reader, path, cfg)
+    if not cfg.intermediate_size or not cfg.hidden_size or not cfg.vocab_size:
+        raise ValueError(f"{path}: config lacks hidden_size, intermediate_size or vocab_size")
+
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name == "rope_freqs":
+            freq_factors = tensor
+            continue
+        state[name] = tensor.to(run_dtype)
+    if "lm_head.weight" in state and cfg.tie_word_embeddings:
+        cfg = cfg.with_overrides(tie_word_embeddings=False)
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg, get_attention_backend(attention_backend))
+    expected = set(net.state_dict())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: weights do not match a {cfg.architecture} model with {cfg.num_layers} layers "
+            f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})"
+        )
+    net.load_state_dict(state, assign=True, strict=True)
+    # Buffers built on the meta device hold no values: compute RoPE frequencies for real.
+    net.rotary.register_buffer(
+        "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors), persistent=False
+    )
+    net.eval()
+    seconds = time.perf_counter() - t0
+    logger.info("loaded %s (%s, %d layers) from %s in %.1f s", cfg.name, run_dtype, cfg.num_layers, path, seconds)
+    return LoadedModel(cfg, net, tokenizer, run_dtype, path, seconds)

@@ -1,0 +1,222 @@
+"""Tokenizer from GGUF metadata (byte-level BPE vocab + merges) or a Hugging Face tokenizer.json,
+chat templates, and incremental detokenization that never emits half a UTF-8 character."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+logger = logging.getLogger(__name__)
+
+# Pre-tokenizer split rules by GGUF ``tokenizer.ggml.pre`` name (the same families llama.cpp knows).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+_SPECIAL_TYPES = (3, 4)
+
+
+def _byte_level_pre(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):  # GPT-2 rules with every digit on its own
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    if pre not in (None, "default", "gpt2", "gpt-2"):
+        logger.warning("unknown GGUF pre-tokenizer %r: using GPT-2 byte-level rules", pre)
+    return gpt2
+
+
+class KVTokenizer:
+    """Thin wrapper over a ``tokenizers.Tokenizer`` with the ids and template a server needs."""
+
+    def __init__(self, tokenizer: Tokenizer, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
+                 add_bos_token: bool, chat_template: str | None, special_ids: set[int]) -> None:
+        self._tk = tokenizer
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self.special_ids = frozenset(special_ids)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._tk.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template: send a plain prompt instead of messages")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    bos_token=self._text_or_empty(self.bos_token_id),
+                                    eos_token=self._text_or_empty(self.eos_token_id), **extra)
+
+    def _text_or_empty(self, token_id: int | None) -> str:
+        return (self._tk.id_to_token(token_id) or "") if token_id is not None else ""
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any], source: str = "GGUF") -> KVTokenizer:
+        kind = fields.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"{source}: tokenizer model {kind!r} is not supported from GGUF metadata (kvpage reads byte-level "
+                "BPE, 'gpt2'); use a Hugging Face directory with tokenizer.json for this model"
+            )
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        tk.pre_tokenizer = _byte_level_pre(fields.get("tokenizer.ggml.pre"))
+        tk.decoder = decoders.ByteLevel()
+        special = {i for i, t in enumerate(types) if t in _SPECIAL_TYPES}
+        tk.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special)])
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        eot = fields.get("tokenizer.ggml.eot_token_id")
+        eos_ids = [int(x) for x in (eos, eot) if x is not None]
+        return cls(tk, bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+                   eos_token_ids=list(dict.fromkeys(eos_ids)),
+                   add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=fields.get("tokenizer.chat_template"), special_ids=special)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> KVTokenizer:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        return cls.from_gguf_fields(fields, source=str(path))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> KVTokenizer:
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json")
+        tk = Tokenizer.from_file(str(tj))
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+        model_cfg = _read_json(path / "config.json")
+
+        def token_id(entry: Any) -> int | None:
+            text = entry.get("content") if isinstance(entry, dict) else entry
+            return tk.token_to_id(text) if text else None
+
+        bos = token_id(cfg.get("bos_token")) or model_cfg.get("bos_token_id")
+        eos_ids: list[int] = []
+        for src in (gen.get("eos_token_id"), model_cfg.get("eos_token_id"), token_id(cfg.get("eos_token"))):
+            for x in src if isinstance(src, list) else [src]:
+                if x is not None and x not in eos_ids:
+                    eos_ids.append(int(x))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja = path / "chat_template.jinja"
+        if template is None and jinja.is_file():
+            template = jinja.read_text()
+        special = {tok.content for tok in tk.get_added_tokens_decoder().values() if tok.special}
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:  # tokenizer.json's post-processor adds BOS itself when configured
+            add_bos = False
+        return cls(tk, bos_token_id=bos, eos_token_ids=eos_ids, add_bos_token=bool(add_bos),
+                   chat_template=template, special_ids={tk.token_to_id(s) for s in special})
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+
+
+def render_chat_template(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                         **variables: Any) -> str:
+    """Render a Hugging Face style Jinja chat template in a sandbox."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template refused the messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                **variables)
+    except TemplateError as e:
+        raise ValueError(f"chat template failed: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing list of output tokens.
+
+    Decodes a small window of recent tokens and holds text back while it ends in an incomplete UTF-8
+    sequence (U+FFFD), so a character split across tokens is emitted whole, once.
+    """
+
+    def __init__(self, tokenizer: KVTokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        context = list(prompt_ids[-6:])  # a little prompt context keeps leading-space rules right
+        self.ids: list[int] = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end becomes U+FFFD)."""
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
+        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,88 @@
+"""Weights from a GGUF file or a Hugging Face directory, renamed to the model's parameter names."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpage.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+_GGUF_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def check_architecture(cfg: ModelConfig) -> None:
+    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{cfg.name}: architecture {cfg.architecture!r} is not supported "
+            f"(kvpage runs {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp stores Llama's Q/K rows interleaved for its RoPE; restore the rotate-half order."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_gguf_tensors(reader: Any, path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(parameter name, float32 tensor) for every tensor of an open GGUFReader; ``rope_freqs`` passes through."""
+    from kvpage.model.dequant import NATIVE, dequantize
+
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
+        if t.tensor_type not in NATIVE:
+            logger.info("%s: %s decoded through gguf-py (slower path)", t.name, t.tensor_type.name)
+        try:
+            data = dequantize(t.data, t.tensor_type, shape)
+        except ValueError as e:
+            raise ValueError(f"{path}: tensor {t.name}: {e}") from None
+        if t.name == "rope_freqs.weight":
+            yield "rope_freqs", data
+            continue
+        m = _GGUF_NAME.match(t.name)
+        if m:
+            layer, kind, suffix = m.groups()
+            if kind not in _GGUF_LAYER:
+                raise ValueError(f"{path}: unexpected tensor {t.name} for a {cfg.architecture} model")
+            if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
+                data = _unpermute_qk(data, cfg.num_attention_heads if kind == "attn_q" else cfg.num_kv_heads)
+            yield f"layers.{layer}.{_GGUF_LAYER[kind]}.{suffix}", data
+            continue
+        base, _, suffix = t.name.rpartition(".")
+        if base not in _GGUF_GLOBAL:
+            raise ValueError(f"{path}: unexpected tensor {t.name}")
+        yield f"{_GGUF_GLOBAL[base]}.{suffix}", data
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    for f in files:
+        for name, tensor in load_file(str(f)).items():
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if "rotary_emb.inv_freq" in name:
+                continue
+            yield name, tensor

@@ -1,0 +1,1 @@
+"""Worker: KV tensors, block copies and swaps, the model runner, the sampler."""

@@ -1,0 +1,64 @@
+"""The KV tensors and the byte movements the KV manager plans.
+
+Layout, per layer: one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = keys,
+1 = values). A token's K/V lives at ``[:, slot // block_size, slot % block_size]``; viewed flat as
+``[2, num_blocks * block_size, num_kv_heads, head_dim]`` it is simply row ``slot``. The host (swap) tier
+has the same layout with its own block count.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from kvpage.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * block_size * cfg.num_kv_heads * (cfg.head_dim + cfg.value_head_dim) * elem
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 num_host_blocks: int = 0) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        if cfg.value_head_dim != cfg.head_dim:
+            raise ValueError("kvpage's KV layout needs equal key and value head sizes")
+        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.layers = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        host_shape = (2, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        n_host_layers = cfg.num_layers if num_host_blocks else 0
+        self.host_layers = [torch.zeros(host_shape, dtype=dtype) for _ in range(n_host_layers)]
+        self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
+        self.block_size, self.dtype = block_size, dtype
+
+    @staticmethod
+    def _move(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor], pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        for s_layer, d_layer in zip(src_layers, dst_layers, strict=True):
+            d_layer[:, dst] = s_layer[:, src]  # the gather copies every source before any write
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: device block src -> device block dst."""
+        self._move(self.layers, self.layers, pairs)
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(device, host) pairs: device -> host."""
+        if pairs and not self.host_layers:
+            raise RuntimeError("swap-out requested but the KV cache has no host tier (swap space 0)")
+        self._move(self.layers, self.host_layers, pairs)
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(host, device) pairs: host -> device."""
+        if pairs and not self.host_layers:
+            raise RuntimeError("swap-in requested but the KV cache has no host tier (swap space 0)")
+        self._move(self.host_layers, self.layers, pairs)
