@@ -71,8 +71,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x is the float32 residual stream; the projections run in the weights' dtype.
+        w = self.mlp.down_proj.weight.dtype
+        x = x + self.self_attn(self.input_layernorm(x).to(w), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x).to(w))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -87,13 +89,29 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, one row per token of the flat batch."""
+        """Hidden states after the final norm (float32), one row per token of the flat batch.
+
+        The residual stream, the norms and the logits stay in float32 whatever the weights' dtype (as in
+        llama.cpp); with bf16 weights only the matrix products and attention run in bf16.
+        """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x = x.float()
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits. With bf16 weights the matmul's output is rounded to 8 mantissa bits (~0.06 at a
+        logit of 15), enough to flip near-ties; the entries within that rounding distance of each row's
+        maximum are therefore recomputed exactly in float32, so greedy choices and top logprobs do not
+        depend on how the logits were rounded."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        logits = F.linear(hidden.to(weight.dtype), weight).float()
+        if weight.dtype == torch.float32 or logits.numel() == 0:
+            return logits
+        top = logits.max(dim=-1, keepdim=True).values
+        # bf16 keeps 8 significant bits: |x| * 2^-8 bounds one rounding; allow two ulps on each side.
+        rows, cols = (logits >= top - top.abs() / 32 - 1e-3).nonzero(as_tuple=True)
+        logits[rows, cols] = (hidden[rows].float() * weight[cols].float()).sum(dim=-1)
+        return logits

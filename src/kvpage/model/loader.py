@@ -98,6 +98,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     net.rotary.register_buffer(
         "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors), persistent=False
     )
+    net.requires_grad_(False)
     net.eval()
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %d layers) from %s in %.1f s", cfg.name, run_dtype, cfg.num_layers, path, seconds)

@@ -21,6 +21,7 @@ class ScheduledSeq:
     start_pos: int  # tokens of this sequence already in the cache (cached prefix, earlier chunks)
     block_table: Sequence[int]
     need_logits: bool = True  # False for a prompt chunk that is not the last one
+    all_logits: bool = False  # logits for every computed token (prompt logprobs, teacher forcing)
 
 
 @dataclass
@@ -37,8 +38,8 @@ class PreparedBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # flat-batch row of the last token of each sequence that needs logits
-    logits_seq_ids: list[str]
+    logits_rows: torch.Tensor  # flat-batch rows whose logits are computed
+    logits_slices: dict[str, slice]  # per sequence: its part of logits_rows
 
 
 class ModelRunner:
@@ -58,7 +59,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         rows: list[int] = []
-        row_ids: list[str] = []
+        slices: dict[str, slice] = {}
         max_blocks = 0
         for s in batch:
             n = len(s.token_ids)
@@ -76,9 +77,12 @@ class ModelRunner:
             seq_lens.append(end)
             query_lens.append(n)
             max_blocks = max(max_blocks, -(-end // bs))
-            if s.need_logits:
+            if s.all_logits:
+                slices[s.seq_id] = slice(len(rows), len(rows) + n)
+                rows.extend(range(qsl[-2], qsl[-1]))
+            elif s.need_logits:
+                slices[s.seq_id] = slice(len(rows), len(rows) + 1)
                 rows.append(qsl[-1] - 1)
-                row_ids.append(s.seq_id)
         tables = torch.zeros((len(batch), max_blocks), dtype=torch.long)
         for i, s in enumerate(batch):
             n_blocks = -(-seq_lens[i] // bs)
@@ -93,7 +97,7 @@ class ModelRunner:
             seq_lens_list=seq_lens,
         )
         return PreparedBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                             torch.tensor(rows, dtype=torch.long), row_ids)
+                             torch.tensor(rows, dtype=torch.long), slices)
 
     def apply_block_ops(self, ops: BlockOps | None) -> None:
         """In the order the KV manager's plans require: swap out, swap in, copy-on-write."""
@@ -105,9 +109,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None) -> dict[str, torch.Tensor]:
-        """Run one step; returns float32 next-token logits for each sequence that asked for them."""
+        """Run one step; float32 logits per sequence that asked: [vocab] for its last token, or
+        [tokens, vocab] with ``all_logits``."""
         self.apply_block_ops(ops)
         prepared = self.prepare(batch)
         hidden = self.model(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
         logits = self.model.compute_logits(hidden[prepared.logits_rows]).float()
-        return dict(zip(prepared.logits_seq_ids, logits, strict=True))
+        all_rows = {s.seq_id for s in batch if s.all_logits}
+        return {sid: logits[sl] if sid in all_rows else logits[sl.start] for sid, sl in prepared.logits_slices.items()}
