@@ -6,9 +6,12 @@ Reading a config never imports torch: the capacity planner uses it on machines w
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Architectures the runner implements (issue: Llama family). The planner accepts any decoder with a KV cache.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -140,6 +143,7 @@ def config_from_gguf(path: str | Path, name: str | None = None, meta: dict[str, 
         rope_scaling=scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in meta["__tensor_names__"],
+        attention_bias="blk.0.attn_q.bias" in meta["__tensor_names__"],
         dtype="bfloat16",  # GGUF weights are dequantized to the run dtype; bf16 is kvpage's default
         source=f"gguf:{path}",
         extra={"file_type": GGUF_FILE_TYPES.get(file_type, str(file_type)) if file_type is not None else None},
@@ -171,6 +175,20 @@ def config_from_hf_dir(path: str | Path, name: str | None = None) -> ModelConfig
         raise ValueError(f"{cfg_path}: cannot derive head_dim (no head_dim and no hidden_size)")
     model_type = str(cfg.get("model_type", "unknown"))
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    # transformers >= 5 writes rope_parameters (theta inside); older files have rope_theta + rope_scaling.
+    rope = cfg.get("rope_parameters") or {}
+    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) in (None, "default"):
+        scaling = None
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{cfg_path}: mlp_bias=true is not supported")
+    max_pos = int(cfg.get("max_position_embeddings", 0))
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window and max_pos and window < max_pos:
+        logger.warning("%s: sliding window %d < context %d: kvpage attends to the full context, so the "
+                       "usable length is capped at the window", path, window, max_pos)
+        max_pos = int(window)
     return ModelConfig(
         name=name or path.name,
         architecture=_HF_ARCH.get(model_type, model_type),
@@ -181,9 +199,9 @@ def config_from_hf_dir(path: str | Path, name: str | None = None) -> ModelConfig
         hidden_size=hidden,
         intermediate_size=int(cfg.get("intermediate_size", 0)),
         vocab_size=int(cfg.get("vocab_size", 0)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 0)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        rope_scaling=cfg.get("rope_scaling"),
+        max_position_embeddings=max_pos,
+        rope_theta=rope_theta,
+        rope_scaling=scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
