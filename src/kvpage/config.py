@@ -1,0 +1,47 @@
+"""User-facing engine settings, validated at construction (errors name the value and the allowed range)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpage.units import parse_size
+
+DEFAULT_KV_CACHE_MEMORY = "2GiB"
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+RUN_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY  # bytes, or a size such as "4GiB"
+    kv_cache_dtype: str = "auto"  # auto = the model's run dtype
+    swap_space: int | str = 0  # host memory for swapped-out blocks
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
+        object.__setattr__(self, "swap_space", parse_size(self.swap_space))
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be a fraction in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True)
+class ModelRunConfig:
+    model: str = "SmolLM2-135M-Instruct"
+    dtype: str = "float32"
+    max_model_len: int | None = None  # default: the model's context length
+    attention_backend: str = "reference"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in RUN_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(RUN_DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

@@ -1,0 +1,60 @@
+"""The worker: loads the model, sizes and owns the KV tensors, runs steps."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from kvpage.config import CacheConfig, ModelRunConfig
+from kvpage.kv import KVCacheManager
+from kvpage.model.loader import load_model, parse_dtype
+from kvpage.units import format_bytes
+from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block
+from kvpage.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, model_config: ModelRunConfig | None = None, cache_config: CacheConfig | None = None) -> None:
+        self.model_config = mc = model_config or ModelRunConfig()
+        self.cache_config = cc = cache_config or CacheConfig()
+        self.lm = load_model(mc.model, mc.dtype, mc.attention_backend)
+        cfg = self.lm.config
+        limit = cfg.max_position_embeddings or mc.max_model_len
+        if not limit:
+            raise ValueError(f"{cfg.name} does not state its context length: pass max_model_len")
+        self.max_model_len = mc.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds {cfg.name}'s context length {limit}")
+        self.kv_dtype = self.lm.dtype if cc.kv_cache_dtype == "auto" else parse_dtype(cc.kv_cache_dtype)
+        self.bytes_per_block = kv_bytes_per_block(cfg, cc.block_size, self.kv_dtype)
+        self.num_blocks = int(cc.kv_cache_memory) // self.bytes_per_block
+        per_seq = math.ceil(self.max_model_len / cc.block_size)
+        if self.num_blocks < per_seq:
+            raise ValueError(
+                f"a KV cache of {format_bytes(int(cc.kv_cache_memory))} holds {self.num_blocks} blocks "
+                f"({self.num_blocks * cc.block_size} tokens), less than one sequence of max_model_len="
+                f"{self.max_model_len}: raise kv_cache_memory or lower max_model_len"
+            )
+        self.num_swap_blocks = int(cc.swap_space) // self.bytes_per_block
+        self.kv_cache = KVCache(cfg, self.num_blocks, cc.block_size, self.kv_dtype, self.num_swap_blocks)
+        self.runner = ModelRunner(self.lm.model, self.kv_cache)
+        logger.info("%s", self.describe())
+
+    def describe(self) -> str:
+        cc = self.cache_config
+        tokens = self.num_blocks * cc.block_size
+        return (
+            f"KV cache: {self.num_blocks} blocks x {cc.block_size} tokens = {tokens} tokens in "
+            f"{format_bytes(self.num_blocks * self.bytes_per_block)} ({str(self.kv_dtype).removeprefix('torch.')}, "
+            f"{format_bytes(self.bytes_per_block)}/block); max concurrency at max_model_len {self.max_model_len}: "
+            f"{tokens / self.max_model_len:.2f}x; swap space: {self.num_swap_blocks} blocks"
+        )
+
+    def make_kv_manager(self) -> KVCacheManager:
+        cc = self.cache_config
+        return KVCacheManager(
+            self.num_blocks, cc.block_size, watermark=cc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
+            num_swap_blocks=self.num_swap_blocks, max_model_len=self.max_model_len, model_id=str(self.lm.path),
+        )

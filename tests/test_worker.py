@@ -1,0 +1,56 @@
+"""KV sizing from a memory budget, dtype options and bad settings."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvpage.capacity import KVShape, num_blocks_for_budget
+from kvpage.config import CacheConfig, ModelRunConfig
+from kvpage.kv import KVSequence
+from kvpage.units import parse_size
+from kvpage.worker.model_runner import ScheduledSeq
+from kvpage.worker.worker import Worker
+
+
+def test_worker_sizes_the_pool_like_the_planner(caplog):
+    with caplog.at_level(logging.INFO, logger="kvpage.worker.worker"):
+        w = Worker(ModelRunConfig(dtype="bfloat16"), CacheConfig(kv_cache_memory="256MiB", swap_space="32MiB"))
+    cfg = w.lm.config
+    shape = KVShape("smol", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "bfloat16")
+    assert w.num_blocks == num_blocks_for_budget(shape, parse_size("256MiB"), 16) == 728
+    assert w.num_swap_blocks == 91
+    assert "728 blocks x 16 tokens = 11648 tokens" in caplog.text and "max concurrency" in caplog.text
+    k = w.kv_cache.layers[0]
+    assert tuple(k.shape) == (2, 728, 16, cfg.num_kv_heads, cfg.head_dim) and len(w.kv_cache.layers) == 30
+    m = w.make_kv_manager()
+    assert m.num_blocks == 728 and m.num_swap_blocks == 91 and m.max_model_len == 8192
+
+
+def test_kv_cache_dtype_can_differ_from_the_run_dtype():
+    w = Worker(ModelRunConfig(dtype="bfloat16", max_model_len=512),
+               CacheConfig(kv_cache_memory="64MiB", kv_cache_dtype="float32"))
+    assert w.kv_cache.layers[0].dtype.is_floating_point and w.kv_cache.dtype.itemsize == 4
+    ids = w.lm.tokenizer.encode("The capital of France is")
+    m = w.make_kv_manager()
+    m.allocate_slots(KVSequence("a", ids), len(ids))
+    logits = w.runner.execute([ScheduledSeq("a", ids, 0, m.block_table("a"))])["a"]
+    assert w.lm.tokenizer.decode([int(logits.argmax())]).strip() == "Paris"
+
+
+@pytest.mark.parametrize(
+    ("model_kw", "cache_kw", "message"),
+    [
+        ({}, {"kv_cache_memory": "16MiB"}, "less than one sequence of max_model_len=8192"),
+        ({"max_model_len": 100000}, {}, "exceeds SmolLM2-135M-Instruct's context length 8192"),
+        ({"dtype": "int8"}, {}, "dtype must be one of float32, bfloat16"),
+        ({}, {"kv_cache_dtype": "fp4"}, "kv_cache_dtype must be one of"),
+        ({}, {"block_size": 0}, "block_size must be an integer in"),
+        ({}, {"kv_cache_memory": "lots"}, "cannot read size 'lots'"),
+        ({}, {"watermark": 2.0}, "watermark must be a fraction"),
+    ],
+)
+def test_bad_settings_are_named(model_kw, cache_kw, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        Worker(ModelRunConfig(**model_kw), CacheConfig(**cache_kw))
