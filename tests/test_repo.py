@@ -31,3 +31,10 @@ def test_kv_and_core_never_import_torch():
         for f in (ROOT / "src" / "kvpage" / pkg).glob("*.py") if (ROOT / "src" / "kvpage" / pkg).exists() else []:
             text = f.read_text()
             assert "import torch" not in text, f"{f} imports torch"
+
+
+def test_readme_python_examples_run():
+    import re
+
+    for block in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+        exec(compile(block, "README.md", "exec"), {})
