@@ -113,3 +113,20 @@ def test_preset_and_missing_paths_are_refused(tmp_path: Path):
         load_model("Llama-3-8B")
     with pytest.raises(FileNotFoundError, match="not found"):
         load_model(str(tmp_path / "nope.gguf"))
+
+
+def test_dequantization_formats_and_unsupported_types():
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    from kvpage.model.dequant import dequantize
+
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    for q in (Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1):
+        data = gguf.quants.quantize(x, q)
+        ours = dequantize(data, q, (8, 64)).numpy()
+        assert np.array_equal(ours, gguf.quants.dequantize(data, q).reshape(8, 64)), q.name
+        assert np.abs(ours - x).max() < 0.5
+    with pytest.raises(ValueError, match="GGUF tensor type Q8_K cannot be dequantized"):
+        dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[Q.Q8_K][1]), dtype=np.uint8), Q.Q8_K, (256,))
