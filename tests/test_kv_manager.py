@@ -90,13 +90,24 @@ def test_none_on_exhaustion_with_no_partial_allocation():
 def test_watermark_applies_to_admission_only():
     m = KVCacheManager(10, 4, watermark=0.2)  # keep 2 blocks free when admitting
     assert m.watermark_blocks == 2
-    a = KVSequence("A", list(range(32)))  # 8 blocks -> leaves exactly 2
+    a = KVSequence("A", list(range(28)))  # 7 blocks
     assert admit(m, a) is not None
-    assert m.allocate_slots(KVSequence("B", [1]), 1) is None  # would leave 1 < 2
-    # ...but the running sequence may take the reserve, down to zero.
+    assert m.allocate_slots(KVSequence("B", [1, 2, 3, 4, 5]), 5) is None  # 2 blocks would leave 1 < 2
+    assert m.allocate_slots(KVSequence("C", [1]), 1) is not None  # leaves exactly 2
+    a.token_ids.extend([0] * 4)
+    # ...but a running sequence may take the reserve, down to zero.
     assert m.allocate_slots(a, 8) is not None
     assert m.num_free_blocks == 0
     assert m.allocate_slots(a, 1) is None
+
+
+def test_watermark_is_not_applied_when_nothing_runs():
+    m = KVCacheManager(10, 4, watermark=0.2)
+    lone = KVSequence("L", list(range(40)))  # all 10 blocks: only possible with no one to protect
+    assert m.allocate_slots(lone, 40) is not None
+    m.free(lone)
+    m.allocate_slots(KVSequence("A", [1]), 1)
+    assert m.allocate_slots(KVSequence("B", list(range(32))), 32) is None  # 8 + A's 1 would leave 1 < 2
 
 
 def test_watermark_counts_revived_cached_blocks():

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from kvpage import __version__
-from kvpage.entrypoints import plan, trace
+from kvpage.entrypoints import generate, plan, trace
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvpage {__version__}")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    generate.add_parser(sub)
     plan.add_parser(sub)
     trace.add_parser(sub)
     return parser

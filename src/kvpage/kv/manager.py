@@ -77,8 +77,8 @@ class KVCacheManager:
     """Paged allocation: a sequence holds ceil(tokens / block_size) blocks, shared where possible.
 
     ``watermark`` is a fraction of the pool kept free when *admitting* a sequence (a new one, or a
-    swapped one coming back), so admissions cannot starve running sequences into preemption; growing a
-    running sequence may use every block.
+    swapped one coming back) while others are running, so admissions cannot starve running sequences into
+    preemption; growing a running sequence may use every block.
     """
 
     def __init__(
@@ -281,7 +281,7 @@ class KVCacheManager:
         total = hit.num_tokens + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(hit.blocks)
         revived = sum(1 for b in hit.blocks if b.ref_count == 0)
-        if self.pool.num_free_blocks - num_new_blocks - revived < self.watermark_blocks:
+        if self.pool.num_free_blocks - num_new_blocks - revived < self._admission_reserve():
             return None
         self.pool.touch(hit.blocks)
         new = self.pool.get_new_blocks(max(num_new_blocks, 0))
@@ -290,6 +290,11 @@ class KVCacheManager:
             self.counters.prefix_query_tokens += len(seq.token_ids)
             self.counters.prefix_hit_tokens += hit.num_tokens
         return Allocation(tuple(b.block_id for b in new), (), hit.num_tokens)
+
+    def _admission_reserve(self) -> int:
+        """Blocks an admission must leave free. With nothing running there is nothing to protect, and
+        keeping the reserve would stop a lone long sequence from ever coming back after a preemption."""
+        return self.watermark_blocks if self._seqs else 0
 
     def free(self, seq: SequenceLike | str) -> None:
         """Return every block of a finished, aborted or preempted sequence (device or host)."""
@@ -349,7 +354,7 @@ class KVCacheManager:
             parent = h
         n_copy = len(host) - len(resident)
         revived = sum(1 for b in resident.values() if b.ref_count == 0)
-        if self.pool.num_free_blocks - n_copy - revived < self.watermark_blocks:
+        if self.pool.num_free_blocks - n_copy - revived < self._admission_reserve():
             return None
         self.pool.touch(resident.values())
         fresh = iter(self.pool.get_new_blocks(n_copy))

@@ -1,0 +1,1 @@
+"""Sequences and the scheduler: pure bookkeeping (never imports torch)."""

@@ -1,0 +1,276 @@
+"""Iteration-level (continuous batching) scheduler over the paged KV manager (pure Python).
+
+Each step: running sequences first (decodes and unfinished prompt chunks, in priority order), then, if
+nothing had to be preempted, swapped sequences coming back, then waiting ones, all under a token budget
+(``max_num_batched_tokens``) and ``max_num_seqs``. When the pool cannot grow a running sequence, the
+lowest-priority, latest-arrived running sequence is preempted: by recompute (blocks freed, prefilled again
+later with its generated tokens) or by swap (blocks moved to the host tier, brought back before it runs).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvpage.core.sequence import Sequence, SequenceStatus
+from kvpage.kv import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+PreemptionMode = Literal["recompute", "swap"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = "recompute"
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}), or a long prompt could never be scheduled"
+            )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass
+class ScheduledWork:
+    seq: Sequence
+    num_tokens: int
+    start_pos: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start_pos : self.start_pos + self.num_tokens]
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this step every known token is computed: the step yields a next token."""
+        return self.start_pos + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    work: list[ScheduledWork] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(w.num_tokens for w in self.work)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.work and not self.swap_out and not self.swap_in and not self.copies
+
+
+class _Queue:
+    """Sequences kept sorted by (priority, arrival, sample index)."""
+
+    def __init__(self) -> None:
+        self.items: list[Sequence] = []
+        self._keys: list[tuple[int, int, int]] = []
+
+    def add(self, seq: Sequence) -> None:
+        k = seq.sort_key
+        i = bisect.bisect_right(self._keys, k)
+        self.items.insert(i, seq)
+        self._keys.insert(i, k)
+
+    def remove(self, seq: Sequence) -> bool:
+        for i, s in enumerate(self.items):
+            if s is seq:
+                del self.items[i], self._keys[i]
+                return True
+        return False
+
+    def pop(self, i: int = -1) -> Sequence:
+        del self._keys[i]
+        return self.items.pop(i)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Sequence:
+        return self.items[i]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting = _Queue()
+        self.running = _Queue()
+        self.swapped = _Queue()
+        self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+
+    # ----------------------------------------------------------------- intake
+    def check_fits(self, prompt_len: int, max_tokens: int | None) -> None:
+        """Refuse a request that could never complete, instead of letting it block the queue."""
+        limit = self.config.max_model_len
+        if prompt_len < 1:
+            raise ValueError("the prompt is empty: give at least one token")
+        if prompt_len >= limit:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
+                f"max_model_len={limit}"
+            )
+        longest = min(prompt_len + (max_tokens or limit), limit)
+        need = -(-longest // self.kv.block_size)
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks but the whole "
+                f"pool has {self.kv.num_blocks}: lower max_tokens or enlarge the KV cache"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.add(seq)
+
+    def add_forked(self, parent: Sequence, child: Sequence) -> None:
+        """Register a child that shares every block of ``parent`` (called right after the parent's step).
+        Nothing is copied now: the first write into the shared last block copies it."""
+        alloc = self.kv.fork(parent, child)
+        assert alloc is not None and not alloc.copies, "paged forks share blocks; they never copy at fork time"
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.add(child)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            want = seq.num_uncomputed
+            n = min(want, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not chunked and n < want:
+                break
+            alloc = self.kv.allocate_slots(seq, n)
+            while alloc is None:
+                victim = running.pop()  # lowest priority, latest arrival: never one scheduled already
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                alloc = self.kv.allocate_slots(seq, n)
+            if alloc is None:
+                break  # seq itself was preempted; everything after it already was
+            out.copies.extend(alloc.copies)
+            out.work.append(ScheduledWork(seq, n, seq.num_computed_tokens))
+            budget -= n
+            i += 1
+
+        if out.preempted:
+            return out  # no admissions in a step that had to preempt
+        while len(self.swapped) and budget > 0 and len(running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            mapping = self.kv.swap_in(seq)
+            if mapping is None:
+                break
+            self.swapped.pop(0)
+            out.swap_in.extend(mapping)
+            seq.status = SequenceStatus.RUNNING
+            running.add(seq)
+            n = min(seq.num_uncomputed, budget)
+            if n > 0 and (chunked or n == seq.num_uncomputed):
+                alloc = self.kv.allocate_slots(seq, n)
+                if alloc is not None:
+                    out.copies.extend(alloc.copies)
+                    out.work.append(ScheduledWork(seq, n, seq.num_computed_tokens))
+                    budget -= n
+        while len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.kv.lookup_prefix(seq)
+            want = len(seq.token_ids) - hit.num_tokens
+            n = min(want, budget)
+            if not chunked and n < want:
+                break
+            alloc = self.kv.allocate_slots(seq, n, hit)
+            if alloc is None:
+                break  # first come, first served: later arrivals wait behind it
+            self.waiting.pop(0)
+            seq.num_computed_tokens = hit.num_tokens
+            if seq.request.metrics.first_scheduled_time is None and seq.index == 0:
+                seq.request.num_cached_tokens = hit.num_tokens
+            seq.status = SequenceStatus.RUNNING
+            running.add(seq)
+            out.work.append(ScheduledWork(seq, n, hit.num_tokens))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        seq.request.metrics.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.config.preemption_mode == "swap":
+            mapping = self.kv.swap_out(seq)
+            if mapping is not None:
+                out.swap_out.extend(mapping)
+                seq.status = SequenceStatus.SWAPPED
+                self.swapped.add(seq)
+                self.num_swap_preemptions += 1
+                return
+            logger.info("host swap pool full: preempting %s by recompute instead", seq.seq_id)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.add(seq)
+
+    # ----------------------------------------------------------------- update
+    def mark_computed(self, out: SchedulerOutput) -> None:
+        """After the forward pass: count the computed tokens, publish newly full blocks to the prefix cache."""
+        for w in out.work:
+            seq = w.seq
+            seq.num_computed_tokens = w.start_pos + w.num_tokens
+            self.kv.cache_computed_blocks(seq, seq.num_computed_tokens)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Retire a sequence (finished, aborted or failed): every block it held goes back."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        for q in (self.running, self.swapped, self.waiting):
+            if q.remove(seq):
+                break
+        if self.kv.has_seq(seq.seq_id) or self.kv.is_swapped(seq.seq_id):
+            self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def requeue_for_recompute(self, seq: Sequence) -> None:
+        """Forget a sequence's cached state (e.g. its swap copy may never have happened)."""
+        for q in (self.running, self.swapped, self.waiting):
+            if q.remove(seq):
+                break
+        if self.kv.has_seq(seq.seq_id) or self.kv.is_swapped(seq.seq_id):
+            self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.add(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(len(self.waiting) or len(self.running) or len(self.swapped))

@@ -1,0 +1,94 @@
+"""Requests and their sequences, as the scheduler sees them (pure Python).
+
+A request holds one sequence until its prompt is computed; with n > 1 it is then forked into n sequences
+that share the prompt's blocks. Each sequence is scheduled, preempted and finished on its own.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpage.outputs import RequestMetrics
+from kvpage.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # no blocks: not admitted yet, or preempted by recompute
+    RUNNING = "running"  # holds device blocks
+    SWAPPED = "swapped"  # holds host blocks
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    request: Request
+    index: int  # sample index within its request
+    token_ids: list[int]  # prompt, then output; the last one may not be computed yet
+    prompt_len: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # engine-side output state (detokenizer, text, logprobs); opaque to the scheduler
+    state: Any = None
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.request.cache_salt
+
+    @property
+    def adapter_id(self) -> str | None:
+        return None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True until every token it holds (prompt, or prompt + output after a recompute) is computed once."""
+        return self.num_uncomputed > 1 or self.num_output_tokens == 0
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        return (*self.request.sort_key, self.index)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_order: int
+    metrics: RequestMetrics
+    priority: int = 0  # lower runs first (only with the priority policy)
+    cache_salt: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    forked: bool = False  # n > 1: children created after the prompt was computed
+    error: str | None = None
+    use_priority: bool = False
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority if self.use_priority else 0, self.arrival_order)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.seqs) and all(s.finished for s in self.seqs)

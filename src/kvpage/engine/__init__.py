@@ -1,0 +1,1 @@
+"""The engine: LLMEngine (step loop) and the offline LLM API."""

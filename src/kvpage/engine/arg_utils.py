@@ -1,0 +1,68 @@
+"""Engine settings shared by ``LLM``, ``kvpage generate`` and the server, with vLLM's flag names."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from kvpage.config import DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPES, RUN_DTYPES, CacheConfig, ModelRunConfig
+from kvpage.model.registry import DEFAULT_MODEL
+from kvpage.units import parse_size
+
+
+def size_gib_default(text: str | int) -> int:
+    """A size with units; a bare number means GiB (as vLLM's --swap-space)."""
+    if isinstance(text, str) and text.strip().replace(".", "", 1).isdigit():
+        return int(float(text) * 1024**3)
+    return parse_size(text)
+
+
+@dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY
+    kv_cache_dtype: str = "auto"
+    swap_space: str | int = 0
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
+    watermark: float = 0.01
+    seed: int = 0
+    attention_backend: str = "reference"
+
+    def model_config(self) -> ModelRunConfig:
+        return ModelRunConfig(self.model, self.dtype, self.max_model_len, self.attention_backend)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.block_size, size_gib_default(self.kv_cache_memory), self.kv_cache_dtype,
+                           size_gib_default(self.swap_space), self.enable_prefix_caching, self.watermark)
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("engine")
+        g.add_argument("--model", default=DEFAULT_MODEL, help="default name, .gguf file or Hugging Face directory")
+        g.add_argument("--dtype", default="float32", choices=RUN_DTYPES, help="weights / compute dtype")
+        g.add_argument("--max-model-len", type=int, help="longest sequence (default: the model's context length)")
+        g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+        g.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY,
+                       help=f"KV cache size, with units (a bare number is GiB; default {DEFAULT_KV_CACHE_MEMORY})")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+        g.add_argument("--swap-space", default="0", help="host memory for swapped blocks (bare number = GiB)")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--max-num-seqs", type=int, default=256)
+        g.add_argument("--max-num-batched-tokens", type=int)
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        g.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})

@@ -1,0 +1,216 @@
+"""LLMEngine: requests in, one scheduling + model step at a time, incremental RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from kvpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvpage.core.sequence import Request, Sequence, SequenceStatus
+from kvpage.engine.arg_utils import EngineArgs
+from kvpage.engine.output_processor import append_sample, blocked_ids, make_request_output, new_state
+from kvpage.outputs import RequestMetrics, RequestOutput
+from kvpage.sampling_params import SamplingParams
+from kvpage.worker.model_runner import BlockOps, ScheduledSeq
+from kvpage.worker.sampler import SampleRequest, sample, seeded_generator
+from kvpage.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None) -> None:
+        self.args = args = args or EngineArgs()
+        torch.manual_seed(args.seed)
+        self.worker = Worker(args.model_config(), args.cache_config())
+        self.tokenizer = self.worker.lm.tokenizer
+        self.max_model_len = self.worker.max_model_len
+        self.kv = self.worker.make_kv_manager()
+        batched = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(self.max_model_len, batched, args.max_num_seqs, args.enable_chunked_prefill,
+                            args.preemption_mode, args.scheduling_policy),  # type: ignore[arg-type]
+            self.kv,
+        )
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._pending_outputs: dict[str, Request] = {}
+        self.eos_ids = tuple(self.tokenizer.eos_token_ids)
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # --------------------------------------------------------------- requests
+    def _prompt_ids(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _check_ids(self, ids: Seq[int]) -> list[int]:
+        vocab = self.worker.lm.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        return list(ids)
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text, ids = self._prompt_ids(prompt)
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        bad_stop = [t for t in params.stop_token_ids or [] if t >= self.worker.lm.config.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids outside the vocabulary: {bad_stop}")
+        req = Request(request_id, text, ids, params, next(self._arrivals),
+                      RequestMetrics(arrival_time or time.time()), priority, cache_salt,
+                      use_priority=self.scheduler.config.policy == "priority")
+        seq = Sequence(f"{request_id}#0", req, 0, list(ids), len(ids))
+        seq.state = new_state(self.tokenizer, seq, self._generator(params, 0))
+        req.seqs.append(seq)
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        return seeded_generator(params.seed, index)
+
+    def abort_request(self, request_id: str | Seq[str]) -> None:
+        """Stop requests wherever they are; their blocks return at once. Unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                self.scheduler.finish(seq, "abort")
+            self._pending_outputs[rid] = req
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._pending_outputs)
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report every request that changed."""
+        out = self.scheduler.schedule()
+        touched: dict[str, Request] = self._pending_outputs
+        self._pending_outputs = {}
+        if not out.is_empty:
+            self.num_steps += 1
+            self._run(out, touched)
+        results = []
+        for req in touched.values():
+            ro = make_request_output(req)
+            if ro is not None:
+                results.append(ro)
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return results
+
+    def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
+        now = time.time()
+        batch = []
+        for w in out.work:
+            req = w.seq.request
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            batch.append(ScheduledSeq(w.seq.seq_id, w.token_ids, w.start_pos, self.kv.block_table(w.seq.seq_id),
+                                      need_logits=w.completes_prompt))
+        try:
+            logits = self.worker.runner.execute(batch, BlockOps(out.swap_out, out.swap_in, out.copies)) if batch \
+                else self._only_block_ops(out)
+        except Exception as e:  # a failed step must not leak blocks or wedge the queue
+            logger.exception("model step failed")
+            self._fail_step(out, f"{type(e).__name__}: {e}", touched)
+            return
+        self.scheduler.mark_computed(out)
+        rows, reqs, works = [], [], []
+        for w in out.work:
+            if w.seq.seq_id not in logits:
+                continue
+            seq, req = w.seq, w.seq.request
+            fork = req.params.n > 1 and not req.forked
+            gens = [seq.state.generator]
+            if fork:
+                gens += [self._generator(req.params, i) for i in range(1, req.params.n)]
+            rows.append(logits[seq.seq_id])
+            reqs.append(SampleRequest(req.params, req.prompt_token_ids, seq.output_token_ids, gens,
+                                      blocked_ids(seq, self.eos_ids)))
+            works.append(w)
+        if not rows:
+            return
+        samples = sample(torch.stack(rows), reqs)
+        now = time.time()
+        for w, sreq, draws in zip(works, reqs, samples, strict=True):
+            seq, req = w.seq, w.seq.request
+            if req.params.n > 1 and not req.forked:
+                # The prompt was computed once; the other samples share its blocks from here on.
+                req.forked = True
+                for i in range(1, req.params.n):
+                    child = Sequence(f"{req.request_id}#{i}", req, i, list(seq.token_ids), seq.prompt_len)
+                    child.state = new_state(self.tokenizer, child, sreq.generators[i])
+                    req.seqs.append(child)
+                    self.scheduler.add_forked(seq, child)
+                    self._append(child, draws[i], now)
+            self._append(seq, draws[0], now)
+            touched[req.request_id] = req
+
+    def _append(self, seq: Sequence, draw, now: float) -> None:
+        req = seq.request
+        self.num_generated_tokens += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        done = append_sample(seq, draw, self.tokenizer, self.eos_ids, self.max_model_len)
+        if done is not None:
+            self.scheduler.finish(seq, *done)
+            if req.finished:
+                req.metrics.finished_time = now
+
+    def _only_block_ops(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
+        self.worker.runner.apply_block_ops(BlockOps(out.swap_out, out.swap_in, out.copies))
+        return {}
+
+    def _fail_step(self, out: SchedulerOutput, error: str, touched: dict[str, Request]) -> None:
+        for w in out.work:
+            req = w.seq.request
+            req.error = error
+            for seq in req.seqs:
+                self.scheduler.finish(seq, "error")
+            touched[req.request_id] = req
+        for seq in out.preempted:  # their swap-out copy may not have happened: rebuild by recompute
+            if seq.status is SequenceStatus.SWAPPED:
+                self.scheduler.requeue_for_recompute(seq)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        s = self.kv.stats()
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "swapped": len(self.scheduler.swapped),
+            "kv_blocks_total": s.num_blocks,
+            "kv_blocks_used": s.used_blocks,
+            "kv_usage": s.pool_usage,
+            "kv_utilization": s.utilization,
+            "prefix_cache_hit_rate": s.prefix_hit_rate,
+            "prefix_cache_hit_tokens": s.prefix_hit_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "swap_preemptions": self.scheduler.num_swap_preemptions,
+            "cow_copies": s.cow_copies,
+            "steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
+        }

@@ -1,0 +1,134 @@
+"""Per-sequence output state: incremental text, stop conditions, logprobs, and RequestOutput snapshots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.core.sequence import Request, Sequence
+from kvpage.model.tokenizer import IncrementalDetokenizer, KVTokenizer
+from kvpage.outputs import CompletionOutput, Logprob, RequestOutput
+from kvpage.worker.sampler import Sample
+
+
+@dataclass
+class SeqOutputState:
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    sent_chars: int = 0  # for delta outputs
+    sent_tokens: int = 0
+
+
+def new_state(tokenizer: KVTokenizer, seq: Sequence, generator: torch.Generator | None) -> SeqOutputState:
+    p = seq.request.params
+    st = SeqOutputState(
+        IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.prompt_len], p.skip_special_tokens), generator
+    )
+    if p.logprobs is not None:
+        st.logprobs = []
+    return st
+
+
+def blocked_ids(seq: Sequence, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Token ids that must not be drawn yet: stop ids and EOS while min_tokens is not reached."""
+    p = seq.request.params
+    if seq.num_output_tokens >= p.min_tokens:
+        return ()
+    ids = list(p.stop_token_ids or [])
+    if not p.ignore_eos:
+        ids.extend(eos_ids)
+    return tuple(ids)
+
+
+def append_sample(seq: Sequence, sample: Sample, tokenizer: KVTokenizer, eos_ids: tuple[int, ...],
+                  max_model_len: int) -> tuple[str, int | str | None] | None:
+    """Add one generated token; returns (finish_reason, stop_reason) when the sequence is done."""
+    st: SeqOutputState = seq.state
+    p = seq.request.params
+    seq.token_ids.append(sample.token_id)
+    st.cumulative_logprob += sample.logprob
+    if st.logprobs is not None:
+        entry: dict[int, Logprob] = {}
+        for rank, (t, lp) in enumerate(sample.top_logprobs or [], start=1):
+            entry[t] = Logprob(lp, rank, tokenizer.decode([t], skip_special_tokens=False))
+        if sample.token_id not in entry:
+            entry[sample.token_id] = Logprob(sample.logprob, sample.rank,
+                                             tokenizer.decode([sample.token_id], skip_special_tokens=False))
+        st.logprobs.append(entry)
+    tok = sample.token_id
+    n_out = seq.num_output_tokens
+    may_stop = n_out >= p.min_tokens
+    if may_stop and not p.ignore_eos and tok in eos_ids:
+        st.text += st.detok.flush()
+        return "stop", None
+    if may_stop and tok in p.stop_token_ids:
+        if p.include_stop_str_in_output:
+            st.text += st.detok.add(tok)
+        st.text += st.detok.flush()
+        return "stop", tok
+    delta = st.detok.add(tok)
+    st.text += delta
+    if may_stop and p.stop_list and delta:
+        hit = _find_stop(st.text, len(delta), p.stop_list)
+        if hit is not None:
+            pos, stop = hit
+            st.text = st.text[: pos + (len(stop) if p.include_stop_str_in_output else 0)]
+            return "stop", stop
+    if p.max_tokens is not None and n_out >= p.max_tokens:
+        st.text += st.detok.flush()
+        return "length", None
+    if len(seq.token_ids) >= max_model_len:
+        st.text += st.detok.flush()
+        return "length", None
+    return None
+
+
+def _find_stop(text: str, delta_len: int, stops: list[str]) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the newest delta (it may start in earlier text)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        start = max(0, len(text) - delta_len - len(stop) + 1)
+        pos = text.find(stop, start)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best
+
+
+def _visible_text(seq: Sequence) -> str:
+    """Hold back a tail that could still turn out to be the start of a stop string."""
+    st: SeqOutputState = seq.state
+    if seq.finished or not seq.request.params.stop_list:
+        return st.text
+    hold = max(len(s) for s in seq.request.params.stop_list) - 1
+    return st.text[: len(st.text) - hold] if hold > 0 else st.text
+
+
+def make_request_output(req: Request) -> RequestOutput | None:
+    kind = req.params.output_kind
+    if kind == "final_only" and not req.finished:
+        return None
+    outs = []
+    for seq in sorted(req.seqs, key=lambda s: s.index):
+        st: SeqOutputState = seq.state
+        text = _visible_text(seq)
+        token_ids = seq.output_token_ids
+        logprobs = st.logprobs
+        if kind == "delta":
+            new_text, new_tokens = text[st.sent_chars:], token_ids[st.sent_tokens:]
+            new_logprobs = logprobs[st.sent_tokens:] if logprobs is not None else None
+            st.sent_chars, st.sent_tokens = len(text), len(token_ids)
+            text, token_ids, logprobs = new_text, new_tokens, new_logprobs
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        outs.append(CompletionOutput(
+            index=seq.index, text=text, token_ids=token_ids,
+            cumulative_logprob=st.cumulative_logprob if req.params.logprobs is not None else None,
+            logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+        ))
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
+                         req.num_cached_tokens, req.metrics, req.error)

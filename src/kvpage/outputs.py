@@ -1,0 +1,53 @@
+"""What generation returns (vLLM's shapes: RequestOutput with one CompletionOutput per sample)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    error: str | None = field(default=None)

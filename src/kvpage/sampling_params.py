@@ -1,0 +1,71 @@
+"""Per-request generation settings, with vLLM's names and defaults; invalid values raise naming the range."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+OutputKind = Literal["cumulative", "delta", "final_only"]
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None = until max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    output_kind: OutputKind = "cumulative"
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(what)
+
+        need(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        need(self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        need(isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 (all) or >= 1, got {self.top_k!r}")
+        need(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        need(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        need(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        need(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+             f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        need(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        need(self.output_kind in ("cumulative", "delta", "final_only"),
+             f"output_kind must be cumulative, delta or final_only, got {self.output_kind!r}")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        need(all(isinstance(s, str) and s for s in stops), f"stop must be non-empty strings, got {self.stop!r}")
+        self.stop_list = stops
+        ids = list(self.stop_token_ids or [])
+        need(all(isinstance(t, int) and t >= 0 for t in ids), f"stop_token_ids must be token ids >= 0, got {ids!r}")
+        self.stop_token_ids = ids
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
