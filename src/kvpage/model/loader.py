@@ -42,14 +42,28 @@ class LoadedModel:
     load_seconds: float
 
 
+_LOADED: dict[tuple, LoadedModel] = {}
+_MAX_CACHED = 3
+
+
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                attention_backend: str = "reference") -> LoadedModel:
-    """Everything from local files; never the network."""
-    t0 = time.perf_counter()
+    """Everything from local files; never the network. Engines in one process share a loaded model
+    (weights are read-only; each engine owns its KV cache)."""
     run_dtype = parse_dtype(dtype)
     path = resolve_model_path(model)
     if path is None:
         raise ValueError(f"{model!r} is a preset (architecture numbers only, no weights): it can be planned, not run")
+    key = (str(path.resolve()), path.stat().st_mtime_ns, run_dtype, attention_backend, model.lower())
+    if key not in _LOADED:
+        if len(_LOADED) >= _MAX_CACHED:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = _load(model, path, run_dtype, attention_backend)
+    return _LOADED[key]
+
+
+def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str) -> LoadedModel:
+    t0 = time.perf_counter()
     freq_factors = None
     if path.is_dir() and (path / "config.json").is_file():
         cfg = config_from_hf_dir(path)
