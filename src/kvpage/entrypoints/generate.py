@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(engine, t0: float, t_ready: float, first: float | None) -> None:
+    sys.stdout.flush()
     t = time.perf_counter()
     n = engine.num_generated_tokens
     extra = f", first token {first - t0:.2f} s after start" if first else ""
