@@ -38,7 +38,7 @@ class ModelRunConfig:
     model: str = "SmolLM2-135M-Instruct"
     dtype: str = "float32"
     max_model_len: int | None = None  # default: the model's context length
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in RUN_DTYPES:

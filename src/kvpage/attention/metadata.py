@@ -23,6 +23,12 @@ class AttentionMetadata:
     # Python copies of the small per-sequence arrays, so CPU backends do not convert tensors every layer.
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # Split for backends that hand fresh prompts (no cached prefix) to a dense kernel: the first
+    # ``paged_seqs`` sequences (rows [0, paged_rows)) go through the paged kernel; each (start, length) in
+    # ``fresh_prefills`` is a whole prompt with nothing cached before it. The runner orders the batch so.
+    paged_seqs: int = -1  # -1: every sequence is paged work
+    paged_rows: int = -1
+    fresh_prefills: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_seqs(self) -> int:

@@ -34,7 +34,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     watermark: float = 0.01
     seed: int = 0
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"
 
     def model_config(self) -> ModelRunConfig:
         return ModelRunConfig(self.model, self.dtype, self.max_model_len, self.attention_backend)
@@ -61,6 +61,8 @@ class EngineArgs:
         g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
         g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         g.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
+        g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"],
+                       help="auto = compiled CPU kernels when they build, else the reference backend")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -152,7 +152,8 @@ class LLMEngine:
             works.append(w)
         if not rows:
             return
-        samples = sample(torch.stack(rows), reqs)
+        idx = torch.tensor([logits.row(w.seq.seq_id) for w in works], dtype=torch.long)
+        samples = sample(torch.stack(rows), reqs, logits.argmax_rows[idx], logits.lse_rows[idx])
         now = time.time()
         for w, sreq, draws in zip(works, reqs, samples, strict=True):
             seq, req = w.seq, w.seq.request

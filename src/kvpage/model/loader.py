@@ -23,6 +23,21 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+def _maybe_enable_fast_path(net: LlamaForCausalLM, run_dtype: torch.dtype, backend: str) -> None:
+    """bf16 with the compiled backend: packed fused projections + fused elementwise kernels. float32 keeps the
+    step-by-step transformers arithmetic (the exactness reference)."""
+    if run_dtype != torch.bfloat16 or backend == "reference":
+        return
+    from kvpage.attention.backends.cpu_kernels import load_kernels
+    from kvpage.model.llama import packing_available
+
+    ops = load_kernels()
+    if ops is None or not packing_available():
+        logger.info("bf16 fast path unavailable (kernels or oneDNN packing missing): plain bf16 path")
+        return
+    net.enable_fast_path(ops)
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -47,7 +62,7 @@ _MAX_CACHED = 3
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-               attention_backend: str = "reference") -> LoadedModel:
+               attention_backend: str = "auto") -> LoadedModel:
     """Everything from local files; never the network. Engines in one process share a loaded model
     (weights are read-only; each engine owns its KV cache)."""
     run_dtype = parse_dtype(dtype)
@@ -114,6 +129,7 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
     )
     net.requires_grad_(False)
     net.eval()
+    _maybe_enable_fast_path(net, run_dtype, attention_backend)
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %d layers) from %s in %.1f s", cfg.name, run_dtype, cfg.num_layers, path, seconds)
     return LoadedModel(cfg, net, tokenizer, run_dtype, path, seconds)

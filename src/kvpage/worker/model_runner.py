@@ -11,6 +11,8 @@ from kvpage.attention.metadata import AttentionMetadata
 from kvpage.model.llama import LlamaForCausalLM
 from kvpage.worker.kv_cache import KVCache
 
+FRESH_PREFILL_MIN = 64  # prompts at least this long with nothing cached go to dense causal attention
+
 
 @dataclass
 class ScheduledSeq:
@@ -42,6 +44,34 @@ class PreparedBatch:
     logits_slices: dict[str, slice]  # per sequence: its part of logits_rows
 
 
+class StepLogits:
+    """Per-sequence logits of one step (a read-only mapping), with each last row's argmax and log-sum-exp."""
+
+    def __init__(self, logits, argmax, lse, slices: dict[str, slice], all_rows: set[str]) -> None:
+        self.logits, self.argmax_rows, self.lse_rows = logits, argmax, lse
+        self._slices, self._all = slices, all_rows
+
+    def __getitem__(self, seq_id: str) -> torch.Tensor:
+        sl = self._slices[seq_id]
+        return self.logits[sl] if seq_id in self._all else self.logits[sl.start]
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._slices
+
+    def __len__(self) -> int:
+        return len(self._slices)
+
+    def __iter__(self):
+        return iter(self._slices)
+
+    def keys(self):
+        return self._slices.keys()
+
+    def row(self, seq_id: str) -> int:
+        """Row (in ``logits``) of the sequence's last token."""
+        return self._slices[seq_id].stop - 1
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
         self.model = model
@@ -51,6 +81,11 @@ class ModelRunner:
     def prepare(self, batch: Sequence[ScheduledSeq]) -> PreparedBatch:
         if not batch:
             raise ValueError("empty batch")
+        # Paged work first, then long fresh prompts (dense attention needs no cache reads for them).
+        fresh = [s for s in batch if s.start_pos == 0 and len(s.token_ids) >= FRESH_PREFILL_MIN]
+        if fresh:
+            ids_fresh = {id(s) for s in fresh}
+            batch = [s for s in batch if id(s) not in ids_fresh] + fresh
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -87,6 +122,7 @@ class ModelRunner:
         for i, s in enumerate(batch):
             n_blocks = -(-seq_lens[i] // bs)
             tables[i, :n_blocks] = torch.tensor(list(s.block_table[:n_blocks]), dtype=torch.long)
+        n_paged = len(batch) - len(fresh)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_tables=tables,
@@ -95,6 +131,9 @@ class ModelRunner:
             block_size=bs,
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
+            paged_seqs=n_paged,
+            paged_rows=qsl[n_paged],
+            fresh_prefills=tuple((qsl[i], query_lens[i]) for i in range(n_paged, len(batch))),
         )
         return PreparedBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
                              torch.tensor(rows, dtype=torch.long), slices)
@@ -108,12 +147,12 @@ class ModelRunner:
         self.kv_cache.copy_blocks(ops.copies)
 
     @torch.inference_mode()
-    def execute(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None) -> dict[str, torch.Tensor]:
+    def execute(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None) -> StepLogits:
         """Run one step; float32 logits per sequence that asked: [vocab] for its last token, or
         [tokens, vocab] with ``all_logits``."""
         self.apply_block_ops(ops)
         prepared = self.prepare(batch)
         hidden = self.model(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
-        logits = self.model.compute_logits(hidden[prepared.logits_rows]).float()
+        res = self.model.compute_logits_ex(hidden[prepared.logits_rows])
         all_rows = {s.seq_id for s in batch if s.all_logits}
-        return {sid: logits[sl] if sid in all_rows else logits[sl.start] for sid, sl in prepared.logits_slices.items()}
+        return StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows)

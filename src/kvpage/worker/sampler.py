@@ -72,14 +72,29 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
-    """``logits``: float32 [rows, vocab], one row per request; returns the samples of each row."""
+def sample(logits: torch.Tensor, requests: Sequence[SampleRequest], argmax: torch.Tensor | None = None,
+           lse: torch.Tensor | None = None) -> list[list[Sample]]:
+    """``logits``: float32 [rows, vocab], one row per request; returns the samples of each row.
+
+    With each row's precomputed ``argmax`` and log-sum-exp ``lse``, plain greedy rows (no penalties, nothing
+    blocked) take no further pass over the vocabulary.
+    """
     if logits.shape[0] != len(requests):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} sample requests")
     results: list[list[Sample]] = []
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    amax = argmax.tolist() if argmax is not None else None
+    lses = lse.tolist() if lse is not None else None
     for row, req in enumerate(requests):
         p = req.params
+        if amax is not None and lses is not None and p.greedy and not p.uses_penalties and not req.blocked_ids:
+            t = amax[row]
+            lp_t = float(logits[row, t]) - lses[row]
+            top = None
+            if p.logprobs:
+                values, ids = torch.topk(logits[row], p.logprobs)
+                top = [(i, v - lses[row]) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+            results.append([Sample(t, lp_t, 1, top)] * len(req.generators))
+            continue
         x = logits[row].clone()
         if p.uses_penalties:
             x = _apply_penalties(x, p, req.prompt_ids, req.output_ids)
@@ -92,7 +107,7 @@ def sample(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> list[list
             probs = torch.softmax(_filter(x, p), dim=-1)
             for g in req.generators:
                 draws.append(int(torch.multinomial(probs, 1, generator=g)))
-        lp = raw_logprobs[row]
+        lp = torch.log_softmax(logits[row], dim=-1)
         top = None
         if p.logprobs:
             values, ids = torch.topk(lp, p.logprobs)

@@ -1,0 +1,188 @@
+// Fused per-token operations for the bf16 fast path: each replaces several small torch dispatches.
+//
+//   add_rms_norm(x, residual, weight, eps) -> out       residual += x (float32), out = norm(residual) * w
+//   rms_norm(residual, weight, eps) -> out              out = norm(residual) * w
+//   rotary_(q, k, cos, sin)                             in place, rotate-half convention
+//   logits_postprocess(logits, hidden, weight)          float32 logits, exact near-max entries, argmax, lse
+//
+// The residual stream is float32; outputs take the weight's dtype (the projections' input dtype).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "common.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float f32(float x) { return x; }
+inline float f32(at::BFloat16 x) { return kvpage::to_float(x); }
+
+template <typename IN, typename W>
+void norm_rows(float* res, const IN* add, const W* w, W* out, int64_t rows, int64_t H, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* x = res + r * H;
+      if (add != nullptr) {
+        const IN* a = add + r * H;
+        for (int64_t i = 0; i < H; ++i) x[i] += f32(a[i]);
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      W* o = out + r * H;
+      for (int64_t i = 0; i < H; ++i) o[i] = static_cast<W>(f32(w[i]) * (x[i] * inv));
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual must be contiguous float32");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
+  x = x.contiguous();
+  const int64_t H = residual.size(-1), rows = residual.numel() / H;
+  auto out = torch::empty(residual.sizes(), residual.options().dtype(weight.scalar_type()));
+  if (weight.scalar_type() == at::kBFloat16) {
+    if (x.scalar_type() == at::kBFloat16)
+      norm_rows<at::BFloat16, at::BFloat16>(residual.data_ptr<float>(), x.data_ptr<at::BFloat16>(),
+                                            weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, H, eps);
+    else
+      norm_rows<float, at::BFloat16>(residual.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<at::BFloat16>(),
+                                     out.data_ptr<at::BFloat16>(), rows, H, eps);
+  } else {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight must be float32 or bfloat16");
+    if (x.scalar_type() == at::kBFloat16)
+      norm_rows<at::BFloat16, float>(residual.data_ptr<float>(), x.data_ptr<at::BFloat16>(), weight.data_ptr<float>(),
+                                     out.data_ptr<float>(), rows, H, eps);
+    else
+      norm_rows<float, float>(residual.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
+                              out.data_ptr<float>(), rows, H, eps);
+  }
+  return out;
+}
+
+torch::Tensor rms_norm(torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual must be contiguous float32");
+  const int64_t H = residual.size(-1), rows = residual.numel() / H;
+  auto out = torch::empty(residual.sizes(), residual.options().dtype(weight.scalar_type()));
+  if (weight.scalar_type() == at::kBFloat16)
+    norm_rows<float, at::BFloat16>(residual.data_ptr<float>(), nullptr, weight.data_ptr<at::BFloat16>(),
+                                   out.data_ptr<at::BFloat16>(), rows, H, eps);
+  else
+    norm_rows<float, float>(residual.data_ptr<float>(), nullptr, weight.data_ptr<float>(), out.data_ptr<float>(), rows,
+                            H, eps);
+  return out;
+}
+
+template <typename T>
+void rotate(T* x, const float* cos, const float* sin, int64_t tokens, int64_t heads, int64_t D, int64_t stride) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cos + t * D;
+      const float* s = sin + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + t * stride + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = f32(v[i]), bb = f32(v[i + half]);
+          // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+          v[i] = static_cast<T>(a * c[i] - bb * s[i]);
+          v[i + half] = static_cast<T>(bb * c[i + half] + a * s[i + half]);
+        }
+      }
+    }
+  });
+}
+
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  // q: [T, Hq, D], k: [T, Hk, D] (views with a row stride), cos/sin: [T, D] float32
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "cos/sin: float32");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              "q/k heads must be contiguous");
+  const int64_t T = q.size(0), D = q.size(2);
+  if (q.scalar_type() == at::kBFloat16) {
+    rotate(q.data_ptr<at::BFloat16>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, q.size(1), D, q.stride(0));
+    rotate(k.data_ptr<at::BFloat16>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, k.size(1), D, k.stride(0));
+  } else {
+    rotate(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, q.size(1), D, q.stride(0));
+    rotate(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, k.size(1), D, k.stride(0));
+  }
+}
+
+// One pass over each row of logits: float32 copy, the max, exact float32 recomputation of the entries within
+// bf16 rounding distance of it (h . W[v] from the float32 final hidden state), then argmax and log-sum-exp.
+// With float32 logits nothing needs recomputing.
+template <typename L>
+void postprocess_rows(const L* logits, const float* hidden, const at::BFloat16* weight, int64_t B, int64_t V,
+                      int64_t Hd, float* out, int64_t* amax, float* lse) {
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const L* x = logits + b * V;
+      float* o = out + b * V;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t v = 0; v < V; ++v) {
+        o[v] = f32(x[v]);
+        mx = std::max(mx, o[v]);
+      }
+      if (weight != nullptr) {
+        const float tol = std::fabs(mx) / 32.f + 1e-3f;  // two bf16 ulps either side
+        const float* h = hidden + b * Hd;
+        float newmax = -std::numeric_limits<float>::infinity();
+        for (int64_t v = 0; v < V; ++v) {
+          if (o[v] >= mx - tol) {
+            const at::BFloat16* w = weight + v * Hd;
+            float s = 0.f;
+            for (int64_t i = 0; i < Hd; ++i) s += h[i] * f32(w[i]);
+            o[v] = s;
+          }
+          newmax = std::max(newmax, o[v]);
+        }
+        mx = newmax;
+      }
+      int64_t best = 0;
+      while (o[best] != mx) ++best;  // first index of the maximum, as torch.argmax
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t v = 0; v < V; ++v) sum += kvpage::exp_neg(o[v] - mx);
+      amax[b] = best;
+      lse[b] = mx + std::log(sum);
+    }
+  });
+}
+
+std::vector<torch::Tensor> logits_postprocess(torch::Tensor logits, torch::Tensor hidden, torch::Tensor weight) {
+  logits = logits.contiguous();
+  const int64_t B = logits.size(0), V = logits.size(1);
+  auto out = torch::empty({B, V}, logits.options().dtype(at::kFloat));
+  auto amax = torch::empty({B}, logits.options().dtype(at::kLong));
+  auto lse = torch::empty({B}, logits.options().dtype(at::kFloat));
+  if (logits.scalar_type() == at::kBFloat16) {
+    hidden = hidden.to(at::kFloat).contiguous();
+    weight = weight.contiguous();
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.size(0) >= V && weight.size(1) == hidden.size(1),
+                "weight must be the bf16 [vocab, hidden] output matrix");
+    postprocess_rows<at::BFloat16>(logits.data_ptr<at::BFloat16>(), hidden.data_ptr<float>(),
+                                   weight.data_ptr<at::BFloat16>(), B, V, hidden.size(1), out.data_ptr<float>(),
+                                   amax.data_ptr<int64_t>(), lse.data_ptr<float>());
+  } else {
+    TORCH_CHECK(logits.scalar_type() == at::kFloat, "logits must be float32 or bfloat16");
+    postprocess_rows<float>(logits.data_ptr<float>(), nullptr, nullptr, B, V, 0, out.data_ptr<float>(),
+                            amax.data_ptr<int64_t>(), lse.data_ptr<float>());
+  }
+  return {out, amax, lse};
+}
+
+void register_fused_ops(pybind11::module& m) {
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; return rms_norm(residual) * weight");
+  m.def("rms_norm", &rms_norm, "rms_norm(residual) * weight");
+  m.def("rotary_", &rotary_, "in-place rotate-half RoPE on q and k");
+  m.def("logits_postprocess", &logits_postprocess, "float32 logits with exact near-max entries, argmax, logsumexp");
+}

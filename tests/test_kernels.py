@@ -1,0 +1,106 @@
+"""The compiled CPU kernels against the reference backend: random shapes, block sizes, ragged lengths,
+GQA ratios, float32 and bfloat16 caches, contexts longer than one partition."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, load_kernels
+from kvpage.attention.backends.reference import ReferenceAttention
+from kvpage.attention.metadata import AttentionMetadata
+
+pytestmark = pytest.mark.skipif(load_kernels() is None, reason="no C++ toolchain: kernels not built")
+
+
+def make_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, dim: int, kv_dtype, q_dtype,
+              long: bool = False):
+    num_seqs = rng.randint(1, 4)
+    q_lens, seq_lens = [], []
+    for _ in range(num_seqs):
+        ctx = rng.randint(1, PARTITION_SIZE + 300 if long else 90)
+        q_len = rng.choice([1, 1, min(ctx, rng.randint(1, 24)), ctx])  # decode, chunk after prefix, whole prompt
+        q_lens.append(q_len)
+        seq_lens.append(ctx)
+    blocks_per_seq = [-(-c // block_size) for c in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables = torch.zeros((num_seqs, max(blocks_per_seq)), dtype=torch.long)
+    at = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = torch.tensor(ids[at : at + n])
+        at += n
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).to(kv_dtype)
+    total = sum(q_lens)
+    q = torch.randn(total, heads, dim).to(q_dtype)
+    k = torch.randn(total, kv_heads, dim).to(q_dtype)
+    v = torch.randn(total, kv_heads, dim).to(q_dtype)
+    slots, qsl = [], [0]
+    for i, (ql, ctx) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        for p in range(ctx - ql, ctx):
+            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+        qsl.append(qsl[-1] + ql)
+    meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(qsl), torch.tensor(seq_lens), block_size,
+                             q_lens, seq_lens)
+    return q, k, v, cache, meta
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 128), (6, 2, 32)])
+def test_kernel_matches_reference_fp32(block_size, heads, kv_heads, dim):
+    rng = random.Random(block_size * 100 + heads * 10 + dim)
+    ops = load_kernels()
+    for _ in range(3):
+        q, k, v, cache, meta = make_case(rng, block_size, heads, kv_heads, dim, torch.float32, torch.float32)
+        ref_cache, ker_cache = cache.clone(), cache.clone()
+        ref = ReferenceAttention().forward(q, k, v, ref_cache, meta, dim**-0.5)
+        ops.reshape_and_cache(k, v, ker_cache, meta.slot_mapping)
+        assert torch.equal(ker_cache, ref_cache), "the slot write must be exact"
+        out = ops.paged_attention(q, ker_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, dim**-0.5,
+                                  PARTITION_SIZE)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("kv_dtype", "q_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                   (torch.float32, torch.bfloat16)])
+def test_kernel_bf16_paths(kv_dtype, q_dtype):
+    rng = random.Random(7)
+    ops = load_kernels()
+    for _ in range(4):
+        q, k, v, cache, meta = make_case(rng, 16, 9, 3, 64, kv_dtype, q_dtype)
+        ref_cache, ker_cache = cache.clone(), cache.clone()
+        # The reference upcasts to float32 here so both compute in float32 from the same bf16 inputs.
+        ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), ref_cache, meta, 0.125)
+        ops.reshape_and_cache(k, v, ker_cache, meta.slot_mapping)
+        assert torch.equal(ker_cache, ref_cache)
+        out = ops.paged_attention(q, ker_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125,
+                                  PARTITION_SIZE)
+        assert out.dtype == q_dtype
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_long_contexts_split_into_partitions():
+    rng = random.Random(3)
+    ops = load_kernels()
+    for _ in range(3):
+        q, k, v, cache, meta = make_case(rng, 16, 8, 2, 64, torch.float32, torch.float32, long=True)
+        ref_cache, ker_cache = cache.clone(), cache.clone()
+        ref = ReferenceAttention().forward(q, k, v, ref_cache, meta, 0.125)
+        ops.reshape_and_cache(k, v, ker_cache, meta.slot_mapping)
+        for part in (PARTITION_SIZE, 64, 17):
+            out = ops.paged_attention(q, ker_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125,
+                                      part)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_rejects_bad_input():
+    ops = load_kernels()
+    cache = torch.zeros(2, 4, 16, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        ops.reshape_and_cache(torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), cache, torch.tensor([64]))
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        ops.paged_attention(torch.zeros(1, 3, 8), cache, torch.zeros(1, 1, dtype=torch.long),
+                            torch.tensor([0, 1]), torch.tensor([1]), 1.0, 512)
