@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory="128MiB", max_model_len=1024)
+    return LLM(kv_cache_memory="128MiB", max_model_len=1024, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def assert_drained(llm: LLM) -> None:
 @pytest.mark.parametrize(("mode", "caching"), [("recompute", True), ("recompute", False), ("swap", False)])
 def test_greedy_under_forced_preemption_equals_unpressured(baseline, mode, caching):
     tight = LLM(kv_cache_memory=12 * BLOCK_BYTES_FP32, block_size=8, max_model_len=64, preemption_mode=mode,
-                swap_space=64 * BLOCK_BYTES_FP32, enable_prefix_caching=caching)
+                dtype="float32", swap_space=64 * BLOCK_BYTES_FP32, enable_prefix_caching=caching)
     assert tight.engine.kv.num_blocks == 12
     outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == baseline
@@ -161,7 +161,7 @@ def test_requests_that_can_never_fit_are_rejected_and_the_queue_keeps_moving(llm
         llm.generate([list(range(5, 1029))], SamplingParams(max_tokens=1), use_tqdm=False)
     # The worker guarantees one max_model_len sequence fits the pool, so anything under max_model_len runs;
     # a longer prompt is refused (the pool-size rule itself is tested on the scheduler).
-    small = LLM(kv_cache_memory=12 * BLOCK_BYTES_FP32, block_size=8, max_model_len=64)
+    small = LLM(kv_cache_memory=12 * BLOCK_BYTES_FP32, block_size=8, max_model_len=64, dtype="float32")
     with pytest.raises(ValueError, match="has 64 tokens, which leaves no room"):
         small.generate(["ok", list(range(5, 69))], SamplingParams(max_tokens=60), use_tqdm=False)
     capped = small.generate([list(range(5, 45))], SamplingParams(max_tokens=60, ignore_eos=True), use_tqdm=False)
@@ -192,3 +192,15 @@ def test_prefix_cache_hit_is_reported(llm):
     out = llm.generate(long + "Second", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     assert out.num_cached_tokens >= 64
     assert llm.engine.stats()["prefix_cache_hit_rate"] > 0
+
+
+def test_default_engine_is_bf16_fast_path_where_supported():
+    from kvpage.config import cpu_has_bf16
+
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=512)
+    model = llm.engine.worker.lm.model
+    if cpu_has_bf16():
+        assert llm.engine.worker.lm.dtype.itemsize == 2 and model.fast_ops is not None
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text
+    assert_drained(llm)

@@ -41,9 +41,9 @@ request_st = st.fixed_dictionaries({
     budget=st.sampled_from([16, 64]),
 )
 def test_random_request_mixes_drain_cleanly(tiny_dir, requests, mode, block_size, budget):
-    bytes_per_block = 2 * block_size * 2 * 16 * 2 * 4  # layers x tokens x KV heads x (K+V dims) x fp32
+    bytes_per_block = 2 * block_size * 2 * 16 * 2 * 2  # layers x tokens x KV heads x (K+V dims) x bf16
     max_len = 64
-    eng = LLMEngine(EngineArgs(model=str(tiny_dir), max_model_len=max_len, block_size=block_size,
+    eng = LLMEngine(EngineArgs(model=str(tiny_dir), dtype="bfloat16", max_model_len=max_len, block_size=block_size,
                                kv_cache_memory=(max_len // block_size + 2) * bytes_per_block,
                                swap_space=6 * bytes_per_block, preemption_mode=mode,
                                max_num_batched_tokens=budget, max_num_seqs=6))

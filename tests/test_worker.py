@@ -44,7 +44,7 @@ def test_kv_cache_dtype_can_differ_from_the_run_dtype():
     [
         ({}, {"kv_cache_memory": "16MiB"}, "less than one sequence of max_model_len=8192"),
         ({"max_model_len": 100000}, {}, "exceeds SmolLM2-135M-Instruct's context length 8192"),
-        ({"dtype": "int8"}, {}, "dtype must be one of float32, bfloat16"),
+        ({"dtype": "int8"}, {}, "dtype must be one of auto, float32, bfloat16"),
         ({}, {"kv_cache_dtype": "fp4"}, "kv_cache_dtype must be one of"),
         ({}, {"block_size": 0}, "block_size must be an integer in"),
         ({}, {"kv_cache_memory": "lots"}, "cannot read size 'lots'"),

@@ -8,7 +8,24 @@ from kvpage.units import parse_size
 
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-RUN_DTYPES = ("float32", "bfloat16")
+RUN_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def cpu_has_bf16() -> bool:
+    """AVX512_BF16 (or AMX-BF16) present: bf16 matrix products are native and about 4x faster than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``auto``: bfloat16 where the CPU computes it natively, float32 otherwise."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if cpu_has_bf16() else "float32"
 
 
 @dataclass(frozen=True)
@@ -36,7 +53,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class ModelRunConfig:
     model: str = "SmolLM2-135M-Instruct"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where the CPU has AVX512_BF16, else float32
     max_model_len: int | None = None  # default: the model's context length
     attention_backend: str = "auto"
 

@@ -20,7 +20,7 @@ def size_gib_default(text: str | int) -> int:
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY
@@ -47,7 +47,8 @@ class EngineArgs:
     def add_cli_args(p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group("engine")
         g.add_argument("--model", default=DEFAULT_MODEL, help="default name, .gguf file or Hugging Face directory")
-        g.add_argument("--dtype", default="float32", choices=RUN_DTYPES, help="weights / compute dtype")
+        g.add_argument("--dtype", default="auto", choices=RUN_DTYPES,
+                       help="auto = bfloat16 where the CPU has AVX512_BF16, else float32")
         g.add_argument("--max-model-len", type=int, help="longest sequence (default: the model's context length)")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY,

@@ -137,7 +137,8 @@ class LLMEngine:
             self._fail_step(out, f"{type(e).__name__}: {e}", touched)
             return
         self.scheduler.mark_computed(out)
-        rows, reqs, works = [], [], []
+        rows: list[int] = []
+        reqs, works = [], []
         for w in out.work:
             if w.seq.seq_id not in logits:
                 continue
@@ -146,14 +147,13 @@ class LLMEngine:
             gens = [seq.state.generator]
             if fork:
                 gens += [self._generator(req.params, i) for i in range(1, req.params.n)]
-            rows.append(logits[seq.seq_id])
+            rows.append(logits.row(seq.seq_id))
             reqs.append(SampleRequest(req.params, req.prompt_token_ids, seq.output_token_ids, gens,
                                       blocked_ids(seq, self.eos_ids)))
             works.append(w)
         if not rows:
             return
-        idx = torch.tensor([logits.row(w.seq.seq_id) for w in works], dtype=torch.long)
-        samples = sample(torch.stack(rows), reqs, logits.argmax_rows[idx], logits.lse_rows[idx])
+        samples = sample(logits.logits, reqs, logits.argmax_rows, logits.lse_rows, rows)
         now = time.time()
         for w, sreq, draws in zip(works, reqs, samples, strict=True):
             seq, req = w.seq, w.seq.request

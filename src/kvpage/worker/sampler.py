@@ -73,18 +73,19 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, requests: Sequence[SampleRequest], argmax: torch.Tensor | None = None,
-           lse: torch.Tensor | None = None) -> list[list[Sample]]:
-    """``logits``: float32 [rows, vocab], one row per request; returns the samples of each row.
+           lse: torch.Tensor | None = None, rows: Sequence[int] | None = None) -> list[list[Sample]]:
+    """Samples for each request from its row of float32 ``logits`` (row i, or ``rows[i]``).
 
-    With each row's precomputed ``argmax`` and log-sum-exp ``lse``, plain greedy rows (no penalties, nothing
-    blocked) take no further pass over the vocabulary.
+    With each row's precomputed ``argmax`` and log-sum-exp ``lse`` (indexed like ``logits``), plain greedy
+    rows (no penalties, nothing blocked) take no further pass over the vocabulary.
     """
-    if logits.shape[0] != len(requests):
+    rows = list(range(len(requests))) if rows is None else list(rows)
+    if len(rows) != len(requests) or (rows and max(rows) >= logits.shape[0]):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} sample requests")
     results: list[list[Sample]] = []
     amax = argmax.tolist() if argmax is not None else None
     lses = lse.tolist() if lse is not None else None
-    for row, req in enumerate(requests):
+    for row, req in zip(rows, requests, strict=True):
         p = req.params
         if amax is not None and lses is not None and p.greedy and not p.uses_penalties and not req.blocked_ids:
             t = amax[row]
