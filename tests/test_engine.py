@@ -204,3 +204,13 @@ def test_default_engine_is_bf16_fast_path_where_supported():
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text
     assert_drained(llm)
+
+
+def test_static_policy_engine_runs_and_admits_fewer(baseline):
+    static = LLM(kv_cache_memory=24 * BLOCK_BYTES_FP32, block_size=8, max_model_len=64, dtype="float32",
+                 kv_policy="static")
+    outs = static.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == baseline  # same tokens, just less concurrency
+    forks = static.generate(PROMPTS[0], SamplingParams(n=2, temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert [c.token_ids for c in forks.outputs] == [baseline[0][:6]] * 2  # forks copy under this policy
+    assert_drained(static)

@@ -120,6 +120,7 @@ class Scheduler:
         self.swapped = _Queue()
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
+        self._pending_copies: list[tuple[int, int]] = []  # fork copies to perform before the next step
 
     # ----------------------------------------------------------------- intake
     def check_fits(self, prompt_len: int, max_tokens: int | None) -> None:
@@ -144,18 +145,23 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.add(seq)
 
-    def add_forked(self, parent: Sequence, child: Sequence) -> None:
+    def add_forked(self, parent: Sequence, child: Sequence) -> bool:
         """Register a child that shares every block of ``parent`` (called right after the parent's step).
-        Nothing is copied now: the first write into the shared last block copies it."""
+        Paged: nothing is copied now; the first write into the shared last block copies it. A policy that
+        cannot share (static reservation) copies, in the next step; False if there is no room for the child."""
         alloc = self.kv.fork(parent, child)
-        assert alloc is not None and not alloc.copies, "paged forks share blocks; they never copy at fork time"
+        if alloc is None:
+            return False
+        self._pending_copies.extend(alloc.copies)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = SequenceStatus.RUNNING
         self.running.add(child)
+        return True
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(copies=self._pending_copies)
+        self._pending_copies = []
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
         running = self.running

@@ -35,6 +35,7 @@ class EngineArgs:
     watermark: float = 0.01
     seed: int = 0
     attention_backend: str = "auto"
+    kv_policy: str = "paged"  # or "static": max-length reservations, the baseline paging is measured against
 
     def model_config(self) -> ModelRunConfig:
         return ModelRunConfig(self.model, self.dtype, self.max_model_len, self.attention_backend)
@@ -62,6 +63,8 @@ class EngineArgs:
         g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
         g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         g.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
+        g.add_argument("--kv-policy", default="paged", choices=["paged", "static"],
+                       help="static = reserve max_model_len per request (baseline for comparisons)")
         g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"],
                        help="auto = compiled CPU kernels when they build, else the reference backend")
 

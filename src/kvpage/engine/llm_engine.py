@@ -32,7 +32,7 @@ class LLMEngine:
         self.worker = Worker(args.model_config(), args.cache_config())
         self.tokenizer = self.worker.lm.tokenizer
         self.max_model_len = self.worker.max_model_len
-        self.kv = self.worker.make_kv_manager()
+        self.kv = self.worker.make_kv_manager(args.kv_policy)
         batched = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_model_len, batched, args.max_num_seqs, args.enable_chunked_prefill,
@@ -164,7 +164,11 @@ class LLMEngine:
                     child = Sequence(f"{req.request_id}#{i}", req, i, list(seq.token_ids), seq.prompt_len)
                     child.state = new_state(self.tokenizer, child, sreq.generators[i])
                     req.seqs.append(child)
-                    self.scheduler.add_forked(seq, child)
+                    if not self.scheduler.add_forked(seq, child):  # no room to copy (static policy only)
+                        child.status = SequenceStatus.FINISHED
+                        child.finish_reason = "error"
+                        req.error = "no KV room for the extra samples of n > 1 under this KV policy"
+                        continue
                     self._append(child, draws[i], now)
             self._append(seq, draws[0], now)
             touched[req.request_id] = req

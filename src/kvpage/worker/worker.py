@@ -6,7 +6,7 @@ import logging
 import math
 
 from kvpage.config import CacheConfig, ModelRunConfig, resolve_dtype
-from kvpage.kv import KVCacheManager
+from kvpage.kv import KVCacheManager, make_kv_manager
 from kvpage.model.loader import load_model, parse_dtype
 from kvpage.units import format_bytes
 from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block
@@ -52,9 +52,10 @@ class Worker:
             f"{tokens / self.max_model_len:.2f}x; swap space: {self.num_swap_blocks} blocks"
         )
 
-    def make_kv_manager(self) -> KVCacheManager:
+    def make_kv_manager(self, policy: str = "paged") -> KVCacheManager:
+        """``paged`` (the engine) or ``static`` (contiguous max-length reservations: the baseline)."""
         cc = self.cache_config
-        return KVCacheManager(
-            self.num_blocks, cc.block_size, watermark=cc.watermark, enable_prefix_caching=cc.enable_prefix_caching,
-            num_swap_blocks=self.num_swap_blocks, max_model_len=self.max_model_len, model_id=str(self.lm.path),
-        )
+        kw = dict(watermark=cc.watermark, num_swap_blocks=self.num_swap_blocks, model_id=str(self.lm.path))
+        if policy == "paged":
+            kw["enable_prefix_caching"] = cc.enable_prefix_caching
+        return make_kv_manager(policy, self.num_blocks, cc.block_size, max_model_len=self.max_model_len, **kw)

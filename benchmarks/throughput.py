@@ -1,0 +1,256 @@
+"""Offline generation throughput: kvpage side by side with the engines people use, same weights and dtype.
+
+Workloads (fixed seed, greedy, EOS ignored, output tokens counted as requested):
+  chat64    64 chat-templated short questions x 128 output tokens
+  sharegpt  256 requests; prompt / output lengths lognormal, medians ~160 / ~200, capped at 1024 / 512
+
+Engines, each in its own process, one after another in this invocation:
+  kvpage                 this engine (dtype auto = bf16 here)
+  hf-generate            transformers generate() in static, left-padded batches (--hf-batch)
+  hf-generate-batch      transformers' own continuous batching (generate_batch)
+  vllm                   vLLM's CPU build, if a Python with vllm is given (--vllm-python / $KVPAGE_VLLM_PYTHON)
+                         and a converted HF directory (--vllm-model / $KVPAGE_VLLM_MODEL); see ../shared/PEERS.md
+  llama.cpp              llama-server --parallel N with continuous batching, if --llama-server is given
+A peer that is not installed is reported as skipped, never estimated.
+
+    python benchmarks/throughput.py --workloads chat64 sharegpt --engines kvpage hf-generate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_workload(name: str, seed: int = 0) -> list[dict]:
+    """Requests as token ids (prompt_token_ids, max_tokens), identical for every engine."""
+    from kvpage.model.loader import load_model
+
+    tk = load_model().tokenizer
+    rng = random.Random(seed)
+    reqs = []
+    if name == "chat64":
+        topics = ["the moon", "rivers", "bread", "volcanoes", "owls", "trains", "tea", "glaciers", "chess",
+                  "bees", "maps", "clocks", "salt", "wind", "paper", "copper"]
+        for i in range(64):
+            q = f"In two sentences, what is interesting about {topics[i % len(topics)]}? (question {i})"
+            ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": q}]))
+            reqs.append({"prompt_token_ids": ids, "max_tokens": 128})
+    elif name == "sharegpt":
+        special = set(tk.special_ids)
+        vocab = [t for t in range(100, tk.vocab_size) if t not in special]
+        for _ in range(256):
+            p = min(1024, max(4, int(math.exp(rng.gauss(math.log(160), 0.8)))))
+            o = min(512, max(4, int(math.exp(rng.gauss(math.log(200), 0.8)))))
+            reqs.append({"prompt_token_ids": [rng.choice(vocab) for _ in range(p)], "max_tokens": o})
+    else:
+        raise ValueError(f"unknown workload {name!r}")
+    return reqs
+
+
+# Each runner reads the workload JSON on stdin and prints {"seconds": ..., "tokens": ...} as its last line.
+KVPAGE = r"""
+import json, sys, time
+from kvpage.engine.llm import LLM
+from kvpage.sampling_params import SamplingParams
+reqs = json.load(sys.stdin)
+llm = LLM(kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048)
+llm.generate([reqs[0]["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+t = time.perf_counter()
+outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                  "dtype": str(llm.engine.worker.lm.dtype), "stats": llm.engine.stats()}))
+"""
+
+HF_COMMON = r"""
+import json, os, sys, time
+os.environ["HF_HUB_OFFLINE"] = "1"
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging
+logging.set_verbosity_error(); logging.disable_progress_bar()
+from kvpage.config import resolve_dtype
+from kvpage.model.registry import default_model_path
+reqs = json.load(sys.stdin)
+p = default_model_path()
+dtype = getattr(torch, resolve_dtype("auto"))
+model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dtype, attn_implementation="sdpa")
+model.eval()
+"""
+
+HF_GENERATE = HF_COMMON + r"""
+B = int(os.environ.get("HF_BATCH", "32"))
+pad = 2
+def run(batch):
+    n = max(len(r["prompt_token_ids"]) for r in batch)
+    ids = torch.tensor([[pad] * (n - len(r["prompt_token_ids"])) + r["prompt_token_ids"] for r in batch])
+    mask = (torch.arange(n)[None, :] >= torch.tensor([n - len(r["prompt_token_ids"]) for r in batch])[:, None]).long()
+    m = max(r["max_tokens"] for r in batch)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m, do_sample=False, pad_token_id=pad)
+run(reqs[:2] if len(reqs) > 1 else reqs)
+order = sorted(range(len(reqs)), key=lambda i: len(reqs[i]["prompt_token_ids"]))  # fewer pads: kinder to it
+t = time.perf_counter()
+for s in range(0, len(order), B):
+    run([reqs[i] for i in order[s:s + B]])
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "tokens": sum(r["max_tokens"] for r in reqs), "dtype": str(dtype)}))
+"""
+
+HF_GENERATE_BATCH = HF_COMMON + r"""
+from transformers import GenerationConfig
+model.set_attn_implementation("sdpa") if hasattr(model, "set_attn_implementation") else None
+def run(rs):
+    m = max(r["max_tokens"] for r in rs)
+    cfg = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=-1, pad_token_id=2)
+    with torch.no_grad():
+        return model.generate_batch([r["prompt_token_ids"] for r in rs], generation_config=cfg)
+run(reqs[:2])
+t = time.perf_counter()
+run(reqs)
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "tokens": sum(max(r["max_tokens"] for r in reqs) for r in reqs),
+                  "dtype": str(dtype), "note": "generate_batch takes one max_new_tokens for all requests"}))
+"""
+
+VLLM = r"""
+import json, os, sys, time
+reqs = json.load(sys.stdin)
+from vllm import LLM, SamplingParams
+llm = LLM(model=os.environ["KVPAGE_VLLM_MODEL"], dtype="bfloat16", max_model_len=2048, max_num_seqs=256)
+params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+llm.generate([{"prompt_token_ids": reqs[0]["prompt_token_ids"]}], SamplingParams(max_tokens=4), use_tqdm=False)
+t = time.perf_counter()
+outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs), "dtype": "bfloat16"}))
+"""
+
+
+def run_python(python: str, code: str, reqs: list[dict], env: dict | None = None, timeout: float = 3600) -> dict:
+    proc = subprocess.run([python, "-c", code], input=json.dumps(reqs), capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_llama_server(binary: str, reqs: list[dict], parallel: int, port: int = 8099) -> dict:
+    """llama.cpp's server on loopback with N slots and continuous batching; requests sent concurrently."""
+    import concurrent.futures
+    import urllib.request
+
+    from kvpage.model.registry import default_model_path
+
+    ctx = parallel * 2048
+    server = subprocess.Popen([binary, "-m", str(default_model_path()), "-np", str(parallel), "-c", str(ctx), "-cb",
+                               "--host", "127.0.0.1", "--port", str(port), "-t", str(os.cpu_count())],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except Exception:
+                time.sleep(1)
+
+        def one(r):
+            body = json.dumps({"prompt": r["prompt_token_ids"], "n_predict": r["max_tokens"], "ignore_eos": True,
+                               "temperature": 0, "cache_prompt": False}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=3600) as resp:
+                return json.loads(resp.read())["tokens_predicted"]
+
+        t = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(parallel) as ex:
+            tokens = sum(ex.map(one, reqs))
+        return {"seconds": time.perf_counter() - t, "tokens": tokens, "dtype": "Q4_1 (GGUF as is)"}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", nargs="+", default=["chat64", "sharegpt"], choices=["chat64", "sharegpt"])
+    ap.add_argument("--engines", nargs="+",
+                    default=["kvpage", "hf-generate", "hf-generate-batch", "vllm", "llama.cpp"])
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds; the median is reported")
+    ap.add_argument("--hf-batch", type=int, default=32, help="static batch size for hf-generate")
+    ap.add_argument("--vllm-python", default=os.environ.get("KVPAGE_VLLM_PYTHON"))
+    ap.add_argument("--vllm-model", default=os.environ.get("KVPAGE_VLLM_MODEL"))
+    ap.add_argument("--llama-server", default=os.environ.get("KVPAGE_LLAMA_SERVER"))
+    ap.add_argument("--llama-parallel", type=int, default=32)
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args()
+
+    results: dict[str, dict[str, dict]] = {}
+    for wl in args.workloads:
+        reqs = build_workload(wl)
+        results[wl] = {}
+        for eng in args.engines:
+            runs, why = [], None
+            for _ in range(args.rounds):
+                try:
+                    if eng == "kvpage":
+                        runs.append(run_python(sys.executable, KVPAGE, reqs))
+                    elif eng == "hf-generate":
+                        runs.append(run_python(sys.executable, HF_GENERATE, reqs, {"HF_BATCH": str(args.hf_batch)}))
+                    elif eng == "hf-generate-batch":
+                        runs.append(run_python(sys.executable, HF_GENERATE_BATCH, reqs))
+                    elif eng == "vllm":
+                        if not (args.vllm_python and args.vllm_model):
+                            why = "not installed (set --vllm-python and --vllm-model)"
+                            break
+                        runs.append(run_python(args.vllm_python, VLLM, reqs, {
+                            "KVPAGE_VLLM_MODEL": args.vllm_model, "VLLM_CPU_KVCACHE_SPACE": "4",
+                            "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}))
+                    elif eng == "llama.cpp":
+                        if not args.llama_server:
+                            why = "not installed (set --llama-server)"
+                            break
+                        runs.append(run_llama_server(args.llama_server, reqs, args.llama_parallel))
+                    else:
+                        why = "unknown engine"
+                        break
+                except Exception as e:  # report, never fake
+                    why = f"failed: {e}"
+                    break
+            if runs:
+                tps = [r["tokens"] / r["seconds"] for r in runs]
+                results[wl][eng] = {"tok_per_s": statistics.median(tps), "runs": runs}
+            else:
+                results[wl][eng] = {"skipped": why}
+            print(f"[{wl}] {eng}: " + (f"{results[wl][eng]['tok_per_s']:.1f} tok/s" if runs else f"skipped ({why})"),
+                  file=sys.stderr)
+
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model SmolLM2-135M-Instruct; greedy, EOS ignored")
+    for wl, res in results.items():
+        base = res.get("kvpage", {}).get("tok_per_s")
+        print(f"\n{wl}")
+        for eng, r in res.items():
+            if "skipped" in r:
+                print(f"  {eng:<18} skipped: {r['skipped']}")
+            else:
+                ratio = f"kvpage/{eng} = {base / r['tok_per_s']:.2f}x" if base and eng != "kvpage" else ""
+                print(f"  {eng:<18} {r['tok_per_s']:8.1f} tok/s  {ratio}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
