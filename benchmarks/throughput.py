@@ -145,7 +145,10 @@ def run_python(python: str, code: str, reqs: list[dict], env: dict | None = None
                           env={**os.environ, **(env or {})}, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    for line in reversed(proc.stdout.strip().splitlines()):  # peers may log to stdout after the result
+        if line.startswith('{"seconds"'):
+            return json.loads(line)
+    raise RuntimeError("no result line in the runner's output")
 
 
 def run_llama_server(binary: str, reqs: list[dict], parallel: int, port: int = 8099) -> dict:

@@ -1,0 +1,89 @@
+"""Fused paged decode attention vs contiguous SDPA on the same keys and values.
+
+For each (batch, context): the K/V of every sequence is laid out twice, contiguously for
+torch.nn.functional.scaled_dot_product_attention and scattered over randomly permuted 16-token blocks for
+kvpage's paged kernel; one query token per sequence (decode), SmolLM2's shape (9 query heads, 3 KV heads,
+head dim 64), bf16. Reported: median time of each, their ratio (target: paged <= 1.05x contiguous), and the
+effective KV read bandwidth next to this machine's measured copy bandwidth.
+
+    python benchmarks/kernels.py [--batches 1 16 64 256] [--contexts 128 1024 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, load_kernels
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def copy_bandwidth_gbs() -> float:
+    a = torch.ones(256 * 1024 * 1024 // 4)
+    b = torch.empty_like(a)
+    ms = median_ms(lambda: b.copy_(a), 5)
+    return 2 * a.numel() * 4 / (ms / 1e3) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 8192])
+    ap.add_argument("--max-kv-gib", type=float, default=3.0, help="skip cases whose K/V would exceed this")
+    args = ap.parse_args()
+    ops = load_kernels()
+    if ops is None:
+        raise SystemExit("compiled kernels unavailable on this machine")
+    hq, hkv, d, bs = 9, 3, 64, 16
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
+          f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s (read+write)")
+    print(f"{'batch':>5} {'context':>7} {'paged ms':>9} {'SDPA ms':>8} {'paged/SDPA':>10} {'paged GB/s':>10} "
+          f"{'SDPA GB/s':>9}")
+    for b in args.batches:
+        for ctx in args.contexts:
+            kv_bytes = 2 * b * ctx * hkv * d * 2
+            if kv_bytes > args.max_kv_gib * 2**30:
+                print(f"{b:>5} {ctx:>7}  skipped (K/V {kv_bytes / 2**30:.1f} GiB > --max-kv-gib)")
+                continue
+            k = torch.randn(b, hkv, ctx, d).bfloat16()
+            v = torch.randn(b, hkv, ctx, d).bfloat16()
+            q = torch.randn(b, hq, 1, d).bfloat16()
+            nblk = -(-ctx // bs)
+            perm = torch.randperm(b * nblk)
+            cache = torch.zeros(2, b * nblk, bs, hkv, d, dtype=torch.bfloat16)
+            pad = nblk * bs - ctx
+            for name, src, idx in (("k", k, 0), ("v", v, 1)):
+                x = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(b * nblk, bs, hkv, d)
+                cache[idx, perm] = x
+            tables = perm.view(b, nblk)
+            qsl = torch.arange(b + 1)
+            lens = torch.full((b,), ctx)
+            qflat = q[:, :, 0, :].contiguous()
+            reps = 20 if kv_bytes < 2**28 else 5
+            paged = median_ms(lambda: ops.paged_attention(qflat, cache, tables, qsl, lens, d**-0.5,
+                                                          PARTITION_SIZE), reps)
+            dense = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True), reps)
+            ref = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True)[:, :, 0, :]
+            got = ops.paged_attention(qflat, cache, tables, qsl, lens, d**-0.5, PARTITION_SIZE)
+            assert (got.float() - ref.float()).abs().max() < 5e-2, "paged and contiguous disagree"
+            print(f"{b:>5} {ctx:>7} {paged:9.3f} {dense:8.3f} {paged / dense:10.2f} "
+                  f"{kv_bytes / paged / 1e6:10.1f} {kv_bytes / dense / 1e6:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
