@@ -56,11 +56,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_prefilling(self) -> bool:
-        """True until every token it holds (prompt, or prompt + output after a recompute) is computed once."""
-        return self.num_uncomputed > 1 or self.num_output_tokens == 0
-
-    @property
     def sort_key(self) -> tuple[int, int, int]:
         return (*self.request.sort_key, self.index)
 

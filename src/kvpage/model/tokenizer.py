@@ -61,9 +61,6 @@ class KVTokenizer:
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    def token_text(self, token_id: int) -> str | None:
-        return self._tk.id_to_token(token_id)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tk.encode(text, add_special_tokens=False).ids
         bos = self.bos_token_id
