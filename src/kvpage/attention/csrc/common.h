@@ -22,8 +22,9 @@ inline float to_float(at::BFloat16 x) {
 // for 2^f on [-0.5, 0.5] (relative error ~2e-7, close to libm's expf).
 inline float exp_neg(float x) {
   x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
+  const float t = x * 1.44269504088896341f;  // t <= 0
+  const int32_t ni = -static_cast<int32_t>(0.5f - t);  // round(t) with conversions only (vectorizes)
+  const float n = static_cast<float>(ni);
   const float f = t - n;
   float p = 1.535336188319500e-4f;
   p = p * f + 1.339887440266574e-3f;
@@ -34,7 +35,7 @@ inline float exp_neg(float x) {
   p = p * f + 1.0f;
   int32_t bits;
   std::memcpy(&bits, &p, sizeof(bits));
-  bits += static_cast<int32_t>(n) << 23;
+  bits += ni << 23;
   float r;
   std::memcpy(&r, &bits, sizeof(r));
   return r;

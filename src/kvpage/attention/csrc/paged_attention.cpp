@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -43,21 +44,43 @@ constexpr int64_t kMaxGroup = 64;
 
 constexpr int64_t kTile = 16;  // query tokens per task (prompt chunks); decode tasks hold one
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define KVPAGE_DPBF16 1
+// q . k for bf16 vectors of length D (a multiple of 32): products are exact in float32, summed in float32.
+inline float dot_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512i qv = _mm512_loadu_si512(reinterpret_cast<const void*>(q + d));
+    const __m512i kv = _mm512_loadu_si512(reinterpret_cast<const void*>(k + d));
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)qv, (__m512bh)kv);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+#endif
+
 struct Task {
-  int64_t seq, row0, nq, kv_head, part;  // rows row0 .. row0+nq-1 of the flat batch
-  int64_t pos0;                          // absolute position of the first query of the tile
+  int64_t seq, row0, nq, part;  // query rows row0 .. row0+nq-1 of the flat batch, every head
+  int64_t pos0;                 // absolute position of the first query of the tile
 };
 
-// One task: nq query tokens x G heads (R = nq * G rows, ordered (query, head)) over keys [k_begin, k_end) of
-// its sequence; row r only sees keys <= pos0 + r / G. Float32 accumulators, running max and sum per row.
-template <typename KV>
-void attend_tile(const float* q, int64_t R, int64_t G, const KV* kcache, const KV* vcache, const int64_t* table,
-                 int64_t block_size, int64_t kv_heads, int64_t head, int64_t D, int64_t pos0, int64_t k_begin,
-                 int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch) {
+// One task: nq query tokens x all H query heads (R = nq * H rows, ordered (query, head) like the query
+// tensor) over keys [k_begin, k_end) of its sequence; row r only sees keys <= pos0 + r / H. Within each block
+// every KV head is processed while the block's cache lines are hot (a token's heads are adjacent in the
+// layout), and each K/V row serves the G query heads of its group. Float32 accumulators, running max and sum.
+template <typename KV, int64_t DC>
+void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kcache, const KV* vcache,
+                 const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t D_rt, int64_t pos0,
+                 int64_t k_begin, int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch,
+                 const at::BFloat16* const* qb, float scale) {
+  // DC > 0: the head size is a compile-time constant, so the per-element loops unroll fully.
+  const int64_t D = DC > 0 ? DC : D_rt;
+  // qb (optional): each row's unscaled bf16 query, for exact bf16 dot products straight from the cache
+  const int64_t R = nq * H;
   const int64_t row_stride = kv_heads * D;
   const int64_t block_stride = block_size * row_stride;
   scratch.resize(static_cast<size_t>(block_size * D + R * block_size));
-  float* rows = scratch.data();                 // this block's keys (then values) as float, [i][d]
+  float* rows = scratch.data();                 // one head's keys (then values) of this block as float, [i][d]
   float* sc = scratch.data() + block_size * D;  // scores, then weights, [r][i]
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < R; ++r) {
@@ -65,55 +88,88 @@ void attend_tile(const float* q, int64_t R, int64_t G, const KV* kcache, const K
     l[r] = 0.f;
   }
   std::fill(acc, acc + R * D, 0.f);
+  const bool direct = qb != nullptr;
   int64_t t = k_begin;
   while (t < k_end) {
     const int64_t off = t % block_size;
     const int64_t n = std::min(block_size - off, k_end - t);
     const int64_t phys = table[t / block_size];
-    const KV* kbase = kcache + phys * block_stride + off * row_stride + head * D;
-    const KV* vbase = vcache + phys * block_stride + off * row_stride + head * D;
-    for (int64_t i = 0; i < n; ++i) load_row(kbase + i * row_stride, rows + i * D, D);
-    for (int64_t r = 0; r < R; ++r) {
-      const float* qr = q + r * D;
-      float* s = sc + r * block_size;
-      const int64_t visible = std::min(n, pos0 + r / G + 1 - t);  // keys after this row's position are masked
-      if (visible <= 0) {
-        for (int64_t i = 0; i < n; ++i) s[i] = 0.f;
-        continue;
-      }
-      float bmax = neg_inf;
-      for (int64_t i = 0; i < visible; ++i) {
-        s[i] = dot(qr, rows + i * D, D);
-        bmax = std::max(bmax, s[i]);
-      }
-      const float new_m = std::max(m[r], bmax);
-      const float corr = exp_neg(m[r] - new_m);
-      float sum = 0.f;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const KV* kbase = kcache + phys * block_stride + off * row_stride + h * D;
+      const KV* vbase = vcache + phys * block_stride + off * row_stride + h * D;
+      if (!direct)
+        for (int64_t i = 0; i < n; ++i) load_row(kbase + i * row_stride, rows + i * D, D);
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = j * H + h * G + g;
+          float* s = sc + r * block_size;
+          if (visible <= 0) {
+            for (int64_t i = 0; i < n; ++i) s[i] = 0.f;
+            continue;
+          }
+          float bmax = neg_inf;
+#ifdef KVPAGE_DPBF16
+          if (direct) {
+            if constexpr (std::is_same_v<KV, at::BFloat16>) {
+              for (int64_t i = 0; i < visible; ++i) {
+                s[i] = dot_bf16(qb[r], kbase + i * row_stride, D) * scale;
+                bmax = std::max(bmax, s[i]);
+              }
+            }
+          } else
+#endif
+          {
+            const float* qr = q + r * D;
+            for (int64_t i = 0; i < visible; ++i) {
+              s[i] = dot(qr, rows + i * D, D);
+              bmax = std::max(bmax, s[i]);
+            }
+          }
+          const float new_m = std::max(m[r], bmax);
+          const float corr = exp_neg(m[r] - new_m);
+          float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < visible; ++i) {
-        const float w = exp_neg(s[i] - new_m);
-        s[i] = w;
-        sum += w;
-      }
-      for (int64_t i = visible; i < n; ++i) s[i] = 0.f;
-      l[r] = l[r] * corr + sum;
-      m[r] = new_m;
-      if (corr != 1.f) {
-        float* a = acc + r * D;
+          for (int64_t i = 0; i < visible; ++i) {
+            const float w = exp_neg(s[i] - new_m);
+            s[i] = w;
+            sum += w;
+          }
+          for (int64_t i = visible; i < n; ++i) s[i] = 0.f;
+          l[r] = l[r] * corr + sum;
+          m[r] = new_m;
+          if (corr != 1.f) {
+            float* a = acc + r * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+            for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+          }
+        }
       }
-    }
-    for (int64_t i = 0; i < n; ++i) load_row(vbase + i * row_stride, rows + i * D, D);
-    for (int64_t r = 0; r < R; ++r) {
-      float* a = acc + r * D;
-      const float* w = sc + r * block_size;
-      for (int64_t i = 0; i < n; ++i) {
-        const float wi = w[i];
-        if (wi == 0.f) continue;
-        const float* v = rows + i * D;
+      for (int64_t i = 0; i < n; ++i) load_row(vbase + i * row_stride, rows + i * D, D);
+      for (int64_t j = 0; j < nq; ++j) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = j * H + h * G + g;
+          float* a = acc + r * D;
+          const float* w = sc + r * block_size;
+          float local[DC > 0 ? DC : 1];
+          if constexpr (DC > 0) {
+            for (int64_t d = 0; d < DC; ++d) local[d] = a[d];
+            for (int64_t i = 0; i < n; ++i) {
+              const float wi = w[i];
+              const float* v = rows + i * DC;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += wi * v[d];
+              for (int64_t d = 0; d < DC; ++d) local[d] += wi * v[d];
+            }
+            for (int64_t d = 0; d < DC; ++d) a[d] = local[d];
+          } else {
+            for (int64_t i = 0; i < n; ++i) {
+              const float wi = w[i];
+              const float* v = rows + i * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) a[d] += wi * v[d];
+            }
+          }
+        }
       }
     }
     t += n;
@@ -123,7 +179,7 @@ void attend_tile(const float* q, int64_t R, int64_t G, const KV* kcache, const K
 template <typename KV, typename Q>
 void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                    const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, double scale,
-                   int64_t partition_size, torch::Tensor& out) {
+                   int64_t partition_size, torch::Tensor& out) {  // partition_size: upper bound on keys per task
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const int64_t G = H / kv_heads;
@@ -137,8 +193,11 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   const KV* kcache = kv_cache.data_ptr<KV>();
   const KV* vcache = kcache + num_blocks * block_size * kv_heads * D;
 
-  // Tasks: (sequence, tile of up to kTile query tokens, KV head, context partition). A tile's partitions
-  // cover keys up to its last query's position; rows that end earlier mask the rest.
+  // Tasks: (sequence, tile of up to kTile query tokens, context partition), all heads. Contexts are split
+  // into partitions only when there are too few tiles to keep every core busy.
+  int64_t base_tasks = 0;
+  for (int64_t s = 0; s < S; ++s) base_tasks += (qsl[s + 1] - qsl[s] + kTile - 1) / kTile;
+  if (base_tasks >= 4 * at::get_num_threads()) partition_size = std::numeric_limits<int64_t>::max() / 4;
   std::vector<Task> tasks;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s];
@@ -146,35 +205,53 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       const int64_t nq = std::min(kTile, q_len - j0);
       const int64_t pos0 = lens[s] - q_len + j0;
       const int64_t parts = (pos0 + nq + partition_size - 1) / partition_size;
-      for (int64_t h = 0; h < kv_heads; ++h)
-        for (int64_t p = 0; p < parts; ++p) tasks.push_back({s, qsl[s] + j0, nq, h, p, pos0});
+      for (int64_t p = 0; p < parts; ++p) tasks.push_back({s, qsl[s] + j0, nq, p, pos0});
     }
   }
   const int64_t T = static_cast<int64_t>(tasks.size());
   std::vector<int64_t> offset(static_cast<size_t>(T + 1), 0);  // first partial row of each task
-  for (int64_t ti = 0; ti < T; ++ti) offset[ti + 1] = offset[ti] + tasks[ti].nq * G;
+  for (int64_t ti = 0; ti < T; ++ti) offset[ti + 1] = offset[ti] + tasks[ti].nq * H;
   std::vector<float> part_acc(static_cast<size_t>(offset[T] * D));
   std::vector<float> part_m(static_cast<size_t>(offset[T])), part_l(static_cast<size_t>(offset[T]));
+  bool use_dp = false;
+#ifdef KVPAGE_DPBF16
+  use_dp = std::is_same_v<KV, at::BFloat16> && std::is_same_v<Q, at::BFloat16> && D % 32 == 0;
+#endif
 
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf(static_cast<size_t>(kTile * G * D));
+    std::vector<float> qbuf(static_cast<size_t>(kTile * H * D));
+    std::vector<const at::BFloat16*> qptrs(static_cast<size_t>(kTile * H));
     std::vector<float> scratch;
     for (int64_t ti = begin; ti < end; ++ti) {
       const Task& tk = tasks[ti];
-      for (int64_t j = 0; j < tk.nq; ++j) {
-        const Q* qrow = qptr + ((tk.row0 + j) * H + tk.kv_head * G) * D;
-        float* dst = qbuf.data() + j * G * D;
-        for (int64_t i = 0; i < G * D; ++i) dst[i] = to_float(qrow[i]) * static_cast<float>(scale);
+      const Q* qrows = qptr + tk.row0 * H * D;
+      const at::BFloat16* const* qb = nullptr;
+      if (use_dp) {
+        for (int64_t r = 0; r < tk.nq * H; ++r) qptrs[r] = reinterpret_cast<const at::BFloat16*>(qrows + r * D);
+        qb = qptrs.data();
+      } else {
+        for (int64_t i = 0; i < tk.nq * H * D; ++i) qbuf[i] = to_float(qrows[i]) * static_cast<float>(scale);
       }
       const int64_t k_begin = tk.part * partition_size;
       const int64_t k_end = std::min(tk.pos0 + tk.nq, k_begin + partition_size);
-      attend_tile<KV>(qbuf.data(), tk.nq * G, G, kcache, vcache, tables + tk.seq * max_blocks, block_size,
-                      kv_heads, tk.kv_head, D, tk.pos0, k_begin, k_end, part_acc.data() + offset[ti] * D,
-                      part_m.data() + offset[ti], part_l.data() + offset[ti], scratch);
+      const int64_t* table = tables + tk.seq * max_blocks;
+      float* pa = part_acc.data() + offset[ti] * D;
+      float* pm = part_m.data() + offset[ti];
+      float* pl = part_l.data() + offset[ti];
+      const float sc = static_cast<float>(scale);
+      if (D == 64)
+        attend_tile<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, D, tk.pos0,
+                            k_begin, k_end, pa, pm, pl, scratch, qb, sc);
+      else if (D == 128)
+        attend_tile<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, D, tk.pos0,
+                             k_begin, k_end, pa, pm, pl, scratch, qb, sc);
+      else
+        attend_tile<KV, 0>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, D, tk.pos0,
+                           k_begin, k_end, pa, pm, pl, scratch, qb, sc);
     }
   });
 
-  // Merge each tile's partitions and write normalized outputs.
+  // Merge each tile's partitions and write normalized outputs (row r of a task = query r / H, head r % H).
   std::vector<int64_t> starts;
   for (int64_t ti = 0; ti < T; ++ti)
     if (tasks[ti].part == 0) starts.push_back(ti);
@@ -187,7 +264,14 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       int64_t t1 = t0 + 1;
       while (t1 < T && tasks[t1].part != 0) ++t1;
       const Task& tk = tasks[t0];
-      for (int64_t r = 0; r < tk.nq * G; ++r) {
+      for (int64_t r = 0; r < tk.nq * H; ++r) {
+        Q* o = optr + (tk.row0 * H + r) * D;
+        if (t1 == t0 + 1) {  // one partition: normalize directly
+          const float inv = 1.f / part_l[offset[t0] + r];
+          const float* a = part_acc.data() + (offset[t0] + r) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<Q>(a[d] * inv);
+          continue;
+        }
         float M = neg_inf;
         for (int64_t ti = t0; ti < t1; ++ti) M = std::max(M, part_m[offset[ti] + r]);
         float L = 0.f;
@@ -202,8 +286,6 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
           for (int64_t d = 0; d < D; ++d) acc[d] += c * a[d];
         }
         const float inv = 1.f / L;
-        const int64_t j = r / G, g = r % G;
-        Q* o = optr + ((tk.row0 + j) * H + tk.kv_head * G + g) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<Q>(acc[d] * inv);
       }
     }
