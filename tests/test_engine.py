@@ -199,8 +199,11 @@ def test_default_engine_is_bf16_fast_path_where_supported():
 
     llm = LLM(kv_cache_memory="64MiB", max_model_len=512)
     model = llm.engine.worker.lm.model
+    from kvpage.attention.backends.cpu_kernels import load_kernels
+
     if cpu_has_bf16():
-        assert llm.engine.worker.lm.dtype.itemsize == 2 and model.fast_ops is not None
+        assert llm.engine.worker.lm.dtype.itemsize == 2
+        assert (model.fast_ops is not None) == (load_kernels() is not None)
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text
     assert_drained(llm)
