@@ -33,8 +33,8 @@ def cold_start() -> float:
     """Seconds from launching `kvpage generate --stream` to the first byte of generated text on stdout."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "kvpage.entrypoints.cli", "generate", "--chat", "Hi!",
-                             "--stream", "--max-tokens", "8", "--temperature", "0", "--kv-cache-memory", "512MiB",
-                             "--max-model-len", "2048"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                             "--stream", "--max-tokens", "8", "--temperature", "0"],  # default engine settings
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     proc.stdout.read(1)
     first = time.perf_counter() - t0

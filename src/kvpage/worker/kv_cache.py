@@ -31,10 +31,12 @@ class KVCache:
         if cfg.value_head_dim != cfg.head_dim:
             raise ValueError("kvpage's KV layout needs equal key and value head sizes")
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        # Not zeroed: every slot is written before any read (attention reads only positions < seq_len, and
+        # block copies move whole blocks). Zeroing 2 GiB costs ~3 s at startup; untouched pages cost nothing.
+        self.layers = [torch.empty(shape, dtype=dtype) for _ in range(cfg.num_layers)]
         host_shape = (2, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         n_host_layers = cfg.num_layers if num_host_blocks else 0
-        self.host_layers = [torch.zeros(host_shape, dtype=dtype) for _ in range(n_host_layers)]
+        self.host_layers = [torch.empty(host_shape, dtype=dtype) for _ in range(n_host_layers)]
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
         self.block_size, self.dtype = block_size, dtype
 
