@@ -15,6 +15,10 @@
 
 #include "common.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -45,7 +49,6 @@ constexpr int64_t kMaxGroup = 64;
 constexpr int64_t kTile = 16;  // query tokens per task (prompt chunks); decode tasks hold one
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
 #define KVPAGE_DPBF16 1
 // q . k for bf16 vectors of length D (a multiple of 32): products are exact in float32, summed in float32.
 inline float dot_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t D) {
@@ -58,6 +61,39 @@ inline float dot_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t D) {
   return _mm512_reduce_add_ps(acc);
 }
 #endif
+
+// w[i] = exp(s[i] - mx) for i < n (every s[i] <= mx); returns the sum of the w[i].
+inline float exp_shift_sum(float* s, int64_t n, float mx) {
+#if defined(__AVX512F__)
+  const __m512 vmx = _mm512_set1_ps(mx), lo = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.44269504088896341f);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vmx), lo);
+    const __m512 t = _mm512_mul_ps(x, log2e);
+    const __m512 nn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, nn);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512 w = _mm512_scalef_ps(p, nn);
+    _mm512_mask_storeu_ps(s + i, k, w);
+    vsum = _mm512_mask_add_ps(vsum, k, vsum, w);
+  }
+  return _mm512_reduce_add_ps(vsum);
+#else
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = exp_neg(s[i] - mx);
+    sum += s[i];
+  }
+  return sum;
+#endif
+}
 
 struct Task {
   int64_t seq, row0, nq, part;  // query rows row0 .. row0+nq-1 of the flat batch, every head
@@ -128,13 +164,7 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
           }
           const float new_m = std::max(m[r], bmax);
           const float corr = exp_neg(m[r] - new_m);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t i = 0; i < visible; ++i) {
-            const float w = exp_neg(s[i] - new_m);
-            s[i] = w;
-            sum += w;
-          }
+          const float sum = exp_shift_sum(s, visible, new_m);
           for (int64_t i = visible; i < n; ++i) s[i] = 0.f;
           l[r] = l[r] * corr + sum;
           m[r] = new_m;
