@@ -257,25 +257,25 @@ class Scheduler:
         """Retire a sequence (finished, aborted or failed): every block it held goes back."""
         if seq.status is SequenceStatus.FINISHED:
             return
-        for q in (self.running, self.swapped, self.waiting):
-            if q.remove(seq):
-                break
-        if self.kv.has_seq(seq.seq_id) or self.kv.is_swapped(seq.seq_id):
-            self.kv.free(seq)
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
 
     def requeue_for_recompute(self, seq: Sequence) -> None:
         """Forget a sequence's cached state (e.g. its swap copy may never have happened)."""
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.add(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Take a sequence out of whichever queue holds it and return its device or host blocks."""
         for q in (self.running, self.swapped, self.waiting):
             if q.remove(seq):
                 break
         if self.kv.has_seq(seq.seq_id) or self.kv.is_swapped(seq.seq_id):
             self.kv.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.add(seq)
 
     @property
     def has_unfinished(self) -> bool:

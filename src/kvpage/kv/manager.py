@@ -55,6 +55,10 @@ class Allocation:
 _NOTHING = Allocation()
 
 
+def _sid(seq: SequenceLike | str) -> str:
+    return seq if isinstance(seq, str) else seq.seq_id
+
+
 class _SeqState:
     __slots__ = ("hashes", "num_tokens", "root", "table")
 
@@ -298,7 +302,7 @@ class KVCacheManager:
 
     def free(self, seq: SequenceLike | str) -> None:
         """Return every block of a finished, aborted or preempted sequence (device or host)."""
-        sid = seq if isinstance(seq, str) else seq.seq_id
+        sid = _sid(seq)
         state = self._seqs.pop(sid, None)
         if state is not None:
             self.pool.release(state.table[::-1])  # deepest first: tails are evicted before heads
@@ -314,11 +318,7 @@ class KVCacheManager:
 
         Paged: no block moves now; the first write into a shared partial block copies it.
         """
-        pid = parent if isinstance(parent, str) else parent.seq_id
-        cid = child if isinstance(child, str) else child.seq_id
-        pstate = self._state(pid)
-        if cid in self._seqs or cid in self._swapped:
-            raise ValueError(f"cannot fork into {cid!r}: that sequence already holds blocks")
+        pstate, cid = self._fork_ids(parent, child)
         self.pool.touch(pstate.table)
         self._seqs[cid] = _SeqState(list(pstate.table), pstate.num_tokens, list(pstate.hashes), pstate.root)
         return _NOTHING
@@ -326,7 +326,7 @@ class KVCacheManager:
     # -------------------------------------------------------------------- swap
     def swap_out(self, seq: SequenceLike | str) -> list[tuple[int, int]] | None:
         """Move a running sequence to the host pool: (device, host) copies, or None if it is full."""
-        sid = seq if isinstance(seq, str) else seq.seq_id
+        sid = _sid(seq)
         state = self._state(sid)
         n = len(state.table)
         if n > len(self._host_free):
@@ -444,6 +444,13 @@ class KVCacheManager:
     def _max_waste_ok(self, waste: int) -> bool:
         return 0 <= waste < self.block_size
 
+    def _fork_ids(self, parent: SequenceLike | str, child: SequenceLike | str) -> tuple[_SeqState, str]:
+        """The running parent's state and the child's id (which must hold nothing yet)."""
+        pstate, cid = self._state(_sid(parent)), _sid(child)
+        if cid in self._seqs or cid in self._swapped:
+            raise ValueError(f"cannot fork into {cid!r}: that sequence already holds blocks")
+        return pstate, cid
+
     # ----------------------------------------------------------------- helpers
     def _state(self, seq_id: str) -> _SeqState:
         try:
@@ -484,11 +491,7 @@ class StaticReservationManager(KVCacheManager):
 
     def fork(self, parent: SequenceLike | str, child: SequenceLike | str) -> Allocation | None:
         """No sharing: the child gets its own reservation and a copy of every filled block."""
-        pid = parent if isinstance(parent, str) else parent.seq_id
-        cid = child if isinstance(child, str) else child.seq_id
-        pstate = self._state(pid)
-        if cid in self._seqs or cid in self._swapped:
-            raise ValueError(f"cannot fork into {cid!r}: that sequence already holds blocks")
+        pstate, cid = self._fork_ids(parent, child)
         if self.reserved_blocks > self.pool.num_free_blocks:
             return None
         new = self.pool.get_new_blocks(self.reserved_blocks)

@@ -13,14 +13,17 @@ from collections.abc import Sequence
 
 import torch
 
+from kvpage.capacity import KVShape
 from kvpage.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * block_size * cfg.num_kv_heads * (cfg.head_dim + cfg.value_head_dim) * elem
+    """The planner's formula (capacity.KVShape), so `kvpage plan` and the engine size pools alike."""
+    shape = KVShape(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, str(dtype).removeprefix("torch."),
+                    v_head_dim=cfg.v_head_dim)
+    return shape.bytes_per_token() * block_size
 
 
 class KVCache:
