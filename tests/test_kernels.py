@@ -8,11 +8,16 @@ import random
 import pytest
 import torch
 
-from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, load_kernels
+from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, kernels_error, load_kernels
 from kvpage.attention.backends.reference import ReferenceAttention
 from kvpage.attention.metadata import AttentionMetadata
+from tests.conftest import have_cxx
 
-pytestmark = pytest.mark.skipif(load_kernels() is None, reason="no C++ toolchain: kernels not built")
+pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
+
+
+def test_kernels_build_where_a_compiler_exists():
+    assert load_kernels() is not None, kernels_error()
 
 
 def make_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, dim: int, kv_dtype, q_dtype,
@@ -80,6 +85,26 @@ def test_kernel_bf16_paths(kv_dtype, q_dtype):
                                   PARTITION_SIZE)
         assert out.dtype == q_dtype
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 1, 128), (4, 4, 64)])
+@pytest.mark.parametrize("long", [False, True])
+def test_bf16_vectorized_path_matches_reference(block_size, heads, kv_heads, dim, long):
+    """bf16 query and cache with head size 64/128 take the 16-keys-at-a-time path: every block size (chunks
+    shorter and longer than 16 keys), masked tails, GQA groups and context partitions that cut blocks."""
+    rng = random.Random(block_size * 1000 + heads * 10 + dim + long)
+    ops = load_kernels()
+    for _ in range(3):
+        q, k, v, cache, meta = make_case(rng, block_size, heads, kv_heads, dim, torch.bfloat16, torch.bfloat16,
+                                         long=long)
+        ref_cache, ker_cache = cache.clone(), cache.clone()
+        ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), ref_cache, meta, dim**-0.5)
+        ops.reshape_and_cache(k, v, ker_cache, meta.slot_mapping)
+        for part in (PARTITION_SIZE, 17) if long else (PARTITION_SIZE,):
+            out = ops.paged_attention(q, ker_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                      dim**-0.5, part)
+            torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 
 def test_long_contexts_split_into_partitions():

@@ -8,6 +8,17 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// Masked 16-bit loads need BW and VL on top of the foundation set.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVPAGE_AVX512 1
+#else
+#define KVPAGE_AVX512 0
+#endif
+
 namespace kvpage {
 
 inline float to_float(float x) { return x; }
@@ -40,5 +51,23 @@ inline float exp_neg(float x) {
   std::memcpy(&r, &bits, sizeof(r));
   return r;
 }
+
+#if defined(__AVX512F__)
+// exp(x) for 16 lanes with x <= 0 (same polynomial as exp_neg); lanes outside `keep` become 0.
+inline __m512 exp16(__m512 x, __mmask16 keep) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 nn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, nn);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep, p, nn);
+}
+#endif
 
 }  // namespace kvpage

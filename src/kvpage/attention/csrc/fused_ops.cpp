@@ -117,6 +117,97 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
   }
 }
 
+// Row passes of logits_postprocess, 16 lanes at a time where the CPU has AVX-512 (a plain loop otherwise):
+// widen to float32 while taking the max; visit entries >= a threshold; max; sum of exp(x - mx).
+#if KVPAGE_AVX512
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+}
+inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 k) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(k, reinterpret_cast<const void*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 k) {  // round to nearest even, as torch does
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_mask_storeu_epi16(reinterpret_cast<void*>(p), k, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
+template <typename L>
+float widen_max(const L* x, float* o, int64_t V) {
+#if KVPAGE_AVX512
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t v = 0; v < V; v += 16) {
+    const __mmask16 k = tail_mask(V - v);
+    const __m512 a = load16(x + v, k);
+    _mm512_mask_storeu_ps(o + v, k, a);
+    m = _mm512_mask_max_ps(m, k, m, a);
+  }
+  return _mm512_reduce_max_ps(m);
+#else
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t v = 0; v < V; ++v) {
+    o[v] = f32(x[v]);
+    mx = std::max(mx, o[v]);
+  }
+  return mx;
+#endif
+}
+
+inline float max_of(const float* o, int64_t V) {
+#if KVPAGE_AVX512
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t v = 0; v < V; v += 16) {
+    const __mmask16 k = tail_mask(V - v);
+    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, o + v));
+  }
+  return _mm512_reduce_max_ps(m);
+#else
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t v = 0; v < V; ++v) mx = std::max(mx, o[v]);
+  return mx;
+#endif
+}
+
+template <typename F>
+void for_each_at_least(const float* o, int64_t V, float threshold, F&& fn) {
+#if KVPAGE_AVX512
+  const __m512 t = _mm512_set1_ps(threshold);
+  for (int64_t v = 0; v < V; v += 16) {
+    const __mmask16 k = tail_mask(V - v);
+    uint32_t hits = _mm512_mask_cmp_ps_mask(k, _mm512_maskz_loadu_ps(k, o + v), t, _CMP_GE_OQ);
+    while (hits != 0) {
+      fn(v + __builtin_ctz(hits));
+      hits &= hits - 1;
+    }
+  }
+#else
+  for (int64_t v = 0; v < V; ++v)
+    if (o[v] >= threshold) fn(v);
+#endif
+}
+
+inline float exp_sum(const float* o, int64_t V, float mx) {
+#if KVPAGE_AVX512
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t v = 0; v < V; v += 16) {
+    const __mmask16 k = tail_mask(V - v);
+    acc = _mm512_add_ps(acc, kvpage::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, o + v), m), k));
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t v = 0; v < V; ++v) sum += kvpage::exp_neg(o[v] - mx);
+  return sum;
+#endif
+}
+
 // One pass over each row of logits: float32 copy, the max, exact float32 recomputation of the entries within
 // bf16 rounding distance of it (h . W[v] from the float32 final hidden state), then argmax and log-sum-exp.
 // With float32 logits nothing needs recomputing.
@@ -127,33 +218,22 @@ void postprocess_rows(const L* logits, const float* hidden, const at::BFloat16* 
     for (int64_t b = b0; b < b1; ++b) {
       const L* x = logits + b * V;
       float* o = out + b * V;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t v = 0; v < V; ++v) {
-        o[v] = f32(x[v]);
-        mx = std::max(mx, o[v]);
-      }
+      float mx = widen_max(x, o, V);
       if (weight != nullptr) {
         const float tol = std::fabs(mx) / 32.f + 1e-3f;  // two bf16 ulps either side
         const float* h = hidden + b * Hd;
-        float newmax = -std::numeric_limits<float>::infinity();
-        for (int64_t v = 0; v < V; ++v) {
-          if (o[v] >= mx - tol) {
-            const at::BFloat16* w = weight + v * Hd;
-            float s = 0.f;
-            for (int64_t i = 0; i < Hd; ++i) s += h[i] * f32(w[i]);
-            o[v] = s;
-          }
-          newmax = std::max(newmax, o[v]);
-        }
-        mx = newmax;
+        for_each_at_least(o, V, mx - tol, [&](int64_t v) {
+          const at::BFloat16* w = weight + v * Hd;
+          float s = 0.f;
+          for (int64_t i = 0; i < Hd; ++i) s += h[i] * f32(w[i]);
+          o[v] = s;
+        });
+        mx = max_of(o, V);
       }
       int64_t best = 0;
       while (o[best] != mx) ++best;  // first index of the maximum, as torch.argmax
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t v = 0; v < V; ++v) sum += kvpage::exp_neg(o[v] - mx);
       amax[b] = best;
-      lse[b] = mx + std::log(sum);
+      lse[b] = mx + std::log(exp_sum(o, V, mx));
     }
   });
 }
@@ -180,8 +260,49 @@ std::vector<torch::Tensor> logits_postprocess(torch::Tensor logits, torch::Tenso
   return {out, amax, lse};
 }
 
+// silu(gate) * up for gu = [gate | up] rows (the gate_up projection's output), one pass, no temporaries.
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t stride) {
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* g = gu + r * stride;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      int64_t i = 0;
+#if KVPAGE_AVX512
+      for (; i < inter; i += 16) {
+        const __mmask16 k = tail_mask(inter - i);
+        const __m512 x = load16(g + i, k);
+        const __m512 ex = kvpage::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x), k);  // inf for x << 0: y -> -0
+        const __m512 y = _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), ex)), load16(u + i, k));
+        store16(o + i, y, k);
+      }
+#else
+      for (; i < inter; ++i) {
+        const float x = f32(g[i]);
+        o[i] = static_cast<T>(x / (1.f + std::exp(-x)) * f32(u[i]));
+      }
+#endif
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0 && gu.stride(1) == 1, "gu must be [tokens, 2 * inter], rows dense");
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gu.options());
+  if (gu.scalar_type() == at::kBFloat16)
+    silu_mul_rows(gu.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter, gu.stride(0));
+  else {
+    TORCH_CHECK(gu.scalar_type() == at::kFloat, "gu must be float32 or bfloat16");
+    silu_mul_rows(gu.data_ptr<float>(), out.data_ptr<float>(), rows, inter, gu.stride(0));
+  }
+  return out;
+}
+
 void register_fused_ops(pybind11::module& m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; return rms_norm(residual) * weight");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows");
   m.def("rms_norm", &rms_norm, "rms_norm(residual) * weight");
   m.def("rotary_", &rotary_, "in-place rotate-half RoPE on q and k");
   m.def("logits_postprocess", &logits_postprocess, "float32 logits with exact near-max entries, argmax, logsumexp");

@@ -30,6 +30,9 @@
 namespace {
 
 using kvpage::exp_neg;
+#if defined(__AVX512F__)
+using kvpage::exp16;
+#endif
 using kvpage::to_float;
 
 template <typename T>
@@ -65,24 +68,13 @@ inline float dot_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t D) {
 // w[i] = exp(s[i] - mx) for i < n (every s[i] <= mx); returns the sum of the w[i].
 inline float exp_shift_sum(float* s, int64_t n, float mx) {
 #if defined(__AVX512F__)
-  const __m512 vmx = _mm512_set1_ps(mx), lo = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 vmx = _mm512_set1_ps(mx);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vmx), lo);
-    const __m512 t = _mm512_mul_ps(x, log2e);
-    const __m512 nn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, nn);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512 w = _mm512_scalef_ps(p, nn);
+    const __m512 w = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vmx), k);
     _mm512_mask_storeu_ps(s + i, k, w);
-    vsum = _mm512_mask_add_ps(vsum, k, vsum, w);
+    vsum = _mm512_add_ps(vsum, w);
   }
   return _mm512_reduce_add_ps(vsum);
 #else
@@ -94,6 +86,167 @@ inline float exp_shift_sum(float* s, int64_t n, float mx) {
   return sum;
 #endif
 }
+
+#ifdef KVPAGE_DPBF16
+// Key m of a 16-key chunk goes into slot kSlotKey[m] so that reduce16 leaves key i's sum in lane i.
+constexpr int kSlotKey[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// Horizontal sums of 16 vectors at once (a transposing add tree: 45 shuffles/adds instead of 16 separate
+// reductions). Lane 4i + p of the result holds the sum of v[4p + i].
+inline __m512 reduce16(const __m512* v) {
+  __m512 r[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)
+    r[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * k], r[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(r[2 * k], r[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k) {
+    const __m512d a = _mm512_castps_pd(u[2 * k]), b = _mm512_castps_pd(u[2 * k + 1]);
+    w[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512 bf16x16_to_ps(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The bf16-cache, bf16-query case of attend_tile, vectorized across keys: keys are taken 16 at a time, each
+// query row gets its 16 scores from exact bf16 dot products (dpbf16) and one transposing reduction, and the
+// softmax runs on the 16 lanes in registers. Values are widened to float once per chunk and shared by every
+// row of the KV head's group. Float32 accumulators, running max and sum, as in attend_tile.
+template <int64_t D>
+void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int64_t G, const at::BFloat16* kcache,
+                      const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t kv_heads,
+                      int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
+                      std::vector<float>& scratch, float scale) {
+  static_assert(D % 32 == 0, "head size must be a multiple of 32");
+  constexpr int64_t NC = D / 32;  // 512-bit chunks of a bf16 row
+  constexpr int64_t NF = D / 16;  // 512-bit chunks of a float row
+  const int64_t R = nq * H;
+  const int64_t row_stride = kv_heads * D;
+  const int64_t block_stride = block_size * row_stride;
+  scratch.resize(static_cast<size_t>(8 * D + R * 16 + D));
+  // the chunk's values as interleaved bf16 pairs: [pair][512-bit chunk c][lo, hi halves] = 8 x D floats' room
+  auto* vpairs = reinterpret_cast<at::BFloat16*>(scratch.data());
+  float* wts = scratch.data() + 8 * D;      // softmax weights, [r][i]
+  float* tmp = wts + R * 16;                // one row while restoring the element order
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < R; ++r) {
+    m[r] = neg_inf;
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + R * D, 0.f);
+  int64_t t = k_begin;
+  while (t < k_end) {
+    const int64_t off = t % block_size;
+    const int64_t n = std::min<int64_t>({block_size - off, k_end - t, 16});
+    const int64_t phys = table[t / block_size];
+    if (off + n == block_size && t + n < k_end) {  // the next block is elsewhere in memory: start fetching it
+      const int64_t next = table[(t + n) / block_size];
+      const char* kn = reinterpret_cast<const char*>(kcache + next * block_stride);
+      const char* vn = reinterpret_cast<const char*>(vcache + next * block_stride);
+      const int64_t bytes = std::min<int64_t>(block_size, k_end - t - n) * row_stride * 2;
+      for (int64_t b = 0; b < bytes; b += 64) {
+        _mm_prefetch(kn + b, _MM_HINT_T0);
+        _mm_prefetch(vn + b, _MM_HINT_T0);
+      }
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const at::BFloat16* kbase = kcache + phys * block_stride + off * row_stride + h * D;
+      const at::BFloat16* vbase = vcache + phys * block_stride + off * row_stride + h * D;
+      int64_t vis_max = 0;
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
+        vis_max = std::max(vis_max, visible);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = j * H + h * G + g;
+          float* w = wts + r * 16;
+          if (visible <= 0) {
+            _mm512_storeu_ps(w, _mm512_setzero_ps());
+            continue;
+          }
+          __m512i qv[NC];
+          for (int64_t c = 0; c < NC; ++c) qv[c] = _mm512_loadu_si512(reinterpret_cast<const void*>(qb[r] + 32 * c));
+          __m512 dots[16];
+          for (int slot = 0; slot < 16; ++slot) {
+            const int key = kSlotKey[slot];
+            __m512 a = _mm512_setzero_ps();
+            if (key < visible) {
+              const at::BFloat16* k = kbase + key * row_stride;
+              for (int64_t c = 0; c < NC; ++c)
+                a = _mm512_dpbf16_ps(a, (__m512bh)qv[c],
+                                     (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + 32 * c)));
+            }
+            dots[slot] = a;
+          }
+          const __mmask16 keep = static_cast<__mmask16>((1u << visible) - 1u);
+          const __m512 s = _mm512_mask_blend_ps(keep, vneg_inf, _mm512_mul_ps(reduce16(dots), vscale));
+          const float new_m = std::max(m[r], _mm512_reduce_max_ps(s));
+          const float corr = exp_neg(m[r] - new_m);
+          const __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_m)), keep);
+          _mm512_storeu_ps(w, e);
+          l[r] = l[r] * corr + _mm512_reduce_add_ps(e);
+          m[r] = new_m;
+          if (corr != 1.f) {
+            float* a = acc + r * D;
+            const __m512 vc = _mm512_set1_ps(corr);
+            for (int64_t c = 0; c < NF; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), vc));
+          }
+        }
+      }
+      if (vis_max <= 0) continue;
+      // Values of keys 2p and 2p+1 interleaved per element (the operand layout of dpbf16), zero past vis_max.
+      const int64_t pairs = (vis_max + 1) / 2;
+      for (int64_t pr = 0; pr < pairs; ++pr) {
+        const at::BFloat16* va = vbase + 2 * pr * row_stride;
+        const bool has_b = 2 * pr + 1 < vis_max;
+        for (int64_t c = 0; c < NC; ++c) {
+          const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(va + 32 * c));
+          const __m512i b = has_b ? _mm512_loadu_si512(reinterpret_cast<const void*>(va + row_stride + 32 * c))
+                                  : _mm512_setzero_si512();
+          _mm512_storeu_si512(reinterpret_cast<void*>(vpairs + (pr * NC + c) * 64), _mm512_unpacklo_epi16(a, b));
+          _mm512_storeu_si512(reinterpret_cast<void*>(vpairs + (pr * NC + c) * 64 + 32), _mm512_unpackhi_epi16(a, b));
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t visible = std::min(n, pos0 + j + 1 - t);
+        if (visible <= 0) continue;
+        const int64_t row_pairs = (visible + 1) / 2;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = j * H + h * G + g;
+          float* a = acc + r * D;  // kept in the interleaved element order until the end of the task
+          // The weights as bf16 pairs (w[2p] low, w[2p+1] high), like FlashAttention's bf16 P @ V.
+          int32_t wp[8];
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wp), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(wts + r * 16)));
+          __m512 av[NF];
+          for (int64_t c = 0; c < NF; ++c) av[c] = _mm512_loadu_ps(a + 16 * c);
+          for (int64_t pr = 0; pr < row_pairs; ++pr) {
+            const __m512bh wb = (__m512bh)_mm512_set1_epi32(wp[pr]);
+            for (int64_t c = 0; c < NF; ++c)
+              av[c] = _mm512_dpbf16_ps(av[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(vpairs + (pr * NC) * 64 + 32 * c)), wb);
+          }
+          for (int64_t c = 0; c < NF; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
+        }
+      }
+    }
+    t += n;
+  }
+  // Accumulator element e of 512-bit chunk c, 128-bit lane L holds d = 32c + 8L + (e < 4 ? e : e + 4) for the
+  // low half (e in 0..15 as 4 lanes x 4) and the same + 4 for the high half: restore the natural order.
+  for (int64_t r = 0; r < R; ++r) {
+    float* a = acc + r * D;
+    for (int64_t c = 0; c < NC; ++c)
+      for (int64_t half = 0; half < 2; ++half)
+        for (int64_t e = 0; e < 16; ++e) tmp[32 * c + 8 * (e / 4) + 4 * half + e % 4] = a[32 * c + 16 * half + e];
+    std::copy(tmp, tmp + D, a);
+  }
+}
+#endif
 
 struct Task {
   int64_t seq, row0, nq, part;  // query rows row0 .. row0+nq-1 of the flat batch, every head
@@ -269,6 +422,21 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       float* pm = part_m.data() + offset[ti];
       float* pl = part_l.data() + offset[ti];
       const float sc = static_cast<float>(scale);
+#ifdef KVPAGE_DPBF16
+      if constexpr (std::is_same_v<KV, at::BFloat16>) {
+        if (use_dp && (D == 64 || D == 128)) {
+          const auto* kb = reinterpret_cast<const at::BFloat16*>(kcache);
+          const auto* vb = reinterpret_cast<const at::BFloat16*>(vcache);
+          if (D == 64)
+            attend_tile_bf16<64>(qb, tk.nq, H, G, kb, vb, table, block_size, kv_heads, tk.pos0, k_begin, k_end, pa,
+                                 pm, pl, scratch, sc);
+          else
+            attend_tile_bf16<128>(qb, tk.nq, H, G, kb, vb, table, block_size, kv_heads, tk.pos0, k_begin, k_end,
+                                  pa, pm, pl, scratch, sc);
+          continue;
+        }
+      }
+#endif
       if (D == 64)
         attend_tile<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, D, tk.pos0,
                             k_begin, k_end, pa, pm, pl, scratch, qb, sc);
@@ -331,14 +499,20 @@ void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Te
   KV* vdst = kdst + num_slots * row;
   const IN* ksrc = key.data_ptr<IN>();
   const IN* vsrc = value.data_ptr<IN>();
+  const int64_t ks = key.stride(0), vs = value.stride(0);  // token rows may be views into a wider qkv output
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i];
       TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
-      for (int64_t e = 0; e < row; ++e) {
-        kdst[slot * row + e] = static_cast<KV>(ksrc[i * row + e]);
-        vdst[slot * row + e] = static_cast<KV>(vsrc[i * row + e]);
+      if constexpr (std::is_same_v<KV, IN>) {
+        std::memcpy(kdst + slot * row, ksrc + i * ks, sizeof(KV) * row);
+        std::memcpy(vdst + slot * row, vsrc + i * vs, sizeof(KV) * row);
+      } else {
+        for (int64_t e = 0; e < row; ++e) {
+          kdst[slot * row + e] = static_cast<KV>(ksrc[i * ks + e]);
+          vdst[slot * row + e] = static_cast<KV>(vsrc[i * vs + e]);
+        }
       }
     }
   });
@@ -358,8 +532,10 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
   TORCH_CHECK(key.sizes() == value.sizes() && key.dim() == 3, "key/value must be [tokens, kv_heads, dim]");
   TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4), "key shape does not match the cache");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0), "bad slot_mapping");
-  key = key.contiguous();
-  value = value.contiguous();
+  // Each token's heads must be one dense row; the rows themselves may be strided (no copy of a qkv view).
+  const auto dense_rows = [](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); };
+  if (!dense_rows(key)) key = key.contiguous();
+  if (!dense_rows(value)) value = value.contiguous();
   TORCH_CHECK(key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16, "key must be float32/bfloat16");
   if (kv_cache.scalar_type() == at::kFloat) {
     if (key.scalar_type() == at::kFloat) write_cache<float, float>(key, value, kv_cache, slot_mapping);
