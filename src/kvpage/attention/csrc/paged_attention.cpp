@@ -89,6 +89,8 @@ inline float exp_shift_sum(float* s, int64_t n, float mx) {
 
 #ifdef KVPAGE_DPBF16
 // Key m of a 16-key chunk goes into slot kSlotKey[m] so that reduce16 leaves key i's sum in lane i.
+constexpr int64_t kPrefetchAhead = 2;  // blocks
+
 constexpr int kSlotKey[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
 // Horizontal sums of 16 vectors at once (a transposing add tree: 45 shuffles/adds instead of 16 separate
@@ -146,14 +148,19 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
     const int64_t off = t % block_size;
     const int64_t n = std::min<int64_t>({block_size - off, k_end - t, 16});
     const int64_t phys = table[t / block_size];
-    if (off + n == block_size && t + n < k_end) {  // the next block is elsewhere in memory: start fetching it
-      const int64_t next = table[(t + n) / block_size];
-      const char* kn = reinterpret_cast<const char*>(kcache + next * block_stride);
-      const char* vn = reinterpret_cast<const char*>(vcache + next * block_stride);
-      const int64_t bytes = std::min<int64_t>(block_size, k_end - t - n) * row_stride * 2;
-      for (int64_t b = 0; b < bytes; b += 64) {
-        _mm_prefetch(kn + b, _MM_HINT_T0);
-        _mm_prefetch(vn + b, _MM_HINT_T0);
+    // Blocks are scattered, so the hardware prefetcher cannot run ahead across a block boundary: when a block
+    // is entered, fetch the one kPrefetchAhead blocks later into L2.
+    if (off == 0 || t == k_begin) {
+      const int64_t ahead = (t / block_size + kPrefetchAhead) * block_size;
+      if (ahead < k_end) {
+        const int64_t nb = table[ahead / block_size];
+        const char* kn = reinterpret_cast<const char*>(kcache + nb * block_stride);
+        const char* vn = reinterpret_cast<const char*>(vcache + nb * block_stride);
+        const int64_t bytes = std::min<int64_t>(block_size, k_end - ahead) * row_stride * 2;
+        for (int64_t b = 0; b < bytes; b += 64) {
+          _mm_prefetch(kn + b, _MM_HINT_T1);
+          _mm_prefetch(vn + b, _MM_HINT_T1);
+        }
       }
     }
     for (int64_t h = 0; h < kv_heads; ++h) {
