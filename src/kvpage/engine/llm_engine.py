@@ -212,6 +212,7 @@ class LLMEngine:
             "kv_usage": s.pool_usage,
             "kv_utilization": s.utilization,
             "prefix_cache_hit_rate": s.prefix_hit_rate,
+            "prefix_cache_query_tokens": s.prefix_query_tokens,
             "prefix_cache_hit_tokens": s.prefix_hit_tokens,
             "preemptions": self.scheduler.num_preemptions,
             "swap_preemptions": self.scheduler.num_swap_preemptions,

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from kvpage import __version__
-from kvpage.entrypoints import generate, plan, trace
+from kvpage.entrypoints import generate, plan, serve, trace
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parser(sub)
     plan.add_parser(sub)
+    serve.add_parser(sub)
     trace.add_parser(sub)
     return parser
 

@@ -1,0 +1,98 @@
+"""Prometheus metrics under the ``kvpage:`` prefix, named after vLLM's so existing dashboards carry over."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvpage.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        lab = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kvpage:{name}", doc, lab, registry=r)
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(f"kvpage:{name}", doc, lab + (extra or []), registry=r)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"kvpage:{name}", doc, lab, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.swapped = gauge("num_requests_swapped", "Requests swapped out to host memory")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)")
+        self.kv_blocks_used = gauge("kv_cache_blocks_used", "KV blocks held by sequences")
+        self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool")
+        self.kv_utilization = gauge("kv_cache_utilization_perc", "Live token slots / allocated slots")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (recompute or swap)")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.request_success = counter("request_success", "Finished requests", ["finished_reason"])
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token")
+        self.itl = histogram("inter_token_latency_seconds", "Time between successive tokens of a request")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token")
+        self.step_time = histogram("engine_step_seconds", "Duration of one engine step")
+        self.model = model_name
+        self._last: dict[str, Any] = {}
+        self._last_token_time: dict[str, float] = {}
+
+    def on_step(self, client: Any, outs: list[RequestOutput], step_seconds: float) -> None:
+        """Engine thread, after each step: gauges from the fresh stats, counters by delta, latencies."""
+        m = self.model
+        s = client.stats
+        self.running.labels(m).set(s["running"])
+        self.waiting.labels(m).set(s["waiting"])
+        self.swapped.labels(m).set(s["swapped"])
+        self.kv_usage.labels(m).set(s["kv_usage"])
+        self.kv_blocks_used.labels(m).set(s["kv_blocks_used"])
+        self.kv_blocks_total.labels(m).set(s["kv_blocks_total"])
+        self.kv_utilization.labels(m).set(s["kv_utilization"])
+        for counter, key in ((self.prefix_queries, "prefix_cache_query_tokens"),
+                             (self.prefix_hits, "prefix_cache_hit_tokens"), (self.preemptions, "preemptions"),
+                             (self.generation_tokens, "generated_tokens")):
+            delta = s[key] - self._last.get(key, 0)
+            if delta > 0:
+                counter.labels(m).inc(delta)
+        self._last = dict(s)
+        if step_seconds:
+            self.step_time.labels(m).observe(step_seconds)
+        now = time.time()
+        for out in outs:
+            rid = out.request_id
+            n_tokens = sum(len(c.token_ids) for c in out.outputs)  # delta outputs: new tokens only
+            if n_tokens:
+                last = self._last_token_time.get(rid)
+                if last is None:
+                    arrival = out.metrics.arrival_time if out.metrics else now
+                    self.ttft.labels(m).observe(max(0.0, now - arrival))
+                else:  # a step adds one token per sample, more only when several arrive at once
+                    per_sample = max(1, n_tokens // max(1, len(out.outputs)))
+                    for _ in range(per_sample):
+                        self.itl.labels(m).observe((now - last) / per_sample)
+                self._last_token_time[rid] = now
+            if out.finished:
+                arrival = out.metrics.arrival_time if out.metrics else now
+                self.e2e.labels(m).observe(max(0.0, now - arrival))
+                reasons = {c.finish_reason for c in out.outputs if c.finish_reason} or {"abort"}
+                for reason in reasons:
+                    self.request_success.labels(m, reason).inc()
+                self._last_token_time.pop(rid, None)
+
+    def add_prompt_tokens(self, n: int) -> None:
+        self.prompt_tokens.labels(self.model).inc(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

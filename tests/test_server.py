@@ -1,0 +1,313 @@
+"""The OpenAI-compatible server as a real process on 127.0.0.1: the official client, streaming, concurrency,
+disconnects, metrics, and every refusal the server promises."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server(*extra: str) -> Iterator[int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvpage.entrypoints.cli", "serve", "--port", str(port), "--kv-cache-memory",
+           "256MiB", "--max-model-len", "1024", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
+    try:
+        deadline = time.time() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stdout.read() if proc.stdout else ''}")
+            try:
+                status, _ = request(port, "GET", "/health")
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("server did not come up in 120 s")
+            time.sleep(0.2)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def request(port: int, method: str, path: str, body: bytes | str | dict | None = None,
+            key: str | None = KEY) -> tuple[int, dict | str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body) if isinstance(body, dict) else body
+    conn.request(method, path, body=data, headers=headers)
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    try:
+        return resp.status, json.loads(raw)
+    except json.JSONDecodeError:
+        return resp.status, raw
+
+
+def metric(port: int, name: str) -> float:
+    _, text = request(port, "GET", "/metrics")
+    assert isinstance(text, str)
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[int]:
+    with server("--api-key", KEY, "--max-n", "4") as port:
+        yield port
+
+
+@pytest.fixture(scope="module")
+def model_id(srv) -> str:
+    status, body = request(srv, "GET", "/v1/models")
+    assert status == 200
+    return body["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from kvpage.engine.llm import LLM
+
+    return LLM(kv_cache_memory="128MiB", max_model_len=1024)
+
+
+def client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+
+
+PROMPT = "Here is a short list of facts about the primary colors of paint, written for a child. The three primary colors are"
+
+
+def test_models_health_metrics(srv, model_id):
+    assert request(srv, "GET", "/health")[0] == 200
+    _, body = request(srv, "GET", "/v1/models")
+    assert body["data"][0]["max_model_len"] == 1024
+    assert model_id == client(srv).models.list().data[0].id
+    _, text = request(srv, "GET", "/metrics")
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds"):
+        assert f"kvpage:{name}" in text, name
+
+
+def test_completions_match_offline_generate_streamed_or_not(srv, model_id, offline):
+    from kvpage.sampling_params import SamplingParams
+
+    expect = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    c = client(srv)
+    full = c.completions.create(model=model_id, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert full.choices[0].text == expect.outputs[0].text
+    assert full.usage.prompt_tokens == len(expect.prompt_token_ids)
+    assert full.usage.completion_tokens == len(expect.outputs[0].token_ids)
+    pieces, usage = [], None
+    for chunk in c.completions.create(model=model_id, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                      stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(pieces) == expect.outputs[0].text
+    assert usage is not None and usage.completion_tokens == 24
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: its full blocks were cached
+
+
+def test_chat_matches_offline_chat_streamed_or_not(srv, model_id, offline):
+    from kvpage.sampling_params import SamplingParams
+
+    msgs = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    expect = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0].text
+    c = client(srv)
+    full = c.chat.completions.create(model=model_id, messages=msgs, max_tokens=20, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == expect
+    text, finish = "", None
+    for chunk in c.chat.completions.create(model=model_id, messages=msgs, max_tokens=20, temperature=0,
+                                           stream=True):
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    assert text == expect
+    assert finish in ("stop", "length")
+
+
+def test_sampling_extras_logprobs_n_and_stop(srv, model_id):
+    status, body = request(srv, "POST", "/v1/completions", {
+        "model": model_id, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.8, "top_k": 20, "min_p": 0.05,
+        "repetition_penalty": 1.1, "seed": 7, "n": 2, "logprobs": 2})
+    assert status == 200, body
+    assert sorted(ch["index"] for ch in body["choices"]) == [0, 1]
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 6
+    assert all(len(t) <= 3 for t in lp["top_logprobs"])  # top 2 (+ the sampled token when outside them)
+    again = request(srv, "POST", "/v1/completions", {
+        "model": model_id, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.8, "top_k": 20, "min_p": 0.05,
+        "repetition_penalty": 1.1, "seed": 7, "n": 2, "logprobs": 2})[1]
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in body["choices"]]  # seeded
+    status, body = request(srv, "POST", "/v1/chat/completions", {
+        "model": model_id, "messages": [{"role": "user", "content": "Count: one, two, three, four"}],
+        "max_tokens": 30, "temperature": 0, "stop": [","], "logprobs": True, "top_logprobs": 3})
+    assert status == 200, body
+    ch = body["choices"][0]
+    assert "," not in ch["message"]["content"]
+    assert ch["logprobs"]["content"] and len(ch["logprobs"]["content"][0]["top_logprobs"]) == 3
+    status, body = request(srv, "POST", "/v1/completions", {
+        "model": model_id, "prompt": [PROMPT, "Once upon a time"], "max_tokens": 3, "temperature": 0,
+        "ignore_eos": True, "cache_salt": "tenant-a"})
+    assert status == 200 and len(body["choices"]) == 2
+    assert body["usage"]["completion_tokens"] == 6
+
+
+def test_tokenize_detokenize(srv, model_id):
+    status, body = request(srv, "POST", "/tokenize", {"model": model_id, "prompt": "Hello world"})
+    assert status == 200 and body["count"] == len(body["tokens"]) > 0
+    status, back = request(srv, "POST", "/detokenize", {"model": model_id, "tokens": body["tokens"]})
+    assert status == 200 and back["prompt"].endswith("Hello world")
+    status, chat = request(srv, "POST", "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and chat["count"] > body["count"]
+    assert request(srv, "POST", "/detokenize", {"tokens": [-1]})[0] == 400
+
+
+def stream_raw(port: int, path: str, body: dict) -> tuple[socket.socket, bytes]:
+    """Open a streamed request on a raw socket and read until the first event arrives."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    got = b""
+    while b"data:" not in got:
+        chunk = s.recv(65536)
+        assert chunk, "server closed the stream"
+        got += chunk
+    return s, got
+
+
+def wait_idle(port: int, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metric(port, "kvpage:kv_cache_blocks_used") == 0 and metric(port, "kvpage:num_requests_running") == 0 \
+                and metric(port, "kvpage:num_requests_waiting") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not idle after {timeout} s: blocks {metric(port, 'kvpage:kv_cache_blocks_used')}, "
+                         f"running {metric(port, 'kvpage:num_requests_running')}")
+
+
+def test_64_concurrent_streams_then_disconnect_burst_frees_everything(srv, model_id):
+    async def one(ac, i):
+        text = ""
+        stream = await ac.completions.create(model=model_id, prompt=f"Story {i}: once upon a time", max_tokens=16,
+                                             temperature=0, stream=True, extra_body={"ignore_eos": True})
+        finish = None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main():
+        ac = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{srv}/v1", api_key=KEY, max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(ac, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert len(results) == 64 and all(f == "length" and t for t, f in results)
+    wait_idle(srv)
+    # A burst of clients that vanish mid-stream: their requests must be aborted and their blocks freed.
+    socks = [stream_raw(srv, "/v1/completions", {"model": model_id, "prompt": f"Tell me about {i}",
+                                                 "max_tokens": 400, "ignore_eos": True, "stream": True})[0]
+             for i in range(12)]
+    assert metric(srv, "kvpage:kv_cache_blocks_used") > 0
+    for s in socks:
+        s.close()
+    wait_idle(srv, 10)
+    _, text = request(srv, "GET", "/metrics")
+    aborted = re.search(r'^kvpage:request_success_total\{[^}]*finished_reason="abort"[^}]*\} ([0-9.e+]+)$', text, re.M)
+    assert aborted and float(aborted.group(1)) >= 12
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [
+    ("{not json", 400, "malformed JSON"),
+    ({"model": "gpt-17", "prompt": "hi"}, 404, "does not exist"),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**9}, 400, "max_model_len"),
+    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "hi", "n": 1000}, 400, "n=1000"),
+    ({"prompt": "hi " * 3000}, 413, "max_model_len"),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": [10**9]}, 400, "token ids"),
+    ({"max_tokens": 3}, 400, "prompt"),
+])
+def test_bad_completion_requests_get_openai_errors(srv, body, status, words):
+    got, err = request(srv, "POST", "/v1/completions", body)
+    assert got == status, err
+    assert words in err["error"]["message"]
+    assert {"message", "type", "code"} <= set(err["error"])
+
+
+def test_bad_chat_auth_and_routes(srv, model_id):
+    assert request(srv, "POST", "/v1/chat/completions", {"messages": []})[0] == 400
+    assert request(srv, "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})[0] == 400
+    assert request(srv, "POST", "/v1/chat/completions",
+                   {"messages": [{"role": "user", "content": "x"}], "temperature": -1})[0] == 400
+    status, err = request(srv, "GET", "/v1/models", key=None)
+    assert status == 401 and "missing API key" in err["error"]["message"]
+    status, err = request(srv, "POST", "/v1/completions", {"prompt": "hi"}, key="nope")
+    assert status == 401 and "wrong API key" in err["error"]["message"]
+    status, err = request(srv, "GET", "/v1/nothing")
+    assert status == 404 and "error" in err
+    # ... and the server still serves correctly, with nothing leaked
+    status, body = request(srv, "POST", "/v1/completions", {"model": model_id, "prompt": PROMPT, "max_tokens": 4})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    wait_idle(srv)
+
+
+def test_queue_full_is_429_and_the_queue_recovers():
+    with server("--max-num-seqs", "1", "--max-queue", "1") as port:
+        first, _ = stream_raw(port, "/v1/completions", {"prompt": "A long story", "max_tokens": 300,
+                                                         "ignore_eos": True, "stream": True})
+        # The running request holds the only slot; one more may wait, the next is refused.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "queued", "max_tokens": 2}),
+                     headers={"Content-Type": "application/json"})
+        deadline = time.time() + 10
+        while metric(port, "kvpage:num_requests_waiting") < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        status, err = request(port, "POST", "/v1/completions", {"prompt": "refused", "max_tokens": 2})
+        assert status == 429 and "queue is full" in err["error"]["message"]
+        first.close()  # frees the slot: the queued request runs
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
+        wait_idle(port)
+        assert request(port, "POST", "/v1/completions", {"prompt": "after", "max_tokens": 2})[0] == 200
