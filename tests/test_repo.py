@@ -18,7 +18,7 @@ def test_readme_starts_with_two_commands():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert lines[0].startswith("# ") and lines[2] == "```sh"
     run, test = readme_commands()
-    assert "kvpage generate" in run and "pytest" in test
+    assert "kvpage serve" in run and "pytest" in test
 
 
 def test_ci_runs_exactly_the_readme_test_command():

@@ -108,7 +108,8 @@ def client(port: int) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
 
 
-PROMPT = "Here is a short list of facts about the primary colors of paint, written for a child. The three primary colors are"
+PROMPT = ("Here is a short list of facts about the primary colors of paint, written for a child. "
+          "The three primary colors are")
 
 
 def test_models_health_metrics(srv, model_id):
@@ -311,3 +312,15 @@ def test_queue_full_is_429_and_the_queue_recovers():
         assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
         wait_idle(port)
         assert request(port, "POST", "/v1/completions", {"prompt": "after", "max_tokens": 2})[0] == 200
+
+
+def test_readme_curl_call_works(srv):
+    """The chat request the README shows right under its first command."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    m = re.search(r"curl -s http://127\.0\.0\.1:8000(/v1/chat/completions) .*?-d '(\{.*?\})'", readme)
+    assert m, "README's curl example not found"
+    status, body = request(srv, "POST", m.group(1), m.group(2))
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"]

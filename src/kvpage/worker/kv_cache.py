@@ -8,8 +8,10 @@ has the same layout with its own block count.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Sequence
 
@@ -48,6 +50,8 @@ def populate_in_background(tensors: Sequence[torch.Tensor]) -> threading.Thread 
         spans.append((start, t.data_ptr() + t.numel() * t.element_size() - start))
 
     def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):  # niceness is per thread on Linux: yield the cores
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         for start, length in spans:
             if madvise(start, length, _MADV_POPULATE_WRITE) != 0:
                 return  # EINVAL on older kernels: nothing to do
@@ -74,8 +78,14 @@ class KVCache:
         self.host_layers = [torch.empty(host_shape, dtype=dtype) for _ in range(n_host_layers)]
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
         self.block_size, self.dtype = block_size, dtype
-        # The tensors stay referenced by self.layers for the cache's life, so the spans stay valid.
-        self.populate_thread = populate_in_background(self.layers)
+        self.populate_thread: threading.Thread | None = None
+
+    def populate(self) -> None:
+        """Fault the device KV pages in from a background thread (once). The engine calls this after its
+        first step, so it does not compete with model loading and the first token (cold start)."""
+        if self.populate_thread is None:
+            # The tensors stay referenced by self.layers for the cache's life, so the spans stay valid.
+            self.populate_thread = populate_in_background(self.layers)
 
     @staticmethod
     def _move(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor], pairs: Sequence[tuple[int, int]]) -> None:
