@@ -111,8 +111,6 @@ class LLMEngine:
         if not out.is_empty:
             self.num_steps += 1
             self._run(out, touched)
-            if self.num_steps == 1:
-                self.worker.kv_cache.populate()
         results = []
         for req in touched.values():
             ro = make_request_output(req)
