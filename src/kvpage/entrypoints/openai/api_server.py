@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,8 +29,8 @@ from kvpage.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SamplingFields,
     TokenizeRequest,
-    _Sampling,
 )
 from kvpage.outputs import CompletionOutput, RequestOutput
 from kvpage.sampling_params import SamplingParams
@@ -123,14 +123,14 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         room = max_model_len - prompt_len
         if max_tokens is None:
             return room
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if max_tokens < 1:
             raise APIError(400, f"max_tokens must be an integer >= 1, got {max_tokens}", param="max_tokens")
         if max_tokens > room:
             raise APIError(400, f"max_tokens={max_tokens} with a prompt of {prompt_len} tokens exceeds "
                                 f"max_model_len={max_model_len} (at most {room} here)", param="max_tokens")
         return max_tokens
 
-    def common_checks(req: _Sampling) -> None:
+    def common_checks(req: SamplingFields) -> None:
         check_model(req.model)
         if req.n > config.max_n:
             raise APIError(400, f"n={req.n} exceeds this server's limit of {config.max_n}", param="n")
@@ -239,11 +239,30 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                             "top_logprobs": top})
         return {"content": content}
 
-    async def run(request: Request, req: _Sampling, jobs: list[_Job], params: list[SamplingParams],
-                  render: Callable[..., Awaitable[Response]]) -> Response:
-        outputs: asyncio.Queue = asyncio.Queue()
-        await start(jobs, params, req.cache_salt, outputs)
-        return await render(request, jobs, outputs)
+    async def changes(request: Request, jobs: list[_Job],
+                      outputs: asyncio.Queue) -> AsyncIterator[tuple[_Job, RequestOutput, CompletionOutput]]:
+        """Each completion that has something new (text, tokens or its finish) in a delta output."""
+        async with aclosing(stream_outputs(request, jobs, outputs)) as it:
+            async for job, out in it:
+                for c in out.outputs:
+                    if c.text or c.token_ids or c.finish_reason is not None:
+                        yield job, out, c
+
+    def sse_response(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+        """Server-sent events ending in [DONE]; an engine failure mid-stream becomes an error event (a client
+        that disconnected reads nothing, and its jobs are already aborted)."""
+        async def body() -> AsyncIterator[str]:
+            try:
+                async with aclosing(events) as it:
+                    async for obj in it:
+                        yield sse(obj)
+            except APIError as e:
+                if e.status == 499:
+                    return
+                yield sse(e.body())
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
@@ -310,50 +329,39 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                     "logprobs": completion_logprobs(c, top_n, offset), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason}
 
-        async def render(request: Request, jobs: list[_Job], outputs: asyncio.Queue) -> Response:
-            if not req.stream:
-                finals = await collect(request, jobs, outputs)
-                choices, n_out, cached = [], 0, 0
-                for job in jobs:
-                    out = finals[job.request_id]
-                    if out.error:
-                        raise APIError(500, out.error, "server_error")
-                    cached += out.num_cached_tokens
-                    for c in out.outputs:
-                        choices.append(choice(job, c, 0))
-                        n_out += len(c.token_ids)
-                choices.sort(key=lambda ch: ch["index"])
-                return JSONResponse({"id": base, "object": "text_completion", "created": int(time.time()),
-                                     "model": model, "choices": choices,
-                                     "usage": usage(jobs, n_out, cached)})
+        def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return {"id": base, "object": "text_completion", "created": int(time.time()), "model": model,
+                    "choices": choices, **extra}
 
-            async def events() -> AsyncIterator[str]:
-                n_out, cached, offsets = 0, {}, {}
-                try:
-                    async with aclosing(stream_outputs(request, jobs, outputs)) as it:
-                        async for job, out in it:
-                            cached[job.request_id] = out.num_cached_tokens
-                            for c in out.outputs:
-                                if not c.text and not c.token_ids and c.finish_reason is None:
-                                    continue
-                                key = (job.index, c.index)
-                                n_out += len(c.token_ids)
-                                ch = choice(job, c, offsets.get(key, 0))
-                                offsets[key] = offsets.get(key, 0) + len(c.text)
-                                yield sse({"id": base, "object": "text_completion", "created": int(time.time()),
-                                           "model": model, "choices": [ch]})
-                    if include_usage:
-                        yield sse({"id": base, "object": "text_completion", "created": int(time.time()), "model": model,
-                                   "choices": [], "usage": usage(jobs, n_out, sum(cached.values()))})
-                    yield "data: [DONE]\n\n"
-                except APIError as e:  # the engine died mid-stream; a gone client reads nothing
-                    if e.status != 499:
-                        yield sse(e.body())
-                        yield "data: [DONE]\n\n"
+        outputs: asyncio.Queue = asyncio.Queue()
+        await start(jobs, params, req.cache_salt, outputs)
+        if not req.stream:
+            finals = await collect(request, jobs, outputs)
+            choices, n_out, cached = [], 0, 0
+            for job in jobs:
+                out = finals[job.request_id]
+                if out.error:
+                    raise APIError(500, out.error, "server_error")
+                cached += out.num_cached_tokens
+                for c in out.outputs:
+                    choices.append(choice(job, c, 0))
+                    n_out += len(c.token_ids)
+            choices.sort(key=lambda ch: ch["index"])
+            return JSONResponse(frame(choices, usage=usage(jobs, n_out, cached)))
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            n_out, cached, offsets = 0, {}, {}
+            async with aclosing(changes(request, jobs, outputs)) as it:
+                async for job, out, c in it:
+                    cached[job.request_id] = out.num_cached_tokens
+                    key = (job.index, c.index)
+                    n_out += len(c.token_ids)
+                    yield frame([choice(job, c, offsets.get(key, 0))])
+                    offsets[key] = offsets.get(key, 0) + len(c.text)
+            if include_usage:
+                yield frame([], usage=usage(jobs, n_out, sum(cached.values())))
 
-        return await run(request, req, jobs, params, render)
+        return sse_response(events())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -375,51 +383,38 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model = config.model_name
 
-        def chunk(choices: list[dict[str, Any]]) -> str:
-            return sse({"id": base, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                        "choices": choices})
+        def frame(choices: list[dict[str, Any]], obj: str = "chat.completion.chunk", **extra: Any) -> dict[str, Any]:
+            return {"id": base, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
+                    **extra}
 
-        async def render(request: Request, jobs: list[_Job], outputs: asyncio.Queue) -> Response:
-            if not req.stream:
-                finals = await collect(request, jobs, outputs)
-                out = finals[jobs[0].request_id]
-                if out.error:
-                    raise APIError(500, out.error, "server_error")
-                choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": chat_logprobs(c, top_n), "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason} for c in out.outputs]
-                n_out = sum(len(c.token_ids) for c in out.outputs)
-                return JSONResponse({"id": base, "object": "chat.completion", "created": int(time.time()),
-                                     "model": model, "choices": choices,
-                                     "usage": usage(jobs, n_out, out.num_cached_tokens)})
+        outputs: asyncio.Queue = asyncio.Queue()
+        await start(jobs, params, req.cache_salt, outputs)
+        if not req.stream:
+            finals = await collect(request, jobs, outputs)
+            out = finals[jobs[0].request_id]
+            if out.error:
+                raise APIError(500, out.error, "server_error")
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": chat_logprobs(c, top_n), "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason} for c in out.outputs]
+            n_out = sum(len(c.token_ids) for c in out.outputs)
+            return JSONResponse(frame(choices, "chat.completion", usage=usage(jobs, n_out, out.num_cached_tokens)))
 
-            async def events() -> AsyncIterator[str]:
-                n_out, cached = 0, 0
-                for i in range(req.n):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
-                try:
-                    async with aclosing(stream_outputs(request, jobs, outputs)) as it:
-                        async for _, out in it:
-                            cached = out.num_cached_tokens
-                            for c in out.outputs:
-                                if not c.text and not c.token_ids and c.finish_reason is None:
-                                    continue
-                                n_out += len(c.token_ids)
-                                delta = {"content": c.text} if c.text or c.finish_reason is None else {}
-                                yield chunk([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top_n),
-                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
-                    if include_usage:
-                        yield sse({"id": base, "object": "chat.completion.chunk", "created": int(time.time()),
-                                   "model": model, "choices": [], "usage": usage(jobs, n_out, cached)})
-                    yield "data: [DONE]\n\n"
-                except APIError as e:  # the engine died mid-stream; a gone client reads nothing
-                    if e.status != 499:
-                        yield sse(e.body())
-                        yield "data: [DONE]\n\n"
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            n_out, cached = 0, 0
+            for i in range(req.n):
+                yield frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            async with aclosing(changes(request, jobs, outputs)) as it:
+                async for _, out, c in it:
+                    cached = out.num_cached_tokens
+                    n_out += len(c.token_ids)
+                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                    yield frame([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top_n),
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+            if include_usage:
+                yield frame([], usage=usage(jobs, n_out, cached))
 
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        return await run(request, req, jobs, params, render)
+        return sse_response(events())
 
     return app

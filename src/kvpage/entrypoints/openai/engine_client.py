@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ class _Abort:
 
 
 class AsyncEngine:
-    """Thread-stepped LLMEngine with an asyncio face: ``generate`` yields RequestOutputs for one request."""
+    """Thread-stepped LLMEngine with an asyncio face: ``submit`` hands a request over; outputs arrive on a queue."""
 
     def __init__(self, engine: LLMEngine, max_queue: int | None = None,
                  on_step: Callable[[AsyncEngine, list[RequestOutput], float], None] | None = None) -> None:
@@ -74,13 +74,6 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def num_waiting(self) -> int:
-        with self._lock:
-            return self._waiting_locked()
-
-    def _waiting_locked(self) -> int:
-        return int(self.stats["waiting"]) + self._submitted - self._applied_at_publish
-
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      outputs: asyncio.Queue, cache_salt: str | None = None) -> None:
         """Hand a request to the engine; returns once the engine accepted it (or raises why it did not:
@@ -94,7 +87,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
         with self._lock:
-            if self.max_queue is not None and self._waiting_locked() >= self.max_queue:
+            waiting = int(self.stats["waiting"]) + self._submitted - self._applied_at_publish
+            if self.max_queue is not None and waiting >= self.max_queue:
                 raise QueueFullError(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
             self._submitted += 1
         cmd = _Add(request_id, prompt_ids, params, cache_salt, sink)
@@ -104,23 +98,6 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(request_id)  # it may still be added: the abort follows it in the command queue
             raise
-
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes; leaving early aborts it (its blocks return at once)."""
-        outputs: asyncio.Queue = asyncio.Queue()
-        await self.submit(request_id, prompt_ids, params, outputs, cache_salt)
-        finished = False
-        try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

@@ -31,7 +31,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -81,7 +81,7 @@ class _Sampling(BaseModel):
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -131,7 +131,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
