@@ -217,3 +217,21 @@ def test_static_policy_engine_runs_and_admits_fewer(baseline):
     forks = static.generate(PROMPTS[0], SamplingParams(n=2, temperature=0, max_tokens=6), use_tqdm=False)[0]
     assert [c.token_ids for c in forks.outputs] == [baseline[0][:6]] * 2  # forks copy under this policy
     assert_drained(static)
+
+
+def test_step_log_records_each_steps_shape_for_the_simulator(llm):
+    eng = llm.engine
+    prompts = [[7000 + i for i in range(37)], [9000 + i for i in range(5)]]
+    eng.step_log = []
+    steps_before = eng.num_steps
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        log = eng.step_log
+    finally:
+        eng.step_log = None
+    assert len(log) == eng.num_steps - steps_before
+    # every prompt token and every generated token but the last passes through the model once
+    assert sum(s["num_tokens"] for s in log) == 37 + 5 + 2 * (6 - 1)
+    assert sum(s["logit_rows"] for s in log) == sum(len(o.outputs[0].token_ids) for o in outs) == 12
+    assert all(s["seconds"] > 0 for s in log) and log[0]["prefill_tokens"] == 42

@@ -52,6 +52,12 @@ class Sequence:
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def max_total_tokens(self) -> int | None:
+        """Prompt + max_tokens: the longest this sequence may grow (what an up-front reservation sizes to)."""
+        m = self.request.params.max_tokens
+        return None if m is None else self.prompt_len + m
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 

@@ -16,6 +16,7 @@ from kvpage.engine.arg_utils import EngineArgs
 from kvpage.engine.output_processor import append_sample, blocked_ids, make_request_output, new_state
 from kvpage.outputs import RequestMetrics, RequestOutput
 from kvpage.sampling_params import SamplingParams
+from kvpage.sim.cost import StepFeatures, step_log_entry
 from kvpage.worker.model_runner import BlockOps, ScheduledSeq
 from kvpage.worker.sampler import SampleRequest, sample, seeded_generator
 from kvpage.worker.worker import Worker
@@ -45,6 +46,8 @@ class LLMEngine:
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
         self.num_steps = 0
         self.num_generated_tokens = 0
+        # When a list: one entry per step (its scheduled shape and wall seconds), for calibrating the simulator.
+        self.step_log: list[dict[str, float]] | None = None
 
     # --------------------------------------------------------------- requests
     def _prompt_ids(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -105,9 +108,11 @@ class LLMEngine:
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report every request that changed."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         touched: dict[str, Request] = self._pending_outputs
         self._pending_outputs = {}
+        features = StepFeatures.of(out) if self.step_log is not None else None  # before tokens are appended
         if not out.is_empty:
             self.num_steps += 1
             self._run(out, touched)
@@ -118,6 +123,8 @@ class LLMEngine:
                 results.append(ro)
             if req.finished:
                 self.requests.pop(req.request_id, None)
+        if features is not None and self.step_log is not None and not out.is_empty:
+            self.step_log.append(step_log_entry(features, time.perf_counter() - t0))
         return results
 
     def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from kvpage import __version__
-from kvpage.entrypoints import generate, plan, serve, trace
+from kvpage.entrypoints import generate, plan, serve, simulate, trace
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     plan.add_parser(sub)
     serve.add_parser(sub)
+    simulate.add_parser(sub)
     trace.add_parser(sub)
     return parser
 

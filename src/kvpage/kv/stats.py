@@ -36,6 +36,8 @@ class KVStats:
     blocks_swapped_in: int
     swap_blocks_total: int
     swap_blocks_used: int
+    tail_waste_slots: int = 0  # empty slots in partly filled blocks (each sequence's last block)
+    reserved_unused_slots: int = 0  # slots of held blocks that hold nothing yet (up-front reservations)
 
     @property
     def utilization(self) -> float:
@@ -44,7 +46,7 @@ class KVStats:
 
     @property
     def internal_waste(self) -> int:
-        """Allocated slots holding nothing (tails of partial blocks, unused reservations)."""
+        """Allocated slots holding nothing: ``tail_waste_slots + reserved_unused_slots``."""
         return self.allocated_slots - self.live_tokens
 
     @property

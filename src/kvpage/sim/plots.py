@@ -64,3 +64,78 @@ def draw_pool_timeline(records: list[StepRecord], path: str | Path, title: str =
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw_memory_over_time(results: dict, path: str | Path, slot_bytes: float) -> None:
+    """Allocated vs live KV memory over simulated time, one panel per allocator (``{name: SimResult}``)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(results), 1, figsize=(8, 2.6 * len(results)), sharey=True)
+    axes = list(axes) if len(results) > 1 else [axes]
+    gib = slot_bytes / 2**30
+    for ax, (_name, res) in zip(axes, results.items(), strict=True):
+        t = [s.time for s in res.steps]
+        alloc = [s.allocated_slots * gib for s in res.steps]
+        live = [s.live_slots * gib for s in res.steps]
+        cap = res.config.num_blocks * res.config.block_size * gib
+        summ = res.summary()
+        ax.fill_between(t, live, alloc, step="post", color="tab:red", alpha=0.35, label="allocated, holding nothing")
+        ax.fill_between(t, 0, live, step="post", color="tab:blue", alpha=0.6, label="live tokens")
+        ax.axhline(cap, color="black", linewidth=0.8, linestyle="--", label="KV pool")
+        ax.set_title(f"{summ['allocator']}: utilization {summ['utilization']:.1%}, mean "
+                     f"{summ['mean_concurrency']:.1f} running, {summ['throughput_tok_s']:.0f} tok/s", fontsize=9)
+        ax.set_ylabel("KV memory (GiB)")
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1].set_xlabel("simulated time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw_waste_vs_block_size(series: list, path: str | Path) -> None:
+    """Tail waste and concurrency against block size (``[(block_size, summary), ...]``)."""
+    plt = _pyplot()
+    sizes = [bs for bs, _ in series]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(sizes, [100 * s["waste_tail"] for _, s in series], "o-", color="tab:red", label="tail waste (% of held)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([str(b) for b in sizes])
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel("last-block waste (%)", color="tab:red")
+    ax2 = ax.twinx()
+    ax2.plot(sizes, [s["mean_concurrency"] for _, s in series], "s--", color="tab:blue", label="mean running seqs")
+    ax2.set_ylabel("mean running sequences", color="tab:blue")
+    ax.set_title("paged allocation, same KV memory: waste vs block size", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw_hit_rate_vs_sharing(series: list, path: str | Path) -> None:
+    """Prefix hit rate and prefix blocks saved against how many requests share each system prompt."""
+    plt = _pyplot()
+    ks = [k for k, _ in series]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(ks, [100 * s["prefix_hit_rate"] for _, s in series], "o-", label="prefix hit rate (% of prompt tokens)")
+    ax.plot(ks, [100 * s["prefix_blocks_saved_fraction"] for _, s in series], "s--",
+            label="shared-prefix blocks saved (%)")
+    ax.set_xscale("log")
+    ax.set_xticks(ks)
+    ax.set_xticklabels([str(k) for k in ks])
+    ax.set_ylim(0, 102)
+    ax.set_xlabel("requests sharing each system prompt")
+    ax.set_ylabel("%")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("prefix caching: reuse vs sharing", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

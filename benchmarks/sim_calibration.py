@@ -1,0 +1,122 @@
+"""Calibrate and check the simulator's step-time model against real kvpage runs on this machine.
+
+1. Measures the machine numbers the default roofline uses (bf16/fp32 GEMM rate, read bandwidth).
+2. Runs the real engine on two request streams made by ``kvpage.sim.workloads`` (random token ids of the
+   same lengths), recording every step's shape and wall time (``LLMEngine.step_log``).
+3. Writes the first run's step log as a calibration file (``kvpage simulate --calibrate FILE``).
+4. Simulates both streams with the same pool and scheduler settings, under the default roofline and under
+   the calibration, and prints predicted vs measured makespan and throughput. The second stream is not
+   used for fitting, so its error is an honest out-of-sample check.
+
+    python benchmarks/sim_calibration.py [--out /tmp/kvpage_calibration.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+
+from kvpage.entrypoints.cli import build_parser
+from kvpage.entrypoints.simulate import build_config, build_cost, build_model
+from kvpage.sim.cost import RooflineCost, StepFeatures, fit_roofline_overheads, load_calibration
+from kvpage.sim.simulator import Simulator
+from kvpage.sim.workloads import WorkloadSpec, generate
+
+
+def machine_numbers() -> dict[str, float]:
+    import torch
+
+    def best(f, n=7):
+        f()
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return sorted(ts)[n // 2]
+
+    out = {}
+    for dt in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(256, 576, dtype=dt), torch.randn(576, 1536, dtype=dt)
+        out[f"gemm_{str(dt)[6:]}_tflops"] = 2 * 256 * 576 * 1536 / best(lambda a=a, b=b: a @ b) / 1e12
+    x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    out["read_gb_s"] = x.numel() * 4 / best(lambda: x.sum()) / 1e9
+    return out
+
+
+def real_run(requests, kv_memory: str, max_model_len: int) -> dict:
+    from kvpage.engine.llm import LLM
+    from kvpage.sampling_params import SamplingParams
+
+    llm = LLM(kv_cache_memory=kv_memory, max_model_len=max_model_len, max_num_seqs=256,
+              max_num_batched_tokens=2048)
+    eng = llm.engine
+    vocab = eng.worker.lm.config.vocab_size
+    rng = random.Random(0)
+    eng.add_request("warm", [rng.randrange(100, vocab - 100) for _ in range(8)], SamplingParams(max_tokens=2))
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.step_log = []
+    for r in requests:
+        ids = [rng.randrange(100, vocab - 100) for _ in range(r.prompt_len)]
+        eng.add_request(r.request_id, ids, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+    tokens = 0
+    t = time.perf_counter()
+    while eng.has_unfinished_requests():
+        for ro in eng.step():
+            if ro.finished:
+                tokens += len(ro.outputs[0].token_ids)
+    dt = time.perf_counter() - t
+    return {"seconds": dt, "tokens": tokens, "tok_s": tokens / dt, "steps": eng.step_log,
+            "preemptions": eng.stats()["preemptions"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="/tmp/kvpage_calibration.json")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--kv-memory", default="1GiB")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    args = ap.parse_args()
+    print(f"machine: {platform.processor() or platform.machine()}, {platform.python_version()}")
+    print("measured:", {k: round(v, 2) for k, v in machine_numbers().items()})
+    streams = {
+        "sharegpt (fit)": generate(WorkloadSpec("sharegpt", args.requests, seed=1)),
+        "lognormal (check)": generate(WorkloadSpec("lognormal", args.requests, seed=2)),
+    }
+    real = {name: real_run(reqs, args.kv_memory, args.max_model_len) for name, reqs in streams.items()}
+    fit_name = next(iter(streams))
+    with open(args.out, "w") as f:
+        json.dump({"kind": "kvpage-step-log", "machine": platform.processor(), "workload": fit_name,
+                   "steps": real[fit_name]["steps"]}, f)
+    calib = load_calibration(args.out)
+    print(f"wrote {args.out}: {calib.describe()}")
+    sim_args = build_parser().parse_args(["simulate", "--kv-memory", args.kv_memory,
+                                          "--max-model-len", str(args.max_model_len)])
+    model = build_model(sim_args)
+    config = build_config(sim_args, model)
+    roofline = build_cost(sim_args, model)
+    samples = [(StepFeatures(**{k: v for k, v in s.items() if k != "seconds"}), s["seconds"])
+               for s in real[fit_name]["steps"]]
+    fitted = fit_roofline_overheads(roofline, samples)
+    print(f"roofline overheads fitted on {fit_name}: {fitted.step_overhead * 1e3:.2f} ms/step + "
+          f"{fitted.seq_overhead * 1e3:.3f} ms/seq (defaults: {roofline.machine.step_overhead * 1e3:.2f} + "
+          f"{roofline.machine.seq_overhead * 1e3:.3f})")
+    refit = RooflineCost(model, fitted, roofline.block_size)
+    print(f"\n{'stream':<18} {'model':<10} {'makespan s':>10} {'tok/s':>8} {'steps':>6} {'preempt':>7} {'error':>7}")
+    for name, reqs in streams.items():
+        r = real[name]
+        print(f"{name:<18} {'measured':<10} {r['seconds']:>10.1f} {r['tok_s']:>8.1f} {len(r['steps']):>6} "
+              f"{r['preemptions']:>7} {'':>7}")
+        for label, cost in (("roofline", roofline), ("refit", refit), ("calibrated", calib)):
+            s = Simulator(config, reqs, cost).run().summary()
+            err = s["makespan_s"] / r["seconds"] - 1
+            print(f"{'':<18} {label:<10} {s['makespan_s']:>10.1f} {s['throughput_tok_s']:>8.1f} {s['steps']:>6} "
+                  f"{s['preemptions']:>7} {err:>+7.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""``kvpage simulate``: the real scheduler and KV manager on a trace, with a step-time model instead of a model."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from kvpage.capacity import canonical_dtype, dtype_bytes
+from kvpage.model.registry import DEFAULT_MODEL, load_model_config
+from kvpage.sim.cost import CostModel, MachineSpec, ModelSpec, RooflineCost, load_calibration
+from kvpage.sim.report import render_run, render_sweep
+from kvpage.sim.simulator import SimConfig, Simulator
+from kvpage.sim.workloads import WORKLOADS, SimRequest, WorkloadSpec, generate, load_trace, write_trace
+from kvpage.units import format_bytes, parse_size
+
+SWEEPABLE = (
+    "allocator", "static_reserve", "block_size", "kv_memory", "num_blocks", "max_model_len",
+    "enable_prefix_caching", "watermark", "preemption", "swap_space", "max_num_seqs", "max_num_batched_tokens",
+    "num_requests", "rate", "prefix_len", "num_prefixes", "n", "beam_width", "beam_prune", "sigma",
+    "prompt_median", "output_median", "seed",
+)
+BF16_GEMM_FLOPS, FP32_GEMM_FLOPS = 1.0e12, 0.3e12
+
+
+def _rate(text: str) -> float:
+    r = float(text)
+    if not r > 0:
+        raise argparse.ArgumentTypeError(f"rate must be > 0 requests/s (or 'inf'), got {text}")
+    return r
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="run the real scheduler and KV manager on a workload with a step-time model (no model weights)",
+        description=(
+            "Drive kvpage's own Scheduler and KV cache manager with a synthetic workload or a JSONL trace, "
+            "timing each step with a roofline (or calibrated) cost model instead of running the model. "
+            "Reports utilization, waste (last-block tail, reserved-unused, external), concurrency, preemptions, "
+            "prefix reuse, throughput and latency. See docs/simulate.md."
+        ),
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="lognormal", choices=WORKLOADS)
+    w.add_argument("--trace", help="JSONL trace: arrival, prompt_len, output_len[, prefix_id, prefix_len, n, "
+                                   "beam_width] per line (overrides --workload)")
+    w.add_argument("--num-requests", type=int, default=512)
+    w.add_argument("--rate", type=_rate, default=math.inf, help="Poisson arrivals per second (default: all at t=0)")
+    w.add_argument("--prompt-median", type=float, help="lognormal median prompt length")
+    w.add_argument("--output-median", type=float, help="lognormal median output length")
+    w.add_argument("--sigma", type=float, default=0.8, help="lognormal log-space standard deviation")
+    w.add_argument("--max-prompt", type=int)
+    w.add_argument("--max-output", type=int)
+    w.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix: system prompt tokens")
+    w.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct system prompts")
+    w.add_argument("--n", type=int, default=4, help="parallel: samples per request")
+    w.add_argument("--beam-width", type=int, default=4, help="beam: candidates per request")
+    w.add_argument("--beam-prune", type=float, default=0.3, help="beam: chance per step a candidate is replaced")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--save-trace", help="write the generated requests as a JSONL trace")
+
+    k = p.add_argument_group("KV cache and scheduler")
+    k.add_argument("--allocator", default="paged", choices=["paged", "static"])
+    k.add_argument("--static-reserve", default="max", choices=["max", "pow2", "oracle"],
+                   help="static: reserve max_model_len, the next power of two of prompt+output, or exactly it")
+    k.add_argument("--block-size", type=int, default=16)
+    k.add_argument("--kv-memory", default="1GiB", help="KV pool size with units (default 1GiB)")
+    k.add_argument("--num-blocks", type=int, help="pool size in blocks (overrides --kv-memory)")
+    k.add_argument("--max-model-len", type=int, default=2048)
+    k.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    k.add_argument("--watermark", type=float, default=0.01)
+    k.add_argument("--preemption", default="recompute", choices=["recompute", "swap"])
+    k.add_argument("--swap-space", default="0", help="host pool for swap preemption, with units")
+    k.add_argument("--max-num-seqs", type=int, default=256)
+    k.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+    c = p.add_argument_group("cost model")
+    c.add_argument("--model", default=DEFAULT_MODEL, help="model name, preset, .gguf or HF directory (config only)")
+    c.add_argument("--dtype", default="bfloat16", help="weights and KV dtype (bfloat16, float32, fp8, ...)")
+    c.add_argument("--calibrate", help="step log or coefficients from benchmarks/sim_calibration.py")
+    c.add_argument("--gemm-tflops", type=float, help="matrix-multiply rate (default: measured here)")
+    c.add_argument("--mem-bandwidth", type=float, help="read bandwidth in GB/s (default: measured here)")
+    c.add_argument("--step-overhead-ms", type=float)
+    c.add_argument("--seq-overhead-ms", type=float)
+
+    o = p.add_argument_group("output")
+    o.add_argument("--sweep", action="append", default=[], metavar="PARAM=V1,V2,...",
+                   help=f"run once per value and print a table (repeat for a grid); PARAM is one of "
+                        f"{', '.join(s.replace('_', '-') for s in SWEEPABLE)}")
+    o.add_argument("--json", action="store_true", help="print the report as JSON")
+    o.add_argument("--png", metavar="DIR", help="write memory-over-time, waste-vs-block-size and "
+                                                "hit-rate-vs-sharing pictures into DIR")
+    p.set_defaults(func=run, _parser=p)
+
+
+# ----------------------------------------------------------------- building
+def build_requests(args: argparse.Namespace) -> list[SimRequest]:
+    if args.trace:
+        return load_trace(args.trace)
+    return generate(WorkloadSpec(
+        args.workload, args.num_requests, args.seed, args.rate, args.prompt_median, args.output_median, args.sigma,
+        args.max_prompt, args.max_output, args.prefix_len, args.num_prefixes, args.n, args.beam_width,
+    ))
+
+
+def build_model(args: argparse.Namespace) -> ModelSpec:
+    cfg = load_model_config(args.model)
+    dtype = canonical_dtype(args.dtype)
+    b = dtype_bytes(dtype)
+    kv_bpt = int(cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + cfg.value_head_dim) * b)
+    return ModelSpec(cfg.name, cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads,
+                     cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, max(b, 1.0), kv_bpt)
+
+
+def build_cost(args: argparse.Namespace, model: ModelSpec) -> CostModel:
+    if args.calibrate:
+        return load_calibration(args.calibrate)
+    base = MachineSpec(gemm_flops=FP32_GEMM_FLOPS if model.dtype_bytes >= 4 else BF16_GEMM_FLOPS)
+    overrides: dict[str, float] = {}
+    for flag, field, scale in (("gemm_tflops", "gemm_flops", 1e12), ("mem_bandwidth", "mem_bandwidth", 1e9),
+                               ("step_overhead_ms", "step_overhead", 1e-3), ("seq_overhead_ms", "seq_overhead", 1e-3)):
+        v = getattr(args, flag)
+        if v is not None:
+            if v < 0 or (v == 0 and field in ("gemm_flops", "mem_bandwidth")):
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {v}")
+            overrides[field] = v * scale
+    return RooflineCost(model, dataclasses.replace(base, **overrides), args.block_size)
+
+
+def build_config(args: argparse.Namespace, model: ModelSpec) -> SimConfig:
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+    block_bytes = model.kv_bytes_per_token * args.block_size
+    num_blocks = args.num_blocks or parse_size(args.kv_memory) // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"--kv-memory {args.kv_memory} holds no block of {format_bytes(block_bytes)}")
+    swap = parse_size(args.swap_space) // block_bytes if str(args.swap_space) != "0" else 0
+    if args.preemption == "swap" and not swap:
+        raise ValueError("--preemption swap needs a host pool: give --swap-space (e.g. 1GiB)")
+    return SimConfig(
+        allocator=args.allocator, static_reserve=args.static_reserve, block_size=args.block_size,
+        num_blocks=num_blocks, max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        watermark=args.watermark, preemption_mode=args.preemption, num_swap_blocks=swap,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        beam_prune=args.beam_prune, seed=args.seed,
+    )
+
+
+def simulate(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    model = build_model(args)
+    config = build_config(args, model)
+    cost = build_cost(args, model)
+    requests = build_requests(args)
+    result = Simulator(config, requests, cost).run()
+    report = {
+        "workload": args.trace or args.workload,
+        "model": model.name,
+        "kv_bytes_per_token": model.kv_bytes_per_token,
+        "kv_memory_bytes": config.num_blocks * args.block_size * model.kv_bytes_per_token,
+        "config": {k: v for k, v in vars(config).items()},
+        "cost_model": cost.describe(),
+        "summary": result.summary(),
+    }
+    return report, result
+
+
+# ------------------------------------------------------------------- sweeps
+def _parse_sweep(parser: argparse.ArgumentParser, spec: str) -> tuple[str, list[tuple[str, Any]]]:
+    if "=" not in spec:
+        raise ValueError(f"--sweep {spec!r}: expected PARAM=V1,V2,...")
+    name, _, values = spec.partition("=")
+    dest = name.strip().lstrip("-").replace("-", "_")
+    if dest not in SWEEPABLE:
+        raise ValueError(f"--sweep: cannot sweep {name!r}; choose one of "
+                         f"{', '.join(s.replace('_', '-') for s in SWEEPABLE)}")
+    action = next(a for a in parser._actions if a.dest == dest)
+    out = []
+    for text in (v.strip() for v in values.split(",")):
+        if not text:
+            raise ValueError(f"--sweep {spec!r}: empty value")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if text.lower() not in ("on", "off", "true", "false", "1", "0", "yes", "no"):
+                raise ValueError(f"--sweep {name}: {text!r} is not on/off")
+            value: Any = text.lower() in ("on", "true", "1", "yes")
+        else:
+            try:
+                value = action.type(text) if action.type else text
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise ValueError(f"--sweep {name}: bad value {text!r} ({e})") from None
+            if action.choices and value not in action.choices:
+                raise ValueError(f"--sweep {name}: {text!r} is not one of {', '.join(map(str, action.choices))}")
+        out.append((text, value))
+    return dest, out
+
+
+def run(args: argparse.Namespace) -> int:
+    sweeps = [_parse_sweep(args._parser, s) for s in args.sweep]
+    if args.save_trace:
+        write_trace(build_requests(args), args.save_trace)
+    if sweeps:
+        rows, reports = [], []
+        for combo in itertools.product(*(values for _, values in sweeps)):
+            ns = copy.copy(args)
+            for (dest, _), (_, value) in zip(sweeps, combo, strict=True):
+                setattr(ns, dest, value)
+            report, _ = simulate(ns)
+            report["sweep"] = {dest: value for (dest, _), (_, value) in zip(sweeps, combo, strict=True)}
+            reports.append(report)
+            rows.append((" ".join(text for text, _ in combo), report["summary"]))
+        if args.json:
+            print(json.dumps(reports, indent=2, default=str))
+        else:
+            print(_header(reports[0], args))
+            print(render_sweep(rows, ",".join(d.replace("_", "-") for d, _ in sweeps)), end="")
+        return 0
+    report, _result = simulate(args)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(_header(report, args))
+        print(render_run(report["summary"]), end="")
+    if args.png:
+        _pictures(args, Path(args.png), report)
+    return 0
+
+
+def _header(report: dict[str, Any], args: argparse.Namespace) -> str:
+    c, s = report["config"], report["summary"]
+    arrivals = f"Poisson {args.rate:g}/s" if math.isfinite(args.rate) and not args.trace else "trace times" \
+        if args.trace else "all at t=0"
+    alloc = s["allocator"]
+    return (
+        f"workload   {report['workload']}: {s['requests']} requests, arrivals {arrivals}\n"
+        f"model      {report['model']}, {report['kv_bytes_per_token']} B of KV per token\n"
+        f"pool       {c['num_blocks']} blocks x {c['block_size']} tokens = {format_bytes(report['kv_memory_bytes'])}; "
+        f"max_model_len {c['max_model_len']}; allocator {alloc}; prefix caching "
+        f"{'on' if c['enable_prefix_caching'] and c['allocator'] == 'paged' else 'off'}; watermark {c['watermark']:g}; "
+        f"preemption {c['preemption_mode']}; max_num_seqs {c['max_num_seqs']}, "
+        f"max_num_batched_tokens {c['max_num_batched_tokens']}\n"
+        f"cost       {report['cost_model']}\n"
+    )
+
+
+def _pictures(args: argparse.Namespace, out_dir: Path, report: dict[str, Any]) -> None:
+    from kvpage.sim import plots, studies
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model(args)
+    config = build_config(args, model)
+    cost = build_cost(args, model)
+    requests = build_requests(args)
+    pair = studies.allocator_pair(config, requests, cost)
+    plots.draw_memory_over_time(pair, out_dir / "memory_over_time.png", model.kv_bytes_per_token)
+    plots.draw_waste_vs_block_size(studies.block_size_series(config, requests, cost),
+                                   out_dir / "waste_vs_block_size.png")
+    plots.draw_hit_rate_vs_sharing(studies.sharing_series(config, cost, seed=args.seed),
+                                   out_dir / "prefix_hit_vs_sharing.png")
+    for name in ("memory_over_time.png", "waste_vs_block_size.png", "prefix_hit_vs_sharing.png"):
+        print(f"wrote {out_dir / name}")

@@ -1,0 +1,257 @@
+"""How long one engine step takes, without running a model.
+
+Two models share one input, the features of a scheduled step (``StepFeatures``), so a real engine run
+can record exactly what the simulator later predicts from:
+
+* ``RooflineCost`` (the default): fixed per-step and per-sequence overheads plus, for each phase of the
+  step (linear layers, lm head, attention), the larger of its compute time at the machine's GEMM rate and
+  its memory time (weights once per step; each sequence's KV once per step) at the machine's bandwidth.
+* ``LinearCost``: ``seconds = c0 + c_tokens*tokens + c_seqs*seqs + c_context*context + c_pairs*pairs``,
+  fitted by non-negative least squares to a step log recorded from a real ``kvpage`` run
+  (``benchmarks/sim_calibration.py`` writes one; ``kvpage simulate --calibrate FILE`` reads it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvpage.core.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    num_seqs: int = 0  # sequences computing tokens this step
+    num_tokens: int = 0  # tokens through the linear layers
+    prefill_tokens: int = 0  # of which in prompt chunks (more than one token for a sequence)
+    context_tokens: int = 0  # KV positions read: each sequence's whole context, once
+    attn_pairs: int = 0  # (query, key) pairs scored: causal within a chunk, full over the cached part
+    logit_rows: int = 0  # sequences that produce a next token (lm head + sampling)
+    swap_blocks: int = 0  # blocks copied between device and host
+    copy_blocks: int = 0  # blocks copied on the device (copy-on-write, static forks)
+
+    @staticmethod
+    def of(out: SchedulerOutput) -> StepFeatures:
+        seqs = tokens = prefill = context = pairs = rows = 0
+        for w in out.work:
+            n, s = w.num_tokens, w.start_pos
+            seqs += 1
+            tokens += n
+            if n > 1:
+                prefill += n
+            context += s + n
+            pairs += n * s + n * (n + 1) // 2
+            rows += w.completes_prompt
+        return StepFeatures(seqs, tokens, prefill, context, pairs, rows, len(out.swap_out) + len(out.swap_in),
+                            len(out.copies))
+
+
+class CostModel(Protocol):
+    def step_seconds(self, f: StepFeatures) -> float: ...
+
+    def describe(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The numbers of a model that decide step time (from its config; no weights needed)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: float = 2.0  # weights and activations
+    kv_bytes_per_token: int = 0
+
+    @property
+    def linear_params(self) -> int:
+        """Weights every token multiplies through (attention projections and the gated MLP)."""
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        per_layer = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + mlp
+        return self.num_layers * per_layer
+
+    @property
+    def head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def weight_bytes(self) -> float:
+        return (self.linear_params + self.head_params) * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """Measured on the project machine (2-vCPU Xeon, AVX512_BF16/AMX, torch 2.13 CPU), see BENCHMARKS.md:
+    bf16 GEMM ~1.0 TFLOP/s at 256-row batches (fp32 ~0.3), KV read by the attention kernel ~11.6 GB/s,
+    weights streamed at copy bandwidth ~24 GB/s. The two overheads are fitted by
+    ``benchmarks/sim_calibration.py`` (``fit_roofline_overheads``) on a real run here."""
+
+    gemm_flops: float = 1.0e12
+    mem_bandwidth: float = 11.6e9  # KV reads in attention
+    copy_bandwidth: float = 24e9  # weight streaming, swap and copy-on-write copies
+    step_overhead: float = 18e-3  # seconds per step: scheduling, batch preparation, launch
+    seq_overhead: float = 1.9e-4  # seconds per scheduled sequence: metadata, sampling, detokenizing, outputs
+
+
+@dataclass(frozen=True)
+class RooflineCost:
+    """A CPU step runs its phases one after another, each bound by compute or by memory: the linear
+    layers (weights streamed once per step), the lm head for sequences that sample, and attention
+    (each sequence's KV read once per step by the GQA-aware kernel)."""
+
+    model: ModelSpec
+    machine: MachineSpec = field(default_factory=MachineSpec)
+    block_size: int = 16
+
+    def parts(self, f: StepFeatures) -> dict[str, float]:
+        m, hw = self.model, self.machine
+        moved = (f.swap_blocks + f.copy_blocks) * self.block_size * m.kv_bytes_per_token
+        linear = head = attention = 0.0
+        if f.num_tokens:
+            linear = max(2.0 * m.linear_params * f.num_tokens / hw.gemm_flops,
+                         m.linear_params * m.dtype_bytes / hw.copy_bandwidth)
+            attention = max(4.0 * m.num_layers * m.num_attention_heads * m.head_dim * f.attn_pairs / hw.gemm_flops,
+                            m.kv_bytes_per_token * f.context_tokens / hw.mem_bandwidth)
+        if f.logit_rows:
+            head = max(2.0 * m.head_params * f.logit_rows / hw.gemm_flops,
+                       m.head_params * m.dtype_bytes / hw.copy_bandwidth)
+        return {
+            "overhead": (hw.step_overhead if f.num_seqs or moved else 0.0) + hw.seq_overhead * f.num_seqs,
+            "linear": linear,
+            "lm_head": head,
+            "attention": attention,
+            "copy": moved / hw.copy_bandwidth,
+        }
+
+    def step_seconds(self, f: StepFeatures) -> float:
+        return sum(self.parts(f).values())
+
+    def describe(self) -> str:
+        hw = self.machine
+        return (f"roofline: {self.model.name}, {self.model.weight_bytes / 1e6:.0f} MB weights, "
+                f"{self.model.kv_bytes_per_token} B KV/token; GEMM {hw.gemm_flops / 1e12:.2f} TFLOP/s, "
+                f"KV read {hw.mem_bandwidth / 1e9:.1f} GB/s, overhead {hw.step_overhead * 1e3:.1f} ms/step "
+                f"+ {hw.seq_overhead * 1e3:.2f} ms/seq")
+
+
+def fit_roofline_overheads(cost: RooflineCost, samples: list[tuple[StepFeatures, float]]) -> MachineSpec:
+    """The step and per-sequence overheads that make the roofline match measured steps (least squares on
+    what the compute/memory terms leave unexplained; clamped at zero)."""
+    base = RooflineCost(cost.model, replace(cost.machine, step_overhead=0.0, seq_overhead=0.0), cost.block_size)
+    rows = [(float(f.num_seqs), t - base.step_seconds(f)) for f, t in samples if f.num_seqs]
+    if len(rows) < 2:
+        raise ValueError("fitting overheads needs at least two recorded steps")
+    n = len(rows)
+    sx, sy = sum(x for x, _ in rows), sum(y for _, y in rows)
+    sxx, sxy = sum(x * x for x, _ in rows), sum(x * y for x, y in rows)
+    den = n * sxx - sx * sx
+    per_seq = max(0.0, (n * sxy - sx * sy) / den) if den else 0.0
+    per_step = max(0.0, (sy - per_seq * sx) / n)
+    return replace(cost.machine, step_overhead=per_step, seq_overhead=per_seq)
+
+
+LINEAR_TERMS = ("const", "num_tokens", "num_seqs", "context_tokens", "attn_pairs")
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    coefficients: dict[str, float]
+    source: str = ""
+    fit_error: float | None = None  # median relative error on the calibration steps
+
+    def step_seconds(self, f: StepFeatures) -> float:
+        if not (f.num_seqs or f.swap_blocks or f.copy_blocks):
+            return 0.0
+        c = self.coefficients
+        return c.get("const", 0.0) + sum(c.get(k, 0.0) * getattr(f, k) for k in LINEAR_TERMS[1:])
+
+    def describe(self) -> str:
+        terms = ", ".join(f"{k}={v:.3g}" for k, v in self.coefficients.items())
+        err = f", median fit error {self.fit_error:.1%}" if self.fit_error is not None else ""
+        return f"calibrated from {self.source or 'coefficients'}: {terms}{err}"
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(b)
+    m = [[*row[:], b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                k = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= k * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def fit_linear(samples: list[tuple[StepFeatures, float]]) -> tuple[dict[str, float], float]:
+    """Non-negative least squares over the few terms, by trying every subset (2^5 small solves)."""
+    if len(samples) < len(LINEAR_TERMS):
+        raise ValueError(f"a calibration needs at least {len(LINEAR_TERMS)} recorded steps, got {len(samples)}")
+    rows = [[1.0] + [float(getattr(f, k)) for k in LINEAR_TERMS[1:]] for f, _ in samples]
+    ys = [t for _, t in samples]
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(len(LINEAR_TERMS))]
+    xs = [[r[j] / scale[j] for j in range(len(r))] for r in rows]
+    best: tuple[float, dict[str, float]] | None = None
+    for k in range(1, len(LINEAR_TERMS) + 1):
+        for subset in itertools.combinations(range(len(LINEAR_TERMS)), k):
+            a = [[sum(x[i] * x[j] for x in xs) for j in subset] for i in subset]
+            b = [sum(x[i] * y for x, y in zip(xs, ys, strict=True)) for i in subset]
+            sol = _solve(a, b)
+            if sol is None or any(v < 0 for v in sol):
+                continue
+            coef = {LINEAR_TERMS[i]: v / scale[i] for i, v in zip(subset, sol, strict=True)}
+            sse = sum((y - sum(coef.get(LINEAR_TERMS[j], 0.0) * r[j] for j in range(len(r)))) ** 2
+                      for r, y in zip(rows, ys, strict=True))
+            if best is None or sse < best[0]:
+                best = (sse, coef)
+    if best is None:
+        raise ValueError("could not fit the step log: every subset of terms was singular")
+    coef = {k: best[1].get(k, 0.0) for k in LINEAR_TERMS}
+    model = LinearCost(coef)
+    errs = sorted(abs(model.step_seconds(f) - t) / t for f, t in samples if t > 0)
+    return coef, errs[len(errs) // 2] if errs else 0.0
+
+
+def load_calibration(path: str | Path) -> LinearCost:
+    """A step log (``{"steps": [{features..., "seconds": s}, ...]}``) to fit, or fitted ``coefficients``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration file not found: {path}")
+    try:
+        data: Any = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg})") from None
+    if isinstance(data, dict) and isinstance(data.get("coefficients"), dict):
+        unknown = set(data["coefficients"]) - set(LINEAR_TERMS)
+        if unknown:
+            raise ValueError(f"{path}: unknown coefficients {sorted(unknown)} (known: {', '.join(LINEAR_TERMS)})")
+        return LinearCost({k: float(v) for k, v in data["coefficients"].items()}, str(path))
+    if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
+        raise ValueError(f"{path}: expected {{'steps': [...]}} (a step log) or {{'coefficients': {{...}}}}")
+    names = set(StepFeatures.__dataclass_fields__)
+    samples = []
+    for i, row in enumerate(data["steps"]):
+        if not isinstance(row, dict) or "seconds" not in row:
+            raise ValueError(f"{path}: step {i} needs 'seconds' and step features")
+        feats = StepFeatures(**{k: int(v) for k, v in row.items() if k in names})
+        samples.append((feats, float(row["seconds"])))
+    coef, err = fit_linear(samples)
+    return LinearCost(coef, str(path), err)
+
+
+def step_log_entry(f: StepFeatures, seconds: float) -> dict[str, float]:
+    return {**asdict(f), "seconds": seconds}
