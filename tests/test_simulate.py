@@ -341,3 +341,14 @@ def test_simulator_schedules_exactly_like_the_engine():
     assert eng.stats()["preemptions"] > 0, "the pool should be tight enough to preempt"
     assert [s.num_tokens for s in res.steps] == real
     assert res.num_preemptions == eng.stats()["preemptions"]
+
+
+def test_sweep_shows_samples_the_static_policy_could_not_fork(capsys):
+    argv = ["simulate", "--workload", "parallel", "--num-requests", "8", "--num-blocks", "300",
+            "--sweep", "allocator=paged,static"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(line for line in lines if "forks refused" in line)
+    static = next(line for line in lines if line.strip().startswith("static"))
+    paged = next(line for line in lines if line.strip().startswith("paged"))
+    assert head and paged.split()[-1] == "0" and int(static.split()[-1]) > 0

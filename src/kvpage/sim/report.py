@@ -61,8 +61,13 @@ SWEEP_COLUMNS = (
 
 
 def render_sweep(rows: list[tuple[str, dict[str, Any]]], label: str) -> str:
-    head = [label] + [c for c, _ in SWEEP_COLUMNS]
-    body = [[value] + [f(s) for _, f in SWEEP_COLUMNS] for value, s in rows]
+    columns = list(SWEEP_COLUMNS)
+    if any(s["fork_failures"] for _, s in rows):  # samples lost for lack of room change what was served
+        columns.append(("forks refused", lambda s: str(s["fork_failures"])))
+    if any(s["rejected"] for _, s in rows):
+        columns.append(("rejected", lambda s: str(s["rejected"])))
+    head = [label] + [c for c, _ in columns]
+    body = [[value] + [f(s) for _, f in columns] for value, s in rows]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     return "\n".join(fmt.format(*r) for r in [head, *body]) + "\n"
