@@ -40,6 +40,11 @@ class RequestMetrics:
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
+    @property
+    def latency(self) -> float | None:
+        """Arrival to finish (end to end)."""
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
 
 @dataclass
 class RequestOutput:

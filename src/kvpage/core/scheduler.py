@@ -145,18 +145,25 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.add(seq)
 
-    def add_forked(self, parent: Sequence, child: Sequence) -> bool:
-        """Register a child that shares every block of ``parent`` (called right after the parent's step).
-        Paged: nothing is copied now; the first write into the shared last block copies it. A policy that
-        cannot share (static reservation) copies, in the next step; False if there is no room for the child."""
+    def fork(self, parent: Sequence, index: int) -> tuple[Sequence, bool]:
+        """Add sample ``index`` of ``parent``'s request as a child sharing every block of ``parent``
+        (called right after the parent's step, before its new token is appended). Paged: nothing is copied
+        now; the first write into the shared last block copies it. A policy that cannot share (static
+        reservation) copies, in the next step. The child always joins ``request.seqs``; False means there
+        was no room for it and it is already finished with reason "error"."""
+        req = parent.request
+        child = Sequence(f"{req.request_id}#{index}", req, index, list(parent.token_ids), parent.prompt_len)
+        req.seqs.append(child)
         alloc = self.kv.fork(parent, child)
         if alloc is None:
-            return False
+            child.status = SequenceStatus.FINISHED
+            child.finish_reason = "error"
+            return child, False
         self._pending_copies.extend(alloc.copies)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = SequenceStatus.RUNNING
         self.running.add(child)
-        return True
+        return child, True
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:

@@ -168,12 +168,9 @@ class LLMEngine:
                 # The prompt was computed once; the other samples share its blocks from here on.
                 req.forked = True
                 for i in range(1, req.params.n):
-                    child = Sequence(f"{req.request_id}#{i}", req, i, list(seq.token_ids), seq.prompt_len)
+                    child, ok = self.scheduler.fork(seq, i)
                     child.state = new_state(self.tokenizer, child, sreq.generators[i])
-                    req.seqs.append(child)
-                    if not self.scheduler.add_forked(seq, child):  # no room to copy (static policy only)
-                        child.status = SequenceStatus.FINISHED
-                        child.finish_reason = "error"
+                    if not ok:  # no room to copy (static policy only)
                         req.error = "no KV room for the extra samples of n > 1 under this KV policy"
                         continue
                     self._append(child, draws[i], now)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpage.capacity import canonical_dtype, dtype_bytes
+from kvpage.model.config import ModelConfig
 from kvpage.model.registry import DEFAULT_MODEL, load_model_config
 from kvpage.sim.cost import CostModel, MachineSpec, ModelSpec, RooflineCost, load_calibration
 from kvpage.sim.report import render_run, render_sweep
@@ -109,8 +111,14 @@ def build_requests(args: argparse.Namespace) -> list[SimRequest]:
     ))
 
 
+@functools.lru_cache(maxsize=8)
+def _model_config(model: str) -> ModelConfig:
+    """Read once per process: a sweep builds many runs from the same model (GGUF metadata is not free)."""
+    return load_model_config(model)
+
+
 def build_model(args: argparse.Namespace) -> ModelSpec:
-    cfg = load_model_config(args.model)
+    cfg = _model_config(args.model)
     dtype = canonical_dtype(args.dtype)
     b = dtype_bytes(dtype)
     kv_bpt = int(cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + cfg.value_head_dim) * b)
@@ -152,12 +160,23 @@ def build_config(args: argparse.Namespace, model: ModelSpec) -> SimConfig:
     )
 
 
-def simulate(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    model: ModelSpec
+    config: SimConfig
+    cost: CostModel
+    requests: list[SimRequest]
+
+
+def build(args: argparse.Namespace) -> Setup:
     model = build_model(args)
-    config = build_config(args, model)
-    cost = build_cost(args, model)
-    requests = build_requests(args)
-    result = Simulator(config, requests, cost).run()
+    return Setup(model, build_config(args, model), build_cost(args, model), build_requests(args))
+
+
+def simulate(args: argparse.Namespace) -> tuple[dict[str, Any], Setup]:
+    setup = build(args)
+    model, config, cost = setup.model, setup.config, setup.cost
+    result = Simulator(config, setup.requests, cost).run()
     report = {
         "workload": args.trace or args.workload,
         "model": model.name,
@@ -167,7 +186,7 @@ def simulate(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
         "cost_model": cost.describe(),
         "summary": result.summary(),
     }
-    return report, result
+    return report, setup
 
 
 # ------------------------------------------------------------------- sweeps
@@ -219,14 +238,14 @@ def run(args: argparse.Namespace) -> int:
             print(_header(reports[0], args))
             print(render_sweep(rows, ",".join(d.replace("_", "-") for d, _ in sweeps)), end="")
         return 0
-    report, _result = simulate(args)
+    report, setup = simulate(args)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
         print(_header(report, args))
         print(render_run(report["summary"]), end="")
     if args.png:
-        _pictures(args, Path(args.png), report)
+        _pictures(setup, Path(args.png), args.seed)
     return 0
 
 
@@ -247,19 +266,16 @@ def _header(report: dict[str, Any], args: argparse.Namespace) -> str:
     )
 
 
-def _pictures(args: argparse.Namespace, out_dir: Path, report: dict[str, Any]) -> None:
+def _pictures(setup: Setup, out_dir: Path, seed: int) -> None:
     from kvpage.sim import plots, studies
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = build_model(args)
-    config = build_config(args, model)
-    cost = build_cost(args, model)
-    requests = build_requests(args)
+    config, cost, requests = setup.config, setup.cost, setup.requests
     pair = studies.allocator_pair(config, requests, cost)
-    plots.draw_memory_over_time(pair, out_dir / "memory_over_time.png", model.kv_bytes_per_token)
+    plots.draw_memory_over_time(pair, out_dir / "memory_over_time.png", setup.model.kv_bytes_per_token)
     plots.draw_waste_vs_block_size(studies.block_size_series(config, requests, cost),
                                    out_dir / "waste_vs_block_size.png")
-    plots.draw_hit_rate_vs_sharing(studies.sharing_series(config, cost, seed=args.seed),
+    plots.draw_hit_rate_vs_sharing(studies.sharing_series(config, cost, seed=seed),
                                    out_dir / "prefix_hit_vs_sharing.png")
     for name in ("memory_over_time.png", "waste_vs_block_size.png", "prefix_hit_vs_sharing.png"):
         print(f"wrote {out_dir / name}")

@@ -66,6 +66,12 @@ def draw_pool_timeline(records: list[StepRecord], path: str | Path, title: str =
     plt.close(fig)
 
 
+def _save(plt, fig, path: str | Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _pyplot():
     import matplotlib
 
@@ -95,9 +101,7 @@ def draw_memory_over_time(results: dict, path: str | Path, slot_bytes: float) ->
         ax.set_ylabel("KV memory (GiB)")
         ax.legend(fontsize=7, loc="upper right")
     axes[-1].set_xlabel("simulated time (s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def draw_waste_vs_block_size(series: list, path: str | Path) -> None:
@@ -115,9 +119,7 @@ def draw_waste_vs_block_size(series: list, path: str | Path) -> None:
     ax2.plot(sizes, [s["mean_concurrency"] for _, s in series], "s--", color="tab:blue", label="mean running seqs")
     ax2.set_ylabel("mean running sequences", color="tab:blue")
     ax.set_title("paged allocation, same KV memory: waste vs block size", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def draw_hit_rate_vs_sharing(series: list, path: str | Path) -> None:
@@ -136,6 +138,4 @@ def draw_hit_rate_vs_sharing(series: list, path: str | Path) -> None:
     ax.set_ylabel("%")
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title("prefix caching: reuse vs sharing", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)

@@ -74,24 +74,31 @@ class StepSample:
 
 @dataclass
 class RequestRecord:
+    """One simulated request: its shape, and the same ``RequestMetrics`` the engine keeps (simulated clock)."""
+
     request_id: str
-    arrival: float
     prompt_len: int
     output_len: int
     num_samples: int
-    first_token: float | None = None
-    finished: float | None = None
+    metrics: RequestMetrics
     cached_tokens: int = 0
-    preemptions: int = 0
     output_tokens: int = 0
 
     @property
+    def arrival(self) -> float:
+        return self.metrics.arrival_time
+
+    @property
+    def finished(self) -> float | None:
+        return self.metrics.finished_time
+
+    @property
     def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
+        return self.metrics.time_to_first_token
 
     @property
     def latency(self) -> float | None:
-        return None if self.finished is None else self.finished - self.arrival
+        return self.metrics.latency
 
 
 @dataclass
@@ -246,7 +253,7 @@ class Simulator:
             req.seqs.append(seq)
             self._spec[spec.request_id] = spec
             self._records[spec.request_id] = RequestRecord(
-                spec.request_id, spec.arrival, spec.prompt_len, spec.output_len, spec.num_samples)
+                spec.request_id, spec.prompt_len, spec.output_len, spec.num_samples, req.metrics)
             if spec.prefix_id is not None:
                 self.result.prefix_blocks_total += spec.prefix_len // self.config.block_size
             self.scheduler.add(seq)
@@ -274,7 +281,7 @@ class Simulator:
         for rid, seqs in by_request.items():
             req = seqs[0].request
             rec = self._records[rid]
-            if rec.first_token is None:
+            if req.metrics.first_token_time is None:
                 rec.cached_tokens = req.num_cached_tokens
                 if req.params.n > 1:  # the prompt was computed once; the other samples share its blocks
                     req.forked = True
@@ -286,16 +293,10 @@ class Simulator:
                 self._append(seq, rec, now)
 
     def _try_fork(self, parent: Sequence, index: int) -> Sequence | None:
-        """A child sharing every block of ``parent`` (exactly what the engine does for n > 1)."""
-        child = Sequence(f"{parent.request.request_id}#{index}", parent.request, index,
-                         list(parent.token_ids), parent.prompt_len)
-        parent.request.seqs.append(child)
-        if self.scheduler.add_forked(parent, child):
-            return child
-        child.status = SequenceStatus.FINISHED  # no room to copy (static reservation only)
-        child.finish_reason = "error"
-        self.result.fork_failures += 1
-        return None
+        child, ok = self.scheduler.fork(parent, index)
+        if not ok:
+            self.result.fork_failures += 1
+        return child if ok else None
 
     def _reshuffle_beams(self, req: Request, seqs: list[Sequence]) -> list[Sequence]:
         """Beam-like: some candidates lose and are replaced by a fork of a surviving one (which shares
@@ -314,10 +315,10 @@ class Simulator:
     def _append(self, seq: Sequence, rec: RequestRecord, now: float) -> None:
         seq.token_ids.extend(self.tokens.fresh(1))
         rec.output_tokens += 1
-        if rec.first_token is None:
-            rec.first_token = now
+        metrics = seq.request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
         if seq.num_output_tokens >= rec.output_len or len(seq.token_ids) >= self.config.max_model_len:
             self.scheduler.finish(seq, "length")
             if seq.request.finished:
-                rec.finished = now
-                rec.preemptions = seq.request.metrics.num_preemptions
+                metrics.finished_time = now
