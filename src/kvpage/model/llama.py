@@ -15,7 +15,9 @@ from torch import nn
 
 from kvpage.attention.backends.base import AttentionBackend
 from kvpage.attention.metadata import AttentionMetadata
+from kvpage.model import quant as quant_config
 from kvpage.model.config import ModelConfig
+from kvpage.model.quant import QuantWeight, concat
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 
 
@@ -23,13 +25,21 @@ class PackedLinear(nn.Module):
     """Inference-only linear layer on a oneDNN pre-packed bf16 weight: same results as F.linear, about twice
     as fast on this CPU, because the weight is laid out for the GEMM once instead of at every call."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
+                 ops=None) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
         self.bias = bias
+        # The checkpoint's own quantized blocks, used for steps of at most quant.QUANT_MAX_TOKENS tokens.
+        self.quant = quant if ops is not None and hasattr(ops, "quant_linear") else None
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quant
+        if q is not None and x.shape[0] <= quant_config.QUANT_MAX_TOKENS:
+            out = self.ops.quant_linear(x, q.qs, q.d, q.m)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -67,23 +77,15 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
-    def pack(self) -> None:
+    def pack(self, quant: dict[str, QuantWeight], prefix: str, ops) -> None:
         bias = None
         if self.q_proj.bias is not None:
             bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-        self.qkv = PackedLinear(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]), bias)
-        self.o_packed = PackedLinear(self.o_proj.weight, None)
+        qkv_quant = concat([quant.get(f"{prefix}.{p}_proj.weight") for p in "qkv"])
+        self.qkv = PackedLinear(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]), bias,
+                                qkv_quant, ops)
+        self.o_packed = PackedLinear(self.o_proj.weight, None, quant.get(f"{prefix}.o_proj.weight"), ops)
         del self.q_proj, self.k_proj, self.v_proj, self.o_proj
-
-    def fast_forward(self, x, cos, sin, kv_cache, meta, ops) -> torch.Tensor:
-        t, hd, kd = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv(x)
-        q = qkv[:, :hd].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, hd : hd + kd].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, hd + kd :].view(t, self.num_kv_heads, self.head_dim)
-        ops.rotary_(q, k, cos, sin)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_packed(out.reshape(t, hd))
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -104,17 +106,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def pack(self) -> None:
-        self.gate_up = PackedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), None)
-        self.down = PackedLinear(self.down_proj.weight, None)
+    def pack(self, quant: dict[str, QuantWeight], prefix: str, ops) -> None:
+        gate_up_quant = concat([quant.get(f"{prefix}.{p}_proj.weight") for p in ("gate", "up")])
+        self.gate_up = PackedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), None, gate_up_quant, ops)
+        self.down = PackedLinear(self.down_proj.weight, None, quant.get(f"{prefix}.down_proj.weight"), ops)
         del self.gate_proj, self.up_proj, self.down_proj
-
-    def fast_forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        gu = self.gate_up(x)
-        if gu.dtype == torch.bfloat16:  # fused: the product is rounded to bf16 either way
-            return self.down(ops.silu_mul(gu))
-        inter = gu.shape[-1] // 2
-        return self.down(F.silu(gu[:, :inter]) * gu[:, inter:])
 
 
 class DecoderLayer(nn.Module):
@@ -142,15 +138,25 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors))
         self.fast_ops = None  # set by enable_fast_path()
+        self.lm_quant: QuantWeight | None = None
 
-    def enable_fast_path(self, ops) -> None:
-        """bf16 inference path: packed fused projections and fused norm / RoPE / SiLU kernels (``ops``)."""
-        for layer in self.layers:
-            layer.self_attn.pack()
-            layer.mlp.pack()
+    def enable_fast_path(self, ops, quant: dict[str, QuantWeight] | None = None) -> None:
+        """bf16 inference path: packed fused projections and fused norm / RoPE / SiLU kernels (``ops``); with
+        ``quant`` (parameter name -> the checkpoint's quantized blocks) few-token steps compute from those."""
+        quant = quant or {}
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.pack(quant, f"layers.{i}.self_attn", ops)
+            layer.mlp.pack(quant, f"layers.{i}.mlp", ops)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        lm_quant = quant.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
         self.lm_packed = PackedLinear(weight, None)
+        self.lm_quant = lm_quant if hasattr(ops, "quant_linear") else None
         self.final_norm_f32 = self.norm.weight.float()  # final hidden stays float32 for exact top logits
+        self._fast_plan = []
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+            self._fast_plan.append(_FastLayer(layer, nxt.weight if nxt else self.final_norm_f32,
+                                              nxt.eps if nxt else self.norm.eps))
         self.fast_ops = ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -170,21 +176,24 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def _fast_forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        # Plain objects and bound methods only: at one token per step, nn.Module call machinery and submodule
+        # lookups cost as much as the small projections themselves.
         ops = self.fast_ops
         residual = self.embed_tokens(input_ids).float()
         cos, sin = self.rotary.cos_sin(positions, torch.float32)
-        layers = self.layers
-        h = ops.rms_norm(residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
-        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
-            a = layer.self_attn.fast_forward(h, cos, sin, kv_cache, meta, ops)
-            post = layer.post_attention_layernorm
-            h = ops.add_rms_norm(a, residual, post.weight, post.eps)
-            m = layer.mlp.fast_forward(h, ops)
-            if i + 1 < len(layers):
-                nxt = layers[i + 1].input_layernorm
-                h = ops.add_rms_norm(m, residual, nxt.weight, nxt.eps)
-            else:
-                h = ops.add_rms_norm(m, residual, self.final_norm_f32, self.norm.eps)
+        t = residual.shape[0]
+        first = self._fast_plan[0]
+        h = ops.rms_norm(residual, first.in_norm, first.eps)
+        for p, kv_cache in zip(self._fast_plan, kv_caches, strict=True):
+            qkv = p.qkv(h)
+            q = qkv[:, : p.q_end].view(t, p.num_heads, p.head_dim)
+            k = qkv[:, p.q_end : p.k_end].view(t, p.num_kv_heads, p.head_dim)
+            v = qkv[:, p.k_end :].view(t, p.num_kv_heads, p.head_dim)
+            ops.rotary_(q, k, cos, sin)
+            a = p.o(p.attend(q, k, v, kv_cache, meta, p.scale).reshape(t, p.q_end))
+            h = ops.add_rms_norm(a, residual, p.post_norm, p.eps)
+            m = p.down(ops.silu_mul(p.gate_up(h)))
+            h = ops.add_rms_norm(m, residual, p.next_norm, p.next_eps)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -199,6 +208,12 @@ class LlamaForCausalLM(nn.Module):
         """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         ops = self.fast_ops or _kernels()
+        lm_quant = self.lm_quant
+        if lm_quant is not None and 0 < hidden.shape[0] <= quant_config.QUANT_MAX_TOKENS:
+            # float32 logits from the exact quantized weights: nothing near the maximum needs recomputing
+            raw = ops.quant_linear(hidden, lm_quant.qs, lm_quant.d, lm_quant.m, True)
+            logits, amax, lse = ops.logits_postprocess(raw, hidden, weight)
+            return LogitsResult(logits, amax, lse)
         if self.fast_ops is not None:
             raw = self.lm_packed(hidden.to(weight.dtype))
         else:
@@ -217,6 +232,26 @@ class LlamaForCausalLM(nn.Module):
             rows, cols = (logits >= top - top.abs() / 32 - 1e-3).nonzero(as_tuple=True)
             logits[rows, cols] = (hidden[rows].float() * weight[cols].float()).sum(dim=-1)
         return LogitsResult(logits, logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1))
+
+
+class _FastLayer:
+    """One decoder layer of the bf16 fast path as plain attributes and bound methods."""
+
+    __slots__ = ("attend", "down", "eps", "gate_up", "head_dim", "in_norm", "k_end", "next_eps", "next_norm",
+                 "num_heads", "num_kv_heads", "o", "post_norm", "q_end", "qkv", "scale")
+
+    def __init__(self, layer: DecoderLayer, next_norm: torch.Tensor, next_eps: float) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv, self.o = attn.qkv.forward, attn.o_packed.forward
+        self.gate_up, self.down = mlp.gate_up.forward, mlp.down.forward
+        self.attend = attn.backend.forward
+        self.in_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.post_attention_layernorm.eps
+        self.next_norm, self.next_eps = next_norm, next_eps
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.q_end = attn.num_heads * attn.head_dim
+        self.k_end = self.q_end + attn.num_kv_heads * attn.head_dim
+        self.scale = attn.scale
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 from kvpage.attention.backends import get_attention_backend
 from kvpage.model.config import ModelConfig, config_from_gguf, config_from_hf_dir, gguf_fields, open_gguf
 from kvpage.model.llama import LlamaForCausalLM
+from kvpage.model.quant import QuantWeight
 from kvpage.model.registry import DEFAULT_MODEL, resolve_model_path
 from kvpage.model.rope import rope_inv_freq
 from kvpage.model.tokenizer import KVTokenizer
@@ -23,9 +24,11 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def _maybe_enable_fast_path(net: LlamaForCausalLM, run_dtype: torch.dtype, backend: str) -> None:
-    """bf16 with the compiled backend: packed fused projections + fused elementwise kernels. float32 keeps the
-    step-by-step transformers arithmetic (the exactness reference)."""
+def _maybe_enable_fast_path(net: LlamaForCausalLM, run_dtype: torch.dtype, backend: str,
+                            quant: dict[str, QuantWeight]) -> None:
+    """bf16 with the compiled backend: packed fused projections + fused elementwise kernels, and the GGUF's own
+    quantized blocks for few-token steps. float32 keeps the step-by-step transformers arithmetic (the
+    exactness reference)."""
     if run_dtype != torch.bfloat16 or backend == "reference":
         return
     from kvpage.attention.backends.cpu_kernels import load_kernels
@@ -35,7 +38,7 @@ def _maybe_enable_fast_path(net: LlamaForCausalLM, run_dtype: torch.dtype, backe
     if ops is None or not packing_available():
         logger.info("bf16 fast path unavailable (kernels or oneDNN packing missing): plain bf16 path")
         return
-    net.enable_fast_path(ops)
+    net.enable_fast_path(ops, quant)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -80,6 +83,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
 def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str) -> LoadedModel:
     t0 = time.perf_counter()
     freq_factors = None
+    quant: dict[str, QuantWeight] = {}
     if path.is_dir() and (path / "config.json").is_file():
         cfg = config_from_hf_dir(path)
         check_architecture(cfg)
@@ -101,7 +105,7 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
         tokenizer = KVTokenizer.from_gguf_fields(fields, source=str(path))
         if not cfg.vocab_size:
             cfg = cfg.with_overrides(vocab_size=len(fields["tokenizer.ggml.tokens"]))
-        tensors = iter_gguf_tensors(reader, path, cfg)
+        tensors = iter_gguf_tensors(reader, path, cfg, quant if run_dtype == torch.bfloat16 else None)
     if not cfg.intermediate_size or not cfg.hidden_size or not cfg.vocab_size:
         raise ValueError(f"{path}: config lacks hidden_size, intermediate_size or vocab_size")
 
@@ -129,7 +133,7 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
     )
     net.requires_grad_(False)
     net.eval()
-    _maybe_enable_fast_path(net, run_dtype, attention_backend)
+    _maybe_enable_fast_path(net, run_dtype, attention_backend, quant)
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %d layers) from %s in %.1f s", cfg.name, run_dtype, cfg.num_layers, path, seconds)
     return LoadedModel(cfg, net, tokenizer, run_dtype, path, seconds)

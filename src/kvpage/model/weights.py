@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Iterator
@@ -43,9 +44,15 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(reader: Any, path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(parameter name, float32 tensor) for every tensor of an open GGUFReader; ``rope_freqs`` passes through."""
+def iter_gguf_tensors(reader: Any, path: Path, cfg: ModelConfig,
+                      quant: dict[str, Any] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(parameter name, float32 tensor) for every tensor of an open GGUFReader; ``rope_freqs`` passes through.
+
+    With ``quant``, matrices stored as Q4_0 / Q4_1 / Q8_0 are also kept there as repacked blocks
+    (``kvpage.model.quant.QuantWeight``) under the same parameter name.
+    """
     from kvpage.model.dequant import NATIVE, dequantize
+    from kvpage.model.quant import from_gguf
 
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
@@ -63,14 +70,26 @@ def iter_gguf_tensors(reader: Any, path: Path, cfg: ModelConfig) -> Iterator[tup
             layer, kind, suffix = m.groups()
             if kind not in _GGUF_LAYER:
                 raise ValueError(f"{path}: unexpected tensor {t.name} for a {cfg.architecture} model")
+            name = f"layers.{layer}.{_GGUF_LAYER[kind]}.{suffix}"
+            qw = from_gguf(t.data, t.tensor_type, shape) if quant is not None and suffix == "weight" else None
             if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
-                data = _unpermute_qk(data, cfg.num_attention_heads if kind == "attn_q" else cfg.num_kv_heads)
-            yield f"layers.{layer}.{_GGUF_LAYER[kind]}.{suffix}", data
+                heads = cfg.num_attention_heads if kind == "attn_q" else cfg.num_kv_heads
+                data = _unpermute_qk(data, heads)
+                if qw is not None:
+                    qw = qw.map_rows(functools.partial(_unpermute_qk, n_head=heads))
+            if qw is not None and not kind.endswith("norm"):
+                quant[name] = qw
+            yield name, data
             continue
         base, _, suffix = t.name.rpartition(".")
         if base not in _GGUF_GLOBAL:
             raise ValueError(f"{path}: unexpected tensor {t.name}")
-        yield f"{_GGUF_GLOBAL[base]}.{suffix}", data
+        name = f"{_GGUF_GLOBAL[base]}.{suffix}"
+        if quant is not None and base in ("token_embd", "output"):
+            qw = from_gguf(t.data, t.tensor_type, shape)
+            if qw is not None:
+                quant[name] = qw
+        yield name, data
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -582,9 +582,11 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch
 }
 
 void register_fused_ops(pybind11::module& m);  // fused_ops.cpp
+void register_quant_ops(pybind11::module& m);  // quant_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
+  register_quant_ops(m);
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots");
   m.def("paged_attention", &paged_attention, "varlen causal attention over a paged KV cache");
 }

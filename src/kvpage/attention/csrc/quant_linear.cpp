@@ -1,0 +1,292 @@
+// Matrix-vector products straight from GGUF-style quantized weights, for steps with few tokens (one stream's
+// decode, small batches), where the cost is reading the weights: 4.5 or 8.5 bits per weight instead of 16.
+//
+//   quant_linear(x [M, K], qs, d, m) -> [M, N]
+//
+// Weights are "repacked GGUF blocks" of 32 along K (see kvpage/model/quant.py):
+//   Q4 (from Q4_0 / Q4_1): qs uint8 [N, K/2] (16 bytes per block: low nibbles = elements 0..15, high nibbles =
+//                           16..31, as in GGUF), d and m float16 [N, K/32]; weight = d * q + m.
+//   Q8 (from Q8_0):        qs int8 [N, K], d float16 [N, K/32]; weight = d * q.
+// The arithmetic is float32 on the exact weights: sum_b d_b * (q_b . x_b) + m_b * sum(x_b), with x widened to
+// float32. Output is float32 or x's dtype (bf16 rounded to nearest even).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "common.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQK = 32;    // weights per block
+constexpr int64_t kMaxM = 8;   // tokens handled per pass over the weights
+constexpr int64_t kAhead = 4;  // rows prefetched ahead
+
+inline void store_out(float* o, float v) { *o = v; }
+inline void store_out(at::BFloat16* o, float v) { *o = at::BFloat16(v); }
+
+#if KVPAGE_AVX512
+inline __m512 half16(const at::Half* src, int64_t left) {
+  const __mmask16 k = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, reinterpret_cast<const void*>(src)));
+}
+inline void half_row(const at::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(dst + i, k, half16(src + i, n - i));
+  }
+}
+#else
+inline void half_row(const at::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+#endif
+
+#if KVPAGE_AVX512 && defined(__AVX512BF16__)
+#define KVPAGE_Q4_DPBF16 1
+// Q4 rows for bf16 activations with AVX512_BF16: the nibbles of two blocks become 32 exact bf16 integers by a
+// table lookup (vpermw reads the low 5 index bits, so the table maps i -> bf16(i & 15)), and vdpbf16ps sums
+// their products with x exactly in float32. ``xp`` holds x reordered per block pair as [lo(b), lo(b+1),
+// hi(b), hi(b+1)] (lo = elements 0..15 of a block, hi = 16..31), zero-padded to an even block count.
+template <int M, typename OUT>
+void q4_rows_bf16(const at::BFloat16* xp, const float* xsum, const uint8_t* qs, const at::Half* d,
+                  const at::Half* m, int64_t K, int64_t N, int64_t n0, int64_t n1, OUT* out) {
+  const int64_t nb = K / kQK, npair = (nb + 1) / 2, row_bytes = K / 2;
+  std::vector<float> dbuf(2 * npair, 0.f);
+  alignas(64) uint16_t table_v[32];
+  for (int i = 0; i < 32; ++i) table_v[i] = at::BFloat16(static_cast<float>(i & 15)).x;
+  const __m512i table = _mm512_load_si512(table_v);
+  for (int64_t n = n0; n < n1; ++n) {
+    if (n + kAhead < n1) {
+      const char* next = reinterpret_cast<const char*>(qs) + (n + kAhead) * row_bytes;
+      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(d + (n + kAhead) * nb), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m + (n + kAhead) * nb), _MM_HINT_T0);
+    }
+    half_row(d + n * nb, dbuf.data(), nb);
+    __m512 acc[M];
+    for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 16) {  // min terms: m_b * sum(x_b), 16 blocks per vector
+      const __m512 mv = half16(m + n * nb + b, nb - b);
+      const __mmask16 k = nb - b >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nb - b)) - 1u);
+      for (int t = 0; t < M; ++t) acc[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, xsum + t * nb + b), acc[t]);
+    }
+    const uint8_t* q = qs + n * row_bytes;
+    for (int64_t p = 0; p < npair; ++p) {
+      const int64_t b = 2 * p;
+      __m256i raw;
+      if (b + 1 < nb) raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 16));
+      else raw = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
+      const __m512i v = _mm512_cvtepu8_epi16(raw);
+      const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(v, table);
+      const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+      const __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(dbuf[b]), _mm256_set1_ps(dbuf[b + 1]), 1);
+      for (int t = 0; t < M; ++t) {
+        const at::BFloat16* xb = xp + t * npair * 64 + p * 64;
+        __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512(xb));
+        s = _mm512_dpbf16_ps(s, hi, (__m512bh)_mm512_loadu_si512(xb + 32));
+        acc[t] = _mm512_fmadd_ps(s, dv, acc[t]);
+      }
+    }
+    for (int t = 0; t < M; ++t) store_out(out + t * N + n, _mm512_reduce_add_ps(acc[t]));
+  }
+}
+#else
+#define KVPAGE_Q4_DPBF16 0
+#endif
+
+// Rows [n0, n1) of out[M, N] = x[M, K] . W^T for Q4 (m != nullptr) or Q8 (m == nullptr) weights.
+template <int M, bool Q4, typename OUT>
+void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::Half* d, const at::Half* m,
+                int64_t K, int64_t N, int64_t n0, int64_t n1, OUT* out) {
+  const int64_t nb = K / kQK;
+  std::vector<float> dbuf(nb), mbuf(Q4 ? nb : 0);
+  const int64_t row_bytes = Q4 ? K / 2 : K;
+  for (int64_t n = n0; n < n1; ++n) {
+#if KVPAGE_AVX512
+    if (n + kAhead < n1) {  // the hardware prefetcher alone leaves the weight stream latency-bound
+      const char* next = static_cast<const char*>(qs_v) + (n + kAhead) * row_bytes;
+      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(d + (n + kAhead) * nb), _MM_HINT_T0);
+      if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(m + (n + kAhead) * nb), _MM_HINT_T0);
+    }
+#endif
+    half_row(d + n * nb, dbuf.data(), nb);
+    float mterm[M];
+    for (int t = 0; t < M; ++t) mterm[t] = 0.f;
+    if constexpr (Q4) {
+      half_row(m + n * nb, mbuf.data(), nb);
+      for (int t = 0; t < M; ++t) {
+        const float* xs = xsum + t * nb;
+        float s = 0.f;
+        for (int64_t b = 0; b < nb; ++b) s += mbuf[b] * xs[b];
+        mterm[t] = s;
+      }
+    }
+#if KVPAGE_AVX512
+    __m512 acc[M];
+    for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
+    if constexpr (Q4) {
+      const uint8_t* q = static_cast<const uint8_t*>(qs_v) + n * (K / 2);
+      const __m512i low4 = _mm512_set1_epi32(0x0F);
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low4));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        const __m512 dv = _mm512_set1_ps(dbuf[b]);
+        for (int t = 0; t < M; ++t) {
+          const float* xb = x + t * K + b * kQK;
+          __m512 s = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
+          s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), s);
+          acc[t] = _mm512_fmadd_ps(s, dv, acc[t]);
+        }
+      }
+    } else {
+      const int8_t* q = static_cast<const int8_t*>(qs_v) + n * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m128i* p = reinterpret_cast<const __m128i*>(q + b * kQK);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+        const __m512 dv = _mm512_set1_ps(dbuf[b]);
+        for (int t = 0; t < M; ++t) {
+          const float* xb = x + t * K + b * kQK;
+          __m512 s = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
+          s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), s);
+          acc[t] = _mm512_fmadd_ps(s, dv, acc[t]);
+        }
+      }
+    }
+    for (int t = 0; t < M; ++t) store_out(out + t * N + n, _mm512_reduce_add_ps(acc[t]) + mterm[t]);
+#else
+    float acc[M];
+    for (int t = 0; t < M; ++t) acc[t] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      float wq[kQK];
+      if constexpr (Q4) {
+        const uint8_t* q = static_cast<const uint8_t*>(qs_v) + n * (K / 2) + b * 16;
+        for (int j = 0; j < 16; ++j) {
+          wq[j] = static_cast<float>(q[j] & 0x0F);
+          wq[j + 16] = static_cast<float>(q[j] >> 4);
+        }
+      } else {
+        const int8_t* q = static_cast<const int8_t*>(qs_v) + n * K + b * kQK;
+        for (int j = 0; j < kQK; ++j) wq[j] = static_cast<float>(q[j]);
+      }
+      for (int t = 0; t < M; ++t) {
+        const float* xb = x + t * K + b * kQK;
+        float s = 0.f;
+        for (int j = 0; j < kQK; ++j) s += wq[j] * xb[j];
+        acc[t] += dbuf[b] * s;
+      }
+    }
+    for (int t = 0; t < M; ++t) store_out(out + t * N + n, acc[t] + mterm[t]);
+#endif
+  }
+}
+
+// Calls fn(std::integral_constant<int, R>) for R = rows (1..kMaxM): the token count is a compile-time constant
+// inside the kernels, so their accumulators stay in registers.
+template <typename F>
+void with_rows(int64_t rows, F&& fn) {
+  switch (rows) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    case 8: fn(std::integral_constant<int, 8>{}); break;
+    default: TORCH_CHECK(false, "internal: bad token group ", rows);
+  }
+}
+
+template <typename IN, typename OUT>
+void run_quant(const IN* x, int64_t M, int64_t K, int64_t N, bool q4, const void* qs, const at::Half* d,
+               const at::Half* m, OUT* out) {
+  const int64_t nb = K / kQK;
+  // Rows of W in chunks: both cores stream disjoint parts of the weights.
+  const int64_t grain = std::max<int64_t>(8, N / (4 * at::get_num_threads()));
+  std::vector<float> xf(M * K), xsum(q4 ? M * nb : 0);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = kvpage::to_float(x[i]);
+  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
+    float s = 0.f;
+    for (int64_t j = 0; j < kQK; ++j) s += xf[i * kQK + j];
+    xsum[i] = s;
+  }
+#if KVPAGE_Q4_DPBF16
+  if (q4 && std::is_same<IN, at::BFloat16>::value) {
+    const int64_t npair = (nb + 1) / 2;
+    std::vector<at::BFloat16> xp(M * npair * 64, at::BFloat16(0.f));
+    for (int64_t t = 0; t < M; ++t)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t j = 0; j < kQK; ++j)  // [lo(b), lo(b+1), hi(b), hi(b+1)] per pair
+          xp[t * npair * 64 + (b / 2) * 64 + (j / 16) * 32 + (b % 2) * 16 + j % 16] =
+              at::BFloat16(xf[t * K + b * kQK + j]);
+    for (int64_t t0 = 0; t0 < M; t0 += kMaxM) {
+      with_rows(std::min(kMaxM, M - t0), [&](auto R) {
+        at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+          q4_rows_bf16<R(), OUT>(xp.data() + t0 * npair * 64, xsum.data() + t0 * nb,
+                                 static_cast<const uint8_t*>(qs), d, m, K, N, n0, n1, out + t0 * N);
+        });
+      });
+    }
+    return;
+  }
+#endif
+  for (int64_t t0 = 0; t0 < M; t0 += kMaxM) {
+    with_rows(std::min(kMaxM, M - t0), [&](auto R) {
+      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        const float* xr = xf.data() + t0 * K;
+        if (q4) quant_rows<R(), true, OUT>(xr, xsum.data() + t0 * nb, qs, d, m, K, N, n0, n1, out + t0 * N);
+        else quant_rows<R(), false, OUT>(xr, nullptr, qs, d, m, K, N, n0, n1, out + t0 * N);
+      });
+    });
+  }
+}
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
+                           bool float_out) {
+  TORCH_CHECK(x.dim() == 2, "x must be [tokens, in_features]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous(), "qs must be a dense [out_features, bytes] matrix");
+  const bool q4 = qs.scalar_type() == at::kByte;
+  TORCH_CHECK(q4 || qs.scalar_type() == at::kChar, "qs must be uint8 (Q4) or int8 (Q8)");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), nb = K / kQK;
+  TORCH_CHECK(K % kQK == 0, "in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(qs.size(1) == (q4 ? K / 2 : K), "qs has ", qs.size(1), " bytes per row for in_features ", K);
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 2 && d.size(0) == N && d.size(1) == nb,
+              "d must be float16 [out_features, in_features / 32]");
+  const at::Half* mp = nullptr;
+  if (q4) {
+    TORCH_CHECK(m.has_value() && m->scalar_type() == at::kHalf && m->is_contiguous() && m->dim() == 2 &&
+                    m->size(0) == N && m->size(1) == nb,
+                "Q4 weights need m: float16 [out_features, in_features / 32]");
+    mp = m->data_ptr<at::Half>();
+  }
+  const bool bf16_in = x.scalar_type() == at::kBFloat16, bf16_out = bf16_in && !float_out;
+  auto out = torch::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  if (M == 0) return out;
+  const void* qp = qs.data_ptr();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  if (bf16_in) {
+    if (bf16_out) run_quant(x.data_ptr<at::BFloat16>(), M, K, N, q4, qp, dp, mp, out.data_ptr<at::BFloat16>());
+    else run_quant(x.data_ptr<at::BFloat16>(), M, K, N, q4, qp, dp, mp, out.data_ptr<float>());
+  } else {
+    run_quant(x.data_ptr<float>(), M, K, N, q4, qp, dp, mp, out.data_ptr<float>());
+  }
+  return out;
+}
+
+}  // namespace
+
+void register_quant_ops(pybind11::module& m) {
+  m.def("quant_linear", &quant_linear, "x . W^T from Q4 / Q8 block-quantized weights (few-token steps)",
+        pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("d"), pybind11::arg("m") = pybind11::none(),
+        pybind11::arg("float_out") = false);
+}
