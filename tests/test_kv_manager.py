@@ -190,6 +190,36 @@ def test_cache_salt_isolates_the_whole_chain():
     )
 
 
+def last_token_hash(data: bytes) -> bytes:
+    """A deliberately weak hash: a block's hash is its last token, whatever precedes it; every root collides."""
+    return b"root" if data.startswith(b'["kvpage-prefix') else data[-8:]
+
+
+def test_colliding_roots_never_share_across_isolation_keys():
+    m = KVCacheManager(16, 4, watermark=0.0, hash_fn=last_token_hash)
+    admit(m, KVSequence("A", list(range(1, 10)), adapter_id="lora-x"))
+    assert m.lookup_prefix(KVSequence("B", list(range(1, 10)))).num_tokens == 0
+    assert m.lookup_prefix(KVSequence("C", list(range(1, 10)), cache_salt="t")).num_tokens == 0
+    assert m.lookup_prefix(KVSequence("D", list(range(1, 10)), adapter_id="lora-x")).num_tokens == 8
+
+
+def test_swap_in_never_shares_a_block_whose_chain_only_collides():
+    """B's third block has A's tokens and, through a colliding chain, A's parent hash: it must be copied back,
+    not shared (found by the weak-hash property test)."""
+    m = KVCacheManager(16, 4, watermark=0.0, num_swap_blocks=8, hash_fn=last_token_hash)
+    admit(m, KVSequence("A", [1, 2, 3, 4, 9, 9, 9, 9, 3, 2, 1, 3, 7]))
+    b = KVSequence("B", [5, 5, 5, 4, 1, 1, 1, 9, 3, 2, 1, 3, 7])
+    assert m.lookup_prefix(b).num_tokens == 0  # first block: same hash, other tokens
+    admit(m, b)
+    a_blocks = set(m.block_table("A"))
+    out = m.swap_out("B")
+    assert out is not None
+    back = m.swap_in(b)
+    assert back is not None and len(back) == 4, "every host block is copied back"
+    assert not a_blocks & set(m.block_table("B"))
+    m.check_invariants()
+
+
 def test_model_and_adapter_ids_isolate():
     m = KVCacheManager(16, 4, watermark=0.0, model_id="m1")
     admit(m, KVSequence("A", list(range(1, 10)), adapter_id="lora-x"))

@@ -12,22 +12,30 @@ from collections.abc import Iterator
 class KVBlock:
     """Bookkeeping for one physical block (no tensor data lives here)."""
 
-    __slots__ = ("block_hash", "block_id", "next_free", "parent_hash", "prev_free", "ref_count", "token_ids")
+    __slots__ = ("block_hash", "block_id", "epoch", "next_free", "parent", "prev_free", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        # Prefix-cache identity of a full block; None while the block is partial or uncached.
+        # Prefix-cache identity of a full block; None while the block is partial or uncached. ``parent`` names
+        # exactly what precedes it (the chain's isolation keys, or the previous block's (id, epoch)), so reuse
+        # never rests on a hash comparison alone; ``epoch`` counts the cached identities this block has had.
         self.block_hash: bytes | None = None
-        self.parent_hash: bytes | None = None
+        self.parent: object = None
         self.token_ids: tuple[int, ...] | None = None
+        self.epoch = 0
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
     def clear_hash(self) -> None:
         self.block_hash = None
-        self.parent_hash = None
+        self.parent = None
         self.token_ids = None
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        """What a following block records as its parent: this block in its current cached incarnation."""
+        return self.block_id, self.epoch
 
     def __repr__(self) -> str:
         cached = " cached" if self.block_hash is not None else ""

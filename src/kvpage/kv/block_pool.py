@@ -69,21 +69,21 @@ class BlockPool:
             elif block.ref_count < 0:
                 raise AssertionError(f"block {block.block_id} released more often than taken")
 
-    def cache_block(
-        self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash, token_ids: tuple[int, ...]
-    ) -> None:
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, parent: object, token_ids: tuple[int, ...]) -> None:
         """Make a full block findable. The first block registered under a hash keeps it."""
         if block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash = block_hash
-        block.parent_hash = parent_hash
+        block.parent = parent
         block.token_ids = token_ids
+        block.epoch += 1
         self.cached[block_hash] = block
 
-    def lookup(self, block_hash: BlockHash, parent_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
-        """A cached block for this prefix, verified on content: a hash collision is a miss."""
+    def lookup(self, block_hash: BlockHash, parent: object, token_ids: tuple[int, ...]) -> KVBlock | None:
+        """A cached block for this prefix, verified on content and on the exact parent (the chain's isolation
+        keys, or the previous block's identity): a hash collision, even of the whole chain, is a miss."""
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids or block.parent_hash != parent_hash:
+        if block is None or block.token_ids != token_ids or block.parent != parent:
             return None
         return block
 

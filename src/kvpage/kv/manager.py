@@ -177,6 +177,10 @@ class KVCacheManager:
             self.model_id, getattr(seq, "adapter_id", None), getattr(seq, "cache_salt", None), self.hash_fn
         )
 
+    def _root_key(self, seq: SequenceLike) -> tuple:
+        """The exact isolation keys a chain starts from (its hash, the root, may collide; these cannot)."""
+        return "root", self.model_id, getattr(seq, "adapter_id", None), getattr(seq, "cache_salt", None)
+
     def lookup_prefix(self, seq: SequenceLike) -> PrefixHit:
         """Longest run of cached full blocks for ``seq.token_ids``, leaving >= 1 token to compute.
 
@@ -188,17 +192,18 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (len(tokens) - 1) // bs
         parent = self._root(seq)
+        ident: object = self._root_key(seq)
         blocks: list[KVBlock] = []
         hashes: list[BlockHash] = []
         for i in range(max_blocks):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk, self.hash_fn)
-            block = self.pool.lookup(h, parent, chunk)
+            block = self.pool.lookup(h, ident, chunk)
             if block is None:
                 break
             blocks.append(block)
             hashes.append(h)
-            parent = h
+            parent, ident = h, block.identity
         return PrefixHit(tuple(blocks), tuple(hashes), len(blocks) * bs)
 
     def cache_computed_blocks(self, seq: SequenceLike, num_computed_tokens: int | None = None) -> int:
@@ -219,7 +224,7 @@ class KVCacheManager:
         for i in range(start, full):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk, hash_fn)
-            pool.cache_block(table[i], h, parent, chunk)
+            pool.cache_block(table[i], h, table[i - 1].identity if i else self._root_key(seq), chunk)
             hashes.append(h)
             parent = h
         return full - start
@@ -346,13 +351,15 @@ class KVCacheManager:
         swapped = self._swapped_state(sid)
         host = swapped.host_blocks
         # Full blocks whose cached copy is still on the device need no transfer: share them instead.
+        # Only a run from the first block can be verified (each block names its exact parent).
         resident: dict[int, KVBlock] = {}
-        parent, bs, tokens = swapped.root, self.block_size, seq.token_ids
+        ident, bs, tokens = self._root_key(seq), self.block_size, seq.token_ids
         for i, h in enumerate(swapped.hashes):
-            block = self.pool.lookup(h, parent, tuple(tokens[i * bs : (i + 1) * bs]))
-            if block is not None:
-                resident[i] = block
-            parent = h
+            block = self.pool.lookup(h, ident, tuple(tokens[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            resident[i] = block
+            ident = block.identity
         n_copy = len(host) - len(resident)
         revived = sum(1 for b in resident.values() if b.ref_count == 0)
         if self.pool.num_free_blocks - n_copy - revived < self._admission_reserve():

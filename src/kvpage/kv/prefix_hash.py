@@ -4,7 +4,7 @@ A full block's hash covers its parent's hash (so it identifies the whole prefix,
 its token ids, and -- through the chain's root -- every isolation key: the model, the adapter and the
 per-request cache salt. SHA-256 over a fixed byte encoding keeps hashes identical across processes
 (Python's ``hash()`` is randomized per process for strings). A hash match alone never grants reuse:
-the pool also compares the stored token ids and parent hash (see ``BlockPool.lookup``).
+the pool also compares the stored token ids and the exact parent (see ``BlockPool.lookup``).
 """
 
 from __future__ import annotations
