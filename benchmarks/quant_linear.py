@@ -1,0 +1,81 @@
+"""Projections of a few-token step: the GGUF-block kernel (quant_linear) vs the packed bf16 GEMM (oneDNN).
+
+Uses the default model's real weights (Q4_1 layers, Q8_0 output matrix): for each token count M, the 120
+layer projections of one forward pass (every layer's q|k|v, o, gate|up and down, so the weights stream from
+memory as in a real step) plus the output (lm head) projection, timed with each path, side by side in one
+process. The crossover sets kvpage.model.quant.QUANT_MAX_TOKENS.
+
+    python benchmarks/quant_linear.py [--tokens 1 2 3 4 6 8 16] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from kvpage.model import quant as quant_config
+from kvpage.model.loader import load_model
+
+
+def projections(model):
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        yield from (attn.qkv, attn.o_packed, mlp.gate_up, mlp.down)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16])
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    lm = load_model(dtype="bfloat16")
+    model = lm.model
+    if model.fast_ops is None or model.lm_quant is None:
+        raise SystemExit("needs the compiled kernels, AVX512_BF16 and a GGUF model with Q4/Q8 blocks")
+    layers = list(projections(model))
+    weight_bytes = sum(p.quant.nbytes for p in layers) + model.lm_quant.nbytes
+    dense_bytes = sum(p.packed.numel() * 2 for p in layers) + model.lm_packed.packed.numel() * 2
+    hidden = lm.config.hidden_size
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; SmolLM2-135M-Instruct")
+    print(f"bytes read per pass: quantized {weight_bytes / 1e6:.1f} MB, bf16 {dense_bytes / 1e6:.1f} MB")
+    print("| tokens | quantized (ms) | bf16 GEMM (ms) | bf16 / quantized |")
+    print("|---:|---:|---:|---:|")
+    saved = quant_config.QUANT_MAX_TOKENS
+    try:
+        for m in args.tokens:
+            g = torch.Generator().manual_seed(m)
+            inputs = {}
+            for p in layers:
+                k = p.quant.shape[1]
+                if k not in inputs:
+                    inputs[k] = torch.randn(m, k, generator=g).bfloat16()
+            h = torch.randn(m, hidden, generator=g)
+
+            def one_pass(limit: int, inputs=inputs, h=h) -> float:
+                quant_config.QUANT_MAX_TOKENS = limit
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    for p in layers:
+                        p(inputs[p.quant.shape[1]])
+                    model.compute_logits_ex(h)
+                return time.perf_counter() - t
+
+            quant_times, dense_times = [], []
+            one_pass(m), one_pass(0)  # warm-up
+            for _ in range(args.rounds):  # alternate so drift hits both alike
+                quant_times.append(one_pass(m))
+                dense_times.append(one_pass(0))
+            q, d = statistics.median(quant_times) * 1e3, statistics.median(dense_times) * 1e3
+            print(f"| {m} | {q:.2f} | {d:.2f} | {d / q:.2f}x |")
+    finally:
+        quant_config.QUANT_MAX_TOKENS = saved
+
+
+if __name__ == "__main__":
+    main()
