@@ -148,22 +148,29 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
     const int64_t off = t % block_size;
     const int64_t n = std::min<int64_t>({block_size - off, k_end - t, 16});
     const int64_t phys = table[t / block_size];
-    // Blocks are scattered, so the hardware prefetcher cannot run ahead across a block boundary: when a block
-    // is entered, fetch the one kPrefetchAhead blocks later into L2.
+    // Blocks are scattered, so the hardware prefetcher cannot run ahead across a block boundary: while a block
+    // is processed, fetch the one kPrefetchAhead blocks later into L2, a slice per KV head so the requests do
+    // not queue up behind each other in one burst.
+    const char* pf_k = nullptr;
+    const char* pf_v = nullptr;
+    int64_t pf_bytes = 0;
     if (off == 0 || t == k_begin) {
       const int64_t ahead = (t / block_size + kPrefetchAhead) * block_size;
       if (ahead < k_end) {
         const int64_t nb = table[ahead / block_size];
-        const char* kn = reinterpret_cast<const char*>(kcache + nb * block_stride);
-        const char* vn = reinterpret_cast<const char*>(vcache + nb * block_stride);
-        const int64_t bytes = std::min<int64_t>(block_size, k_end - ahead) * row_stride * 2;
-        for (int64_t b = 0; b < bytes; b += 64) {
-          _mm_prefetch(kn + b, _MM_HINT_T1);
-          _mm_prefetch(vn + b, _MM_HINT_T1);
-        }
+        pf_k = reinterpret_cast<const char*>(kcache + nb * block_stride);
+        pf_v = reinterpret_cast<const char*>(vcache + nb * block_stride);
+        pf_bytes = std::min<int64_t>(block_size, k_end - ahead) * row_stride * 2;
       }
     }
     for (int64_t h = 0; h < kv_heads; ++h) {
+      if (pf_bytes > 0) {
+        const int64_t lines = (pf_bytes + 63) / 64;
+        for (int64_t i = h * lines / kv_heads; i < (h + 1) * lines / kv_heads; ++i) {
+          _mm_prefetch(pf_k + 64 * i, _MM_HINT_T1);
+          _mm_prefetch(pf_v + 64 * i, _MM_HINT_T1);
+        }
+      }
       const at::BFloat16* kbase = kcache + phys * block_stride + off * row_stride + h * D;
       const at::BFloat16* vbase = vcache + phys * block_stride + off * row_stride + h * D;
       int64_t vis_max = 0;
