@@ -206,6 +206,12 @@ def test_default_engine_is_bf16_fast_path_where_supported():
         assert (model.fast_ops is not None) == (load_kernels() is not None)
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text
+    # plain greedy steps compute only argmaxes; asking for logprobs takes the full logits path: same tokens
+    plain = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    full = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in full]
+    assert plain[0].outputs[0].cumulative_logprob is None and full[0].outputs[0].cumulative_logprob < 0
     assert_drained(llm)
 
 

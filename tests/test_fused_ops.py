@@ -83,6 +83,10 @@ def test_logits_postprocess_bf16_recomputes_near_max_entries_exactly():
         torch.testing.assert_close(out[b, top], exact[b, top], rtol=1e-5, atol=1e-5)
         assert out[b, top] == out[b].max()
     torch.testing.assert_close(lse, torch.logsumexp(out, -1), rtol=1e-5, atol=1e-5)
+    empty, amax_only, no_lse = ops.logits_postprocess(raw, h, weight, False)  # greedy steps: the argmax alone
+    assert torch.equal(amax_only, amax) and empty.numel() == 0 and no_lse.numel() == 0
+    logits32 = torch.randn(5, 1000, generator=g)
+    assert torch.equal(ops.logits_postprocess(logits32, h, weight, False)[1], logits32.argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

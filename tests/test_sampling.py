@@ -76,3 +76,14 @@ def test_seeded_draws_reproduce_and_logprobs_are_raw():
     different = {sample(LOGITS.clone(), [SampleRequest(p, (), (), [seeded_generator(9, i)])])[0][0].token_id
                  for i in range(12)}
     assert len(different) > 1
+
+
+def test_argmax_only_steps_need_plain_greedy_requests():
+    greedy = SampleRequest(SamplingParams(temperature=0), [1], [], [None, None])
+    out = sample(None, [greedy], argmax=torch.tensor([7, 3]), rows=[1])
+    assert [s.token_id for s in out[0]] == [3, 3] and out[0][0].rank == 1
+    for bad in (SampleRequest(SamplingParams(temperature=0, logprobs=1), [1], [], [None]),
+                SampleRequest(SamplingParams(temperature=0.8), [1], [], [None]),
+                SampleRequest(SamplingParams(temperature=0), [1], [], [None], blocked_ids=[2])):
+        with pytest.raises(ValueError, match="plain greedy"):
+            sample(None, [bad], argmax=torch.tensor([0]))

@@ -130,15 +130,20 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
         now = time.time()
         batch = []
+        argmax_only = True  # every sample of this step is the model's argmax and nobody asked for logprobs
         for w in out.work:
             req = w.seq.request
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             batch.append(ScheduledSeq(w.seq.seq_id, w.token_ids, w.start_pos, self.kv.block_table(w.seq.seq_id),
                                       need_logits=w.completes_prompt))
+            if w.completes_prompt and argmax_only:
+                p = req.params
+                argmax_only = (p.greedy and not p.uses_penalties and p.logprobs is None
+                               and not blocked_ids(w.seq, self.eos_ids))
         try:
-            logits = self.worker.runner.execute(batch, BlockOps(out.swap_out, out.swap_in, out.copies)) if batch \
-                else self._only_block_ops(out)
+            logits = self.worker.runner.execute(batch, BlockOps(out.swap_out, out.swap_in, out.copies),
+                                                argmax_only) if batch else self._only_block_ops(out)
         except Exception as e:  # a failed step must not leak blocks or wedge the queue
             logger.exception("model step failed")
             self._fail_step(out, f"{type(e).__name__}: {e}", touched)

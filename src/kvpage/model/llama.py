@@ -199,8 +199,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.compute_logits_ex(hidden).logits
 
-    def compute_logits_ex(self, hidden: torch.Tensor) -> LogitsResult:
-        """float32 logits with each row's argmax and log-sum-exp.
+    def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False) -> LogitsResult:
+        """float32 logits with each row's argmax and log-sum-exp; with ``argmax_only`` (plain greedy steps)
+        the compiled path returns only the argmax and never writes the [rows, vocab] float32 logits.
 
         With bf16 weights the matmul's output is rounded to 8 mantissa bits (~0.06 at a logit of 15), enough
         to flip near-ties; entries within that rounding distance of each row's maximum are recomputed exactly
@@ -212,8 +213,7 @@ class LlamaForCausalLM(nn.Module):
         if lm_quant is not None and 0 < hidden.shape[0] <= quant_config.QUANT_MAX_TOKENS:
             # float32 logits from the exact quantized weights: nothing near the maximum needs recomputing
             raw = ops.quant_linear(hidden, lm_quant.qs, lm_quant.d, lm_quant.m, True)
-            logits, amax, lse = ops.logits_postprocess(raw, hidden, weight)
-            return LogitsResult(logits, amax, lse)
+            return _result(*ops.logits_postprocess(raw, hidden, weight, not argmax_only), argmax_only)
         if self.fast_ops is not None:
             raw = self.lm_packed(hidden.to(weight.dtype))
         else:
@@ -222,10 +222,10 @@ class LlamaForCausalLM(nn.Module):
             return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         if ops is not None:
             if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
-                logits, amax, lse = ops.logits_postprocess(raw, hidden.float(), weight)
+                res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only)
             else:
-                logits, amax, lse = ops.logits_postprocess(raw.float(), hidden, weight)
-            return LogitsResult(logits, amax, lse)
+                res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only)
+            return _result(*res, argmax_only)
         logits = raw.float()
         if weight.dtype != torch.float32:
             top = logits.max(dim=-1, keepdim=True).values
@@ -256,9 +256,13 @@ class _FastLayer:
 
 @dataclass
 class LogitsResult:
-    logits: torch.Tensor  # [rows, vocab] float32
+    logits: torch.Tensor | None  # [rows, vocab] float32; None when only the argmax was asked for
     argmax: torch.Tensor  # [rows] int64
-    lse: torch.Tensor  # [rows] float32: log-sum-exp, so logprob(t) = logits[t] - lse
+    lse: torch.Tensor | None  # [rows] float32: log-sum-exp, so logprob(t) = logits[t] - lse
+
+
+def _result(logits: torch.Tensor, argmax: torch.Tensor, lse: torch.Tensor, argmax_only: bool) -> LogitsResult:
+    return LogitsResult(None, argmax, None) if argmax_only else LogitsResult(logits, argmax, lse)
 
 
 def _kernels():

@@ -52,6 +52,8 @@ class StepLogits:
         self._slices, self._all = slices, all_rows
 
     def __getitem__(self, seq_id: str) -> torch.Tensor:
+        if self.logits is None:
+            raise KeyError(f"{seq_id}: this step computed only argmaxes (execute(..., argmax_only=True))")
         sl = self._slices[seq_id]
         return self.logits[sl] if seq_id in self._all else self.logits[sl.start]
 
@@ -147,12 +149,15 @@ class ModelRunner:
         self.kv_cache.copy_blocks(ops.copies)
 
     @torch.inference_mode()
-    def execute(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None) -> StepLogits:
+    def execute(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None,
+                argmax_only: bool = False) -> StepLogits:
         """Run one step; float32 logits per sequence that asked: [vocab] for its last token, or
-        [tokens, vocab] with ``all_logits``."""
+        [tokens, vocab] with ``all_logits``. ``argmax_only`` (every sample of the step is plain greedy, no
+        logprobs): only each row's argmax, which saves writing and scanning [rows, vocab] float32 logits."""
         self.apply_block_ops(ops)
         prepared = self.prepare(batch)
         hidden = self.model(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
-        res = self.model.compute_logits_ex(hidden[prepared.logits_rows])
+        res = self.model.compute_logits_ex(hidden[prepared.logits_rows],
+                                           argmax_only and not any(s.all_logits for s in batch))
         all_rows = {s.seq_id for s in batch if s.all_logits}
         return StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows)

@@ -72,14 +72,27 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, requests: Sequence[SampleRequest], argmax: torch.Tensor | None = None,
+def plain_greedy(req: SampleRequest) -> bool:
+    """The model's argmax is the answer: greedy, no penalties, nothing masked."""
+    return req.params.greedy and not req.params.uses_penalties and not req.blocked_ids
+
+
+def sample(logits: torch.Tensor | None, requests: Sequence[SampleRequest], argmax: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, rows: Sequence[int] | None = None) -> list[list[Sample]]:
     """Samples for each request from its row of float32 ``logits`` (row i, or ``rows[i]``).
 
     With each row's precomputed ``argmax`` and log-sum-exp ``lse`` (indexed like ``logits``), plain greedy
-    rows (no penalties, nothing blocked) take no further pass over the vocabulary.
+    rows (no penalties, nothing blocked) take no further pass over the vocabulary. ``logits`` may be None
+    when every request is plain greedy without logprobs (see ``plain_greedy``): the argmax is the sample and
+    its logprob is not computed (NaN; it is reported nowhere for such requests).
     """
     rows = list(range(len(requests))) if rows is None else list(rows)
+    if logits is None:
+        if argmax is None or any(not plain_greedy(r) or r.params.logprobs is not None for r in requests):
+            raise ValueError("without logits every request must be plain greedy with no logprobs")
+        amax = argmax.tolist()
+        return [[Sample(amax[row], float("nan"), 1, None)] * len(req.generators)
+                for row, req in zip(rows, requests, strict=True)]
     if len(rows) != len(requests) or (rows and max(rows) >= logits.shape[0]):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} sample requests")
     results: list[list[Sample]] = []
@@ -87,7 +100,7 @@ def sample(logits: torch.Tensor, requests: Sequence[SampleRequest], argmax: torc
     lses = lse.tolist() if lse is not None else None
     for row, req in zip(rows, requests, strict=True):
         p = req.params
-        if amax is not None and lses is not None and p.greedy and not p.uses_penalties and not req.blocked_ids:
+        if amax is not None and lses is not None and plain_greedy(req):
             t = amax[row]
             lp_t = float(logits[row, t]) - lses[row]
             top = None

@@ -210,14 +210,17 @@ inline float exp_sum(const float* o, int64_t V, float mx) {
 
 // One pass over each row of logits: float32 copy, the max, exact float32 recomputation of the entries within
 // bf16 rounding distance of it (h . W[v] from the float32 final hidden state), then argmax and log-sum-exp.
-// With float32 logits nothing needs recomputing.
+// With float32 logits nothing needs recomputing. With out == nullptr (greedy steps that want only the
+// argmax) the float32 row goes to a per-thread scratch row that stays in cache, and no log-sum-exp is taken:
+// no [rows, vocab] float32 tensor is written to memory at all.
 template <typename L>
 void postprocess_rows(const L* logits, const float* hidden, const at::BFloat16* weight, int64_t B, int64_t V,
                       int64_t Hd, float* out, int64_t* amax, float* lse) {
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> scratch(out == nullptr ? V : 0);
     for (int64_t b = b0; b < b1; ++b) {
       const L* x = logits + b * V;
-      float* o = out + b * V;
+      float* o = out == nullptr ? scratch.data() : out + b * V;
       float mx = widen_max(x, o, V);
       if (weight != nullptr) {
         const float tol = std::fabs(mx) / 32.f + 1e-3f;  // two bf16 ulps either side
@@ -233,29 +236,33 @@ void postprocess_rows(const L* logits, const float* hidden, const at::BFloat16* 
       int64_t best = 0;
       while (o[best] != mx) ++best;  // first index of the maximum, as torch.argmax
       amax[b] = best;
-      lse[b] = mx + std::log(exp_sum(o, V, mx));
+      if (out != nullptr) lse[b] = mx + std::log(exp_sum(o, V, mx));
     }
   });
 }
 
-std::vector<torch::Tensor> logits_postprocess(torch::Tensor logits, torch::Tensor hidden, torch::Tensor weight) {
+// Returns (float32 logits, argmax, log-sum-exp); with with_logits=false only the argmax is computed and the
+// other two are empty.
+std::vector<torch::Tensor> logits_postprocess(torch::Tensor logits, torch::Tensor hidden, torch::Tensor weight,
+                                              bool with_logits) {
   logits = logits.contiguous();
   const int64_t B = logits.size(0), V = logits.size(1);
-  auto out = torch::empty({B, V}, logits.options().dtype(at::kFloat));
+  auto out = torch::empty({with_logits ? B : 0, V}, logits.options().dtype(at::kFloat));
   auto amax = torch::empty({B}, logits.options().dtype(at::kLong));
-  auto lse = torch::empty({B}, logits.options().dtype(at::kFloat));
+  auto lse = torch::empty({with_logits ? B : 0}, logits.options().dtype(at::kFloat));
+  float* op = with_logits ? out.data_ptr<float>() : nullptr;
+  float* lp = with_logits ? lse.data_ptr<float>() : nullptr;
   if (logits.scalar_type() == at::kBFloat16) {
     hidden = hidden.to(at::kFloat).contiguous();
     weight = weight.contiguous();
     TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.size(0) >= V && weight.size(1) == hidden.size(1),
                 "weight must be the bf16 [vocab, hidden] output matrix");
     postprocess_rows<at::BFloat16>(logits.data_ptr<at::BFloat16>(), hidden.data_ptr<float>(),
-                                   weight.data_ptr<at::BFloat16>(), B, V, hidden.size(1), out.data_ptr<float>(),
-                                   amax.data_ptr<int64_t>(), lse.data_ptr<float>());
+                                   weight.data_ptr<at::BFloat16>(), B, V, hidden.size(1), op,
+                                   amax.data_ptr<int64_t>(), lp);
   } else {
     TORCH_CHECK(logits.scalar_type() == at::kFloat, "logits must be float32 or bfloat16");
-    postprocess_rows<float>(logits.data_ptr<float>(), nullptr, nullptr, B, V, 0, out.data_ptr<float>(),
-                            amax.data_ptr<int64_t>(), lse.data_ptr<float>());
+    postprocess_rows<float>(logits.data_ptr<float>(), nullptr, nullptr, B, V, 0, op, amax.data_ptr<int64_t>(), lp);
   }
   return {out, amax, lse};
 }
@@ -305,5 +312,6 @@ void register_fused_ops(pybind11::module& m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows");
   m.def("rms_norm", &rms_norm, "rms_norm(residual) * weight");
   m.def("rotary_", &rotary_, "in-place rotate-half RoPE on q and k");
-  m.def("logits_postprocess", &logits_postprocess, "float32 logits with exact near-max entries, argmax, logsumexp");
+  m.def("logits_postprocess", &logits_postprocess, "float32 logits with exact near-max entries, argmax, logsumexp",
+        pybind11::arg("logits"), pybind11::arg("hidden"), pybind11::arg("weight"), pybind11::arg("with_logits") = true);
 }
