@@ -18,7 +18,7 @@ from kvpage.outputs import RequestMetrics, RequestOutput
 from kvpage.sampling_params import SamplingParams
 from kvpage.sim.cost import StepFeatures, step_log_entry
 from kvpage.worker.model_runner import BlockOps, ScheduledSeq
-from kvpage.worker.sampler import SampleRequest, sample, seeded_generator
+from kvpage.worker.sampler import SampleRequest, argmax_suffices, sample, seeded_generator
 from kvpage.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -130,17 +130,17 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
         now = time.time()
         batch = []
-        argmax_only = True  # every sample of this step is the model's argmax and nobody asked for logprobs
+        blocked: dict[str, tuple[int, ...]] = {}  # per sequence that samples this step
         for w in out.work:
             req = w.seq.request
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             batch.append(ScheduledSeq(w.seq.seq_id, w.token_ids, w.start_pos, self.kv.block_table(w.seq.seq_id),
                                       need_logits=w.completes_prompt))
-            if w.completes_prompt and argmax_only:
-                p = req.params
-                argmax_only = (p.greedy and not p.uses_penalties and p.logprobs is None
-                               and not blocked_ids(w.seq, self.eos_ids))
+            if w.completes_prompt:
+                blocked[w.seq.seq_id] = blocked_ids(w.seq, self.eos_ids)
+        argmax_only = all(argmax_suffices(w.seq.request.params, blocked[w.seq.seq_id])
+                          for w in out.work if w.completes_prompt)
         try:
             logits = self.worker.runner.execute(batch, BlockOps(out.swap_out, out.swap_in, out.copies),
                                                 argmax_only) if batch else self._only_block_ops(out)
@@ -161,7 +161,7 @@ class LLMEngine:
                 gens += [self._generator(req.params, i) for i in range(1, req.params.n)]
             rows.append(logits.row(seq.seq_id))
             reqs.append(SampleRequest(req.params, req.prompt_token_ids, seq.output_token_ids, gens,
-                                      blocked_ids(seq, self.eos_ids)))
+                                      blocked[seq.seq_id]))
             works.append(w)
         if not rows:
             return

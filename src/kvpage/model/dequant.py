@@ -18,7 +18,7 @@ from gguf import quants
 NATIVE = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1}
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def nibbles(qs: torch.Tensor) -> torch.Tensor:
     """(n, 16) bytes -> (n, 32) values: the low nibbles are elements 0..15, the high ones 16..31."""
     return torch.cat((qs & 0x0F, qs >> 4), dim=1)
 
@@ -52,13 +52,13 @@ def _dequantize(data: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Ten
         elif qtype == Q.Q4_0:  # f16 scale + 16 bytes of nibbles, value = d * (q - 8)
             blocks = raw.reshape(-1, 18)
             d = _f16(blocks[:, :2])
-            q = (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).to(torch.float32)
+            q = (nibbles(blocks[:, 2:]).to(torch.int8) - 8).to(torch.float32)
             out = d * q
         else:  # Q4_1: f16 scale, f16 min, 16 bytes of nibbles, value = d * q + m
             blocks = raw.reshape(-1, 20)
             d = _f16(blocks[:, :2])
             m = _f16(blocks[:, 2:4])
-            out = d * _nibbles(blocks[:, 4:]).to(torch.float32) + m
+            out = d * nibbles(blocks[:, 4:]).to(torch.float32) + m
         return out.reshape(shape)
     try:
         decoded = quants.dequantize(data, qtype)

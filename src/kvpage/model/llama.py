@@ -32,7 +32,7 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
         self.bias = bias
         # The checkpoint's own quantized blocks, used for steps of at most quant.QUANT_MAX_TOKENS tokens.
-        self.quant = quant if ops is not None and hasattr(ops, "quant_linear") else None
+        self.quant = quant if ops is not None else None
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,9 +148,8 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.pack(quant, f"layers.{i}.self_attn", ops)
             layer.mlp.pack(quant, f"layers.{i}.mlp", ops)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        lm_quant = quant.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
         self.lm_packed = PackedLinear(weight, None)
-        self.lm_quant = lm_quant if hasattr(ops, "quant_linear") else None
+        self.lm_quant = quant.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
         self.final_norm_f32 = self.norm.weight.float()  # final hidden stays float32 for exact top logits
         self._fast_plan = []
         for i, layer in enumerate(self.layers):

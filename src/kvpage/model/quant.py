@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from kvpage.model.dequant import nibbles
+
 # Steps with at most this many tokens use the quantized kernels (measured crossover on this CPU: see
 # BENCHMARKS.md); 0 turns them off.
 QUANT_MAX_TOKENS = int(os.environ.get("KVPAGE_QUANT_MAX_TOKENS", "4"))
@@ -55,8 +57,7 @@ class QuantWeight:
         d = self.d.float()[:, :, None]
         if self.m is None:
             return (self.qs.view(n, -1, 32).float() * d).reshape(n, k)
-        nib = self.qs.view(n, -1, 16)
-        q = torch.cat((nib & 0x0F, nib >> 4), dim=-1).float()
+        q = nibbles(self.qs.reshape(-1, 16)).view(n, -1, 32).float()
         return (q * d + self.m.float()[:, :, None]).reshape(n, k)
 
 
@@ -70,21 +71,22 @@ def concat(parts: list[QuantWeight | None]) -> QuantWeight | None:
     return QuantWeight(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
 
 
+def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 stored at byte ``at`` of every block: [N, K/32]."""
+    return blocks[:, :, at : at + 2].contiguous().view(torch.float16).reshape(blocks.shape[:2])
+
+
 def from_gguf(data: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> QuantWeight | None:
     """The repacked blocks of one GGUF matrix ([out, in] in torch order), or None for other formats/shapes."""
     if qtype not in QUANT_TYPES or len(shape) != 2 or shape[1] % 32:
         return None
     n, k = shape
-    raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+    size = {Q.Q8_0: 34, Q.Q4_1: 20, Q.Q4_0: 18}[qtype]
+    blocks = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8)).reshape(n, k // 32, size)
+    d = _half(blocks, 0)
     if qtype == Q.Q8_0:
-        blocks = raw.reshape(n, k // 32, 34)
-        d = blocks[:, :, :2].contiguous().view(torch.float16).reshape(n, k // 32)
-        return QuantWeight(blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n, k), d.contiguous(), None)
+        return QuantWeight(blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n, k), d, None)
     if qtype == Q.Q4_1:
-        blocks = raw.reshape(n, k // 32, 20)
-        d = blocks[:, :, :2].contiguous().view(torch.float16).reshape(n, k // 32)
-        m = blocks[:, :, 2:4].contiguous().view(torch.float16).reshape(n, k // 32)
-        return QuantWeight(blocks[:, :, 4:].contiguous().reshape(n, k // 2), d.contiguous(), m.contiguous())
-    blocks = raw.reshape(n, k // 32, 18)  # Q4_0: value = d * (q - 8) = d * q + (-8 d)
-    d = blocks[:, :, :2].contiguous().view(torch.float16).reshape(n, k // 32).contiguous()
+        return QuantWeight(blocks[:, :, 4:].contiguous().reshape(n, k // 2), d, _half(blocks, 2))
+    # Q4_0: value = d * (q - 8) = d * q + (-8 d)
     return QuantWeight(blocks[:, :, 2:].contiguous().reshape(n, k // 2), d, (d.float() * -8).half())

@@ -66,29 +66,25 @@ def iter_gguf_tensors(reader: Any, path: Path, cfg: ModelConfig,
             yield "rope_freqs", data
             continue
         m = _GGUF_NAME.match(t.name)
+        rows = None  # how the output rows are rearranged, for the quantized copy too
         if m:
             layer, kind, suffix = m.groups()
             if kind not in _GGUF_LAYER:
                 raise ValueError(f"{path}: unexpected tensor {t.name} for a {cfg.architecture} model")
             name = f"layers.{layer}.{_GGUF_LAYER[kind]}.{suffix}"
-            qw = from_gguf(t.data, t.tensor_type, shape) if quant is not None and suffix == "weight" else None
             if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
                 heads = cfg.num_attention_heads if kind == "attn_q" else cfg.num_kv_heads
-                data = _unpermute_qk(data, heads)
-                if qw is not None:
-                    qw = qw.map_rows(functools.partial(_unpermute_qk, n_head=heads))
-            if qw is not None and not kind.endswith("norm"):
-                quant[name] = qw
-            yield name, data
-            continue
-        base, _, suffix = t.name.rpartition(".")
-        if base not in _GGUF_GLOBAL:
-            raise ValueError(f"{path}: unexpected tensor {t.name}")
-        name = f"{_GGUF_GLOBAL[base]}.{suffix}"
-        if quant is not None and base in ("token_embd", "output"):
-            qw = from_gguf(t.data, t.tensor_type, shape)
+                rows = functools.partial(_unpermute_qk, n_head=heads)
+                data = rows(data)
+        else:
+            base, _, suffix = t.name.rpartition(".")
+            if base not in _GGUF_GLOBAL:
+                raise ValueError(f"{path}: unexpected tensor {t.name}")
+            name = f"{_GGUF_GLOBAL[base]}.{suffix}"
+        if quant is not None and suffix == "weight":
+            qw = from_gguf(t.data, t.tensor_type, shape)  # None for norms and non-block formats
             if qw is not None:
-                quant[name] = qw
+                quant[name] = qw if rows is None else qw.map_rows(rows)
         yield name, data
 
 

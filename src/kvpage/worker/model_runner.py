@@ -157,7 +157,6 @@ class ModelRunner:
         self.apply_block_ops(ops)
         prepared = self.prepare(batch)
         hidden = self.model(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
-        res = self.model.compute_logits_ex(hidden[prepared.logits_rows],
-                                           argmax_only and not any(s.all_logits for s in batch))
         all_rows = {s.seq_id for s in batch if s.all_logits}
+        res = self.model.compute_logits_ex(hidden[prepared.logits_rows], argmax_only and not all_rows)
         return StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows)

@@ -72,9 +72,14 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def plain_greedy(req: SampleRequest) -> bool:
+def plain_greedy(params: SamplingParams, blocked_ids: Sequence[int] = ()) -> bool:
     """The model's argmax is the answer: greedy, no penalties, nothing masked."""
-    return req.params.greedy and not req.params.uses_penalties and not req.blocked_ids
+    return params.greedy and not params.uses_penalties and not blocked_ids
+
+
+def argmax_suffices(params: SamplingParams, blocked_ids: Sequence[int] = ()) -> bool:
+    """Plain greedy and no logprobs asked: the step needs each row's argmax, not its logits."""
+    return plain_greedy(params, blocked_ids) and params.logprobs is None
 
 
 def sample(logits: torch.Tensor | None, requests: Sequence[SampleRequest], argmax: torch.Tensor | None = None,
@@ -83,12 +88,12 @@ def sample(logits: torch.Tensor | None, requests: Sequence[SampleRequest], argma
 
     With each row's precomputed ``argmax`` and log-sum-exp ``lse`` (indexed like ``logits``), plain greedy
     rows (no penalties, nothing blocked) take no further pass over the vocabulary. ``logits`` may be None
-    when every request is plain greedy without logprobs (see ``plain_greedy``): the argmax is the sample and
+    when every request is plain greedy without logprobs (``argmax_suffices``): the argmax is the sample and
     its logprob is not computed (NaN; it is reported nowhere for such requests).
     """
     rows = list(range(len(requests))) if rows is None else list(rows)
     if logits is None:
-        if argmax is None or any(not plain_greedy(r) or r.params.logprobs is not None for r in requests):
+        if argmax is None or not all(argmax_suffices(r.params, r.blocked_ids) for r in requests):
             raise ValueError("without logits every request must be plain greedy with no logprobs")
         amax = argmax.tolist()
         return [[Sample(amax[row], float("nan"), 1, None)] * len(req.generators)
@@ -100,7 +105,7 @@ def sample(logits: torch.Tensor | None, requests: Sequence[SampleRequest], argma
     lses = lse.tolist() if lse is not None else None
     for row, req in zip(rows, requests, strict=True):
         p = req.params
-        if amax is not None and lses is not None and plain_greedy(req):
+        if amax is not None and lses is not None and plain_greedy(p, req.blocked_ids):
             t = amax[row]
             lp_t = float(logits[row, t]) - lses[row]
             top = None
