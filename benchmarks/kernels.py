@@ -6,7 +6,10 @@ kvpage's paged kernel; one query token per sequence (decode), SmolLM2's shape (9
 head dim 64), bf16. Reported: median time of each, their ratio (target: paged <= 1.05x contiguous), and the
 effective KV read bandwidth next to this machine's measured copy bandwidth.
 
-    python benchmarks/kernels.py [--batches 1 16 64 256] [--contexts 128 1024 8192]
+    python benchmarks/kernels.py [--batches 1 16 64 256] [--contexts 128 1024 8192] [--threads N]
+
+Small shapes stay in L2 between repetitions; large ones stream from memory. ``--threads 1`` separates what
+one core can do from what the memory system gives both.
 """
 
 from __future__ import annotations
@@ -40,18 +43,29 @@ def copy_bandwidth_gbs() -> float:
     return 2 * a.numel() * 4 / (ms / 1e3) / 1e9
 
 
+def read_bandwidth_gbs() -> float:
+    """A plain float32 sum over 2 GiB: what streaming reads reach on this machine now."""
+    a = torch.ones(512 * 1024 * 1024)
+    ms = median_ms(a.sum, 3)
+    return a.numel() * 4 / (ms / 1e3) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 8192])
     ap.add_argument("--max-kv-gib", type=float, default=3.0, help="skip cases whose K/V would exceed this")
+    ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ops = load_kernels()
     if ops is None:
         raise SystemExit("compiled kernels unavailable on this machine")
     hq, hkv, d, bs = 9, 3, 64, 16
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
-          f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s (read+write)")
+          f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s (read+write), "
+          f"read bandwidth {read_bandwidth_gbs():.1f} GB/s (2 GiB sum)")
     print(f"{'batch':>5} {'context':>7} {'paged ms':>9} {'SDPA ms':>8} {'paged/SDPA':>10} {'paged GB/s':>10} "
           f"{'SDPA GB/s':>9}")
     for b in args.batches:
