@@ -13,6 +13,9 @@ Engines, each in its own process, one after another in this invocation:
   llama.cpp              llama-server --parallel N with continuous batching, if --llama-server is given
 A peer that is not installed is reported as skipped, never estimated.
 
+Startup is outside the timed region for every engine. kvpage faults its KV pages in at startup there
+(``kv_prefault``, as vLLM zero-fills its KV cache when it starts); KVPAGE_BENCH_PREFAULT=0 turns that off.
+
     python benchmarks/throughput.py --workloads chat64 sharegpt --engines kvpage hf-generate
 """
 
@@ -61,11 +64,12 @@ def build_workload(name: str, seed: int = 0) -> list[dict]:
 
 # Each runner reads the workload JSON on stdin and prints {"seconds": ..., "tokens": ...} as its last line.
 KVPAGE = r"""
-import json, sys, time
+import json, os, sys, time
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
 reqs = json.load(sys.stdin)
-llm = LLM(kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048)
+llm = LLM(kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
+          kv_prefault=os.environ.get("KVPAGE_BENCH_PREFAULT", "1") != "0")
 llm.generate([reqs[0]["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
 params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
 t = time.perf_counter()

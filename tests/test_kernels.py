@@ -129,3 +129,65 @@ def test_kernel_rejects_bad_input():
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         ops.paged_attention(torch.zeros(1, 3, 8), cache, torch.zeros(1, 1, dtype=torch.long),
                             torch.tensor([0, 1]), torch.tensor([1]), 1.0, 512)
+
+
+def make_decode_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, dim: int):
+    """Decode only (one query per sequence), ragged contexts, some longer than one partition."""
+    seq_lens = [rng.randint(1, 1300) for _ in range(rng.randint(1, 5))]
+    blocks_per_seq = [-(-c // block_size) for c in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables = torch.zeros((len(seq_lens), max(blocks_per_seq)), dtype=torch.long)
+    at = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = torch.tensor(ids[at : at + n])
+        at += n
+    # Slots past each context hold NaN: the kernel must never let them into a result.
+    cache = torch.full((2, num_blocks, block_size, kv_heads, dim), float("nan"), dtype=torch.bfloat16)
+    for i, ctx in enumerate(seq_lens):
+        for p in range(ctx):
+            cache[:, tables[i, p // block_size], p % block_size] = torch.randn(2, kv_heads, dim).bfloat16()
+    q = torch.randn(len(seq_lens), heads, dim).bfloat16()
+    return q, cache, tables, torch.arange(len(seq_lens) + 1), torch.tensor(seq_lens)
+
+
+def dense_reference(q, cache, tables, seq_lens, scale):
+    out = []
+    g = q.shape[1] // cache.shape[3]
+    for i, ctx in enumerate(seq_lens.tolist()):
+        rows = tables[i, : -(-ctx // cache.shape[2])]
+        k = cache[0, rows].flatten(0, 1)[:ctx].float().repeat_interleave(g, dim=1)  # [ctx, heads, dim]
+        v = cache[1, rows].flatten(0, 1)[:ctx].float().repeat_interleave(g, dim=1)
+        w = torch.softmax(torch.einsum("hd,khd->hk", q[i].float(), k) * scale, dim=-1)
+        out.append(torch.einsum("hk,khd->hd", w, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (16, 4, 128), (6, 6, 64), (24, 3, 64)])
+def test_amx_decode_matches_reference_and_the_avx512_kernel(block_size, heads, kv_heads, dim):
+    """Where the CPU and OS grant AMX, decode tasks use tile products (three phases per partition); the
+    AVX-512 kernel stays the fallback. Both must agree with a dense float32 reference, with NaN in every
+    slot past the contexts (partial tiles), for GQA groups 1-8, partitions of 512 and 64 keys (AMX) and 17
+    keys (not a multiple of 16: the AVX-512 kernel)."""
+    ops = load_kernels()
+    if not ops.set_amx_decode(True):
+        pytest.skip("AMX tile products unavailable on this CPU/OS")
+    rng = random.Random(block_size + heads + dim)
+    differs = False
+    try:
+        for _ in range(3):
+            q, cache, tables, qsl, lens = make_decode_case(rng, block_size, heads, kv_heads, dim)
+            ref = dense_reference(q, cache, tables, lens, dim**-0.5)
+            for part in (PARTITION_SIZE, 64, 17):
+                ops.set_amx_decode(True)
+                amx = ops.paged_attention(q, cache, tables, qsl, lens, dim**-0.5, part)
+                ops.set_amx_decode(False)
+                avx = ops.paged_attention(q, cache, tables, qsl, lens, dim**-0.5, part)
+                torch.testing.assert_close(amx.float(), ref, rtol=1e-2, atol=1e-2)
+                torch.testing.assert_close(avx.float(), ref, rtol=1e-2, atol=1e-2)
+                differs |= not torch.equal(amx, avx)
+    finally:
+        ops.set_amx_decode(True)
+    assert differs, "the AMX path was never taken (its results equal the AVX-512 kernel's bit for bit)"

@@ -55,3 +55,27 @@ def test_bad_settings_are_named(model_kw, cache_kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         Worker(ModelRunConfig(**model_kw), CacheConfig(**cache_kw))
 
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_prefault_makes_the_pages_resident():
+    import torch
+
+    from kvpage.worker.kv_cache import prefault_pages
+
+    t = torch.empty(64 * 2**20, dtype=torch.uint8)  # never written: not resident yet
+    before = _rss_bytes()
+    how = prefault_pages([t, torch.empty(0)])
+    assert how in ("madvise", "zero-fill")
+    assert _rss_bytes() - before >= 60 * 2**20
+
+
+def test_kv_prefault_option_reaches_the_cache(caplog):
+    with caplog.at_level(logging.INFO, logger="kvpage.worker.kv_cache"):
+        Worker(ModelRunConfig(dtype="bfloat16"), CacheConfig(kv_cache_memory="64MiB", kv_prefault=True))
+    assert "KV pages faulted in" in caplog.text

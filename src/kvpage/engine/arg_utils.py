@@ -26,6 +26,7 @@ class EngineArgs:
     kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY
     kv_cache_dtype: str = "auto"
     swap_space: str | int = 0
+    kv_prefault: bool = False
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
@@ -42,7 +43,8 @@ class EngineArgs:
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, size_gib_default(self.kv_cache_memory), self.kv_cache_dtype,
-                           size_gib_default(self.swap_space), self.enable_prefix_caching, self.watermark)
+                           size_gib_default(self.swap_space), self.enable_prefix_caching, self.watermark,
+                           self.kv_prefault)
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +58,8 @@ class EngineArgs:
                        help=f"KV cache size, with units (a bare number is GiB; default {DEFAULT_KV_CACHE_MEMORY})")
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
         g.add_argument("--swap-space", default="0", help="host memory for swapped blocks (bare number = GiB)")
+        g.add_argument("--kv-prefault", action="store_true", default=False,
+                       help="fault the KV cache's pages in at startup (slower start, no page faults mid-run)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--max-num-seqs", type=int, default=256)
         g.add_argument("--max-num-batched-tokens", type=int)

@@ -39,6 +39,8 @@ class Worker:
             )
         self.num_swap_blocks = int(cc.swap_space) // self.bytes_per_block
         self.kv_cache = KVCache(cfg, self.num_blocks, cc.block_size, self.kv_dtype, self.num_swap_blocks)
+        if cc.kv_prefault:
+            self.kv_cache.prefault()
         self.runner = ModelRunner(self.lm.model, self.kv_cache)
         logger.info("%s", self.describe())
 

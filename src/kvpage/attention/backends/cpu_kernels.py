@@ -34,6 +34,15 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+def _headers_tag() -> str:
+    """torch's build cache hashes only the listed sources; the headers' hash goes into the flags so that
+    editing a header rebuilds too."""
+    digest = hashlib.sha1()
+    for h in sorted(_CSRC.glob("*.h")):
+        digest.update(h.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def load_kernels() -> ModuleType | None:
     """The compiled module, or None (with the reason logged once) when it cannot be built."""
     global _module, _error
@@ -44,8 +53,11 @@ def load_kernels() -> ModuleType | None:
 
         name = f"kvpage_paged_attention_{_cpu_tag()}"
         _module = load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVPAGE_HEADERS={_headers_tag()}"],
                        extra_ldflags=["-fopenmp"], verbose=False)
+        # AMX tile products for decode attention where the CPU and OS allow them; KVPAGE_AMX_DECODE=0 keeps
+        # the AVX-512 kernel (for side-by-side measurements).
+        _module.set_amx_decode(os.environ.get("KVPAGE_AMX_DECODE", "1") != "0")
     except Exception as e:  # no compiler, no ninja, ...
         _error = f"{type(e).__name__}: {e}".splitlines()[0]
         logger.warning("compiled CPU kernels unavailable (%s): using the reference attention backend", _error)

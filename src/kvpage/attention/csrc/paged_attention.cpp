@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include "common.h"
+#include "decode_amx.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -262,6 +263,29 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
 }
 #endif
 
+#ifdef KVPAGE_AMX
+bool g_amx_decode = true;  // the AMX decode path when the CPU and OS allow it (set_amx_decode toggles, for A/B)
+
+// The AMX decode kernel for a head size and group size known at compile time; false if there is none.
+template <int64_t D>
+bool dispatch_decode_amx(int64_t G, const at::BFloat16* q, int64_t kv_heads, const at::BFloat16* kc,
+                         const at::BFloat16* vc, const int64_t* table, int64_t block_size, int64_t k_begin,
+                         int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch, float scale) {
+  switch (G) {
+#define KVPAGE_AMX_CASE(g)                                                                                     \
+  case g:                                                                                                      \
+    kvpage::attend_decode_amx<D, g>(q, kv_heads, kc, vc, table, block_size, k_begin, k_end, acc, m, l, scratch, \
+                                    scale);                                                                    \
+    return true;
+    KVPAGE_AMX_CASE(1) KVPAGE_AMX_CASE(2) KVPAGE_AMX_CASE(3) KVPAGE_AMX_CASE(4)
+    KVPAGE_AMX_CASE(5) KVPAGE_AMX_CASE(6) KVPAGE_AMX_CASE(7) KVPAGE_AMX_CASE(8)
+#undef KVPAGE_AMX_CASE
+    default:
+      return false;
+  }
+}
+#endif
+
 struct Task {
   int64_t seq, row0, nq, part;  // query rows row0 .. row0+nq-1 of the flat batch, every head
   int64_t pos0;                 // absolute position of the first query of the tile
@@ -415,7 +439,16 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   use_dp = std::is_same_v<KV, at::BFloat16> && std::is_same_v<Q, at::BFloat16> && D % 32 == 0;
 #endif
 
+  bool use_amx = false;
+#ifdef KVPAGE_AMX
+  use_amx = use_dp && g_amx_decode && (D == 64 || D == 128) && G <= 8 && block_size % 16 == 0 &&
+            partition_size % 16 == 0 && kvpage::amx_permitted();
+#endif
+
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+#ifdef KVPAGE_AMX
+    if (use_amx) kvpage::amx_configure(G);
+#endif
     std::vector<float> qbuf(static_cast<size_t>(kTile * H * D));
     std::vector<const at::BFloat16*> qptrs(static_cast<size_t>(kTile * H));
     std::vector<float> scratch;
@@ -436,6 +469,20 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       float* pm = part_m.data() + offset[ti];
       float* pl = part_l.data() + offset[ti];
       const float sc = static_cast<float>(scale);
+#ifdef KVPAGE_AMX
+      if constexpr (std::is_same_v<KV, at::BFloat16>) {
+        if (use_amx && tk.nq == 1) {
+          const auto* qr = reinterpret_cast<const at::BFloat16*>(qrows);
+          const auto* kb = reinterpret_cast<const at::BFloat16*>(kcache);
+          const auto* vb = reinterpret_cast<const at::BFloat16*>(vcache);
+          const bool done = D == 64 ? dispatch_decode_amx<64>(G, qr, kv_heads, kb, vb, table, block_size, k_begin,
+                                                              k_end, pa, pm, pl, scratch, sc)
+                                    : dispatch_decode_amx<128>(G, qr, kv_heads, kb, vb, table, block_size, k_begin,
+                                                               k_end, pa, pm, pl, scratch, sc);
+          if (done) continue;
+        }
+      }
+#endif
 #ifdef KVPAGE_DPBF16
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
         if (use_dp && (D == 64 || D == 128)) {
@@ -461,6 +508,9 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
         attend_tile<KV, 0>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, D, tk.pos0,
                            k_begin, k_end, pa, pm, pl, scratch, qb, sc);
     }
+#ifdef KVPAGE_AMX
+    if (use_amx) kvpage::amx_release();
+#endif
   });
 
   // Merge each tile's partitions and write normalized outputs (row r of a task = query r / H, head r % H).
@@ -596,4 +646,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_ops(m);
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots");
   m.def("paged_attention", &paged_attention, "varlen causal attention over a paged KV cache");
+  // Whether decode tasks may use AMX tile products; returns whether this build and machine can at all.
+  m.def("set_amx_decode", [](bool on) {
+#ifdef KVPAGE_AMX
+    g_amx_decode = on;
+    return kvpage::amx_permitted();
+#else
+    (void)on;
+    return false;
+#endif
+  });
 }

@@ -1,0 +1,214 @@
+// Paged decode attention with AMX tile products (bf16 KV, bf16 queries, one query token per task).
+//
+// Why: on this class of CPU the 16-keys-at-a-time AVX-512 kernel spends most of its time forming q.k scores
+// (32 dot products and a transposing reduction per query head per 16 keys) and in the per-chunk online
+// softmax, so it cannot keep up with memory. Here a task works in three phases over its partition:
+//   1. scores: for each 16-key slice of a block and each KV head, one AMX product K[16 x D] . Q^T[D x G]
+//      straight from the cache rows (tile stride = the cache's row stride), so K is read once for its whole
+//      query group; scores land row-major in a scratch array [R][n];
+//   2. softmax per query row over the whole partition in one vector pass (exact max, no rescaling chain),
+//      weights rounded to bf16 pairs for the next phase (as the AVX-512 kernel does);
+//   3. values: each 16-key slice's V rows are interleaved in pairs once per KV head and accumulated into
+//      the G rows' float32 outputs with dpbf16, the group's accumulators held in registers.
+// K is walked in phase 1 and V in phase 3, each 16-key slice prefetched kAmxPrefetchSlices slices ahead.
+// Needs block_size % 16 == 0 and G <= 16; the caller checks and falls back otherwise.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#define KVPAGE_AMX 1
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+namespace kvpage {
+
+// The kernel lets a process use the AMX tile state only after asking (Linux >= 5.16). Asked once; a refusal
+// (older kernel, a hypervisor that hides AMX) leaves the AVX-512 kernel in charge.
+constexpr int64_t kAmxPrefetchSlices = 4;
+
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0 = K slice (16 keys x 32 dims), 1 = Q^T pairs (16 dim pairs x G rows), 2 = scores (16 keys x G).
+inline void amx_configure(int64_t G) {
+  TileConfig cfg;
+  cfg.rows[0] = 16;
+  cfg.colsb[0] = 64;
+  cfg.rows[1] = 16;
+  cfg.colsb[1] = static_cast<uint16_t>(4 * G);
+  cfg.rows[2] = 16;
+  cfg.colsb[2] = static_cast<uint16_t>(4 * G);
+  _tile_loadconfig(&cfg);
+}
+
+inline void amx_release() { _tile_release(); }
+
+// One decode task: R = kv_heads * G query rows (query row r = head r; KV head r / G) over keys
+// [k_begin, k_end), every one visible. Writes the unnormalized float32 sums acc[R][D], the row maxima m[R]
+// and the sums of weights l[R], like attend_tile_bf16. k_begin must be a multiple of 16.
+template <int64_t D, int64_t G>
+void attend_decode_amx(const at::BFloat16* q, int64_t kv_heads, const at::BFloat16* kcache,
+                       const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t k_begin,
+                       int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch, float scale) {
+  static_assert(D % 32 == 0, "head size must be a multiple of 32");
+  constexpr int64_t NC = D / 32;  // 32-dim slices of a bf16 row (AMX K steps; 512-bit chunks)
+  constexpr int64_t NF = D / 16;  // 512-bit chunks of a float row
+  const int64_t R = kv_heads * G;
+  const int64_t n = k_end - k_begin;
+  const int64_t n_pad = (n + 15) / 16 * 16;
+  const int64_t row_stride = kv_heads * D;
+  const int64_t block_stride = block_size * row_stride;
+  // scratch: scores [R][n_pad] floats | weights [R][n_pad] bf16 | Q^T pairs [kv_heads][NC][16][G] int32 |
+  // one score tile [16][16] floats | interleaved V slice [8 pairs][NC][64] bf16
+  const size_t need = static_cast<size_t>(R * n_pad + R * n_pad / 2 + kv_heads * NC * 16 * G + 256 + 8 * D + 16);
+  scratch.resize(need);
+  float* scores = scratch.data();
+  auto* wts = reinterpret_cast<at::BFloat16*>(scores + R * n_pad);
+  auto* qpack = reinterpret_cast<int32_t*>(scores + R * n_pad + R * n_pad / 2);
+  float* ctile = reinterpret_cast<float*>(qpack + kv_heads * NC * 16 * G);
+  ctile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(ctile) + 63) & ~uintptr_t(63));
+  auto* vpairs = reinterpret_cast<at::BFloat16*>(ctile + 256);
+
+  // Q^T in the tile's pair layout: row i of (head h, slice c) holds, for each group row g, dims 32c+2i, +1.
+  const auto* q32 = reinterpret_cast<const int32_t*>(q);
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t c = 0; c < NC; ++c)
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t g = 0; g < G; ++g)
+          qpack[((h * NC + c) * 16 + i) * G + g] = q32[(h * G + g) * (D / 2) + 16 * c + i];
+
+  // Blocks are scattered, so the hardware prefetcher stops at each block's end: ask for the 16-key slice
+  // kAmxPrefetchSlices slices later (following the block table) while this one is processed. 2, 4 and 8 measured
+  // within noise of each other (benchmarks/kernels.py shapes); 4 was ahead by a few percent on two of them.
+  auto prefetch_slice = [&](const at::BFloat16* cache, int64_t t) {
+    const int64_t ahead = t + 16 * kAmxPrefetchSlices;
+    if (ahead >= k_end) return;
+    const char* p = reinterpret_cast<const char*>(cache + table[ahead / block_size] * block_stride +
+                                                  (ahead % block_size) * row_stride);
+    const int64_t lines = (std::min<int64_t>(16, k_end - ahead) * row_stride * 2 + 63) / 64;
+    for (int64_t i = 0; i < lines; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+  };
+
+  // Phase 1: scores.
+  const __m512i gather_idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32(16));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t = k_begin; t < k_end; t += 16) {
+    const int64_t off = t % block_size;
+    prefetch_slice(kcache, t);
+    const at::BFloat16* kslice = kcache + table[t / block_size] * block_stride + off * row_stride;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      _tile_zero(2);
+      for (int64_t c = 0; c < NC; ++c) {
+        _tile_loadd(0, kslice + h * D + 32 * c, row_stride * 2);
+        _tile_loadd(1, qpack + (h * NC + c) * 16 * G, G * 4);
+        _tile_dpbf16ps(2, 0, 1);
+      }
+      _tile_stored(2, ctile, 64);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(gather_idx, _mm512_set1_epi32(static_cast<int>(g))),
+                                             ctile, 4);
+        _mm512_storeu_ps(scores + (h * G + g) * n_pad + (t - k_begin), _mm512_mul_ps(s, vscale));
+      }
+    }
+  }
+
+  // Phase 2: softmax per row; keys past n (the rest of the last slice) get weight 0.
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < R; ++r) {
+    float* s = scores + r * n_pad;
+    __m512 vmax = _mm512_set1_ps(neg_inf);
+    for (int64_t i = 0; i < n_pad; i += 16) {
+      const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+      vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_loadu_ps(s + i));
+    }
+    const float mx = _mm512_reduce_max_ps(vmax);
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n_pad; i += 16) {
+      const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+      const __m512 w = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vmx), k);
+      vsum = _mm512_add_ps(vsum, w);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wts + r * n_pad + i), (__m256i)_mm512_cvtneps_pbh(w));
+    }
+    m[r] = mx;
+    l[r] = _mm512_reduce_add_ps(vsum);
+  }
+
+  // Phase 3: values. Accumulators in the interleaved element order of unpacklo/hi (restored at the end).
+  std::fill(acc, acc + R * D, 0.f);
+  for (int64_t t = k_begin; t < k_end; t += 16) {
+    const int64_t off = t % block_size;
+    prefetch_slice(vcache, t);
+    const int64_t nv = std::min<int64_t>(16, k_end - t);
+    const at::BFloat16* vslice = vcache + table[t / block_size] * block_stride + off * row_stride;
+    const int64_t pairs = (nv + 1) / 2;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const at::BFloat16* vbase = vslice + h * D;
+      for (int64_t pr = 0; pr < pairs; ++pr) {
+        const at::BFloat16* va = vbase + 2 * pr * row_stride;
+        const bool has_b = 2 * pr + 1 < nv;  // rows past the partition may hold anything: zero them
+        for (int64_t c = 0; c < NC; ++c) {
+          const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(va + 32 * c));
+          const __m512i b = has_b ? _mm512_loadu_si512(reinterpret_cast<const void*>(va + row_stride + 32 * c))
+                                  : _mm512_setzero_si512();
+          _mm512_storeu_si512(reinterpret_cast<void*>(vpairs + (pr * NC + c) * 64), _mm512_unpacklo_epi16(a, b));
+          _mm512_storeu_si512(reinterpret_cast<void*>(vpairs + (pr * NC + c) * 64 + 32), _mm512_unpackhi_epi16(a, b));
+        }
+      }
+      __m512 av[G][NF];
+      const int32_t* wrow[G];
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = h * G + g;
+        wrow[g] = reinterpret_cast<const int32_t*>(wts + r * n_pad + (t - k_begin));
+        for (int64_t c = 0; c < NF; ++c) av[g][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
+      }
+      for (int64_t pr = 0; pr < pairs; ++pr) {
+        __m512i vv[NF];
+        for (int64_t c = 0; c < NF; ++c)
+          vv[c] = _mm512_loadu_si512(reinterpret_cast<const void*>(vpairs + pr * NC * 64 + 32 * c));
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512bh wb = (__m512bh)_mm512_set1_epi32(wrow[g][pr]);
+          for (int64_t c = 0; c < NF; ++c) av[g][c] = _mm512_dpbf16_ps(av[g][c], (__m512bh)vv[c], wb);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < NF; ++c) _mm512_storeu_ps(acc + (h * G + g) * D + 16 * c, av[g][c]);
+    }
+  }
+  float tmp[D];
+  for (int64_t r = 0; r < R; ++r) {
+    float* a = acc + r * D;
+    for (int64_t c = 0; c < NC; ++c)
+      for (int64_t half = 0; half < 2; ++half)
+        for (int64_t e = 0; e < 16; ++e) tmp[32 * c + 8 * (e / 4) + 4 * half + e % 4] = a[32 * c + 16 * half + e];
+    std::copy(tmp, tmp + D, a);
+  }
+}
+
+}  // namespace kvpage
+#endif
