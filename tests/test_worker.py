@@ -77,5 +77,5 @@ def test_prefault_makes_the_pages_resident():
 
 def test_kv_prefault_option_reaches_the_cache(caplog):
     with caplog.at_level(logging.INFO, logger="kvpage.worker.kv_cache"):
-        Worker(ModelRunConfig(dtype="bfloat16"), CacheConfig(kv_cache_memory="64MiB", kv_prefault=True))
+        Worker(ModelRunConfig(dtype="bfloat16"), CacheConfig(kv_cache_memory="256MiB", kv_prefault=True))
     assert "KV pages faulted in" in caplog.text
