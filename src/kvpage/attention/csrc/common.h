@@ -70,4 +70,41 @@ inline __m512 exp16(__m512 x, __mmask16 keep) {
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// Values of keys 2p and 2p+1 interleaved per element, the operand layout of dpbf16: vpairs holds, per pair
+// p and 512-bit chunk c, the unpacklo and unpackhi halves (64 bf16). Rows at or past `valid` become zero
+// (they may hold anything, NaN included).
+template <int64_t NC>
+inline void interleave_value_pairs(const at::BFloat16* vbase, int64_t row_stride, int64_t valid,
+                                   at::BFloat16* vpairs) {
+  const int64_t pairs = (valid + 1) / 2;
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    const at::BFloat16* va = vbase + 2 * pr * row_stride;
+    const bool has_b = 2 * pr + 1 < valid;
+    for (int64_t c = 0; c < NC; ++c) {
+      const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(va + 32 * c));
+      const __m512i b = has_b ? _mm512_loadu_si512(reinterpret_cast<const void*>(va + row_stride + 32 * c))
+                              : _mm512_setzero_si512();
+      _mm512_storeu_si512(reinterpret_cast<void*>(vpairs + (pr * NC + c) * 64), _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(reinterpret_cast<void*>(vpairs + (pr * NC + c) * 64 + 32), _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+
+// Accumulators filled from interleave_value_pairs operands hold, in element e of 512-bit chunk c, 128-bit
+// lane L, d = 32c + 8L + (e < 4 ? e : e + 4) for the low half (e in 0..15 as 4 lanes x 4) and the same + 4
+// for the high half: put R rows of D floats back in natural order.
+template <int64_t D>
+inline void restore_pair_order(float* acc, int64_t R) {
+  float tmp[D];
+  for (int64_t r = 0; r < R; ++r) {
+    float* a = acc + r * D;
+    for (int64_t c = 0; c < D / 32; ++c)
+      for (int64_t half = 0; half < 2; ++half)
+        for (int64_t e = 0; e < 16; ++e) tmp[32 * c + 8 * (e / 4) + 4 * half + e % 4] = a[32 * c + 16 * half + e];
+    std::copy(tmp, tmp + D, a);
+  }
+}
+#endif
+
 }  // namespace kvpage

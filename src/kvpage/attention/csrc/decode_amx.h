@@ -168,18 +168,7 @@ void attend_decode_amx(const at::BFloat16* q, int64_t kv_heads, const at::BFloat
     const at::BFloat16* vslice = vcache + table[t / block_size] * block_stride + off * row_stride;
     const int64_t pairs = (nv + 1) / 2;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const at::BFloat16* vbase = vslice + h * D;
-      for (int64_t pr = 0; pr < pairs; ++pr) {
-        const at::BFloat16* va = vbase + 2 * pr * row_stride;
-        const bool has_b = 2 * pr + 1 < nv;  // rows past the partition may hold anything: zero them
-        for (int64_t c = 0; c < NC; ++c) {
-          const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(va + 32 * c));
-          const __m512i b = has_b ? _mm512_loadu_si512(reinterpret_cast<const void*>(va + row_stride + 32 * c))
-                                  : _mm512_setzero_si512();
-          _mm512_storeu_si512(reinterpret_cast<void*>(vpairs + (pr * NC + c) * 64), _mm512_unpacklo_epi16(a, b));
-          _mm512_storeu_si512(reinterpret_cast<void*>(vpairs + (pr * NC + c) * 64 + 32), _mm512_unpackhi_epi16(a, b));
-        }
-      }
+      interleave_value_pairs<NC>(vslice + h * D, row_stride, nv, vpairs);  // rows past the partition: zero
       __m512 av[G][NF];
       const int32_t* wrow[G];
       for (int64_t g = 0; g < G; ++g) {
@@ -200,14 +189,7 @@ void attend_decode_amx(const at::BFloat16* q, int64_t kv_heads, const at::BFloat
         for (int64_t c = 0; c < NF; ++c) _mm512_storeu_ps(acc + (h * G + g) * D + 16 * c, av[g][c]);
     }
   }
-  float tmp[D];
-  for (int64_t r = 0; r < R; ++r) {
-    float* a = acc + r * D;
-    for (int64_t c = 0; c < NC; ++c)
-      for (int64_t half = 0; half < 2; ++half)
-        for (int64_t e = 0; e < 16; ++e) tmp[32 * c + 8 * (e / 4) + 4 * half + e % 4] = a[32 * c + 16 * half + e];
-    std::copy(tmp, tmp + D, a);
-  }
+  restore_pair_order<D>(acc, R);
 }
 
 }  // namespace kvpage

@@ -132,11 +132,10 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
   const int64_t R = nq * H;
   const int64_t row_stride = kv_heads * D;
   const int64_t block_stride = block_size * row_stride;
-  scratch.resize(static_cast<size_t>(8 * D + R * 16 + D));
+  scratch.resize(static_cast<size_t>(8 * D + R * 16));
   // the chunk's values as interleaved bf16 pairs: [pair][512-bit chunk c][lo, hi halves] = 8 x D floats' room
   auto* vpairs = reinterpret_cast<at::BFloat16*>(scratch.data());
   float* wts = scratch.data() + 8 * D;      // softmax weights, [r][i]
-  float* tmp = wts + R * 16;                // one row while restoring the element order
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < R; ++r) {
@@ -215,19 +214,7 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
         }
       }
       if (vis_max <= 0) continue;
-      // Values of keys 2p and 2p+1 interleaved per element (the operand layout of dpbf16), zero past vis_max.
-      const int64_t pairs = (vis_max + 1) / 2;
-      for (int64_t pr = 0; pr < pairs; ++pr) {
-        const at::BFloat16* va = vbase + 2 * pr * row_stride;
-        const bool has_b = 2 * pr + 1 < vis_max;
-        for (int64_t c = 0; c < NC; ++c) {
-          const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(va + 32 * c));
-          const __m512i b = has_b ? _mm512_loadu_si512(reinterpret_cast<const void*>(va + row_stride + 32 * c))
-                                  : _mm512_setzero_si512();
-          _mm512_storeu_si512(reinterpret_cast<void*>(vpairs + (pr * NC + c) * 64), _mm512_unpacklo_epi16(a, b));
-          _mm512_storeu_si512(reinterpret_cast<void*>(vpairs + (pr * NC + c) * 64 + 32), _mm512_unpackhi_epi16(a, b));
-        }
-      }
+      kvpage::interleave_value_pairs<NC>(vbase, row_stride, vis_max, vpairs);
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t visible = std::min(n, pos0 + j + 1 - t);
         if (visible <= 0) continue;
@@ -251,15 +238,7 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
     }
     t += n;
   }
-  // Accumulator element e of 512-bit chunk c, 128-bit lane L holds d = 32c + 8L + (e < 4 ? e : e + 4) for the
-  // low half (e in 0..15 as 4 lanes x 4) and the same + 4 for the high half: restore the natural order.
-  for (int64_t r = 0; r < R; ++r) {
-    float* a = acc + r * D;
-    for (int64_t c = 0; c < NC; ++c)
-      for (int64_t half = 0; half < 2; ++half)
-        for (int64_t e = 0; e < 16; ++e) tmp[32 * c + 8 * (e / 4) + 4 * half + e % 4] = a[32 * c + 16 * half + e];
-    std::copy(tmp, tmp + D, a);
-  }
+  kvpage::restore_pair_order<D>(acc, R);
 }
 #endif
 
