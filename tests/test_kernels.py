@@ -131,9 +131,9 @@ def test_kernel_rejects_bad_input():
                             torch.tensor([0, 1]), torch.tensor([1]), 1.0, 512)
 
 
-def make_decode_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, dim: int):
+def make_decode_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, dim: int, num_seqs: int):
     """Decode only (one query per sequence), ragged contexts, some longer than one partition."""
-    seq_lens = [rng.randint(1, 1300) for _ in range(rng.randint(1, 5))]
+    seq_lens = [rng.randint(1, 1300) for _ in range(num_seqs)]
     blocks_per_seq = [-(-c // block_size) for c in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
     ids = list(range(num_blocks))
@@ -170,15 +170,16 @@ def test_amx_decode_matches_reference_and_the_avx512_kernel(block_size, heads, k
     """Where the CPU and OS grant AMX, decode tasks use tile products (three phases per partition); the
     AVX-512 kernel stays the fallback. Both must agree with a dense float32 reference, with NaN in every
     slot past the contexts (partial tiles), for GQA groups 1-8, partitions of 512 and 64 keys (AMX) and 17
-    keys (not a multiple of 16: the AVX-512 kernel)."""
+    keys (not a multiple of 16: the AVX-512 kernel), and a batch of 12 sequences (contexts not split: the
+    AVX-512 kernel, which streams many sequences' KV from memory faster)."""
     ops = load_kernels()
     if not ops.set_amx_decode(True):
         pytest.skip("AMX tile products unavailable on this CPU/OS")
     rng = random.Random(block_size + heads + dim)
     differs = False
     try:
-        for _ in range(3):
-            q, cache, tables, qsl, lens = make_decode_case(rng, block_size, heads, kv_heads, dim)
+        for num_seqs in (1, 4, 12):
+            q, cache, tables, qsl, lens = make_decode_case(rng, block_size, heads, kv_heads, dim, num_seqs)
             ref = dense_reference(q, cache, tables, lens, dim**-0.5)
             for part in (PARTITION_SIZE, 64, 17):
                 ops.set_amx_decode(True)

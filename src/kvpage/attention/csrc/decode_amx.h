@@ -2,16 +2,19 @@
 //
 // Why: on this class of CPU the 16-keys-at-a-time AVX-512 kernel spends most of its time forming q.k scores
 // (32 dot products and a transposing reduction per query head per 16 keys) and in the per-chunk online
-// softmax, so it cannot keep up with memory. Here a task works in three phases over its partition:
+// softmax. Here a task works in three phases over each span of its partition:
 //   1. scores: for each 16-key slice of a block and each KV head, one AMX product K[16 x D] . Q^T[D x G]
 //      straight from the cache rows (tile stride = the cache's row stride), so K is read once for its whole
-//      query group; scores land row-major in a scratch array [R][n];
-//   2. softmax per query row over the whole partition in one vector pass (exact max, no rescaling chain),
-//      weights rounded to bf16 pairs for the next phase (as the AVX-512 kernel does);
+//      query group; scores land row-major in a scratch array [R][span];
+//   2. softmax per query row over a span of up to kAmxSpan keys in one vector pass (rescaling earlier spans
+//      only when the running max rises), weights rounded to bf16 pairs (as the AVX-512 kernel does);
 //   3. values: each 16-key slice's V rows are interleaved in pairs once per KV head and accumulated into
 //      the G rows' float32 outputs with dpbf16, the group's accumulators held in registers.
-// K is walked in phase 1 and V in phase 3, each 16-key slice prefetched kAmxPrefetchSlices slices ahead.
-// Needs block_size % 16 == 0 and G <= 16; the caller checks and falls back otherwise.
+// Phase 1 prefetches K and V kAmxPrefetchSlices slices ahead, so phase 3 finds the span's V in L2.
+// Needs block_size % 16 == 0, partition starts at multiples of 16 and G <= 8; the caller checks and falls back
+// to the AVX-512 kernel otherwise. Twice as fast as that kernel with the KV in cache, but slower when many
+// sequences stream their KV from memory (11 vs 14 GB/s at 256 x 1024; cause not found: a longer prefetch
+// distance or prefetching V during phase 1 did not change it), so the caller uses it only for small batches.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -35,6 +38,8 @@ namespace kvpage {
 // The kernel lets a process use the AMX tile state only after asking (Linux >= 5.16). Asked once; a refusal
 // (older kernel, a hypervisor that hides AMX) leaves the AVX-512 kernel in charge.
 constexpr int64_t kAmxPrefetchSlices = 4;
+// Keys per span: a span's V (512 x kv_heads x D bf16; 192 KiB for SmolLM2) waits in L2 between phases 1 and 3.
+constexpr int64_t kAmxSpan = 512;
 
 inline bool amx_permitted() {
   static const bool ok = [] {
@@ -78,17 +83,15 @@ void attend_decode_amx(const at::BFloat16* q, int64_t kv_heads, const at::BFloat
   constexpr int64_t NC = D / 32;  // 32-dim slices of a bf16 row (AMX K steps; 512-bit chunks)
   constexpr int64_t NF = D / 16;  // 512-bit chunks of a float row
   const int64_t R = kv_heads * G;
-  const int64_t n = k_end - k_begin;
-  const int64_t n_pad = (n + 15) / 16 * 16;
+  const int64_t span_pad = std::min<int64_t>(kAmxSpan, (k_end - k_begin + 15) / 16 * 16);
   const int64_t row_stride = kv_heads * D;
   const int64_t block_stride = block_size * row_stride;
-  // scratch: scores [R][n_pad] floats | weights [R][n_pad] bf16 | Q^T pairs [kv_heads][NC][16][G] int32 |
+  // scratch: scores [R][span_pad] floats | weights [R][span_pad] bf16 | Q^T pairs [kv_heads][NC][16][G] int32 |
   // one score tile [16][16] floats | interleaved V slice [8 pairs][NC][64] bf16
-  const size_t need = static_cast<size_t>(R * n_pad + R * n_pad / 2 + kv_heads * NC * 16 * G + 256 + 8 * D + 16);
-  scratch.resize(need);
+  scratch.resize(static_cast<size_t>(R * span_pad * 3 / 2 + kv_heads * NC * 16 * G + 256 + 8 * D + 16));
   float* scores = scratch.data();
-  auto* wts = reinterpret_cast<at::BFloat16*>(scores + R * n_pad);
-  auto* qpack = reinterpret_cast<int32_t*>(scores + R * n_pad + R * n_pad / 2);
+  auto* wts = reinterpret_cast<at::BFloat16*>(scores + R * span_pad);
+  auto* qpack = reinterpret_cast<int32_t*>(scores + R * span_pad * 3 / 2);
   float* ctile = reinterpret_cast<float*>(qpack + kv_heads * NC * 16 * G);
   ctile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(ctile) + 63) & ~uintptr_t(63));
   auto* vpairs = reinterpret_cast<at::BFloat16*>(ctile + 256);
@@ -101,92 +104,109 @@ void attend_decode_amx(const at::BFloat16* q, int64_t kv_heads, const at::BFloat
         for (int64_t g = 0; g < G; ++g)
           qpack[((h * NC + c) * 16 + i) * G + g] = q32[(h * G + g) * (D / 2) + 16 * c + i];
 
-  // Blocks are scattered, so the hardware prefetcher stops at each block's end: ask for the 16-key slice
-  // kAmxPrefetchSlices slices later (following the block table) while this one is processed. 2, 4 and 8 measured
-  // within noise of each other (benchmarks/kernels.py shapes); 4 was ahead by a few percent on two of them.
-  auto prefetch_slice = [&](const at::BFloat16* cache, int64_t t) {
+  // Blocks are scattered, so the hardware prefetcher stops at each block's end: ask for the K and V of the
+  // 16-key slice kAmxPrefetchSlices slices later (following the block table) while this one is scored, so
+  // the span's V is in L2 for phase 3.
+  auto prefetch_slice = [&](int64_t t) {
     const int64_t ahead = t + 16 * kAmxPrefetchSlices;
     if (ahead >= k_end) return;
-    const char* p = reinterpret_cast<const char*>(cache + table[ahead / block_size] * block_stride +
-                                                  (ahead % block_size) * row_stride);
+    const int64_t at = table[ahead / block_size] * block_stride + (ahead % block_size) * row_stride;
+    const char* pk = reinterpret_cast<const char*>(kcache + at);
+    const char* pv = reinterpret_cast<const char*>(vcache + at);
     const int64_t lines = (std::min<int64_t>(16, k_end - ahead) * row_stride * 2 + 63) / 64;
-    for (int64_t i = 0; i < lines; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+    for (int64_t i = 0; i < lines; ++i) {
+      _mm_prefetch(pk + 64 * i, _MM_HINT_T1);
+      _mm_prefetch(pv + 64 * i, _MM_HINT_T1);
+    }
   };
 
-  // Phase 1: scores.
   const __m512i gather_idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                 _mm512_set1_epi32(16));
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t t = k_begin; t < k_end; t += 16) {
-    const int64_t off = t % block_size;
-    prefetch_slice(kcache, t);
-    const at::BFloat16* kslice = kcache + table[t / block_size] * block_stride + off * row_stride;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      _tile_zero(2);
-      for (int64_t c = 0; c < NC; ++c) {
-        _tile_loadd(0, kslice + h * D + 32 * c, row_stride * 2);
-        _tile_loadd(1, qpack + (h * NC + c) * 16 * G, G * 4);
-        _tile_dpbf16ps(2, 0, 1);
-      }
-      _tile_stored(2, ctile, 64);
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(gather_idx, _mm512_set1_epi32(static_cast<int>(g))),
-                                             ctile, 4);
-        _mm512_storeu_ps(scores + (h * G + g) * n_pad + (t - k_begin), _mm512_mul_ps(s, vscale));
-      }
-    }
-  }
-
-  // Phase 2: softmax per row; keys past n (the rest of the last slice) get weight 0.
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < R; ++r) {
-    float* s = scores + r * n_pad;
-    __m512 vmax = _mm512_set1_ps(neg_inf);
-    for (int64_t i = 0; i < n_pad; i += 16) {
-      const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-      vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_loadu_ps(s + i));
-    }
-    const float mx = _mm512_reduce_max_ps(vmax);
-    const __m512 vmx = _mm512_set1_ps(mx);
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n_pad; i += 16) {
-      const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-      const __m512 w = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vmx), k);
-      vsum = _mm512_add_ps(vsum, w);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wts + r * n_pad + i), (__m256i)_mm512_cvtneps_pbh(w));
-    }
-    m[r] = mx;
-    l[r] = _mm512_reduce_add_ps(vsum);
+    m[r] = neg_inf;
+    l[r] = 0.f;
   }
+  std::fill(acc, acc + R * D, 0.f);  // kept in the interleaved element order of unpacklo/hi until the end
+  for (int64_t s0 = k_begin; s0 < k_end; s0 += kAmxSpan) {
+    const int64_t s1 = std::min(k_end, s0 + kAmxSpan);
+    const int64_t n = s1 - s0;
 
-  // Phase 3: values. Accumulators in the interleaved element order of unpacklo/hi (restored at the end).
-  std::fill(acc, acc + R * D, 0.f);
-  for (int64_t t = k_begin; t < k_end; t += 16) {
-    const int64_t off = t % block_size;
-    prefetch_slice(vcache, t);
-    const int64_t nv = std::min<int64_t>(16, k_end - t);
-    const at::BFloat16* vslice = vcache + table[t / block_size] * block_stride + off * row_stride;
-    const int64_t pairs = (nv + 1) / 2;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      interleave_value_pairs<NC>(vslice + h * D, row_stride, nv, vpairs);  // rows past the partition: zero
-      __m512 av[G][NF];
-      const int32_t* wrow[G];
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = h * G + g;
-        wrow[g] = reinterpret_cast<const int32_t*>(wts + r * n_pad + (t - k_begin));
-        for (int64_t c = 0; c < NF; ++c) av[g][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
-      }
-      for (int64_t pr = 0; pr < pairs; ++pr) {
-        __m512i vv[NF];
-        for (int64_t c = 0; c < NF; ++c)
-          vv[c] = _mm512_loadu_si512(reinterpret_cast<const void*>(vpairs + pr * NC * 64 + 32 * c));
+    // Phase 1: scores of the span.
+    for (int64_t t = s0; t < s1; t += 16) {
+      prefetch_slice(t);
+      const at::BFloat16* kslice = kcache + table[t / block_size] * block_stride + (t % block_size) * row_stride;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        _tile_zero(2);
+        for (int64_t c = 0; c < NC; ++c) {
+          _tile_loadd(0, kslice + h * D + 32 * c, row_stride * 2);
+          _tile_loadd(1, qpack + (h * NC + c) * 16 * G, G * 4);
+          _tile_dpbf16ps(2, 0, 1);
+        }
+        _tile_stored(2, ctile, 64);
         for (int64_t g = 0; g < G; ++g) {
-          const __m512bh wb = (__m512bh)_mm512_set1_epi32(wrow[g][pr]);
-          for (int64_t c = 0; c < NF; ++c) av[g][c] = _mm512_dpbf16_ps(av[g][c], (__m512bh)vv[c], wb);
+          const __m512 sc = _mm512_i32gather_ps(
+              _mm512_add_epi32(gather_idx, _mm512_set1_epi32(static_cast<int>(g))), ctile, 4);
+          _mm512_storeu_ps(scores + (h * G + g) * span_pad + (t - s0), _mm512_mul_ps(sc, vscale));
         }
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < NF; ++c) _mm512_storeu_ps(acc + (h * G + g) * D + 16 * c, av[g][c]);
+    }
+
+    // Phase 2: softmax per row against the running max (earlier spans rescaled when it rises); keys past the
+    // span's end (the rest of its last slice) get weight 0.
+    for (int64_t r = 0; r < R; ++r) {
+      const float* sr = scores + r * span_pad;
+      __m512 vmax = _mm512_set1_ps(neg_inf);
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+        vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_loadu_ps(sr + i));
+      }
+      const float mx = std::max(m[r], _mm512_reduce_max_ps(vmax));
+      if (m[r] != neg_inf && mx != m[r]) {
+        const __m512 corr = _mm512_set1_ps(exp_neg(m[r] - mx));
+        l[r] *= exp_neg(m[r] - mx);
+        for (int64_t c = 0; c < NF; ++c)
+          _mm512_storeu_ps(acc + r * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), corr));
+      }
+      m[r] = mx;
+      const __m512 vmx = _mm512_set1_ps(mx);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+        const __m512 w = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + i), vmx), k);
+        vsum = _mm512_add_ps(vsum, w);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wts + r * span_pad + i), (__m256i)_mm512_cvtneps_pbh(w));
+      }
+      l[r] += _mm512_reduce_add_ps(vsum);
+    }
+
+    // Phase 3: values of the span (already requested in phase 1).
+    for (int64_t t = s0; t < s1; t += 16) {
+      const int64_t nv = std::min<int64_t>(16, s1 - t);
+      const at::BFloat16* vslice = vcache + table[t / block_size] * block_stride + (t % block_size) * row_stride;
+      const int64_t pairs = (nv + 1) / 2;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        interleave_value_pairs<NC>(vslice + h * D, row_stride, nv, vpairs);  // rows past the span: zero
+        __m512 av[G][NF];
+        const int32_t* wrow[G];
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = h * G + g;
+          wrow[g] = reinterpret_cast<const int32_t*>(wts + r * span_pad + (t - s0));
+          for (int64_t c = 0; c < NF; ++c) av[g][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
+        }
+        for (int64_t pr = 0; pr < pairs; ++pr) {
+          __m512i vv[NF];
+          for (int64_t c = 0; c < NF; ++c)
+            vv[c] = _mm512_loadu_si512(reinterpret_cast<const void*>(vpairs + pr * NC * 64 + 32 * c));
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512bh wb = (__m512bh)_mm512_set1_epi32(wrow[g][pr]);
+            for (int64_t c = 0; c < NF; ++c) av[g][c] = _mm512_dpbf16_ps(av[g][c], (__m512bh)vv[c], wb);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t c = 0; c < NF; ++c) _mm512_storeu_ps(acc + (h * G + g) * D + 16 * c, av[g][c]);
+      }
     }
   }
   restore_pair_order<D>(acc, R);

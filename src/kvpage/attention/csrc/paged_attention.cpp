@@ -245,22 +245,21 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
 #ifdef KVPAGE_AMX
 bool g_amx_decode = true;  // the AMX decode path when the CPU and OS allow it (set_amx_decode toggles, for A/B)
 
-// The AMX decode kernel for a head size and group size known at compile time; false if there is none.
+// The AMX decode kernel for a head size and a group size (<= 8, checked by the caller) known at compile time.
 template <int64_t D>
-bool dispatch_decode_amx(int64_t G, const at::BFloat16* q, int64_t kv_heads, const at::BFloat16* kc,
+void dispatch_decode_amx(int64_t G, const at::BFloat16* q, int64_t kv_heads, const at::BFloat16* kc,
                          const at::BFloat16* vc, const int64_t* table, int64_t block_size, int64_t k_begin,
                          int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch, float scale) {
   switch (G) {
 #define KVPAGE_AMX_CASE(g)                                                                                     \
   case g:                                                                                                      \
-    kvpage::attend_decode_amx<D, g>(q, kv_heads, kc, vc, table, block_size, k_begin, k_end, acc, m, l, scratch, \
-                                    scale);                                                                    \
-    return true;
+    return kvpage::attend_decode_amx<D, g>(q, kv_heads, kc, vc, table, block_size, k_begin, k_end, acc, m, l,   \
+                                           scratch, scale);
     KVPAGE_AMX_CASE(1) KVPAGE_AMX_CASE(2) KVPAGE_AMX_CASE(3) KVPAGE_AMX_CASE(4)
     KVPAGE_AMX_CASE(5) KVPAGE_AMX_CASE(6) KVPAGE_AMX_CASE(7) KVPAGE_AMX_CASE(8)
 #undef KVPAGE_AMX_CASE
     default:
-      return false;
+      TORCH_CHECK(false, "AMX decode: group size ", G, " has no instance");
   }
 }
 #endif
@@ -397,7 +396,8 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   // into partitions only when there are too few tiles to keep every core busy.
   int64_t base_tasks = 0;
   for (int64_t s = 0; s < S; ++s) base_tasks += (qsl[s + 1] - qsl[s] + kTile - 1) / kTile;
-  if (base_tasks >= 4 * at::get_num_threads()) partition_size = std::numeric_limits<int64_t>::max() / 4;
+  const bool few_tasks = base_tasks < 4 * at::get_num_threads();
+  if (!few_tasks) partition_size = std::numeric_limits<int64_t>::max() / 4;
   std::vector<Task> tasks;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s];
@@ -420,7 +420,9 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 
   bool use_amx = false;
 #ifdef KVPAGE_AMX
-  use_amx = use_dp && g_amx_decode && (D == 64 || D == 128) && G <= 8 && block_size % 16 == 0 &&
+  // Only for small batches (few tasks, contexts split into partitions): there the KV tends to sit in cache and
+  // the AMX kernel is twice as fast; with many sequences streaming from memory the AVX-512 kernel is faster.
+  use_amx = few_tasks && use_dp && g_amx_decode && (D == 64 || D == 128) && G <= 8 && block_size % 16 == 0 &&
             partition_size % 16 == 0 && kvpage::amx_permitted();
 #endif
 
@@ -448,31 +450,26 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       float* pm = part_m.data() + offset[ti];
       float* pl = part_l.data() + offset[ti];
       const float sc = static_cast<float>(scale);
-#ifdef KVPAGE_AMX
-      if constexpr (std::is_same_v<KV, at::BFloat16>) {
-        if (use_amx && tk.nq == 1) {
-          const auto* qr = reinterpret_cast<const at::BFloat16*>(qrows);
-          const auto* kb = reinterpret_cast<const at::BFloat16*>(kcache);
-          const auto* vb = reinterpret_cast<const at::BFloat16*>(vcache);
-          const bool done = D == 64 ? dispatch_decode_amx<64>(G, qr, kv_heads, kb, vb, table, block_size, k_begin,
-                                                              k_end, pa, pm, pl, scratch, sc)
-                                    : dispatch_decode_amx<128>(G, qr, kv_heads, kb, vb, table, block_size, k_begin,
-                                                               k_end, pa, pm, pl, scratch, sc);
-          if (done) continue;
-        }
-      }
-#endif
 #ifdef KVPAGE_DPBF16
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
-        if (use_dp && (D == 64 || D == 128)) {
-          const auto* kb = reinterpret_cast<const at::BFloat16*>(kcache);
-          const auto* vb = reinterpret_cast<const at::BFloat16*>(vcache);
+#ifdef KVPAGE_AMX
+        if (use_amx && tk.nq == 1) {
           if (D == 64)
-            attend_tile_bf16<64>(qb, tk.nq, H, G, kb, vb, table, block_size, kv_heads, tk.pos0, k_begin, k_end, pa,
-                                 pm, pl, scratch, sc);
+            dispatch_decode_amx<64>(G, qb[0], kv_heads, kcache, vcache, table, block_size, k_begin, k_end, pa, pm, pl,
+                                    scratch, sc);
           else
-            attend_tile_bf16<128>(qb, tk.nq, H, G, kb, vb, table, block_size, kv_heads, tk.pos0, k_begin, k_end,
-                                  pa, pm, pl, scratch, sc);
+            dispatch_decode_amx<128>(G, qb[0], kv_heads, kcache, vcache, table, block_size, k_begin, k_end, pa, pm,
+                                     pl, scratch, sc);
+          continue;
+        }
+#endif
+        if (use_dp && (D == 64 || D == 128)) {
+          if (D == 64)
+            attend_tile_bf16<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, tk.pos0, k_begin,
+                                 k_end, pa, pm, pl, scratch, sc);
+          else
+            attend_tile_bf16<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, tk.pos0, k_begin,
+                                  k_end, pa, pm, pl, scratch, sc);
           continue;
         }
       }
