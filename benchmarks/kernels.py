@@ -17,23 +17,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from _common import median_seconds
 from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, load_kernels
 
 
 def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, reps) * 1e3
 
 
 def copy_bandwidth_gbs() -> float:

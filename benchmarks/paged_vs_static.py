@@ -19,8 +19,8 @@ import os
 import platform
 import random
 import statistics
-import time
 
+from _common import drive
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
 
@@ -46,17 +46,14 @@ def run(policy: str, reqs, budget: int, max_len: int) -> dict:
     for i, (prompt, out_len) in enumerate(reqs):
         eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     running, util = [], []
-    tokens = 0
-    t = time.perf_counter()
-    while eng.has_unfinished_requests():
-        for ro in eng.step():
-            if ro.finished:
-                tokens += len(ro.outputs[0].token_ids)
+
+    def sample() -> None:
         s = eng.kv.stats()
         running.append(s.num_seqs)
         if s.allocated_slots:
             util.append(s.utilization)
-    dt = time.perf_counter() - t
+
+    tokens, dt = drive(eng, sample)
     return {"policy": policy, "num_blocks": eng.kv.num_blocks, "peak_running": max(running),
             "mean_running": statistics.mean(running), "tok_per_s": tokens / dt, "seconds": dt, "tokens": tokens,
             "mean_kv_utilization": statistics.mean(util), "preemptions": eng.stats()["preemptions"]}

@@ -17,8 +17,8 @@ import argparse
 import json
 import platform
 import random
-import time
 
+from _common import drive, median_seconds
 from kvpage.entrypoints.cli import build_parser
 from kvpage.entrypoints.simulate import build_config, build_cost, build_model
 from kvpage.sim.cost import RooflineCost, StepFeatures, fit_roofline_overheads, load_calibration
@@ -29,21 +29,12 @@ from kvpage.sim.workloads import WorkloadSpec, generate
 def machine_numbers() -> dict[str, float]:
     import torch
 
-    def best(f, n=7):
-        f()
-        ts = []
-        for _ in range(n):
-            t = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t)
-        return sorted(ts)[n // 2]
-
     out = {}
     for dt in (torch.bfloat16, torch.float32):
         a, b = torch.randn(256, 576, dtype=dt), torch.randn(576, 1536, dtype=dt)
-        out[f"gemm_{str(dt)[6:]}_tflops"] = 2 * 256 * 576 * 1536 / best(lambda a=a, b=b: a @ b) / 1e12
+        out[f"gemm_{str(dt)[6:]}_tflops"] = 2 * 256 * 576 * 1536 / median_seconds(lambda a=a, b=b: a @ b, 7) / 1e12
     x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
-    out["read_gb_s"] = x.numel() * 4 / best(lambda: x.sum()) / 1e9
+    out["read_gb_s"] = x.numel() * 4 / median_seconds(x.sum, 7) / 1e9
     return out
 
 
@@ -63,13 +54,7 @@ def real_run(requests, kv_memory: str, max_model_len: int) -> dict:
     for r in requests:
         ids = [rng.randrange(100, vocab - 100) for _ in range(r.prompt_len)]
         eng.add_request(r.request_id, ids, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
-    tokens = 0
-    t = time.perf_counter()
-    while eng.has_unfinished_requests():
-        for ro in eng.step():
-            if ro.finished:
-                tokens += len(ro.outputs[0].token_ids)
-    dt = time.perf_counter() - t
+    tokens, dt = drive(eng)
     return {"seconds": dt, "tokens": tokens, "tok_s": tokens / dt, "steps": eng.step_log,
             "preemptions": eng.stats()["preemptions"]}
 
