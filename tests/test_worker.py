@@ -64,11 +64,16 @@ def _rss_bytes() -> int:
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_prefault_makes_the_pages_resident():
+    import mmap
+
     import torch
 
     from kvpage.worker.kv_cache import prefault_pages
 
-    t = torch.empty(64 * 2**20, dtype=torch.uint8)  # never written: not resident yet
+    # A fresh anonymous mapping is never resident before it is touched (a torch.empty of the same size may
+    # reuse memory the allocator already holds after other tests).
+    buf = mmap.mmap(-1, 64 * 2**20)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
     before = _rss_bytes()
     how = prefault_pages([t, torch.empty(0)])
     assert how in ("madvise", "zero-fill")
