@@ -7,6 +7,12 @@ head dim 64), bf16. Reported: median time of each, their ratio (target: paged <=
 effective KV read bandwidth next to this machine's measured copy bandwidth.
 
     python benchmarks/kernels.py [--batches 1 16 64 256] [--contexts 128 1024 8192] [--threads N]
+                                 [--vllm-python <venv>/bin/python [--vllm-block-size 128]]
+
+With --vllm-python (or $KVPAGE_VLLM_PYTHON), vLLM CPU's own paged decode op runs the same shapes in that
+interpreter, in the same invocation (benchmarks/_vllm_attention.py: its cache layout, its block size, blocks
+permuted alike), and the table gains its time, bandwidth and kvpage/vLLM ratio. A missing vLLM is reported as
+skipped.
 
 Small shapes stay in L2 between repetitions; large ones stream from memory. ``--threads 1`` separates what
 one core can do from what the memory system gives both.
@@ -15,8 +21,11 @@ one core can do from what the memory system gives both.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +58,10 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 8192])
     ap.add_argument("--max-kv-gib", type=float, default=3.0, help="skip cases whose K/V would exceed this")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
+    ap.add_argument("--vllm-python", default=os.environ.get("KVPAGE_VLLM_PYTHON"),
+                    help="a Python with vLLM's CPU build: time its paged decode op on the same shapes")
+    ap.add_argument("--vllm-block-size", type=int, default=128,
+                    help="vLLM's block size (its CPU engine's default here; AMX needs a multiple of 32)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,17 +72,49 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
           f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s (read+write), "
           f"read bandwidth {read_bandwidth_gbs():.1f} GB/s (2 GiB sum)")
-    print(f"{'batch':>5} {'context':>7} {'paged ms':>9} {'SDPA ms':>8} {'paged/SDPA':>10} {'paged GB/s':>10} "
-          f"{'SDPA GB/s':>9}")
+    cases = [(b, ctx) for b in args.batches for ctx in args.contexts
+             if 2 * b * ctx * hkv * d * 2 <= args.max_kv_gib * 2**30]
+    vllm = run_vllm(args.vllm_python, cases, args.vllm_block_size, (hq, hkv, d), torch.get_num_threads())
+    if isinstance(vllm, str):
+        print(f"vLLM: skipped ({vllm})")
+        vllm = {}
+    else:
+        print(f"vLLM: its CPU paged decode op (isa {vllm.pop('isa')}), block size {args.vllm_block_size}")
+    header = (f"{'batch':>5} {'context':>7} {'paged ms':>9} {'SDPA ms':>8} {'paged/SDPA':>10} {'paged GB/s':>10} "
+              f"{'SDPA GB/s':>9}")
+    print(header + (f" {'vLLM ms':>8} {'vLLM GB/s':>9} {'paged/vLLM':>10}" if vllm else ""))
     for b in args.batches:
         for ctx in args.contexts:
             kv_bytes = 2 * b * ctx * hkv * d * 2
-            if kv_bytes > args.max_kv_gib * 2**30:
+            if (b, ctx) not in cases:
                 print(f"{b:>5} {ctx:>7}  skipped (K/V {kv_bytes / 2**30:.1f} GiB > --max-kv-gib)")
                 continue
             paged, dense = run_case(ops, b, ctx, hq, hkv, d, bs, reps=20 if kv_bytes < 2**28 else 5)
-            print(f"{b:>5} {ctx:>7} {paged:9.3f} {dense:8.3f} {paged / dense:10.2f} "
-                  f"{kv_bytes / paged / 1e6:10.1f} {kv_bytes / dense / 1e6:9.1f}")
+            line = (f"{b:>5} {ctx:>7} {paged:9.3f} {dense:8.3f} {paged / dense:10.2f} "
+                    f"{kv_bytes / paged / 1e6:10.1f} {kv_bytes / dense / 1e6:9.1f}")
+            if (b, ctx) in vllm:
+                peer = vllm[(b, ctx)]
+                line += f" {peer:8.3f} {kv_bytes / peer / 1e6:9.1f} {paged / peer:10.2f}"
+            print(line)
+
+
+def run_vllm(python: str | None, cases: list[tuple[int, int]], block_size: int, heads: tuple[int, int, int],
+             threads: int) -> dict | str:
+    """{(batch, context): median ms, "isa": ...} from vLLM's op in its own interpreter, or why it did not run."""
+    if not python:
+        return "no --vllm-python / $KVPAGE_VLLM_PYTHON given"
+    if not Path(python).exists():
+        return f"{python} does not exist"
+    job = json.dumps({"cases": cases, "block_size": block_size, "heads": list(heads), "threads": threads})
+    script = Path(__file__).resolve().parent / "_vllm_attention.py"
+    # -I: the script directory holds a kernels.py, which transformers (imported by vLLM) would take for the
+    # "kernels" package
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    proc = subprocess.run([python, "-I", str(script)], input=job, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return f"vLLM's op failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"isa": out["isa"], **{(b, ctx): ms for b, ctx, ms in out["results"]}}
 
 
 def run_case(ops, b: int, ctx: int, hq: int, hkv: int, d: int, bs: int, reps: int) -> tuple[float, float]:

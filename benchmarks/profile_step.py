@@ -22,7 +22,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     reqs = build_workload(args.workload)
-    llm = LLM(kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048)
+    llm = LLM(kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
+              kv_prefault=True)
     llm.generate([reqs[0]["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
     prof = cProfile.Profile()

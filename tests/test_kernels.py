@@ -8,7 +8,14 @@ import random
 import pytest
 import torch
 
-from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, kernels_error, load_kernels
+from kvpage.attention.backends.cpu_kernels import (
+    PARTITION_SIZE,
+    CpuPagedAttention,
+    kernels_error,
+    load_kernels,
+    pack_kv_rows,
+    unpack_kv_rows,
+)
 from kvpage.attention.backends.reference import ReferenceAttention
 from kvpage.attention.metadata import AttentionMetadata
 from tests.conftest import have_cxx
@@ -192,3 +199,83 @@ def test_amx_decode_matches_reference_and_the_avx512_kernel(block_size, heads, k
     finally:
         ops.set_amx_decode(True)
     assert differs, "the AMX path was never taken (its results equal the AVX-512 kernel's bit for bit)"
+
+
+def poison_unwritten(cache: torch.Tensor, tables: torch.Tensor, seq_lens: list[int]) -> None:
+    """NaN in every slot no sequence has written (past each context, and blocks no table holds)."""
+    written = torch.zeros(cache.shape[1] * cache.shape[2], dtype=torch.bool)
+    bs = cache.shape[2]
+    for i, ctx in enumerate(seq_lens):
+        for p in range(ctx):
+            written[int(tables[i, p // bs]) * bs + p % bs] = True
+    cache.view(2, -1, *cache.shape[3:])[:, ~written] = float("nan")
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 48])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 1, 128), (4, 4, 64), (16, 2, 64)])
+@pytest.mark.parametrize("long", [False, True])
+def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long):
+    """bf16 caches in the packed layout: the slot write puts every new K/V element where pack_kv_rows says,
+    and attention (decode, chunks after a cached prefix, whole prompts; masked tails with NaN in every
+    never-written slot; GQA groups 1-8; partitions that cut contexts) matches the reference."""
+    ops = load_kernels()
+    if not ops.has_packed_layout():
+        pytest.skip("this build has no packed layout (no AVX512-BF16)")
+    rng = random.Random(block_size * 1000 + heads * 10 + dim + long)
+    for _ in range(3):
+        q, k, v, cache, meta = make_case(rng, block_size, heads, kv_heads, dim, torch.bfloat16, torch.bfloat16,
+                                         long=long)
+        poison_unwritten(cache, meta.block_tables, meta.seq_lens.tolist())
+        # the slots this step writes start as NaN too, so the check below sees every element land
+        cache.view(2, -1, *cache.shape[3:])[:, meta.slot_mapping] = float("nan")
+        ref_cache = cache.clone()
+        ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), ref_cache, meta, dim**-0.5)
+        packed = pack_kv_rows(cache)
+        ops.reshape_and_cache(k, v, packed, meta.slot_mapping, True)
+        written = unpack_kv_rows(packed).view(2, -1, kv_heads, dim)[:, meta.slot_mapping]
+        assert torch.equal(written, ref_cache.view(2, -1, kv_heads, dim)[:, meta.slot_mapping])
+        for part in (PARTITION_SIZE, 64) if long else (PARTITION_SIZE,):
+            out = ops.paged_attention(q, packed, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                      dim**-0.5, part, True)
+            assert not out.isnan().any()
+            torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_packed_layout_conversions_invert_each_other():
+    rows = torch.randn(2, 5, 32, 3, 64).bfloat16()
+    packed = pack_kv_rows(rows)
+    assert torch.equal(unpack_kv_rows(packed), rows) and not torch.equal(packed, rows)
+    # K: dim pair p of the 16 keys of group 0, head 0, is one contiguous stretch of 32 elements
+    assert torch.equal(packed[0, 0].flatten()[5 * 32 : 6 * 32].view(16, 2), rows[0, 0, :16, 0, 10:12])
+
+
+def test_packed_layout_rejects_what_it_cannot_hold():
+    ops = load_kernels()
+    if not ops.has_packed_layout():
+        pytest.skip("this build has no packed layout (no AVX512-BF16)")
+    one = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        ops.reshape_and_cache(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), torch.zeros(2, 4, 16, 2, 64), one, True)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cache = torch.zeros(2, 4, 8, 2, 64, dtype=torch.bfloat16)
+        ops.reshape_and_cache(torch.zeros(1, 2, 64).bfloat16(), torch.zeros(1, 2, 64).bfloat16(), cache, one, True)
+    cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+    args = (cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([1]), 1.0)
+    with pytest.raises(RuntimeError, match="bfloat16 queries"):
+        ops.paged_attention(torch.zeros(1, 4, 64), *args, 512, True)
+    with pytest.raises(RuntimeError, match="multiple of 16 keys"):
+        ops.paged_attention(torch.zeros(1, 4, 64).bfloat16(), *args, 17, True)
+
+
+def test_backend_packs_bf16_caches_and_keeps_rows_otherwise(monkeypatch):
+    backend = CpuPagedAttention()
+    if not backend.ops.has_packed_layout():
+        pytest.skip("this build has no packed layout (no AVX512-BF16)")
+    bf16 = torch.zeros(2, 4, 16, 3, 64, dtype=torch.bfloat16)
+    assert backend.packed_layout(bf16, torch.bfloat16)
+    assert not backend.packed_layout(bf16, torch.float32)  # float32 activations over a bf16 cache: rows
+    assert not backend.packed_layout(bf16.float(), torch.float32)
+    assert not backend.packed_layout(torch.zeros(2, 4, 8, 3, 64, dtype=torch.bfloat16), torch.bfloat16)
+    assert not backend.packed_layout(torch.zeros(2, 4, 16, 3, 32, dtype=torch.bfloat16), torch.bfloat16)
+    monkeypatch.setenv("KVPAGE_KV_LAYOUT", "rows")
+    assert not CpuPagedAttention().packed_layout(bf16, torch.bfloat16)

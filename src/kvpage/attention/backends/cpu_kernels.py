@@ -68,6 +68,27 @@ def kernels_error() -> str | None:
     return _error
 
 
+# The packed bf16 KV layout (csrc/packed_kv.h): inside every block, groups of 16 keys per KV head hold K as
+# [dim pairs][16 keys][2] and V as [key pairs][dim][2], the operand order of the dot-product instructions, so
+# the attention kernel reads them as they are. The tensor's shape is the row layout's. These two functions
+# convert whole caches between the layouts (tests, inspection); the engine only writes and reads through the
+# kernels.
+def pack_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """A row-layout cache [2, blocks, block_size, kv_heads, D] in the packed layout (a new tensor)."""
+    _, nb, bs, kvh, d = rows.shape
+    k = rows[0].reshape(nb, bs // 16, 16, kvh, d // 2, 2).permute(0, 1, 3, 4, 2, 5)
+    v = rows[1].reshape(nb, bs // 16, 8, 2, kvh, d).permute(0, 1, 4, 2, 5, 3)
+    return torch.stack([k.reshape(nb, bs, kvh, d), v.reshape(nb, bs, kvh, d)])
+
+
+def unpack_kv_rows(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_kv_rows."""
+    _, nb, bs, kvh, d = packed.shape
+    k = packed[0].reshape(nb, bs // 16, kvh, d // 2, 16, 2).permute(0, 1, 4, 2, 3, 5)
+    v = packed[1].reshape(nb, bs // 16, kvh, 8, d, 2).permute(0, 1, 3, 5, 2, 4)
+    return torch.stack([k.reshape(nb, bs, kvh, d), v.reshape(nb, bs, kvh, d)])
+
+
 class CpuPagedAttention:
     name = "cpu"
 
@@ -75,18 +96,28 @@ class CpuPagedAttention:
         self.ops = load_kernels()
         if self.ops is None:
             raise RuntimeError(f"compiled kernels unavailable: {_error}")
+        # KVPAGE_KV_LAYOUT=rows keeps bf16 caches in the row layout (for side-by-side measurements).
+        self.packed_ok = self.ops.has_packed_layout() and os.environ.get("KVPAGE_KV_LAYOUT", "packed") != "rows"
+
+    def packed_layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether a cache written and read with activations of `dtype` holds the packed layout: decided by the
+        tensors alone, so every write and every read of one cache agree."""
+        _, _, block_size, _, head_dim = kv_cache.shape
+        return (self.packed_ok and kv_cache.dtype == torch.bfloat16 and dtype == torch.bfloat16
+                and block_size % 16 == 0 and head_dim in (64, 128))
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self.ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+        packed = self.packed_layout(kv_cache, query.dtype)
+        self.ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping, packed)
         if not meta.fresh_prefills:
             return self.ops.paged_attention(query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                            scale, PARTITION_SIZE)
+                                            scale, PARTITION_SIZE, packed)
         out = torch.empty(query.shape, dtype=query.dtype)
         ns, nr = meta.paged_seqs, meta.paged_rows
         if ns > 0:
             out[:nr] = self.ops.paged_attention(query[:nr], kv_cache, meta.block_tables[:ns],
                                                 meta.query_start_loc[: ns + 1], meta.seq_lens[:ns], scale,
-                                                PARTITION_SIZE)
+                                                PARTITION_SIZE, packed)
         gqa = query.shape[1] != key.shape[1]
         for start, n in meta.fresh_prefills:  # whole prompt, nothing cached: dense causal attention
             q = query[start : start + n].transpose(0, 1)[None]

@@ -15,6 +15,7 @@
 
 #include "common.h"
 #include "decode_amx.h"
+#include "packed_kv.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -378,7 +379,7 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
 template <typename KV, typename Q>
 void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                    const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, double scale,
-                   int64_t partition_size, torch::Tensor& out) {  // partition_size: upper bound on keys per task
+                   int64_t partition_size, bool packed, torch::Tensor& out) {  // partition_size: keys per task, at most
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const int64_t G = H / kv_heads;
@@ -397,7 +398,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   int64_t base_tasks = 0;
   for (int64_t s = 0; s < S; ++s) base_tasks += (qsl[s + 1] - qsl[s] + kTile - 1) / kTile;
   const bool few_tasks = base_tasks < 4 * at::get_num_threads();
-  if (!few_tasks) partition_size = std::numeric_limits<int64_t>::max() / 4;
+  if (!few_tasks) partition_size = std::numeric_limits<int64_t>::max() / 4 / 16 * 16;  // no split (a multiple of 16)
   std::vector<Task> tasks;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s];
@@ -422,7 +423,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #ifdef KVPAGE_AMX
   // Only for small batches (few tasks, contexts split into partitions): there the KV tends to sit in cache and
   // the AMX kernel is twice as fast; with many sequences streaming from memory the AVX-512 kernel is faster.
-  use_amx = few_tasks && use_dp && g_amx_decode && (D == 64 || D == 128) && G <= 8 && block_size % 16 == 0 &&
+  use_amx = !packed && few_tasks && use_dp && g_amx_decode && (D == 64 || D == 128) && G <= 8 && block_size % 16 == 0 &&
             partition_size % 16 == 0 && kvpage::amx_permitted();
 #endif
 
@@ -450,6 +451,19 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       float* pm = part_m.data() + offset[ti];
       float* pl = part_l.data() + offset[ti];
       const float sc = static_cast<float>(scale);
+#ifdef KVPAGE_PACKED
+      if constexpr (std::is_same_v<KV, at::BFloat16>) {
+        if (packed) {
+          if (D == 64)
+            kvpage::attend_tile_packed<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, tk.pos0,
+                                           k_begin, k_end, pa, pm, pl, scratch, sc);
+          else
+            kvpage::attend_tile_packed<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, tk.pos0,
+                                            k_begin, k_end, pa, pm, pl, scratch, sc);
+          continue;
+        }
+      }
+#endif
 #ifdef KVPAGE_DPBF16
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
 #ifdef KVPAGE_AMX
@@ -558,6 +572,47 @@ void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Te
   });
 }
 
+#ifdef KVPAGE_PACKED
+// Token rows into the packed layout (packed_kv.h); bf16 cache.
+template <typename IN>
+void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+                        const torch::Tensor& slot_mapping) {
+  const int64_t N = key.size(0), kv_heads = key.size(1), D = key.size(2);
+  const int64_t block_size = kv_cache.size(2), num_slots = kv_cache.size(1) * block_size;
+  const int64_t block_stride = block_size * kv_heads * D;
+  at::BFloat16* kdst = kv_cache.data_ptr<at::BFloat16>();
+  at::BFloat16* vdst = kdst + num_slots * kv_heads * D;
+  const IN* ksrc = key.data_ptr<IN>();
+  const IN* vsrc = value.data_ptr<IN>();
+  const int64_t ks = key.stride(0), vs = value.stride(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = slots[i];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
+      const int64_t base = (slot / block_size) * block_stride, off = slot % block_size;
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t d = 0; d < D; ++d) {
+          kdst[base + kvpage::packed_k_offset(off, h, d, kv_heads, D)] = static_cast<at::BFloat16>(ksrc[i * ks + h * D + d]);
+          vdst[base + kvpage::packed_v_offset(off, h, d, kv_heads, D)] = static_cast<at::BFloat16>(vsrc[i * vs + h * D + d]);
+        }
+    }
+  });
+}
+#endif
+
+// Whether this build and cache can use the packed layout (packed_kv.h).
+void check_packed(const torch::Tensor& kv_cache) {
+#ifdef KVPAGE_PACKED
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "the packed KV layout is bfloat16 only");
+  TORCH_CHECK(kv_cache.size(2) % 16 == 0, "the packed KV layout needs a block size that is a multiple of 16");
+  TORCH_CHECK(kv_cache.size(4) == 64 || kv_cache.size(4) == 128, "the packed KV layout needs head size 64 or 128");
+#else
+  (void)kv_cache;
+  TORCH_CHECK(false, "this build has no packed KV layout (needs AVX512-BF16)");
+#endif
+}
+
 void check_common(const torch::Tensor& kv_cache) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, heads, dim]");
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
@@ -567,8 +622,10 @@ void check_common(const torch::Tensor& kv_cache) {
 
 }  // namespace
 
-void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
+                       bool packed) {
   check_common(kv_cache);
+  if (packed) check_packed(kv_cache);
   TORCH_CHECK(key.sizes() == value.sizes() && key.dim() == 3, "key/value must be [tokens, kv_heads, dim]");
   TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4), "key shape does not match the cache");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0), "bad slot_mapping");
@@ -577,6 +634,13 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
   if (!dense_rows(key)) key = key.contiguous();
   if (!dense_rows(value)) value = value.contiguous();
   TORCH_CHECK(key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16, "key must be float32/bfloat16");
+#ifdef KVPAGE_PACKED
+  if (packed) {
+    if (key.scalar_type() == at::kFloat) write_cache_packed<float>(key, value, kv_cache, slot_mapping);
+    else write_cache_packed<at::BFloat16>(key, value, kv_cache, slot_mapping);
+    return;
+  }
+#endif
   if (kv_cache.scalar_type() == at::kFloat) {
     if (key.scalar_type() == at::kFloat) write_cache<float, float>(key, value, kv_cache, slot_mapping);
     else write_cache<float, at::BFloat16>(key, value, kv_cache, slot_mapping);
@@ -588,8 +652,13 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                              int64_t partition_size) {
+                              int64_t partition_size, bool packed) {
   check_common(kv_cache);
+  if (packed) {
+    check_packed(kv_cache);
+    TORCH_CHECK(query.scalar_type() == at::kBFloat16, "the packed KV layout needs bfloat16 queries");
+    TORCH_CHECK(partition_size % 16 == 0, "the packed KV layout needs partitions of a multiple of 16 keys");
+  }
   TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, dim]");
   TORCH_CHECK(query.size(2) == kv_cache.size(4), "head_dim of query and cache differ");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of KV heads");
@@ -601,15 +670,15 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch
   const bool kv_bf16 = kv_cache.scalar_type() == at::kBFloat16;
   if (query.scalar_type() == at::kFloat) {
     if (kv_bf16) run_attention<at::BFloat16, float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                                    partition_size, out);
+                                                    partition_size, packed, out);
     else run_attention<float, float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                     partition_size, out);
+                                     partition_size, packed, out);
   } else {
     TORCH_CHECK(query.scalar_type() == at::kBFloat16, "query must be float32 or bfloat16");
     if (kv_bf16) run_attention<at::BFloat16, at::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens,
-                                                           scale, partition_size, out);
+                                                           scale, partition_size, packed, out);
     else run_attention<float, at::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                            partition_size, out);
+                                            partition_size, packed, out);
   }
   return out;
 }
@@ -620,8 +689,21 @@ void register_quant_ops(pybind11::module& m);  // quant_linear.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
   register_quant_ops(m);
-  m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots");
-  m.def("paged_attention", &paged_attention, "varlen causal attention over a paged KV cache");
+  m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", pybind11::arg("key"),
+        pybind11::arg("value"), pybind11::arg("kv_cache"), pybind11::arg("slot_mapping"),
+        pybind11::arg("packed") = false);
+  m.def("paged_attention", &paged_attention, "varlen causal attention over a paged KV cache", pybind11::arg("query"),
+        pybind11::arg("kv_cache"), pybind11::arg("block_tables"), pybind11::arg("query_start_loc"),
+        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("partition_size"),
+        pybind11::arg("packed") = false);
+  // Whether this build has the packed bf16 KV layout (packed_kv.h).
+  m.def("has_packed_layout", [] {
+#ifdef KVPAGE_PACKED
+    return true;
+#else
+    return false;
+#endif
+  });
   // Whether decode tasks may use AMX tile products; returns whether this build and machine can at all.
   m.def("set_amx_decode", [](bool on) {
 #ifdef KVPAGE_AMX
