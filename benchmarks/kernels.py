@@ -2,7 +2,8 @@
 
 For each (batch, context): the K/V of every sequence is laid out twice, contiguously for
 torch.nn.functional.scaled_dot_product_attention and scattered over randomly permuted 16-token blocks for
-kvpage's paged kernel; one query token per sequence (decode), SmolLM2's shape (9 query heads, 3 KV heads,
+kvpage's paged kernel (in the KV layout the engine uses here, packed where the CPU has AVX512-BF16; --layout
+picks one); one query token per sequence (decode), SmolLM2's shape (9 query heads, 3 KV heads,
 head dim 64), bf16. Reported: median time of each, their ratio (target: paged <= 1.05x contiguous), and the
 effective KV read bandwidth next to this machine's measured copy bandwidth.
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import median_seconds
-from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, load_kernels
+from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, CpuPagedAttention, load_kernels, pack_kv_rows
 
 
 def median_ms(fn, reps: int) -> float:
@@ -58,6 +59,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 8192])
     ap.add_argument("--max-kv-gib", type=float, default=3.0, help="skip cases whose K/V would exceed this")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
+    ap.add_argument("--layout", choices=["engine", "packed", "rows"], default="engine",
+                    help="kvpage's bf16 KV layout: the one the engine uses here (default), or either")
     ap.add_argument("--vllm-python", default=os.environ.get("KVPAGE_VLLM_PYTHON"),
                     help="a Python with vLLM's CPU build: time its paged decode op on the same shapes")
     ap.add_argument("--vllm-block-size", type=int, default=128,
@@ -69,9 +72,13 @@ def main() -> None:
     if ops is None:
         raise SystemExit("compiled kernels unavailable on this machine")
     hq, hkv, d, bs = 9, 3, 64, 16
+    probe = torch.zeros(2, 1, bs, hkv, d, dtype=torch.bfloat16)
+    packed = CpuPagedAttention().packed_layout(probe, torch.bfloat16) if args.layout == "engine" else (
+        args.layout == "packed")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
           f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s (read+write), "
-          f"read bandwidth {read_bandwidth_gbs():.1f} GB/s (2 GiB sum)")
+          f"read bandwidth {read_bandwidth_gbs():.1f} GB/s (2 GiB sum); kvpage KV layout: "
+          f"{'packed' if packed else 'rows'}")
     cases = [(b, ctx) for b in args.batches for ctx in args.contexts
              if 2 * b * ctx * hkv * d * 2 <= args.max_kv_gib * 2**30]
     vllm = run_vllm(args.vllm_python, cases, args.vllm_block_size, (hq, hkv, d), torch.get_num_threads())
@@ -89,7 +96,7 @@ def main() -> None:
             if (b, ctx) not in cases:
                 print(f"{b:>5} {ctx:>7}  skipped (K/V {kv_bytes / 2**30:.1f} GiB > --max-kv-gib)")
                 continue
-            paged, dense = run_case(ops, b, ctx, hq, hkv, d, bs, reps=20 if kv_bytes < 2**28 else 5)
+            paged, dense = run_case(ops, b, ctx, hq, hkv, d, bs, 20 if kv_bytes < 2**28 else 5, packed)
             line = (f"{b:>5} {ctx:>7} {paged:9.3f} {dense:8.3f} {paged / dense:10.2f} "
                     f"{kv_bytes / paged / 1e6:10.1f} {kv_bytes / dense / 1e6:9.1f}")
             if (b, ctx) in vllm:
@@ -117,7 +124,8 @@ def run_vllm(python: str | None, cases: list[tuple[int, int]], block_size: int, 
     return {"isa": out["isa"], **{(b, ctx): ms for b, ctx, ms in out["results"]}}
 
 
-def run_case(ops, b: int, ctx: int, hq: int, hkv: int, d: int, bs: int, reps: int) -> tuple[float, float]:
+def run_case(ops, b: int, ctx: int, hq: int, hkv: int, d: int, bs: int, reps: int,
+             packed: bool) -> tuple[float, float]:
     """Median ms of the paged kernel and of contiguous SDPA on the same K/V (checked to agree)."""
     k = torch.randn(b, hkv, ctx, d).bfloat16()
     v = torch.randn(b, hkv, ctx, d).bfloat16()
@@ -128,13 +136,15 @@ def run_case(ops, b: int, ctx: int, hq: int, hkv: int, d: int, bs: int, reps: in
     pad = nblk * bs - ctx
     for idx, src in ((0, k), (1, v)):
         cache[idx, perm] = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(b * nblk, bs, hkv, d)
+    if packed:
+        cache = pack_kv_rows(cache)
     tables = perm.view(b, nblk)
     qsl = torch.arange(b + 1)
     lens = torch.full((b,), ctx)
     qflat = q[:, :, 0, :].contiguous()
 
     def paged_call():
-        return ops.paged_attention(qflat, cache, tables, qsl, lens, d**-0.5, PARTITION_SIZE)
+        return ops.paged_attention(qflat, cache, tables, qsl, lens, d**-0.5, PARTITION_SIZE, packed)
 
     def dense_call():
         return F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True)
