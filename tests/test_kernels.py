@@ -217,7 +217,8 @@ def poison_unwritten(cache: torch.Tensor, tables: torch.Tensor, seq_lens: list[i
 def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long):
     """bf16 caches in the packed layout: the slot write puts every new K/V element where pack_kv_rows says,
     and attention (decode, chunks after a cached prefix, whole prompts; masked tails with NaN in every
-    never-written slot; GQA groups 1-8; partitions that cut contexts) matches the reference."""
+    never-written slot; GQA groups 1-8; partitions that cut contexts) matches the reference, with decode tasks
+    on the AVX-512 kernel and on AMX products (which must actually run where granted)."""
     ops = load_kernels()
     if not ops.has_packed_layout():
         pytest.skip("this build has no packed layout (no AVX512-BF16)")
@@ -235,10 +236,17 @@ def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long)
         written = unpack_kv_rows(packed).view(2, -1, kv_heads, dim)[:, meta.slot_mapping]
         assert torch.equal(written, ref_cache.view(2, -1, kv_heads, dim)[:, meta.slot_mapping])
         for part in (PARTITION_SIZE, 64) if long else (PARTITION_SIZE,):
-            out = ops.paged_attention(q, packed, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                      dim**-0.5, part, True)
-            assert not out.isnan().any()
-            torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+            try:
+                for amx in (False, True):  # decode tasks: AVX-512, then AMX where the CPU and OS grant it
+                    amx_ok = ops.set_amx_decode(amx)
+                    out = ops.paged_attention(q, packed, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                              dim**-0.5, part, True)
+                    expect = "amx-packed" if amx and amx_ok and heads // kv_heads <= 16 else "avx512-packed"
+                    assert ops.last_decode_kernel() == expect
+                    assert not out.isnan().any()
+                    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+            finally:
+                ops.set_amx_decode(True)
 
 
 def test_packed_layout_conversions_invert_each_other():

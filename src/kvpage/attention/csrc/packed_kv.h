@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common.h"
+#include "decode_amx.h"
 
 namespace kvpage {
 
@@ -198,6 +199,142 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
     }
   }
 }
+
+
+#ifdef KVPAGE_AMX
+// AMX tiles for decode over the packed layout: 0 = Q (G rows x 32 dims), 1 = K (16 dim pairs x 16 keys),
+// 2 = scores (G x 16 keys), 3 = P (G x 16 keys, bf16), 4 = V (8 key pairs x 16 dims), 5 = output (G x 16 dims).
+inline void amx_configure_packed(int64_t G) {
+  TileConfig cfg;
+  const auto set = [&](int t, int rows, int colsb) {
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = static_cast<uint16_t>(colsb);
+  };
+  set(0, G, 64);
+  set(1, 16, 64);
+  set(2, G, 64);
+  set(3, G, 32);
+  set(4, 8, 64);
+  set(5, G, 64);
+  _tile_loadconfig(&cfg);
+}
+
+// One decode query (all H = kv_heads * G heads) over keys [k_begin, k_end) in the packed layout with AMX
+// products: the packed K groups are the score product's B operand as they lie in the cache, and each 16-key
+// group's V is the P.V product's B operand (8 key pairs x 16 dims per tile, the cache's row stride), so
+// nothing is rearranged on the way; the softmax runs on vectors between the two products, 32 keys per
+// online step. Same results contract as attend_tile_packed; G <= 16 (tile rows), tiles configured by
+// amx_configure_packed(G).
+template <int64_t D>
+void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads, const at::BFloat16* kcache,
+                              const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t k_begin,
+                              int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch, float scale) {
+  constexpr int64_t NC = D / 32, NF = D / 16;
+  const int64_t R = kv_heads * G;
+  const int64_t group = 16 * D;
+  const int64_t block_stride = block_size * kv_heads * D;
+  // scratch: Q packed [kv_heads][NC][G][32] bf16 | scores [G][32] f32 | P [2][G][16] bf16 | V tail [8][D][2]
+  scratch.resize(static_cast<size_t>(R * D / 2 + 48 * G + 8 * D + 32));
+  auto* qpack = reinterpret_cast<at::BFloat16*>(scratch.data());
+  float* sbuf = scratch.data() + R * D / 2;
+  auto* pbuf = reinterpret_cast<at::BFloat16*>(sbuf + 32 * G);
+  auto* vtail = reinterpret_cast<at::BFloat16*>(sbuf + 48 * G);
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t c = 0; c < NC; ++c)
+      for (int64_t g = 0; g < G; ++g)
+        std::copy(q + (h * G + g) * D + 32 * c, q + (h * G + g) * D + 32 * c + 32, qpack + ((h * NC + c) * G + g) * 32);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < R; ++r) {
+    m[r] = neg_inf;
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + R * D, 0.f);
+  const auto group_at = [&](int64_t t) {
+    return table[t / block_size] * block_stride + ((t % block_size) / 16) * kv_heads * group;
+  };
+  for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
+    int64_t n[2], base[2];
+    for (int64_t u = 0; u < 2; ++u) {
+      n[u] = std::clamp<int64_t>(k_end - (t + 16 * u), 0, 16);
+      base[u] = n[u] > 0 ? group_at(t + 16 * u) : 0;
+    }
+    const char* pf[4] = {nullptr, nullptr, nullptr, nullptr};
+    for (int64_t u = 0; u < 2; ++u) {
+      const int64_t ahead = t + kPackedStep * kPackedPrefetchAhead + 16 * u;
+      if (ahead < k_end) {
+        pf[2 * u] = reinterpret_cast<const char*>(kcache + group_at(ahead));
+        pf[2 * u + 1] = reinterpret_cast<const char*>(vcache + group_at(ahead));
+      }
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (const char* p : pf)
+        if (p != nullptr)
+          for (int64_t i = 0; i < group * 2 / 64; ++i) _mm_prefetch(p + h * group * 2 + 64 * i, _MM_HINT_T1);
+      // Scores of both groups: [G][32] floats.
+      for (int64_t u = 0; u < 2; ++u) {
+        if (n[u] == 0) continue;
+        const at::BFloat16* kp = kcache + base[u] + h * group;
+        _tile_zero(2);
+        for (int64_t c = 0; c < NC; ++c) {
+          _tile_loadd(0, qpack + (h * NC + c) * G * 32, 64);
+          _tile_loadd(1, kp + c * 512, 64);
+          _tile_dpbf16ps(2, 0, 1);
+        }
+        _tile_stored(2, sbuf + 16 * u, 128);
+      }
+      // Online softmax step per row (lanes past n: never-written keys, blended out before anything else).
+      const __mmask16 keep0 = static_cast<__mmask16>((1u << n[0]) - 1u), keep1 = static_cast<__mmask16>((1u << n[1]) - 1u);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = h * G + g;
+        const __m512 s0 = _mm512_mask_blend_ps(keep0, vneg_inf, _mm512_mul_ps(_mm512_loadu_ps(sbuf + 32 * g), vscale));
+        const __m512 s1 = _mm512_mask_blend_ps(keep1, vneg_inf, _mm512_mul_ps(_mm512_loadu_ps(sbuf + 32 * g + 16), vscale));
+        const float new_m = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+        const float corr = exp_neg(m[r] - new_m);
+        const __m512 vm = _mm512_set1_ps(new_m);
+        const __m512 e0 = exp16(_mm512_sub_ps(s0, vm), keep0);
+        const __m512 e1 = exp16(_mm512_sub_ps(s1, vm), keep1);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + 16 * g), (__m256i)_mm512_cvtneps_pbh(e0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + 16 * (G + g)), (__m256i)_mm512_cvtneps_pbh(e1));
+        l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+        m[r] = new_m;
+        if (corr != 1.f) {
+          float* a = acc + r * D;
+          const __m512 vc = _mm512_set1_ps(corr);
+          for (int64_t c = 0; c < NF; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), vc));
+        }
+      }
+      // P.V per group: a partial group's never-written keys may be NaN, and 0 * NaN would poison the sum, so
+      // its valid keys are copied with zeros after them.
+      for (int64_t u = 0; u < 2; ++u) {
+        if (n[u] == 0) continue;
+        const at::BFloat16* vp = vcache + base[u] + h * group;
+        if (n[u] < 16) {
+          const __m512i low_halves = _mm512_set1_epi32(0xFFFF);
+          for (int64_t p = 0; p < 8; ++p)
+            for (int64_t c = 0; c < NF; ++c) {
+              __m512i v = _mm512_setzero_si512();
+              if (2 * p < n[u]) {
+                v = _mm512_loadu_si512(reinterpret_cast<const void*>(vp + p * 2 * D + 32 * c));
+                if (2 * p + 1 >= n[u]) v = _mm512_and_si512(v, low_halves);
+              }
+              _mm512_storeu_si512(reinterpret_cast<void*>(vtail + p * 2 * D + 32 * c), v);
+            }
+          vp = vtail;
+        }
+        _tile_loadd(3, pbuf + 16 * G * u, 32);
+        for (int64_t c = 0; c < NF; ++c) {
+          float* a = acc + h * G * D + 16 * c;
+          _tile_loadd(5, a, D * 4);
+          _tile_loadd(4, vp + 32 * c, 4 * D);
+          _tile_dpbf16ps(5, 3, 4);
+          _tile_stored(5, a, D * 4);
+        }
+      }
+    }
+  }
+}
+#endif
 
 }  // namespace kvpage
 #endif

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -265,6 +266,9 @@ void dispatch_decode_amx(int64_t G, const at::BFloat16* q, int64_t kv_heads, con
 }
 #endif
 
+// Which kernel served the last call's decode tasks (diagnostics and tests).
+const char* g_decode_kernel = "none";
+
 struct Task {
   int64_t seq, row0, nq, part;  // query rows row0 .. row0+nq-1 of the flat batch, every head
   int64_t pos0;                 // absolute position of the first query of the tile
@@ -427,9 +431,20 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
             partition_size % 16 == 0 && kvpage::amx_permitted();
 #endif
 
+  bool use_amx_packed = false;
+#if defined(KVPAGE_AMX) && defined(KVPAGE_PACKED)
+  // Decode tasks over the packed layout: AMX products straight from the cache (any batch size: nothing is
+  // rearranged on the way, unlike the row-layout AMX kernel above).
+  use_amx_packed = packed && g_amx_decode && G <= 16 && kvpage::amx_permitted();
+#endif
+  g_decode_kernel = use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
+                  : (use_dp && (D == 64 || D == 128)) ? "avx512-rows" : "generic";
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
 #ifdef KVPAGE_AMX
     if (use_amx) kvpage::amx_configure(G);
+#if defined(KVPAGE_PACKED)
+    if (use_amx_packed) kvpage::amx_configure_packed(G);
+#endif
 #endif
     std::vector<float> qbuf(static_cast<size_t>(kTile * H * D));
     std::vector<const at::BFloat16*> qptrs(static_cast<size_t>(kTile * H));
@@ -454,6 +469,17 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #ifdef KVPAGE_PACKED
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
         if (packed) {
+#if defined(KVPAGE_AMX)
+          if (use_amx_packed && tk.nq == 1) {
+            if (D == 64)
+              kvpage::attend_decode_amx_packed<64>(qb[0], G, kv_heads, kcache, vcache, table, block_size, k_begin,
+                                                   k_end, pa, pm, pl, scratch, sc);
+            else
+              kvpage::attend_decode_amx_packed<128>(qb[0], G, kv_heads, kcache, vcache, table, block_size, k_begin,
+                                                    k_end, pa, pm, pl, scratch, sc);
+            continue;
+          }
+#endif
           if (D == 64)
             kvpage::attend_tile_packed<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, tk.pos0,
                                            k_begin, k_end, pa, pm, pl, scratch, sc);
@@ -499,7 +525,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
                            k_begin, k_end, pa, pm, pl, scratch, qb, sc);
     }
 #ifdef KVPAGE_AMX
-    if (use_amx) kvpage::amx_release();
+    if (use_amx || use_amx_packed) kvpage::amx_release();
 #endif
   });
 
@@ -696,6 +722,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("kv_cache"), pybind11::arg("block_tables"), pybind11::arg("query_start_loc"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("partition_size"),
         pybind11::arg("packed") = false);
+  m.def("last_decode_kernel", [] { return std::string(g_decode_kernel); },
+        "the kernel that served the last paged_attention call's decode tasks");
   // Whether this build has the packed bf16 KV layout (packed_kv.h).
   m.def("has_packed_layout", [] {
 #ifdef KVPAGE_PACKED
