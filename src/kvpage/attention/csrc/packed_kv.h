@@ -32,14 +32,6 @@
 
 namespace kvpage {
 
-// Element offsets of key / value element d of the token at offset `off` of its block, KV head h.
-inline int64_t packed_k_offset(int64_t off, int64_t h, int64_t d, int64_t kv_heads, int64_t D) {
-  return ((off / 16) * kv_heads + h) * 16 * D + (d / 2) * 32 + (off % 16) * 2 + (d % 2);
-}
-inline int64_t packed_v_offset(int64_t off, int64_t h, int64_t d, int64_t kv_heads, int64_t D) {
-  return ((off / 16) * kv_heads + h) * 16 * D + ((off % 16) / 2) * 2 * D + d * 2 + (off % 2);
-}
-
 constexpr int64_t kPackedPrefetchAhead = 2;  // steps of kPackedStep keys
 constexpr int64_t kPackedStep = 32;          // keys per online-softmax step: two 16-key groups
 

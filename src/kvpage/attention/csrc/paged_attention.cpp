@@ -613,15 +613,39 @@ void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, to
   const int64_t ks = key.stride(0), vs = value.stride(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    std::vector<at::BFloat16> krow(static_cast<size_t>(D)), vrow(static_cast<size_t>(D));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i];
       TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
-      const int64_t base = (slot / block_size) * block_stride, off = slot % block_size;
-      for (int64_t h = 0; h < kv_heads; ++h)
+      const int64_t off = slot % block_size;
+      for (int64_t h = 0; h < kv_heads; ++h) {
         for (int64_t d = 0; d < D; ++d) {
-          kdst[base + kvpage::packed_k_offset(off, h, d, kv_heads, D)] = static_cast<at::BFloat16>(ksrc[i * ks + h * D + d]);
-          vdst[base + kvpage::packed_v_offset(off, h, d, kv_heads, D)] = static_cast<at::BFloat16>(vsrc[i * vs + h * D + d]);
+          krow[d] = static_cast<at::BFloat16>(ksrc[i * ks + h * D + d]);
+          vrow[d] = static_cast<at::BFloat16>(vsrc[i * vs + h * D + d]);
         }
+        // K: the token's dim pairs are 32-bit words one 16-key row (64 bytes) apart; V: its elements every
+        // other bf16 of its key pair's row (packed_kv.h).
+        const int64_t at = (slot / block_size) * block_stride + ((off / 16) * kv_heads + h) * 16 * D;
+        auto* k32 = reinterpret_cast<uint32_t*>(kdst + at + (off % 16) * 2);
+        const auto* kw = reinterpret_cast<const uint32_t*>(krow.data());
+        at::BFloat16* vpair = vdst + at + ((off % 16) / 2) * 2 * D;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        // 16 dim pairs per scatter; 16 values per masked store into the low or high halves of a pair row
+        const __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                    14, 15), _mm512_set1_epi32(16));
+        for (int64_t p = 0; p < D / 2; p += 16)
+          _mm512_i32scatter_epi32(k32 + p * 16, rows16, _mm512_loadu_si512(kw + p), 4);
+        const __mmask32 half = off % 2 ? 0xAAAAAAAAu : 0x55555555u;
+        for (int64_t d = 0; d < D; d += 16) {
+          __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow.data() + d)));
+          if (off % 2) w = _mm512_slli_epi32(w, 16);
+          _mm512_mask_storeu_epi16(vpair + 2 * d, half, w);
+        }
+#else
+        for (int64_t p = 0; p < D / 2; ++p) k32[p * 16] = kw[p];
+        for (int64_t d = 0; d < D; ++d) vpair[2 * d + off % 2] = vrow[d];
+#endif
+      }
     }
   });
 }
