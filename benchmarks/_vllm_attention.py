@@ -1,6 +1,6 @@
 """vLLM CPU's paged decode attention op timed on given shapes; run by kernels.py under vLLM's own Python.
 
-Self-contained (vLLM's environment does not have kvpage). Reads a JSON job on stdin:
+Needs no kvpage (vLLM's environment does not have it). Reads a JSON job on stdin:
 ``{"cases": [[batch, context], ...], "block_size": 128, "heads": [9, 3, 64], "threads": 2}`` and prints one
 JSON object: ``{"isa": ..., "results": [[batch, context, median_ms], ...]}``. The K/V cache is laid out as
 vLLM's CPU backend allocates it ([blocks, kv_heads, 2 * block_size, head_dim], keys then values per head) with
@@ -9,23 +9,25 @@ the blocks of every sequence randomly permuted, bf16, one decode query per seque
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 from vllm import _custom_ops as ops
 
 
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+def _load_common():
+    """benchmarks/_common.py (stdlib only) by path: kernels.py runs this script with -I, so that the benchmarks
+    directory, whose kernels.py transformers would take for the "kernels" package, stays off sys.path."""
+    spec = importlib.util.spec_from_file_location("_common", Path(__file__).with_name("_common.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+median_seconds = _load_common().median_seconds
 
 
 def time_case(b: int, ctx: int, bs: int, hq: int, hkv: int, d: int, isa: str) -> float:
@@ -48,7 +50,7 @@ def time_case(b: int, ctx: int, bs: int, hq: int, hkv: int, d: int, isa: str) ->
             scheduler_metadata=meta, s_aux=None)
 
     kv_bytes = 2 * b * ctx * hkv * d * 2
-    return median_ms(call, 20 if kv_bytes < 2**28 else 5)
+    return median_seconds(call, 20 if kv_bytes < 2**28 else 5) * 1e3
 
 
 def main() -> None:

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -50,6 +51,14 @@ inline float exp_neg(float x) {
   float r;
   std::memcpy(&r, &bits, sizeof(r));
   return r;
+}
+
+// A task's partial results before its first key: R rows of unnormalized sums acc[R][D] at 0, row maxima at
+// -inf, weight sums at 0 (every attention kernel starts so; the caller merges tasks afterwards).
+inline void reset_partials(float* acc, float* m, float* l, int64_t R, int64_t D) {
+  std::fill(m, m + R, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + R, 0.f);
+  std::fill(acc, acc + R * D, 0.f);
 }
 
 #if defined(__AVX512F__)

@@ -124,11 +124,7 @@ void attend_decode_amx(const at::BFloat16* q, int64_t kv_heads, const at::BFloat
                                                 _mm512_set1_epi32(16));
   const __m512 vscale = _mm512_set1_ps(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < R; ++r) {
-    m[r] = neg_inf;
-    l[r] = 0.f;
-  }
-  std::fill(acc, acc + R * D, 0.f);  // kept in the interleaved element order of unpacklo/hi until the end
+  reset_partials(acc, m, l, R, D);  // kept in the interleaved element order of unpacklo/hi until the end
   for (int64_t s0 = k_begin; s0 < k_end; s0 += kAmxSpan) {
     const int64_t s1 = std::min(k_end, s0 + kAmxSpan);
     const int64_t n = s1 - s0;

@@ -35,6 +35,63 @@ namespace kvpage {
 constexpr int64_t kPackedPrefetchAhead = 2;  // steps of kPackedStep keys
 constexpr int64_t kPackedStep = 32;          // keys per online-softmax step: two 16-key groups
 
+// Where a sequence's 16-key groups lie in the packed cache, and the step-by-step walk both kernels make.
+struct PackedGroups {
+  const at::BFloat16* kcache;
+  const at::BFloat16* vcache;
+  const int64_t* table;  // the sequence's block table
+  int64_t block_size, kv_heads, group;  // group: elements of one (16-key group, KV head) = 16 * D
+
+  // Element offset of the group holding key t (its KV head 0; head h is h * group further).
+  int64_t at(int64_t t) const {
+    return table[t / block_size] * block_size * kv_heads * (group / 16) + ((t % block_size) / 16) * kv_heads * group;
+  }
+
+  // The two groups of the step starting at key t (n: their keys before k_end; base: their offsets), and the
+  // K/V of the groups kPackedPrefetchAhead steps later, to request while this step runs.
+  struct Step {
+    int64_t n[2], base[2];
+    const char* pf[4];
+  };
+  Step step(int64_t t, int64_t k_end) const {
+    Step st{};
+    for (int64_t u = 0; u < 2; ++u) {
+      st.n[u] = std::clamp<int64_t>(k_end - (t + 16 * u), 0, 16);
+      st.base[u] = st.n[u] > 0 ? at(t + 16 * u) : 0;
+      const int64_t ahead = t + kPackedStep * kPackedPrefetchAhead + 16 * u;
+      st.pf[2 * u] = ahead < k_end ? reinterpret_cast<const char*>(kcache + at(ahead)) : nullptr;
+      st.pf[2 * u + 1] = ahead < k_end ? reinterpret_cast<const char*>(vcache + at(ahead)) : nullptr;
+    }
+    return st;
+  }
+
+  // KV head h's slice of the step's prefetch, into L2 (the blocks are scattered, so the hardware prefetcher
+  // cannot know them; a slice per head keeps the requests from queueing up in one burst).
+  void prefetch(const Step& st, int64_t h) const {
+    for (const char* p : st.pf)
+      if (p != nullptr)
+        for (int64_t i = 0; i < group * 2 / 64; ++i) _mm_prefetch(p + h * group * 2 + 64 * i, _MM_HINT_T1);
+  }
+};
+
+// One online-softmax update of a row with a step's two score vectors (masked lanes already -inf): new running
+// max, earlier sums rescaled when it rises, the step's weights e0/e1 (0 outside keep0/keep1).
+template <int64_t NF>
+inline void online_softmax_step(__m512 s0, __m512 s1, __mmask16 keep0, __mmask16 keep1, float& m, float& l,
+                                float* acc_row, __m512& e0, __m512& e1) {
+  const float new_m = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+  const float corr = exp_neg(m - new_m);
+  const __m512 vm = _mm512_set1_ps(new_m);
+  e0 = exp16(_mm512_sub_ps(s0, vm), keep0);
+  e1 = exp16(_mm512_sub_ps(s1, vm), keep1);
+  l = l * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+  m = new_m;
+  if (corr != 1.f) {
+    const __m512 vc = _mm512_set1_ps(corr);
+    for (int64_t c = 0; c < NF; ++c) _mm512_storeu_ps(acc_row + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc_row + 16 * c), vc));
+  }
+}
+
 // Attention of nq query tokens x H heads (rows r = j * H + head, like attend_tile_bf16) over keys
 // [k_begin, k_end) of one sequence in the packed layout; row r sees keys <= pos0 + r / H. k_begin must be a
 // multiple of 16. Writes unnormalized float32 sums acc[R][D], row maxima m[R] and weight sums l[R].
@@ -53,40 +110,19 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
   constexpr int64_t SB = 4, NP = 4;        // rows per score batch, partial sums per row
   const int64_t R = nq * H;
   const int64_t group = 16 * D;            // elements of one (16-key group, head)
-  const int64_t block_stride = block_size * kv_heads * D;
+  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group};
   scratch.resize(static_cast<size_t>(R * kPackedStep));
   float* wts = scratch.data();  // this step's softmax weights, [r][32]
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
   const __m512i low_halves = _mm512_set1_epi32(0xFFFF);
-  for (int64_t r = 0; r < R; ++r) {
-    m[r] = neg_inf;
-    l[r] = 0.f;
-  }
-  std::fill(acc, acc + R * D, 0.f);
-  const auto group_at = [&](int64_t t) {
-    return table[t / block_size] * block_stride + ((t % block_size) / 16) * kv_heads * group;
-  };
+  reset_partials(acc, m, l, R, D);
   for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
-    int64_t n[2], base[2];
-    for (int64_t u = 0; u < 2; ++u) {
-      n[u] = std::clamp<int64_t>(k_end - (t + 16 * u), 0, 16);
-      base[u] = n[u] > 0 ? group_at(t + 16 * u) : 0;
-    }
-    // The groups kPackedPrefetchAhead steps later (their blocks are elsewhere: the hardware prefetcher cannot
-    // know) into L2, a slice per KV head so the requests do not queue up in one burst.
-    const char* pf[4] = {nullptr, nullptr, nullptr, nullptr};
-    for (int64_t u = 0; u < 2; ++u) {
-      const int64_t ahead = t + kPackedStep * kPackedPrefetchAhead + 16 * u;
-      if (ahead < k_end) {
-        pf[2 * u] = reinterpret_cast<const char*>(kcache + group_at(ahead));
-        pf[2 * u + 1] = reinterpret_cast<const char*>(vcache + group_at(ahead));
-      }
-    }
+    const PackedGroups::Step st = groups.step(t, k_end);
+    const int64_t* n = st.n;
+    const int64_t* base = st.base;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      for (const char* p : pf)
-        if (p != nullptr)
-          for (int64_t i = 0; i < group * 2 / 64; ++i) _mm_prefetch(p + h * group * 2 + 64 * i, _MM_HINT_T1);
+      groups.prefetch(st, h);
       int64_t vis_max[2] = {0, 0};
       for (int64_t j = 0; j < nq; ++j) {
         int64_t visible[2];
@@ -134,20 +170,10 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
           }
           for (int64_t i = 0; i < gn; ++i) {
             const int64_t r = j * H + h * G + g0 + i;
-            const float new_m = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(sc[0][i], sc[1][i])));
-            const float corr = exp_neg(m[r] - new_m);
-            const __m512 vm = _mm512_set1_ps(new_m);
-            const __m512 e0 = exp16(_mm512_sub_ps(sc[0][i], vm), keep[0]);
-            const __m512 e1 = exp16(_mm512_sub_ps(sc[1][i], vm), keep[1]);
+            __m512 e0, e1;
+            online_softmax_step<NF>(sc[0][i], sc[1][i], keep[0], keep[1], m[r], l[r], acc + r * D, e0, e1);
             _mm512_storeu_ps(wts + r * kPackedStep, e0);
             _mm512_storeu_ps(wts + r * kPackedStep + 16, e1);
-            l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-            m[r] = new_m;
-            if (corr != 1.f) {
-              float* a = acc + r * D;
-              const __m512 vc = _mm512_set1_ps(corr);
-              for (int64_t c = 0; c < NF; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), vc));
-            }
           }
         }
       }
@@ -224,7 +250,7 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
   constexpr int64_t NC = D / 32, NF = D / 16;
   const int64_t R = kv_heads * G;
   const int64_t group = 16 * D;
-  const int64_t block_stride = block_size * kv_heads * D;
+  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group};
   // scratch: Q packed [kv_heads][NC][G][32] bf16 | scores [G][32] f32 | P [2][G][16] bf16 | V tail [8][D][2]
   scratch.resize(static_cast<size_t>(R * D / 2 + 48 * G + 8 * D + 32));
   auto* qpack = reinterpret_cast<at::BFloat16*>(scratch.data());
@@ -237,32 +263,13 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
         std::copy(q + (h * G + g) * D + 32 * c, q + (h * G + g) * D + 32 * c + 32, qpack + ((h * NC + c) * G + g) * 32);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < R; ++r) {
-    m[r] = neg_inf;
-    l[r] = 0.f;
-  }
-  std::fill(acc, acc + R * D, 0.f);
-  const auto group_at = [&](int64_t t) {
-    return table[t / block_size] * block_stride + ((t % block_size) / 16) * kv_heads * group;
-  };
+  reset_partials(acc, m, l, R, D);
   for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
-    int64_t n[2], base[2];
-    for (int64_t u = 0; u < 2; ++u) {
-      n[u] = std::clamp<int64_t>(k_end - (t + 16 * u), 0, 16);
-      base[u] = n[u] > 0 ? group_at(t + 16 * u) : 0;
-    }
-    const char* pf[4] = {nullptr, nullptr, nullptr, nullptr};
-    for (int64_t u = 0; u < 2; ++u) {
-      const int64_t ahead = t + kPackedStep * kPackedPrefetchAhead + 16 * u;
-      if (ahead < k_end) {
-        pf[2 * u] = reinterpret_cast<const char*>(kcache + group_at(ahead));
-        pf[2 * u + 1] = reinterpret_cast<const char*>(vcache + group_at(ahead));
-      }
-    }
+    const PackedGroups::Step st = groups.step(t, k_end);
+    const int64_t* n = st.n;
+    const int64_t* base = st.base;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      for (const char* p : pf)
-        if (p != nullptr)
-          for (int64_t i = 0; i < group * 2 / 64; ++i) _mm_prefetch(p + h * group * 2 + 64 * i, _MM_HINT_T1);
+      groups.prefetch(st, h);
       // Scores of both groups: [G][32] floats.
       for (int64_t u = 0; u < 2; ++u) {
         if (n[u] == 0) continue;
@@ -281,20 +288,10 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
         const int64_t r = h * G + g;
         const __m512 s0 = _mm512_mask_blend_ps(keep0, vneg_inf, _mm512_mul_ps(_mm512_loadu_ps(sbuf + 32 * g), vscale));
         const __m512 s1 = _mm512_mask_blend_ps(keep1, vneg_inf, _mm512_mul_ps(_mm512_loadu_ps(sbuf + 32 * g + 16), vscale));
-        const float new_m = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-        const float corr = exp_neg(m[r] - new_m);
-        const __m512 vm = _mm512_set1_ps(new_m);
-        const __m512 e0 = exp16(_mm512_sub_ps(s0, vm), keep0);
-        const __m512 e1 = exp16(_mm512_sub_ps(s1, vm), keep1);
+        __m512 e0, e1;
+        online_softmax_step<NF>(s0, s1, keep0, keep1, m[r], l[r], acc + r * D, e0, e1);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + 16 * g), (__m256i)_mm512_cvtneps_pbh(e0));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + 16 * (G + g)), (__m256i)_mm512_cvtneps_pbh(e1));
-        l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-        m[r] = new_m;
-        if (corr != 1.f) {
-          float* a = acc + r * D;
-          const __m512 vc = _mm512_set1_ps(corr);
-          for (int64_t c = 0; c < NF; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), vc));
-        }
       }
       // P.V per group: a partial group's never-written keys may be NaN, and 0 * NaN would poison the sum, so
       // its valid keys are copied with zeros after them.

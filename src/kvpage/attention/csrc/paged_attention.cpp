@@ -33,6 +33,7 @@
 namespace {
 
 using kvpage::exp_neg;
+using kvpage::reset_partials;
 #if defined(__AVX512F__)
 using kvpage::exp16;
 #endif
@@ -140,11 +141,7 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
   float* wts = scratch.data() + 8 * D;      // softmax weights, [r][i]
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < R; ++r) {
-    m[r] = neg_inf;
-    l[r] = 0.f;
-  }
-  std::fill(acc, acc + R * D, 0.f);
+  reset_partials(acc, m, l, R, D);
   int64_t t = k_begin;
   while (t < k_end) {
     const int64_t off = t % block_size;
@@ -293,11 +290,7 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
   float* rows = scratch.data();                 // one head's keys (then values) of this block as float, [i][d]
   float* sc = scratch.data() + block_size * D;  // scores, then weights, [r][i]
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < R; ++r) {
-    m[r] = neg_inf;
-    l[r] = 0.f;
-  }
-  std::fill(acc, acc + R * D, 0.f);
+  reset_partials(acc, m, l, R, D);
   const bool direct = qb != nullptr;
   int64_t t = k_begin;
   while (t < k_end) {
