@@ -2,8 +2,10 @@
 
 Layout, per layer: one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = keys,
 1 = values). A token's K/V lives at ``[:, slot // block_size, slot % block_size]``; viewed flat as
-``[2, num_blocks * block_size, num_kv_heads, head_dim]`` it is simply row ``slot``. The host (swap) tier
-has the same layout with its own block count.
+``[2, num_blocks * block_size, num_kv_heads, head_dim]`` it is simply row ``slot`` (the row layout). The
+compiled backend stores bf16 caches in its packed layout instead (same shape, a block's interior rearranged
+for the dot-product instructions; docs/model.md): only whole blocks are moved here, so this module works
+for both. The host (swap) tier has the same layout with its own block count.
 """
 
 from __future__ import annotations
