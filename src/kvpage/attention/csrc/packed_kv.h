@@ -35,6 +35,12 @@ namespace kvpage {
 constexpr int64_t kPackedPrefetchAhead = 2;  // steps of kPackedStep keys
 constexpr int64_t kPackedStep = 32;          // keys per online-softmax step: two 16-key groups
 
+// The keys a thread attends to after the current task: its sequence's block table and key range.
+struct NextKeys {
+  const int64_t* table = nullptr;
+  int64_t begin = 0, end = 0;
+};
+
 // Where a sequence's 16-key groups lie in the packed cache, and the step-by-step walk both kernels make.
 struct PackedGroups {
   const at::BFloat16* kcache;
@@ -43,24 +49,39 @@ struct PackedGroups {
   int64_t block_size, kv_heads, group;  // group: elements of one (16-key group, KV head) = 16 * D
 
   // Element offset of the group holding key t (its KV head 0; head h is h * group further).
-  int64_t at(int64_t t) const {
-    return table[t / block_size] * block_size * kv_heads * (group / 16) + ((t % block_size) / 16) * kv_heads * group;
+  int64_t at(int64_t t) const { return at(table, t); }
+  int64_t at(const int64_t* tab, int64_t t) const {
+    return tab[t / block_size] * block_size * kv_heads * (group / 16) + ((t % block_size) / 16) * kv_heads * group;
   }
 
-  // The two groups of the step starting at key t (n: their keys before k_end; base: their offsets), and the
-  // K/V of the groups kPackedPrefetchAhead steps later, to request while this step runs.
+  // The keys the same thread attends to next (its next task), so that the prefetch runs on across the end of
+  // this task: without it, a task's first kPackedPrefetchAhead steps would wait for memory.
+  const int64_t* next_table = nullptr;
+  int64_t next_begin = 0, next_end = 0;
+
+  // The two groups of the step starting at key t of [k_begin, k_end) (n: their keys before k_end; base: their
+  // offsets), and the K/V of the groups kPackedPrefetchAhead steps later, to request while this step runs.
   struct Step {
     int64_t n[2], base[2];
     const char* pf[4];
   };
-  Step step(int64_t t, int64_t k_end) const {
+  Step step(int64_t t, int64_t k_begin, int64_t k_end) const {
     Step st{};
+    const int64_t steps = (k_end - k_begin + kPackedStep - 1) / kPackedStep;
+    const int64_t ahead_step = (t - k_begin) / kPackedStep + kPackedPrefetchAhead;
     for (int64_t u = 0; u < 2; ++u) {
       st.n[u] = std::clamp<int64_t>(k_end - (t + 16 * u), 0, 16);
       st.base[u] = st.n[u] > 0 ? at(t + 16 * u) : 0;
-      const int64_t ahead = t + kPackedStep * kPackedPrefetchAhead + 16 * u;
-      st.pf[2 * u] = ahead < k_end ? reinterpret_cast<const char*>(kcache + at(ahead)) : nullptr;
-      st.pf[2 * u + 1] = ahead < k_end ? reinterpret_cast<const char*>(vcache + at(ahead)) : nullptr;
+      int64_t off = -1;
+      if (ahead_step < steps) {
+        const int64_t ahead = k_begin + ahead_step * kPackedStep + 16 * u;
+        if (ahead < k_end) off = at(ahead);
+      } else if (next_table != nullptr) {
+        const int64_t ahead = next_begin + (ahead_step - steps) * kPackedStep + 16 * u;
+        if (ahead < next_end) off = at(next_table, ahead);
+      }
+      st.pf[2 * u] = off >= 0 ? reinterpret_cast<const char*>(kcache + off) : nullptr;
+      st.pf[2 * u + 1] = off >= 0 ? reinterpret_cast<const char*>(vcache + off) : nullptr;
     }
     return st;
   }
@@ -103,14 +124,14 @@ template <int64_t D>
 void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, int64_t G, const at::BFloat16* kcache,
                         const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t kv_heads,
                         int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
-                        std::vector<float>& scratch, float scale) {
+                        std::vector<float>& scratch, float scale, NextKeys next = {}) {
   static_assert(D % 32 == 0, "head size must be a multiple of 32");
   constexpr int64_t NF = D / 16;           // 512-bit chunks of a float row
   constexpr int64_t RB = D == 64 ? 6 : 3;  // rows per register batch in P.V (RB * NF accumulators)
   constexpr int64_t SB = 4, NP = 4;        // rows per score batch, partial sums per row
   const int64_t R = nq * H;
   const int64_t group = 16 * D;            // elements of one (16-key group, head)
-  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group};
+  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group, next.table, next.begin, next.end};
   scratch.resize(static_cast<size_t>(R * kPackedStep));
   float* wts = scratch.data();  // this step's softmax weights, [r][32]
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -118,7 +139,7 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
   const __m512i low_halves = _mm512_set1_epi32(0xFFFF);
   reset_partials(acc, m, l, R, D);
   for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
-    const PackedGroups::Step st = groups.step(t, k_end);
+    const PackedGroups::Step st = groups.step(t, k_begin, k_end);
     const int64_t* n = st.n;
     const int64_t* base = st.base;
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -246,11 +267,12 @@ inline void amx_configure_packed(int64_t G) {
 template <int64_t D>
 void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads, const at::BFloat16* kcache,
                               const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t k_begin,
-                              int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch, float scale) {
+                              int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch, float scale,
+                              NextKeys next = {}) {
   constexpr int64_t NC = D / 32, NF = D / 16;
   const int64_t R = kv_heads * G;
   const int64_t group = 16 * D;
-  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group};
+  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group, next.table, next.begin, next.end};
   // scratch: Q packed [kv_heads][NC][G][32] bf16 | scores [G][32] f32 | P [2][G][16] bf16 | V tail [8][D][2]
   scratch.resize(static_cast<size_t>(R * D / 2 + 48 * G + 8 * D + 32));
   auto* qpack = reinterpret_cast<at::BFloat16*>(scratch.data());
@@ -265,7 +287,7 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
   reset_partials(acc, m, l, R, D);
   for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
-    const PackedGroups::Step st = groups.step(t, k_end);
+    const PackedGroups::Step st = groups.step(t, k_begin, k_end);
     const int64_t* n = st.n;
     const int64_t* base = st.base;
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -323,6 +345,7 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
     }
   }
 }
+
 #endif
 
 }  // namespace kvpage

@@ -462,23 +462,31 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #ifdef KVPAGE_PACKED
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
         if (packed) {
+          // The prefetch runs on into the thread's next task.
+          kvpage::NextKeys next;
+          if (ti + 1 < end) {
+            const Task& nt = tasks[ti + 1];
+            next.table = tables + nt.seq * max_blocks;
+            next.begin = nt.part * partition_size;
+            next.end = std::min(nt.pos0 + nt.nq, next.begin + partition_size);
+          }
 #if defined(KVPAGE_AMX)
           if (use_amx_packed && tk.nq == 1) {
             if (D == 64)
               kvpage::attend_decode_amx_packed<64>(qb[0], G, kv_heads, kcache, vcache, table, block_size, k_begin,
-                                                   k_end, pa, pm, pl, scratch, sc);
+                                                   k_end, pa, pm, pl, scratch, sc, next);
             else
               kvpage::attend_decode_amx_packed<128>(qb[0], G, kv_heads, kcache, vcache, table, block_size, k_begin,
-                                                    k_end, pa, pm, pl, scratch, sc);
+                                                    k_end, pa, pm, pl, scratch, sc, next);
             continue;
           }
 #endif
           if (D == 64)
             kvpage::attend_tile_packed<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, tk.pos0,
-                                           k_begin, k_end, pa, pm, pl, scratch, sc);
+                                           k_begin, k_end, pa, pm, pl, scratch, sc, next);
           else
             kvpage::attend_tile_packed<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, tk.pos0,
-                                            k_begin, k_end, pa, pm, pl, scratch, sc);
+                                            k_begin, k_end, pa, pm, pl, scratch, sc, next);
           continue;
         }
       }
