@@ -73,6 +73,74 @@ def test_allocation_grows_one_block_at_a_time_and_slots_follow_the_formula():
         slot_mapping([7], 4, 3, 2)
 
 
+def test_sequences_growing_in_turn_keep_consecutive_blocks():
+    m = KVCacheManager(64, 4, watermark=0.0)
+    seqs = [KVSequence(name, [1, 2, 3, 4]) for name in "ABC"]
+    for s in seqs:
+        admit(m, s, use_cache=False)
+    for _ in range(6):  # one block each, round robin: the order that used to interleave their tables
+        for s in seqs:
+            s.token_ids.extend([5, 6, 7, 8])
+            assert m.allocate_slots(s, 4) is not None
+    for s in seqs:
+        table = m.block_table(s.seq_id)
+        assert table == list(range(table[0], table[0] + 7)), (s.seq_id, table)
+    m.check_invariants()
+
+
+def test_blocks_set_aside_stay_free_and_go_to_whoever_needs_them():
+    m = KVCacheManager(10, 4, watermark=0.0)
+    a = KVSequence("A", [1, 2, 3])
+    admit(m, a, use_cache=False)
+    assert m.block_table("A") == [0]
+    assert [b.block_id for b in m.pool.ahead_queue] == list(range(1, 9))  # set aside behind A's last block
+    assert m.num_free_blocks == 9 and m.stats().free_blocks == 9 and m.stats().used_blocks == 1
+    b = KVSequence("B", list(range(100, 112)))  # 3 blocks: the one plain free block, then A's set-aside ones
+    assert admit(m, b, use_cache=False) is not None
+    assert m.block_table("B")[0] == 9 and len(set(m.block_table("B")) & set(range(1, 9))) == 2
+    m.check_invariants()
+    a.token_ids.extend([4, 5])  # A's next block was taken: it starts a new run, what it had ahead goes back
+    assert m.allocate_slots(a, 2) is not None
+    assert m.block_table("A")[1] not in m.block_table("B")
+    m.check_invariants()
+    c = KVSequence("C", list(range(200, 220)))  # 5 blocks = every block still free
+    assert admit(m, c, use_cache=False) is not None and m.num_free_blocks == 0
+    m.check_invariants()
+    for s in (a, b, c):
+        m.free(s)
+    assert m.num_free_blocks == 10 and len(m.pool.ahead_queue) == 0
+    m.check_invariants()
+
+
+def test_blocks_set_aside_are_taken_before_a_cached_block_is_evicted():
+    m = KVCacheManager(12, 4, watermark=0.0)
+    p = KVSequence("P", list(range(1, 9)))  # 2 full blocks, cached once computed
+    admit(m, p)
+    m.free(p)  # its blocks stay cached, at the back of the queue
+    a = KVSequence("A", [50])
+    admit(m, a, use_cache=False)  # takes a plain block and sets the following ones aside
+    assert len(m.pool.ahead_queue) > 0
+    filler = KVSequence("F", list(range(100, 100 + 4 * (m.num_free_blocks - 2))))  # all but the cached two
+    assert admit(m, filler, use_cache=False) is not None
+    assert m.stats().evictions == 0
+    assert m.lookup_prefix(KVSequence("Q", list(range(1, 10)))).num_tokens == 8
+    m.check_invariants()
+
+
+def test_freed_and_swapped_sequences_give_back_what_lay_ahead():
+    m = KVCacheManager(32, 4, watermark=0.0, num_swap_blocks=8)
+    a, b = KVSequence("A", [1, 2, 3, 4, 5]), KVSequence("B", [6, 7, 8])
+    admit(m, a, use_cache=False)
+    admit(m, b, use_cache=False)
+    assert {blk.ahead_of for blk in m.pool.ahead_queue} == {"A", "B"}
+    assert m.swap_out(a) is not None
+    assert {blk.ahead_of for blk in m.pool.ahead_queue} == {"B"}
+    m.check_invariants()
+    m.free(b)
+    assert len(m.pool.ahead_queue) == 0 and m.num_free_blocks == 32
+    m.check_invariants()
+
+
 def test_none_on_exhaustion_with_no_partial_allocation():
     m = KVCacheManager(4, 4, watermark=0.0)
     a = KVSequence("A", list(range(12)))

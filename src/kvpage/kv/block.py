@@ -12,7 +12,8 @@ from collections.abc import Iterator
 class KVBlock:
     """Bookkeeping for one physical block (no tensor data lives here)."""
 
-    __slots__ = ("block_hash", "block_id", "epoch", "next_free", "parent", "prev_free", "ref_count", "token_ids")
+    __slots__ = ("ahead_of", "block_hash", "block_id", "epoch", "next_free", "parent", "prev_free", "ref_count",
+                 "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -26,6 +27,8 @@ class KVBlock:
         self.epoch = 0
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
+        # While free: the sequence this block lies just ahead of, set aside for its growth (see BlockPool).
+        self.ahead_of: str | None = None
 
     def clear_hash(self) -> None:
         self.block_hash = None
@@ -64,6 +67,11 @@ class FreeBlockQueue:
             raise IndexError("no free blocks")
         self.remove(block)
         return block
+
+    def first(self) -> KVBlock | None:
+        """The block popleft would return, or None."""
+        block = self._head.next_free
+        return None if block is self._tail else block
 
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev_free

@@ -7,13 +7,22 @@ from collections.abc import Iterable, Sequence
 from kvpage.kv.block import FreeBlockQueue, KVBlock
 from kvpage.kv.prefix_hash import BlockHash
 
+# Free blocks set aside behind a growing sequence's last block, so that its next blocks are consecutive.
+AHEAD_BLOCKS = 8
+
 
 class BlockPool:
     """``num_blocks`` interchangeable blocks.
 
     Every block is either in use (ref_count >= 1, in one or more block tables) or free (ref_count 0,
-    in the free queue). A free block may still hold a cached hash; it keeps its KV data until the
-    pool hands it out again, at which point the hash is evicted.
+    in the free queue or in the ahead queue). A free block may still hold a cached hash; it keeps its KV
+    data until the pool hands it out again, at which point the hash is evicted.
+
+    The ahead queue holds free, uncached blocks lying just after a growing sequence's last block
+    (``KVBlock.ahead_of`` names it): that sequence takes them first, everyone else only once the free
+    queue is empty. They stay free in every count (admission, utilization, stats), so setting them
+    aside never refuses an allocation; it only keeps a sequence's blocks consecutive, which the attention
+    kernels read as one stream.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -22,20 +31,43 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.ahead_queue = FreeBlockQueue([])
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + self.ahead_queue.num_free
 
-    def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Pop ``n`` blocks from the LRU end, evicting any cached hash they still carry."""
-        if n > self.free_queue.num_free:
-            raise ValueError(f"cannot take {n} blocks: only {self.free_queue.num_free} free")
+    def free_blocks(self) -> list[KVBlock]:
+        """Every free block (both queues)."""
+        return [*self.free_queue, *self.ahead_queue]
+
+    def get_new_blocks(self, n: int, after: KVBlock | None = None, owner: str | None = None) -> list[KVBlock]:
+        """Take ``n`` blocks, evicting any cached hash they still carry.
+
+        Each block is the one physically following the previous (``after`` for the first) when that one is
+        free, uncached and not set aside for another sequence; otherwise the front of the LRU queue, unless
+        that would evict a cached block while blocks set aside remain (then the ahead queue's front). With
+        ``owner``, up to AHEAD_BLOCKS free uncached blocks after the last one taken are then set aside for that
+        sequence's next allocations. Taking an uncached block out of order costs the prefix cache nothing: all
+        of them sit at the queue's front anyway.
+        """
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot take {n} blocks: only {self.num_free_blocks} free")
         out = []
+        prev = after
         for _ in range(n):
-            block = self.free_queue.popleft()
+            block = self._free_successor(prev, owner)
+            if block is None:
+                if owner is not None:
+                    self.release_ahead(owner, prev)  # the run is broken: what lay ahead of prev is no use now
+                # Blocks set aside go before any cached block is evicted for them.
+                front = self.free_queue.first()
+                plain = front is not None and (front.block_hash is None or not self.ahead_queue.num_free)
+                block = (self.free_queue if plain else self.ahead_queue).popleft()
+                block.ahead_of = None
+            prev = block
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
@@ -43,13 +75,61 @@ class BlockPool:
                 self.num_evictions += 1
             block.ref_count = 1
             out.append(block)
+        if owner is not None and prev is not None:
+            self._set_aside(prev, owner)
         return out
+
+    def _free_successor(self, prev: KVBlock | None, owner: str | None) -> KVBlock | None:
+        """The block after ``prev``, taken out of its queue, if it is free, uncached and not someone else's."""
+        if prev is None or prev.block_id + 1 >= self.num_blocks:
+            return None
+        block = self.blocks[prev.block_id + 1]
+        if block.ref_count != 0 or block.block_hash is not None:
+            return None
+        if block.ahead_of is None:
+            if not self.free_queue.contains(block):
+                return None
+            self.free_queue.remove(block)
+        elif block.ahead_of == owner:
+            self.ahead_queue.remove(block)
+            block.ahead_of = None
+        else:
+            return None
+        return block
+
+    def _set_aside(self, last: KVBlock, owner: str) -> None:
+        for i in range(last.block_id + 1, min(last.block_id + 1 + AHEAD_BLOCKS, self.num_blocks)):
+            block = self.blocks[i]
+            if block.ahead_of == owner:
+                continue
+            if block.ahead_of is not None or block.block_hash is not None or not self.free_queue.contains(block):
+                break
+            self.free_queue.remove(block)
+            self.ahead_queue.append(block)
+            block.ahead_of = owner
+
+    def release_ahead(self, owner: str, last: KVBlock | None) -> None:
+        """Return the blocks set aside behind ``last`` for ``owner`` (it finished, left or was preempted) to the
+        front of the free queue, in address order."""
+        if last is None:
+            return
+        run = [self.blocks[i] for i in range(last.block_id + 1, min(last.block_id + 1 + AHEAD_BLOCKS, self.num_blocks))]
+        for block in reversed(run):
+            if block.ahead_of != owner:
+                continue
+            self.ahead_queue.remove(block)
+            block.ahead_of = None
+            self.free_queue.appendleft(block)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block, reviving free (cached) ones out of the queue."""
         for block in blocks:
             if block.ref_count == 0:
-                self.free_queue.remove(block)
+                if block.ahead_of is not None:
+                    self.ahead_queue.remove(block)
+                    block.ahead_of = None
+                else:
+                    self.free_queue.remove(block)
             block.ref_count += 1
 
     def release(self, blocks_deepest_first: Sequence[KVBlock]) -> None:

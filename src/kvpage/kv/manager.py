@@ -264,12 +264,14 @@ class KVCacheManager:
         # shared, it must be copied before anyone writes into it.
         write_idx = n // self.block_size
         cow = write_idx < len(table) and table[write_idx].ref_count > 1
-        if need + cow > self.pool.free_queue.num_free:
+        if need + cow > self.pool.num_free_blocks:
             return None
         copies: tuple[tuple[int, int], ...] = ()
         if cow:
             src = table[write_idx]
-            (dst,) = self.pool.get_new_blocks(1)
+            if write_idx == len(table) - 1:
+                self.pool.release_ahead(seq.seq_id, src)  # what lay ahead of the replaced last block
+            (dst,) = self.pool.get_new_blocks(1, after=table[write_idx - 1] if write_idx else None)
             self.pool.release((src,))
             table[write_idx] = dst
             copies = ((src.block_id, dst.block_id),)
@@ -277,7 +279,7 @@ class KVCacheManager:
         state.num_tokens = total
         if need <= 0:
             return Allocation((), copies) if copies else _NOTHING
-        new = self.pool.get_new_blocks(need)
+        new = self.pool.get_new_blocks(need, after=table[-1] if table else None, owner=seq.seq_id)
         table.extend(new)
         return Allocation(tuple(b.block_id for b in new), copies)
 
@@ -294,7 +296,8 @@ class KVCacheManager:
         if self.pool.num_free_blocks - num_new_blocks - revived < self._admission_reserve():
             return None
         self.pool.touch(hit.blocks)
-        new = self.pool.get_new_blocks(max(num_new_blocks, 0))
+        new = self.pool.get_new_blocks(max(num_new_blocks, 0), after=hit.blocks[-1] if hit.blocks else None,
+                                       owner=sid)
         self._seqs[sid] = _SeqState(list(hit.blocks) + new, total, list(hit.hashes), self._root(seq))
         if self.enable_prefix_caching:
             self.counters.prefix_query_tokens += len(seq.token_ids)
@@ -311,6 +314,7 @@ class KVCacheManager:
         sid = _sid(seq)
         state = self._seqs.pop(sid, None)
         if state is not None:
+            self.pool.release_ahead(sid, state.table[-1] if state.table else None)
             self.pool.release(state.table[::-1])  # deepest first: tails are evicted before heads
             return
         swapped = self._swapped.pop(sid, None)
@@ -340,6 +344,7 @@ class KVCacheManager:
         host = [self._host_free.pop() for _ in range(n)]
         mapping = [(b.block_id, h) for b, h in zip(state.table, host, strict=True)]
         del self._seqs[sid]
+        self.pool.release_ahead(sid, state.table[-1] if state.table else None)
         self.pool.release(state.table[::-1])  # shared blocks stay with their other owners
         self._swapped[sid] = _SwappedState(host, state.num_tokens, state.hashes, state.root)
         self.counters.blocks_swapped_out += n
@@ -416,8 +421,13 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping invariant of ARCHITECTURE.md is broken."""
         pool, bs = self.pool, self.block_size
-        queued = list(pool.free_queue)
+        queued = pool.free_blocks()
         assert len(queued) == pool.num_free_blocks, "free queue length disagrees with its counter"
+        for b in pool.ahead_queue:
+            assert b.ahead_of is not None and b.block_hash is None, f"block {b.block_id} set aside wrongly"
+            assert b.ahead_of in self._seqs, f"block {b.block_id} set aside for {b.ahead_of!r}, which holds no blocks"
+        for b in pool.free_queue:
+            assert b.ahead_of is None, f"block {b.block_id} in the free queue but set aside"
         assert len({b.block_id for b in queued}) == len(queued), "a block is queued twice"
         for b in queued:
             assert b.ref_count == 0, f"free block {b.block_id} has ref_count {b.ref_count}"
@@ -643,7 +653,7 @@ class StaticReservationManager(KVCacheManager):
 
     def check_invariants(self) -> None:
         super().check_invariants()
-        free_ids = sorted(b.block_id for b in self.pool.free_queue)
+        free_ids = sorted(b.block_id for b in self.pool.free_blocks())
         runs = [i for start, n in self._extents for i in range(start, start + n)]
         assert runs == free_ids, "the free runs disagree with the free queue"
         for a, b in zip(self._extents, self._extents[1:], strict=False):
