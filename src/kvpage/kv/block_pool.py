@@ -19,10 +19,10 @@ class BlockPool:
     data until the pool hands it out again, at which point the hash is evicted.
 
     The ahead queue holds free, uncached blocks lying just after a growing sequence's last block
-    (``KVBlock.ahead_of`` names it): that sequence takes them first, everyone else only once the free
-    queue is empty. They stay free in every count (admission, utilization, stats), so setting them
-    aside never refuses an allocation; it only keeps a sequence's blocks consecutive, which the attention
-    kernels read as one stream.
+    (``KVBlock.ahead_of`` names it): that sequence takes them first, everyone else only when the free
+    queue holds nothing but cached blocks (so setting aside never causes an eviction). They stay free in
+    every count (admission, utilization, stats), so setting them aside never refuses an allocation; it only
+    keeps a sequence's blocks consecutive, which the attention kernels read as one stream.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -65,8 +65,7 @@ class BlockPool:
                 # Blocks set aside go before any cached block is evicted for them.
                 front = self.free_queue.first()
                 plain = front is not None and (front.block_hash is None or not self.ahead_queue.num_free)
-                block = (self.free_queue if plain else self.ahead_queue).popleft()
-                block.ahead_of = None
+                block = self._unqueue((self.free_queue if plain else self.ahead_queue).first())
             prev = block
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
@@ -84,22 +83,22 @@ class BlockPool:
         if prev is None or prev.block_id + 1 >= self.num_blocks:
             return None
         block = self.blocks[prev.block_id + 1]
-        if block.ref_count != 0 or block.block_hash is not None:
+        if block.ref_count != 0 or block.block_hash is not None or block.ahead_of not in (None, owner):
             return None
-        if block.ahead_of is None:
-            if not self.free_queue.contains(block):
-                return None
-            self.free_queue.remove(block)
-        elif block.ahead_of == owner:
-            self.ahead_queue.remove(block)
-            block.ahead_of = None
-        else:
-            return None
+        return self._unqueue(block)
+
+    def _unqueue(self, block: KVBlock) -> KVBlock:
+        """Take a free block out of whichever queue holds it (no longer set aside for anyone)."""
+        (self.free_queue if block.ahead_of is None else self.ahead_queue).remove(block)
+        block.ahead_of = None
         return block
 
+    def _window(self, last: KVBlock) -> list[KVBlock]:
+        """The AHEAD_BLOCKS blocks physically after ``last`` (fewer at the pool's end)."""
+        return self.blocks[last.block_id + 1 : last.block_id + 1 + AHEAD_BLOCKS]
+
     def _set_aside(self, last: KVBlock, owner: str) -> None:
-        for i in range(last.block_id + 1, min(last.block_id + 1 + AHEAD_BLOCKS, self.num_blocks)):
-            block = self.blocks[i]
+        for block in self._window(last):
             if block.ahead_of == owner:
                 continue
             if block.ahead_of is not None or block.block_hash is not None or not self.free_queue.contains(block):
@@ -113,23 +112,15 @@ class BlockPool:
         front of the free queue, in address order."""
         if last is None:
             return
-        run = [self.blocks[i] for i in range(last.block_id + 1, min(last.block_id + 1 + AHEAD_BLOCKS, self.num_blocks))]
-        for block in reversed(run):
-            if block.ahead_of != owner:
-                continue
-            self.ahead_queue.remove(block)
-            block.ahead_of = None
-            self.free_queue.appendleft(block)
+        for block in reversed(self._window(last)):
+            if block.ahead_of == owner:
+                self.free_queue.appendleft(self._unqueue(block))
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block, reviving free (cached) ones out of the queue."""
         for block in blocks:
             if block.ref_count == 0:
-                if block.ahead_of is not None:
-                    self.ahead_queue.remove(block)
-                    block.ahead_of = None
-                else:
-                    self.free_queue.remove(block)
+                self._unqueue(block)
             block.ref_count += 1
 
     def release(self, blocks_deepest_first: Sequence[KVBlock]) -> None:

@@ -314,14 +314,19 @@ class KVCacheManager:
         sid = _sid(seq)
         state = self._seqs.pop(sid, None)
         if state is not None:
-            self.pool.release_ahead(sid, state.table[-1] if state.table else None)
-            self.pool.release(state.table[::-1])  # deepest first: tails are evicted before heads
+            self._release_table(sid, state)
             return
         swapped = self._swapped.pop(sid, None)
         if swapped is not None:
             self._host_free.extend(reversed(swapped.host_blocks))
             return
         raise KeyError(f"unknown sequence {sid!r}: not running and not swapped out")
+
+    def _release_table(self, sid: str, state: _SeqState) -> None:
+        """Drop a departing sequence's references, deepest block first (tails are evicted before heads), and
+        give back the blocks set aside behind its last one."""
+        self.pool.release_ahead(sid, state.table[-1] if state.table else None)
+        self.pool.release(state.table[::-1])
 
     def fork(self, parent: SequenceLike | str, child: SequenceLike | str) -> Allocation | None:
         """Make ``child`` share every block of ``parent`` (parallel sampling, beam candidates).
@@ -344,8 +349,7 @@ class KVCacheManager:
         host = [self._host_free.pop() for _ in range(n)]
         mapping = [(b.block_id, h) for b, h in zip(state.table, host, strict=True)]
         del self._seqs[sid]
-        self.pool.release_ahead(sid, state.table[-1] if state.table else None)
-        self.pool.release(state.table[::-1])  # shared blocks stay with their other owners
+        self._release_table(sid, state)  # shared blocks stay with their other owners
         self._swapped[sid] = _SwappedState(host, state.num_tokens, state.hashes, state.root)
         self.counters.blocks_swapped_out += n
         return mapping

@@ -41,23 +41,27 @@ struct NextKeys {
   int64_t begin = 0, end = 0;
 };
 
+// Element offset, from the start of the K (or V) half of the cache, of the 16-key group holding in-block
+// position `off` of physical block `block`, KV head 0 (head h is h * 16 * D further): the layout's one formula.
+inline int64_t packed_group_offset(int64_t block, int64_t off, int64_t block_size, int64_t kv_heads, int64_t D) {
+  return block * block_size * kv_heads * D + (off / 16) * kv_heads * 16 * D;
+}
+
 // Where a sequence's 16-key groups lie in the packed cache, and the step-by-step walk both kernels make.
 struct PackedGroups {
   const at::BFloat16* kcache;
   const at::BFloat16* vcache;
   const int64_t* table;  // the sequence's block table
   int64_t block_size, kv_heads, group;  // group: elements of one (16-key group, KV head) = 16 * D
+  // The keys the same thread attends to next (its next task), so that the prefetch runs on across the end of
+  // this task: without it, a task's first kPackedPrefetchAhead steps would wait for memory.
+  NextKeys next;
 
   // Element offset of the group holding key t (its KV head 0; head h is h * group further).
   int64_t at(int64_t t) const { return at(table, t); }
   int64_t at(const int64_t* tab, int64_t t) const {
-    return tab[t / block_size] * block_size * kv_heads * (group / 16) + ((t % block_size) / 16) * kv_heads * group;
+    return packed_group_offset(tab[t / block_size], t % block_size, block_size, kv_heads, group / 16);
   }
-
-  // The keys the same thread attends to next (its next task), so that the prefetch runs on across the end of
-  // this task: without it, a task's first kPackedPrefetchAhead steps would wait for memory.
-  const int64_t* next_table = nullptr;
-  int64_t next_begin = 0, next_end = 0;
 
   // The two groups of the step starting at key t of [k_begin, k_end) (n: their keys before k_end; base: their
   // offsets), and the K/V of the groups kPackedPrefetchAhead steps later, to request while this step runs.
@@ -76,9 +80,9 @@ struct PackedGroups {
       if (ahead_step < steps) {
         const int64_t ahead = k_begin + ahead_step * kPackedStep + 16 * u;
         if (ahead < k_end) off = at(ahead);
-      } else if (next_table != nullptr) {
-        const int64_t ahead = next_begin + (ahead_step - steps) * kPackedStep + 16 * u;
-        if (ahead < next_end) off = at(next_table, ahead);
+      } else if (next.table != nullptr) {
+        const int64_t ahead = next.begin + (ahead_step - steps) * kPackedStep + 16 * u;
+        if (ahead < next.end) off = at(next.table, ahead);
       }
       st.pf[2 * u] = off >= 0 ? reinterpret_cast<const char*>(kcache + off) : nullptr;
       st.pf[2 * u + 1] = off >= 0 ? reinterpret_cast<const char*>(vcache + off) : nullptr;
@@ -86,8 +90,8 @@ struct PackedGroups {
     return st;
   }
 
-  // KV head h's slice of the step's prefetch, into L2 (the blocks are scattered, so the hardware prefetcher
-  // cannot know them; a slice per head keeps the requests from queueing up in one burst).
+  // KV head h's slice of the step's prefetch, into L2 (a sequence's blocks may lie anywhere, and the hardware
+  // prefetcher alone leaves the core waiting; a slice per head keeps the requests from queueing up in one burst).
   void prefetch(const Step& st, int64_t h) const {
     for (const char* p : st.pf) prefetch_group(p, h);
   }
@@ -134,7 +138,7 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
   constexpr int64_t SB = 4, NP = 4;        // rows per score batch, partial sums per row
   const int64_t R = nq * H;
   const int64_t group = 16 * D;            // elements of one (16-key group, head)
-  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group, next.table, next.begin, next.end};
+  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group, next};
   scratch.resize(static_cast<size_t>(R * kPackedStep));
   float* wts = scratch.data();  // this step's softmax weights, [r][32]
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -278,7 +282,7 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
   constexpr int64_t NC = D / 32, NF = D / 16;
   const int64_t R = kv_heads * G;
   const int64_t group = 16 * D;
-  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group, next.table, next.begin, next.end};
+  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group, next};
   // scratch: Q packed [kv_heads][NC][G][32] bf16 | scores [R][32] f32 | P [2][R][16] bf16 | V tail [8][D][2]
   scratch.resize(static_cast<size_t>(R * D / 2 + 48 * R + 8 * D + 32));
   auto* qpack = reinterpret_cast<at::BFloat16*>(scratch.data());

@@ -26,7 +26,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -269,6 +271,12 @@ const char* g_decode_kernel = "none";
 struct Task {
   int64_t seq, row0, nq, part;  // query rows row0 .. row0+nq-1 of the flat batch, every head
   int64_t pos0;                 // absolute position of the first query of the tile
+
+  // The keys [begin, end) this task attends to: its partition, up to its last query's position.
+  std::pair<int64_t, int64_t> keys(int64_t partition_size) const {
+    const int64_t begin = part * partition_size;
+    return {begin, std::min(pos0 + nq, begin + partition_size)};
+  }
 };
 
 // One task: nq query tokens x all H query heads (R = nq * H rows, ordered (query, head) like the query
@@ -452,8 +460,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       } else {
         for (int64_t i = 0; i < tk.nq * H * D; ++i) qbuf[i] = to_float(qrows[i]) * static_cast<float>(scale);
       }
-      const int64_t k_begin = tk.part * partition_size;
-      const int64_t k_end = std::min(tk.pos0 + tk.nq, k_begin + partition_size);
+      const auto [k_begin, k_end] = tk.keys(partition_size);
       const int64_t* table = tables + tk.seq * max_blocks;
       float* pa = part_acc.data() + offset[ti] * D;
       float* pm = part_m.data() + offset[ti];
@@ -467,8 +474,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
           if (ti + 1 < end) {
             const Task& nt = tasks[ti + 1];
             next.table = tables + nt.seq * max_blocks;
-            next.begin = nt.part * partition_size;
-            next.end = std::min(nt.pos0 + nt.nq, next.begin + partition_size);
+            std::tie(next.begin, next.end) = nt.keys(partition_size);
           }
 #if defined(KVPAGE_AMX)
           if (use_amx_packed && tk.nq == 1) {
@@ -606,13 +612,16 @@ void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, to
                         const torch::Tensor& slot_mapping) {
   const int64_t N = key.size(0), kv_heads = key.size(1), D = key.size(2);
   const int64_t block_size = kv_cache.size(2), num_slots = kv_cache.size(1) * block_size;
-  const int64_t block_stride = block_size * kv_heads * D;
   at::BFloat16* kdst = kv_cache.data_ptr<at::BFloat16>();
   at::BFloat16* vdst = kdst + num_slots * kv_heads * D;
   const IN* ksrc = key.data_ptr<IN>();
   const IN* vsrc = value.data_ptr<IN>();
   const int64_t ks = key.stride(0), vs = value.stride(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // word offsets of one dim pair of 16 consecutive keys: one 16-key row (16 words) apart
+  const __m512i rows16 = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+#endif
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     std::vector<at::BFloat16> krow(static_cast<size_t>(D)), vrow(static_cast<size_t>(D));
     for (int64_t i = begin; i < end; ++i) {
@@ -626,14 +635,12 @@ void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, to
         }
         // K: the token's dim pairs are 32-bit words one 16-key row (64 bytes) apart; V: its elements every
         // other bf16 of its key pair's row (packed_kv.h).
-        const int64_t at = (slot / block_size) * block_stride + ((off / 16) * kv_heads + h) * 16 * D;
-        auto* k32 = reinterpret_cast<uint32_t*>(kdst + at + (off % 16) * 2);
+        const int64_t base = kvpage::packed_group_offset(slot / block_size, off, block_size, kv_heads, D) + h * 16 * D;
+        auto* k32 = reinterpret_cast<uint32_t*>(kdst + base + (off % 16) * 2);
         const auto* kw = reinterpret_cast<const uint32_t*>(krow.data());
-        at::BFloat16* vpair = vdst + at + ((off % 16) / 2) * 2 * D;
+        at::BFloat16* vpair = vdst + base + ((off % 16) / 2) * 2 * D;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         // 16 dim pairs per scatter; 16 values per masked store into the low or high halves of a pair row
-        const __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                                                    14, 15), _mm512_set1_epi32(16));
         for (int64_t p = 0; p < D / 2; p += 16)
           _mm512_i32scatter_epi32(k32 + p * 16, rows16, _mm512_loadu_si512(kw + p), 4);
         const __mmask32 half = off % 2 ? 0xAAAAAAAAu : 0x55555555u;
