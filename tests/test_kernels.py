@@ -212,7 +212,8 @@ def poison_unwritten(cache: torch.Tensor, tables: torch.Tensor, seq_lens: list[i
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 48])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 1, 128), (4, 4, 64), (16, 2, 64)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"),
+                         [(9, 3, 64), (8, 1, 128), (4, 4, 64), (16, 2, 64), (8, 1, 64), (5, 5, 64), (24, 3, 64)])
 @pytest.mark.parametrize("long", [False, True])
 def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long):
     """bf16 caches in the packed layout: the slot write puts every new K/V element where pack_kv_rows says,
@@ -241,7 +242,8 @@ def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long)
                     amx_ok = ops.set_amx_decode(amx)
                     out = ops.paged_attention(q, packed, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                               dim**-0.5, part, True)
-                    expect = "amx-packed" if amx and amx_ok and heads // kv_heads <= 16 else "avx512-packed"
+                    expect = ("avx512-packed" if not (amx and amx_ok and heads // kv_heads <= 16)
+                              else "amx-pairs" if dim == 64 and heads <= 16 else "amx-packed")
                     assert ops.last_decode_kernel() == expect
                     assert not out.isnan().any()
                     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)

@@ -16,6 +16,7 @@
 #include "common.h"
 #include "decode_amx.h"
 #include "packed_kv.h"
+#include "decode_amx_pairs.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -438,13 +439,18 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   // rearranged on the way, unlike the row-layout AMX kernel above).
   use_amx_packed = packed && g_amx_decode && G <= 16 && kvpage::amx_permitted();
 #endif
-  g_decode_kernel = use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
+  bool use_amx_pairs = false;
+#ifdef KVPAGE_AMX_PAIRS
+  use_amx_pairs = use_amx_packed && D == 64 && H <= 16;
+#endif
+  g_decode_kernel = use_amx_pairs ? "amx-pairs" : use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
                   : (use_dp && (D == 64 || D == 128)) ? "avx512-rows" : "generic";
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+  auto work = [&](int64_t begin, int64_t end) {
 #ifdef KVPAGE_AMX
     if (use_amx) kvpage::amx_configure(G);
 #if defined(KVPAGE_PACKED)
-    if (use_amx_packed) kvpage::amx_configure_packed(G);
+    if (use_amx_pairs) kvpage::amx_configure_pairs(H);
+    else if (use_amx_packed) kvpage::amx_configure_packed(G);
 #endif
 #endif
     std::vector<float> qbuf(static_cast<size_t>(kTile * H * D));
@@ -477,6 +483,13 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
             std::tie(next.begin, next.end) = nt.keys(partition_size);
           }
 #if defined(KVPAGE_AMX)
+          if (use_amx_pairs && tk.nq == 1) {
+#ifdef KVPAGE_AMX_PAIRS
+            kvpage::attend_decode_amx_pairs(qb[0], G, kv_heads, kcache, vcache, table, block_size, k_begin, k_end, pa,
+                                            pm, pl, scratch, sc, next);
+#endif
+            continue;
+          }
           if (use_amx_packed && tk.nq == 1) {
             if (D == 64)
               kvpage::attend_decode_amx_packed<64>(qb[0], G, kv_heads, kcache, vcache, table, block_size, k_begin,
@@ -534,6 +547,22 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #ifdef KVPAGE_AMX
     if (use_amx || use_amx_packed) kvpage::amx_release();
 #endif
+  };
+  // Each thread takes one contiguous run of tasks (so the prefetch can run on into its next task), the runs cut
+  // at equal estimated cost rather than equal task counts: contexts vary several-fold within a batch, and a
+  // prompt tile (up to kTile queries) costs several decode tasks per key.
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), T);
+  std::vector<double> cost(static_cast<size_t>(T + 1), 0.0);  // running sum
+  for (int64_t ti = 0; ti < T; ++ti) {
+    const auto [kb, ke] = tasks[ti].keys(partition_size);
+    cost[ti + 1] = cost[ti] + static_cast<double>(ke - kb + 32) * (1.0 + 0.6 * static_cast<double>(tasks[ti].nq - 1));
+  }
+  std::vector<int64_t> cut(static_cast<size_t>(nt + 1), T);
+  cut[0] = 0;
+  for (int64_t c = 1; c < nt; ++c) cut[c] = std::lower_bound(cost.begin(), cost.end(), cost[T] * c / nt) - cost.begin();
+  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c)
+      if (cut[c] < cut[c + 1]) work(cut[c], cut[c + 1]);
   });
 
   // Merge each tile's partitions and write normalized outputs (row r of a task = query r / H, head r % H).

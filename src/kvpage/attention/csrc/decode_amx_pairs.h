@@ -1,0 +1,202 @@
+// Decode attention over the packed layout with every AMX product covering all of a task's query rows.
+//
+// Why: attend_decode_amx_packed multiplies one KV head at a time (G = 3 rows for SmolLM2) and keeps its output
+// in memory, loading and storing an accumulator tile around every product. AMX tiles are not renamed, so
+// those products run one after another, each waiting for the last; the kernel computed ~24 GB/s of KV per
+// core with its data in cache, and from memory its arithmetic and its waiting for memory added up (removing
+// either the score or the value arithmetic alone brought it to the bare read speed of the same addresses).
+// Here the R = kv_heads * G rows of all heads share each product, with zeros where a row's head does not
+// match (block-diagonal operands), so:
+//   - the output stays in four accumulator tiles (64 dims) for the whole task: no load/store per product;
+//   - one value tile covers two head-groups at once: a 16-key group of one head is 8 key pairs of 256 bytes
+//     and the next head's group follows it, so 16 rows at that stride are two heads' values, and a step's
+//     2 * kv_heads head-groups are kv_heads products per 16 dims instead of 2 * kv_heads;
+//   - scores of all rows land in one tile per 16-key group and are stored once.
+// The softmax rescales the output only when a row's maximum grows by more than kLazyRescale (weights up to
+// e^8 against the row's reference maximum are exact in float32 and bf16 alike), because rescaling means
+// storing and reloading the four accumulator tiles.
+// Needs D == 64, R <= 16 (tile rows), block_size % 16 == 0; tiles configured by amx_configure_pairs(R).
+#pragma once
+
+#include "packed_kv.h"
+
+#if defined(KVPAGE_PACKED) && defined(KVPAGE_AMX)
+#define KVPAGE_AMX_PAIRS 1
+
+namespace kvpage {
+
+constexpr float kLazyRescale = 8.f;
+
+// Tiles: 0-3 = output (R rows x 16 dims each), 4 = the left operand (Q or P, R rows x 32 bf16),
+// 5 = the right operand (K or V, 16 pair rows x 16 columns), 6/7 = scores of the step's two groups.
+inline void amx_configure_pairs(int64_t R) {
+  TileConfig cfg;
+  const auto set = [&](int t, int rows) {
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = 64;
+  };
+  for (int t = 0; t < 8; ++t) set(t, t == 5 ? 16 : static_cast<int>(R));
+  _tile_loadconfig(&cfg);
+}
+
+// A head-group's 8 value pairs (2 KiB) with pairs at or past n zeroed (never-written slots may hold NaN, and
+// the block-diagonal product multiplies other heads' values by 0); src null or n == 0: all zero.
+inline void stage_value_group(const at::BFloat16* src, int64_t n, at::BFloat16* dst) {
+  constexpr int64_t D = 64;
+  const __m512i low_halves = _mm512_set1_epi32(0xFFFF);
+  for (int64_t p = 0; p < 8; ++p)
+    for (int64_t c = 0; c < 4; ++c) {
+      __m512i v = _mm512_setzero_si512();
+      if (src != nullptr && 2 * p < n) {
+        v = _mm512_loadu_si512(reinterpret_cast<const void*>(src + p * 2 * D + 32 * c));
+        if (2 * p + 1 >= n) v = _mm512_and_si512(v, low_halves);  // key 2p + 1 is past the end
+      }
+      _mm512_storeu_si512(reinterpret_cast<void*>(dst + p * 2 * D + 32 * c), v);
+    }
+}
+
+// One decode query (rows r = query heads, KV head r / G) over keys [k_begin, k_end), k_begin a multiple of
+// 16. Same results contract as attend_decode_amx_packed: unnormalized float32 acc[R][64], the maxima the
+// weights are relative to in m[R] and the weight sums in l[R].
+inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv_heads, const at::BFloat16* kcache,
+                                    const at::BFloat16* vcache, const int64_t* table, int64_t block_size,
+                                    int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
+                                    std::vector<float>& scratch, float scale, NextKeys next = {}) {
+  constexpr int64_t D = 64, NC = D / 32;
+  const int64_t R = kv_heads * G;
+  const int64_t group = 16 * D;
+  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group, next};
+  // scratch (bf16 unless noted): Q operands [kv_heads][NC][R][32] | P operands [kv_heads][R][32] |
+  // scores [R][32] f32 | staged values [2][group] | rescale factors [16] f32
+  const int64_t q_elems = kv_heads * NC * R * 32, p_elems = kv_heads * R * 32;
+  scratch.resize(static_cast<size_t>((q_elems + p_elems) / 2 + 32 * R + group + 16));
+  auto* qtiles = reinterpret_cast<at::BFloat16*>(scratch.data());
+  auto* ptiles = qtiles + q_elems;
+  float* sbuf = reinterpret_cast<float*>(ptiles + p_elems);
+  auto* vstage = reinterpret_cast<at::BFloat16*>(sbuf + 32 * R);
+  float* corr = reinterpret_cast<float*>(vstage + 2 * group);
+
+  // Q of head h's rows, dims [32c, 32c + 32), zero in every other row; P operands start all zero and each
+  // step fills the same places (row r's weights for group u go to head-group f = u * kv_heads + r / G,
+  // which is half f % 2 of operand f / 2).
+  std::fill(qtiles, qtiles + q_elems + p_elems, at::BFloat16(0.f));
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t c = 0; c < NC; ++c)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = h * G + g;
+        std::copy(q + r * D + 32 * c, q + r * D + 32 * c + 32, qtiles + ((h * NC + c) * R + r) * 32);
+      }
+  const auto pslot = [&](int64_t r, int64_t u) {
+    const int64_t f = u * kv_heads + r / G;
+    return ptiles + ((f / 2) * R + r) * 32 + 16 * (f % 2);
+  };
+
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
+  std::fill(m, m + R, neg_inf);
+  std::fill(l, l + R, 0.f);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
+    const PackedGroups::Step st = groups.step(t, k_begin, k_end);
+    const int64_t* n = st.n;
+    const int64_t* base = st.base;
+
+    // Scores of every row for each group, in address order (a group's heads are adjacent).
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t u = 0; u < 2; ++u) {
+      if (n[u] == 0) continue;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        groups.prefetch_group(st.pf[2 * u], h);
+        const at::BFloat16* kp = kcache + base[u] + h * group;
+        for (int64_t c = 0; c < NC; ++c) {
+          _tile_loadd(4, qtiles + (h * NC + c) * R * 32, 64);
+          _tile_loadd(5, kp + c * 512, 64);
+          if (u == 0)
+            _tile_dpbf16ps(6, 4, 5);
+          else
+            _tile_dpbf16ps(7, 4, 5);
+        }
+      }
+    }
+    _tile_stored(6, sbuf, 128);
+    _tile_stored(7, sbuf + 16, 128);
+
+    // Softmax against each row's reference maximum, which moves (rescaling the output) only when a score
+    // passes it by more than kLazyRescale. Lanes past the keys' end are -inf (their K may be anything).
+    const __mmask16 keep0 = static_cast<__mmask16>((1u << n[0]) - 1u), keep1 = static_cast<__mmask16>((1u << n[1]) - 1u);
+    bool rescale = false;
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 s0 = _mm512_mask_blend_ps(keep0, vneg_inf, _mm512_mul_ps(_mm512_loadu_ps(sbuf + 32 * r), vscale));
+      const __m512 s1 = _mm512_mask_blend_ps(keep1, vneg_inf, _mm512_mul_ps(_mm512_loadu_ps(sbuf + 32 * r + 16), vscale));
+      corr[r] = 1.f;
+      const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      if (mx > m[r] + kLazyRescale) {
+        if (m[r] != neg_inf) {
+          corr[r] = exp_neg(m[r] - mx);
+          l[r] *= corr[r];
+          rescale = true;
+        }
+        m[r] = mx;
+      }
+      const __m512 vm = _mm512_set1_ps(m[r]);
+      const __m512 e0 = exp16(_mm512_sub_ps(s0, vm), keep0), e1 = exp16(_mm512_sub_ps(s1, vm), keep1);
+      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pslot(r, 0)), (__m256i)_mm512_cvtneps_pbh(e0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pslot(r, 1)), (__m256i)_mm512_cvtneps_pbh(e1));
+    }
+    if (rescale) {
+      _tile_stored(0, acc, D * 4);
+      _tile_stored(1, acc + 16, D * 4);
+      _tile_stored(2, acc + 32, D * 4);
+      _tile_stored(3, acc + 48, D * 4);
+      for (int64_t r = 0; r < R; ++r)
+        if (corr[r] != 1.f) {
+          const __m512 vc = _mm512_set1_ps(corr[r]);
+          for (int64_t c = 0; c < 4; ++c)
+            _mm512_storeu_ps(acc + r * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), vc));
+        }
+      _tile_loadd(0, acc, D * 4);
+      _tile_loadd(1, acc + 16, D * 4);
+      _tile_loadd(2, acc + 32, D * 4);
+      _tile_loadd(3, acc + 48, D * 4);
+    }
+
+    // P.V, two head-groups per product: head-groups f = 2j and 2j + 1 of the step (f = u * kv_heads + h). When
+    // the second lies right after the first in memory and both are full, one strided tile reads both;
+    // otherwise (a group's end, the step's groups in blocks apart) the pair is staged with its tail zeroed.
+    for (int64_t j = 0; j < kv_heads; ++j) {
+      const int64_t f0 = 2 * j, f1 = 2 * j + 1;
+      const int64_t u0 = f0 / kv_heads, h0 = f0 % kv_heads, u1 = f1 / kv_heads, h1 = f1 % kv_heads;
+      groups.prefetch_group(st.pf[2 * u0 + 1], h0);
+      groups.prefetch_group(st.pf[2 * u1 + 1], h1);
+      const at::BFloat16* a0 = n[u0] > 0 ? vcache + base[u0] + h0 * group : nullptr;
+      const at::BFloat16* a1 = n[u1] > 0 ? vcache + base[u1] + h1 * group : nullptr;
+      const at::BFloat16* vp = a0;
+      if (n[u0] < 16 || n[u1] < 16 || a1 != a0 + group) {
+        stage_value_group(a0, n[u0], vstage);
+        stage_value_group(a1, n[u1], vstage + group);
+        vp = vstage;
+      }
+      _tile_loadd(4, ptiles + j * R * 32, 64);
+      _tile_loadd(5, vp, 4 * D);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, vp + 32, 4 * D);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, vp + 64, 4 * D);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, vp + 96, 4 * D);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, acc, D * 4);
+  _tile_stored(1, acc + 16, D * 4);
+  _tile_stored(2, acc + 32, D * 4);
+  _tile_stored(3, acc + 48, D * 4);
+}
+
+}  // namespace kvpage
+#endif
