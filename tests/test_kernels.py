@@ -219,7 +219,9 @@ def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long)
     """bf16 caches in the packed layout: the slot write puts every new K/V element where pack_kv_rows says,
     and attention (decode, chunks after a cached prefix, whole prompts; masked tails with NaN in every
     never-written slot; GQA groups 1-8; partitions that cut contexts) matches the reference, with decode tasks
-    on the AVX-512 kernel and on AMX products (which must actually run where granted)."""
+    on the AVX-512 kernel and on AMX products (which must actually run where granted): the all-rows kernel
+    for head size 64 and up to 16 query heads, with odd KV head counts (a value tile spans both groups of a
+    step) and a single KV head, the per-head kernel otherwise."""
     ops = load_kernels()
     if not ops.has_packed_layout():
         pytest.skip("this build has no packed layout (no AVX512-BF16)")
@@ -249,6 +251,34 @@ def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long)
                     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
             finally:
                 ops.set_amx_decode(True)
+
+
+def test_decode_rescales_when_scores_climb():
+    """Keys that line up ever more with their queries make each row's maximum climb by ~50 over a context,
+    with a spike near the end: the all-rows AMX kernel's output must follow every rise of the maximum (it
+    rescales its accumulator tiles only for rises of more than 8, so random data alone would never test it)."""
+    ops = load_kernels()
+    if not ops.has_packed_layout():
+        pytest.skip("this build has no packed layout (no AVX512-BF16)")
+    rng = random.Random(7)
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    g = heads // kv_heads
+    q, cache, tables, qsl, lens = make_decode_case(rng, bs, heads, kv_heads, dim, 6)
+    for i, ctx in enumerate(lens.tolist()):
+        for h in range(kv_heads):
+            direction = q[i, h * g : (h + 1) * g].float().mean(0)
+            direction /= direction.norm()
+            for p in range(ctx):
+                climb = 90.0 * p / ctx + (60.0 if p == ctx - 3 else 0.0)
+                key = torch.randn(dim) * 0.3 + direction * climb
+                cache[0, tables[i, p // bs], p % bs, h] = key.bfloat16()
+    ref = dense_reference(q, cache, tables, lens, dim**-0.5)
+    for part in (PARTITION_SIZE, 64):
+        out = ops.paged_attention(q, pack_kv_rows(cache), tables, qsl, lens, dim**-0.5, part, True)
+        if ops.set_amx_decode(True):
+            assert ops.last_decode_kernel() == "amx-pairs"
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_packed_layout_conversions_invert_each_other():
