@@ -33,14 +33,14 @@ namespace kvpage {
 constexpr float kLazyRescale = 8.f;
 
 // Tiles: 0-3 = output (R rows x 16 dims each), 4 = the left operand (Q or P, R rows x 32 bf16),
-// 5 = the right operand (K or V, 16 pair rows x 16 columns), 6/7 = scores of the step's two groups.
+// 5 and 7 = the right operand (K or V, 16 pair rows x 16 columns), used in turn so that loading the next one
+// need not wait for the product reading the last, 6 = one group's scores.
 inline void amx_configure_pairs(int64_t R) {
   TileConfig cfg;
-  const auto set = [&](int t, int rows) {
-    cfg.rows[t] = static_cast<uint8_t>(rows);
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t == 5 || t == 7 ? 16 : R);
     cfg.colsb[t] = 64;
-  };
-  for (int t = 0; t < 8; ++t) set(t, t == 5 ? 16 : static_cast<int>(R));
+  }
   _tile_loadconfig(&cfg);
 }
 
@@ -124,26 +124,23 @@ inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv
         next_k[u] = groups.at(next.table, next.begin + 16 * u);
     }
 
-    // Scores of every row for each group, in address order (a group's heads are adjacent).
-    _tile_zero(6);
-    _tile_zero(7);
+    // Scores of every row for each group, in address order (a group's heads are adjacent). The K operand
+    // alternates between tiles 5 (dims 0-31) and 7 (dims 32-63).
     for (int64_t u = 0; u < 2; ++u) {
-      if (n[u] == 0) continue;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        prefetch_group_l1(vcache + base[u] + h * group);
-        const at::BFloat16* kp = kcache + base[u] + h * group;
-        for (int64_t c = 0; c < NC; ++c) {
-          _tile_loadd(4, qtiles + (h * NC + c) * R * 32, 64);
-          _tile_loadd(5, kp + c * 512, 64);
-          if (u == 0)
-            _tile_dpbf16ps(6, 4, 5);
-          else
-            _tile_dpbf16ps(7, 4, 5);
+      _tile_zero(6);
+      if (n[u] > 0)
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          prefetch_group_l1(vcache + base[u] + h * group);
+          const at::BFloat16* kp = kcache + base[u] + h * group;
+          _tile_loadd(4, qtiles + (h * NC) * R * 32, 64);
+          _tile_loadd(5, kp, 64);
+          _tile_dpbf16ps(6, 4, 5);
+          _tile_loadd(4, qtiles + (h * NC + 1) * R * 32, 64);
+          _tile_loadd(7, kp + 512, 64);
+          _tile_dpbf16ps(6, 4, 7);
         }
-      }
+      _tile_stored(6, sbuf + 16 * u, 128);
     }
-    _tile_stored(6, sbuf, 128);
-    _tile_stored(7, sbuf + 16, 128);
 
     // Softmax against each row's reference maximum, which moves (rescaling the output) only when a score
     // passes it by more than kLazyRescale. Lanes past the keys' end are -inf (their K may be anything).
@@ -204,12 +201,12 @@ inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv
       _tile_loadd(4, ptiles + j * R * 32, 64);
       _tile_loadd(5, vp, 4 * D);
       _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, vp + 32, 4 * D);
-      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(7, vp + 32, 4 * D);
+      _tile_dpbf16ps(1, 4, 7);
       _tile_loadd(5, vp + 64, 4 * D);
       _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(5, vp + 96, 4 * D);
-      _tile_dpbf16ps(3, 4, 5);
+      _tile_loadd(7, vp + 96, 4 * D);
+      _tile_dpbf16ps(3, 4, 7);
     }
   }
   _tile_stored(0, acc, D * 4);
