@@ -44,27 +44,8 @@ inline void amx_configure_pairs(int64_t R) {
   _tile_loadconfig(&cfg);
 }
 
-// A head-group's 8 value pairs (2 KiB) with pairs at or past n zeroed (never-written slots may hold NaN, and
-// the block-diagonal product multiplies other heads' values by 0); src null or n == 0: all zero.
-inline void stage_value_group(const at::BFloat16* src, int64_t n, at::BFloat16* dst) {
-  constexpr int64_t D = 64;
-  const __m512i low_halves = _mm512_set1_epi32(0xFFFF);
-  for (int64_t p = 0; p < 8; ++p)
-    for (int64_t c = 0; c < 4; ++c) {
-      __m512i v = _mm512_setzero_si512();
-      if (src != nullptr && 2 * p < n) {
-        v = _mm512_loadu_si512(reinterpret_cast<const void*>(src + p * 2 * D + 32 * c));
-        if (2 * p + 1 >= n) v = _mm512_and_si512(v, low_halves);  // key 2p + 1 is past the end
-      }
-      _mm512_storeu_si512(reinterpret_cast<void*>(dst + p * 2 * D + 32 * c), v);
-    }
-}
-
 // A head-group's 2 KiB (K or V of 16 keys, one KV head) requested into L1.
-inline void prefetch_group_l1(const at::BFloat16* p) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < 16 * 64 * 2; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-}
+inline void prefetch_group_l1(const at::BFloat16* p) { prefetch_lines<_MM_HINT_T0>(p, 16 * 64 * 2); }
 
 // One decode query (rows r = query heads, KV head r / G) over keys [k_begin, k_end), k_begin a multiple of
 // 16. Same results contract as attend_decode_amx_packed: unnormalized float32 acc[R][64], the maxima the
@@ -97,10 +78,18 @@ inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv
         const int64_t r = h * G + g;
         std::copy(q + r * D + 32 * c, q + r * D + 32 * c + 32, qtiles + ((h * NC + c) * R + r) * 32);
       }
-  const auto pslot = [&](int64_t r, int64_t u) {
-    const int64_t f = u * kv_heads + r / G;
-    return ptiles + ((f / 2) * R + r) * 32 + 16 * (f % 2);
-  };
+  // Per task, not per step (runtime divisors): row r's P slot for each group, and each pair's (group, head).
+  at::BFloat16* pslot[16][2];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t u = 0; u < 2; ++u) {
+      const int64_t f = u * kv_heads + r / G;
+      pslot[r][u] = ptiles + ((f / 2) * R + r) * 32 + 16 * (f % 2);
+    }
+  int64_t pair_u[16][2], pair_h[16][2];
+  for (int64_t f = 0; f < 2 * kv_heads; ++f) {
+    pair_u[f / 2][f % 2] = f / kv_heads;
+    pair_h[f / 2][f % 2] = f % kv_heads;
+  }
 
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
@@ -111,18 +100,11 @@ inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
-    const PackedGroups::Step st = groups.step(t, k_begin, k_end);
+    const PackedGroups::Step st = groups.step(t, k_end);
     const int64_t* n = st.n;
     const int64_t* base = st.base;
     // K of the next step's two groups (this task's, or the next task's first ones), -1 where there is none
-    int64_t next_k[2] = {-1, -1};
-    for (int64_t u = 0; u < 2; ++u) {
-      const int64_t tn = t + kPackedStep + 16 * u;
-      if (tn < k_end)
-        next_k[u] = groups.at(tn);
-      else if (t + kPackedStep >= k_end && next.table != nullptr && next.begin + 16 * u < next.end)
-        next_k[u] = groups.at(next.table, next.begin + 16 * u);
-    }
+    const int64_t next_k[2] = {groups.ahead(t, k_begin, k_end, 1, 0), groups.ahead(t, k_begin, k_end, 1, 1)};
 
     // Scores of every row for each group, in address order (a group's heads are adjacent). The K operand
     // alternates between tiles 5 (dims 0-31) and 7 (dims 32-63).
@@ -162,8 +144,8 @@ inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv
       const __m512 vm = _mm512_set1_ps(m[r]);
       const __m512 e0 = exp16(_mm512_sub_ps(s0, vm), keep0), e1 = exp16(_mm512_sub_ps(s1, vm), keep1);
       l[r] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pslot(r, 0)), (__m256i)_mm512_cvtneps_pbh(e0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pslot(r, 1)), (__m256i)_mm512_cvtneps_pbh(e1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pslot[r][0]), (__m256i)_mm512_cvtneps_pbh(e0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pslot[r][1]), (__m256i)_mm512_cvtneps_pbh(e1));
     }
     if (rescale) {
       _tile_stored(0, acc, D * 4);
@@ -186,16 +168,15 @@ inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv
     // the second lies right after the first in memory and both are full, one strided tile reads both;
     // otherwise (a group's end, the step's groups in blocks apart) the pair is staged with its tail zeroed.
     for (int64_t j = 0; j < kv_heads; ++j) {
-      const int64_t f0 = 2 * j, f1 = 2 * j + 1;
-      const int64_t u0 = f0 / kv_heads, h0 = f0 % kv_heads, u1 = f1 / kv_heads, h1 = f1 % kv_heads;
+      const int64_t u0 = pair_u[j][0], h0 = pair_h[j][0], u1 = pair_u[j][1], h1 = pair_h[j][1];
       if (next_k[u0] >= 0) prefetch_group_l1(kcache + next_k[u0] + h0 * group);
       if (next_k[u1] >= 0) prefetch_group_l1(kcache + next_k[u1] + h1 * group);
       const at::BFloat16* a0 = n[u0] > 0 ? vcache + base[u0] + h0 * group : nullptr;
       const at::BFloat16* a1 = n[u1] > 0 ? vcache + base[u1] + h1 * group : nullptr;
       const at::BFloat16* vp = a0;
       if (n[u0] < 16 || n[u1] < 16 || a1 != a0 + group) {
-        stage_value_group(a0, n[u0], vstage);
-        stage_value_group(a1, n[u1], vstage + group);
+        stage_value_group<D>(a0, n[u0], vstage);
+        stage_value_group<D>(a1, n[u1], vstage + group);
         vp = vstage;
       }
       _tile_loadd(4, ptiles + j * R * 32, 64);

@@ -47,7 +47,31 @@ inline int64_t packed_group_offset(int64_t block, int64_t off, int64_t block_siz
   return block * block_size * kv_heads * D + (off / 16) * kv_heads * 16 * D;
 }
 
-// Where a sequence's 16-key groups lie in the packed cache, and the step-by-step walk both kernels make.
+// Requests `bytes` from p on (whole 64-byte lines) into the cache level Hint names.
+template <int Hint>
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, static_cast<_mm_hint>(Hint));
+}
+
+// A (16-key group, KV head)'s V, [8 key pairs][D][2], copied with every key at or past n zeroed: never-written
+// slots may hold NaN, and a product multiplies them by 0 (a zero weight, or another head's zero row), which
+// NaN would poison. src null or n == 0: all zero.
+template <int64_t D>
+inline void stage_value_group(const at::BFloat16* src, int64_t n, at::BFloat16* dst) {
+  const __m512i low_halves = _mm512_set1_epi32(0xFFFF);
+  for (int64_t p = 0; p < 8; ++p)
+    for (int64_t c = 0; c < D / 16; ++c) {
+      __m512i v = _mm512_setzero_si512();
+      if (src != nullptr && 2 * p < n) {
+        v = _mm512_loadu_si512(reinterpret_cast<const void*>(src + p * 2 * D + 32 * c));
+        if (2 * p + 1 >= n) v = _mm512_and_si512(v, low_halves);  // key 2p + 1 is past the end
+      }
+      _mm512_storeu_si512(reinterpret_cast<void*>(dst + p * 2 * D + 32 * c), v);
+    }
+}
+
+// Where a sequence's 16-key groups lie in the packed cache, and the step-by-step walk the kernels make.
 struct PackedGroups {
   const at::BFloat16* kcache;
   const at::BFloat16* vcache;
@@ -63,42 +87,55 @@ struct PackedGroups {
     return packed_group_offset(tab[t / block_size], t % block_size, block_size, kv_heads, group / 16);
   }
 
-  // The two groups of the step starting at key t of [k_begin, k_end) (n: their keys before k_end; base: their
-  // offsets), and the K/V of the groups kPackedPrefetchAhead steps later, to request while this step runs.
+  // The two groups of the step starting at key t (n: their keys before k_end; base: their offsets).
   struct Step {
     int64_t n[2], base[2];
-    const char* pf[4];
   };
-  Step step(int64_t t, int64_t k_begin, int64_t k_end) const {
+  Step step(int64_t t, int64_t k_end) const {
     Step st{};
-    const int64_t steps = (k_end - k_begin + kPackedStep - 1) / kPackedStep;
-    const int64_t ahead_step = (t - k_begin) / kPackedStep + kPackedPrefetchAhead;
     for (int64_t u = 0; u < 2; ++u) {
       st.n[u] = std::clamp<int64_t>(k_end - (t + 16 * u), 0, 16);
       st.base[u] = st.n[u] > 0 ? at(t + 16 * u) : 0;
-      int64_t off = -1;
-      if (ahead_step < steps) {
-        const int64_t ahead = k_begin + ahead_step * kPackedStep + 16 * u;
-        if (ahead < k_end) off = at(ahead);
-      } else if (next.table != nullptr) {
-        const int64_t ahead = next.begin + (ahead_step - steps) * kPackedStep + 16 * u;
-        if (ahead < next.end) off = at(next.table, ahead);
-      }
-      st.pf[2 * u] = off >= 0 ? reinterpret_cast<const char*>(kcache + off) : nullptr;
-      st.pf[2 * u + 1] = off >= 0 ? reinterpret_cast<const char*>(vcache + off) : nullptr;
     }
     return st;
   }
 
+  // Offset of group u of the step `steps` steps after the one at key t of [k_begin, k_end), running on into
+  // the next task's keys past this task's end; -1 where there is none.
+  int64_t ahead(int64_t t, int64_t k_begin, int64_t k_end, int64_t steps, int64_t u) const {
+    const int64_t total = (k_end - k_begin + kPackedStep - 1) / kPackedStep;
+    const int64_t s = (t - k_begin) / kPackedStep + steps;
+    if (s < total) {
+      const int64_t key = k_begin + s * kPackedStep + 16 * u;
+      return key < k_end ? at(key) : -1;
+    }
+    if (next.table == nullptr) return -1;
+    const int64_t key = next.begin + (s - total) * kPackedStep + 16 * u;
+    return key < next.end ? at(next.table, key) : -1;
+  }
+
+  // The K/V of the groups kPackedPrefetchAhead steps after the one at key t, to request while it runs.
+  struct Far {
+    const char* pf[4];  // K, V of group 0, then of group 1; null where there is none
+  };
+  Far far(int64_t t, int64_t k_begin, int64_t k_end) const {
+    Far f{};
+    for (int64_t u = 0; u < 2; ++u) {
+      const int64_t off = ahead(t, k_begin, k_end, kPackedPrefetchAhead, u);
+      f.pf[2 * u] = off >= 0 ? reinterpret_cast<const char*>(kcache + off) : nullptr;
+      f.pf[2 * u + 1] = off >= 0 ? reinterpret_cast<const char*>(vcache + off) : nullptr;
+    }
+    return f;
+  }
+
   // KV head h's slice of the step's prefetch, into L2 (a sequence's blocks may lie anywhere, and the hardware
   // prefetcher alone leaves the core waiting; a slice per head keeps the requests from queueing up in one burst).
-  void prefetch(const Step& st, int64_t h) const {
-    for (const char* p : st.pf) prefetch_group(p, h);
+  void prefetch(const Far& far, int64_t h) const {
+    for (const char* p : far.pf) prefetch_group(p, h);
   }
-  // KV head h's part of one prefetched group (p: st.pf[i], may be null).
+  // KV head h's part of one prefetched group (p: far.pf[i], may be null).
   void prefetch_group(const char* p, int64_t h) const {
-    if (p != nullptr)
-      for (int64_t i = 0; i < group * 2 / 64; ++i) _mm_prefetch(p + h * group * 2 + 64 * i, _MM_HINT_T1);
+    if (p != nullptr) prefetch_lines<_MM_HINT_T1>(p + h * group * 2, group * 2);
   }
 };
 
@@ -146,11 +183,12 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
   const __m512i low_halves = _mm512_set1_epi32(0xFFFF);
   reset_partials(acc, m, l, R, D);
   for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
-    const PackedGroups::Step st = groups.step(t, k_begin, k_end);
+    const PackedGroups::Step st = groups.step(t, k_end);
+    const PackedGroups::Far far = groups.far(t, k_begin, k_end);
     const int64_t* n = st.n;
     const int64_t* base = st.base;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      groups.prefetch(st, h);
+      groups.prefetch(far, h);
       int64_t vis_max[2] = {0, 0};
       for (int64_t j = 0; j < nq; ++j) {
         int64_t visible[2];
@@ -297,13 +335,14 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
   reset_partials(acc, m, l, R, D);
   for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
-    const PackedGroups::Step st = groups.step(t, k_begin, k_end);
+    const PackedGroups::Step st = groups.step(t, k_end);
+    const PackedGroups::Far far = groups.far(t, k_begin, k_end);
     const int64_t* n = st.n;
     const int64_t* base = st.base;
     for (int64_t u = 0; u < 2; ++u) {
       if (n[u] == 0) continue;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        groups.prefetch_group(st.pf[2 * u], h);
+        groups.prefetch_group(far.pf[2 * u], h);
         const at::BFloat16* kp = kcache + base[u] + h * group;
         _tile_zero(2);
         for (int64_t c = 0; c < NC; ++c) {
@@ -326,19 +365,10 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
     for (int64_t u = 0; u < 2; ++u) {
       if (n[u] == 0) continue;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        groups.prefetch_group(st.pf[2 * u + 1], h);
+        groups.prefetch_group(far.pf[2 * u + 1], h);
         const at::BFloat16* vp = vcache + base[u] + h * group;
         if (n[u] < 16) {
-          const __m512i low_halves = _mm512_set1_epi32(0xFFFF);
-          for (int64_t p = 0; p < 8; ++p)
-            for (int64_t c = 0; c < NF; ++c) {
-              __m512i v = _mm512_setzero_si512();
-              if (2 * p < n[u]) {
-                v = _mm512_loadu_si512(reinterpret_cast<const void*>(vp + p * 2 * D + 32 * c));
-                if (2 * p + 1 >= n[u]) v = _mm512_and_si512(v, low_halves);
-              }
-              _mm512_storeu_si512(reinterpret_cast<void*>(vtail + p * 2 * D + 32 * c), v);
-            }
+          stage_value_group<D>(vp, n[u], vtail);
           vp = vtail;
         }
         _tile_loadd(3, pbuf + 16 * (R * u + h * G), 32);
