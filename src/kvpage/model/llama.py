@@ -7,6 +7,7 @@ as they are and GGUF tensors are renamed to them. The arithmetic follows transfo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,13 +21,26 @@ from kvpage.model.config import ModelConfig
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 
+# Row counts up to which kvpage's AMX tile GEMM (csrc/linear_amx.cpp) runs a projection instead of oneDNN's
+# packed GEMM: where it measured faster on this CPU (benchmarks/linear.py; BENCHMARKS.md). The wide output
+# projection keeps oneDNN from fewer rows on. KVPAGE_AMX_LINEAR=0 turns the kernel off (side-by-side runs).
+AMX_LINEAR_MAX_ROWS = 512
+AMX_LOGITS_MAX_ROWS = 128
+
+
+def amx_linear_enabled(ops) -> bool:
+    return (ops is not None and os.environ.get("KVPAGE_AMX_LINEAR", "1") != "0"
+            and hasattr(ops, "amx_linear_available") and ops.amx_linear_available())
+
 
 class PackedLinear(nn.Module):
-    """Inference-only linear layer on a oneDNN pre-packed bf16 weight: same results as F.linear, about twice
-    as fast on this CPU, because the weight is laid out for the GEMM once instead of at every call."""
+    """Inference-only linear layer on pre-packed bf16 weights: same results as F.linear up to float32
+    summation order, about twice as fast on this CPU, because the weight is laid out for the product once
+    instead of at every call. Three paths by row count: the checkpoint's quantized blocks (a few rows, where
+    reading fewer bytes wins), the AMX tile GEMM (decode-sized batches) and oneDNN (prompt-sized inputs)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
-                 ops=None) -> None:
+                 ops=None, amx_max_rows: int = AMX_LINEAR_MAX_ROWS) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
@@ -34,12 +48,21 @@ class PackedLinear(nn.Module):
         # The checkpoint's own quantized blocks, used for steps of at most quant.QUANT_MAX_TOKENS tokens.
         self.quant = quant if ops is not None else None
         self.ops = ops
+        self.amx: torch.Tensor | None = None
+        self.amx_max_rows = 0
+        n, k = weight.shape
+        if weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and amx_linear_enabled(ops):
+            self.amx = ops.amx_pack_weight(weight)
+            self.amx_max_rows = amx_max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quant
-        if q is not None and x.shape[0] <= quant_config.QUANT_MAX_TOKENS:
+        rows = x.shape[0]
+        if q is not None and rows <= quant_config.QUANT_MAX_TOKENS:
             out = self.ops.quant_linear(x, q.qs, q.d, q.m)
             return out if self.bias is None else out + self.bias.to(out.dtype)
+        if rows <= self.amx_max_rows:
+            return self.ops.amx_linear(x, self.amx, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -148,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.pack(quant, f"layers.{i}.self_attn", ops)
             layer.mlp.pack(quant, f"layers.{i}.mlp", ops)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_packed = PackedLinear(weight, None)
+        self.lm_packed = PackedLinear(weight, None, ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS)
         self.lm_quant = quant.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
         self.final_norm_f32 = self.norm.weight.float()  # final hidden stays float32 for exact top logits
         self._fast_plan = []

@@ -1,0 +1,82 @@
+"""Projections of a decode step: kvpage's AMX tile GEMM (amx_linear) vs oneDNN's pre-packed bf16 GEMM.
+
+Uses the default model's real bf16 weights: for each row count M, the 120 layer projections of one forward
+pass (every layer's q|k|v, o, gate|up and down, so the ~210 MB of weights stream from memory as in a real
+step) plus the output projection (lm head, 57 MB), timed with each path side by side in one process,
+alternating rounds, medians reported. The kernel is used where it is faster (kvpage.model.llama.PackedLinear).
+
+    python benchmarks/linear.py [--rows 8 16 32 64 128 192 256 384 512 1024 2048] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from kvpage.attention.backends.cpu_kernels import load_kernels
+from kvpage.model.loader import load_model
+
+
+def dense_weights(model) -> list[torch.Tensor]:
+    out = []
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        out.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        out.append(a.o_proj.weight)
+        out.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        out.append(m.down_proj.weight)
+    out.append(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+    return [w.detach().contiguous() for w in out]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048])
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    ops = load_kernels()
+    if ops is None or not ops.amx_linear_available():
+        raise SystemExit("needs the compiled kernels and AMX tile products (CPU with AMX-BF16, Linux >= 5.16)")
+    lm = load_model(dtype="bfloat16", attention_backend="reference")  # plain layers: the dense bf16 weights
+    weights = dense_weights(lm.model)
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    amx = [ops.amx_pack_weight(w) for w in weights]
+    nbytes = sum(w.numel() * 2 for w in weights)
+    flops_per_row = sum(2 * w.numel() for w in weights)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; SmolLM2-135M-Instruct, {nbytes / 1e6:.0f} MB of bf16 weights per pass")
+    print("| rows | oneDNN (ms) | amx_linear (ms) | oneDNN / amx | amx TFLOP/s | amx weight GB/s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for m in args.rows:
+        g = torch.Generator().manual_seed(m)
+        inputs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {w.shape[1] for w in weights}}
+
+        def pass_onednn(inputs=inputs) -> float:
+            t = time.perf_counter()
+            for w, p in zip(weights, onednn, strict=True):
+                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+            return time.perf_counter() - t
+
+        def pass_amx(inputs=inputs) -> float:
+            t = time.perf_counter()
+            for w, p in zip(weights, amx, strict=True):
+                ops.amx_linear(inputs[w.shape[1]], p)
+            return time.perf_counter() - t
+
+        pass_onednn(), pass_amx()  # warm-up
+        a_times, b_times = [], []
+        for _ in range(args.rounds):  # alternate so drift hits both alike
+            a_times.append(pass_onednn())
+            b_times.append(pass_amx())
+        a, b = statistics.median(a_times), statistics.median(b_times)
+        print(f"| {m} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.2f}x | {flops_per_row * m / b / 1e12:.2f} | "
+              f"{nbytes / b / 1e9:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

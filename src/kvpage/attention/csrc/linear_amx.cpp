@@ -1,0 +1,181 @@
+// bf16 linear layers (y = x . W^T + b) as AMX tile products over a weight packed once in the operand order.
+//
+// Why: a decode step multiplies ~10-300 token rows by every weight matrix of the model (~270 MB for
+// SmolLM2-135M, read from memory once per step), and oneDNN's pre-packed bf16 GEMM ran those calls at
+// 0.6-1.1 TFLOP/s with the weights streaming, i.e. neither at the tile unit's rate nor at the memory's. Here:
+//   - the weight is stored as the product's B operand, [N/32][K/32][2 column tiles][16 k pairs][16][2], so a
+//     32-column block is one contiguous run of K * 64 bytes;
+//   - each thread walks its column blocks in order; every block is read from memory once and then serves all
+//     row tiles from cache (2 x 2 output tiles per product group, each operand tile used twice);
+//   - the next block's lines are requested into L2 spread over the current block's products, so the memory
+//     stream overlaps the tile work instead of stalling the first tile load of every block.
+// Activations are read in place (tile stride = the row pitch); a last partial row tile is staged zero-padded.
+// Every output element is one float32 sum over K in a fixed order whatever the number of rows (the result of a
+// row does not depend on the batch it came in), rounded once to bf16.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "decode_amx.h"  // TileConfig, amx_permitted, KVPAGE_AMX
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#ifdef KVPAGE_AMX
+// Tiles: 0-3 = output [2 row tiles][2 column tiles] (16 x 16 float32), 4/5 = activation rows (16 x 32 bf16),
+// 6/7 = weight (16 k pairs x 16 columns x 2).
+void configure_linear_tiles() {
+  kvpage::TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// The first `valid` rows of a 16 x 16 float32 tile (staged in buf) plus bias, rounded to bf16 into y.
+inline void store_rows_bf16(const float* buf, at::BFloat16* y, int64_t ldy, int64_t valid, const float* bias) {
+  const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < valid; ++r) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(buf + 16 * r), b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// One 32-column block (weights wb) times row tiles a0 (and a1 when TWO) over K = 32 * KB; lines of the next
+// block are requested into L2, `per_kb` of them per k step, starting at pf[*pf_line].
+template <bool TWO>
+inline void block_product(const at::BFloat16* a0, const at::BFloat16* a1, int64_t lda, const at::BFloat16* wb,
+                          int64_t KB, const char* pf, int64_t pf_lines, int64_t per_kb, int64_t* pf_line) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  int64_t line = *pf_line;
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    for (int64_t i = 0; i < per_kb && line < pf_lines; ++i, ++line) _mm_prefetch(pf + 64 * line, _MM_HINT_T1);
+    // Loads ordered so that each one waits only for a product issued two places earlier (tiles are not
+    // renamed: a load into a tile waits for every product reading it).
+    _tile_loadd(4, a0 + kb * 32, lda);
+    _tile_loadd(6, wb + kb * 1024, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, wb + kb * 1024 + 512, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if (TWO) {
+      _tile_loadd(5, a1 + kb * 32, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  *pf_line = line;
+}
+#endif
+
+bool amx_linear_available() {
+#ifdef KVPAGE_AMX
+  return kvpage::amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bf16 -> the packed operand (N and K multiples of 32).
+torch::Tensor amx_pack_weight(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "weight must be a 2-D bfloat16 tensor");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "weight sides must be multiples of 32, got ", N, " x ", K);
+  // [N/32][2][16 n][K/32][16 pairs][2] -> [N/32][K/32][2][16 pairs][16 n][2]
+  return w.contiguous().view({N / 32, 2, 16, K / 32, 16, 2}).permute({0, 3, 1, 4, 2, 5}).contiguous().view({N, K});
+}
+
+torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
+                         const c10::optional<torch::Tensor>& bias_in) {
+  TORCH_CHECK(amx_linear_available(), "AMX tile products are not available on this CPU/OS");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be a 2-D bfloat16 tensor");
+  TORCH_CHECK(wp.dim() == 2 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous(),
+              "weight must be a contiguous bfloat16 tensor from amx_pack_weight");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = wp.size(0);
+  TORCH_CHECK(wp.size(1) == K, "x has ", K, " columns, the weight ", wp.size(1));
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "weight sides must be multiples of 32, got ", N, " x ", K);
+  auto y = torch::empty({M, N}, x_in.options());
+  if (M == 0) return y;
+#ifdef KVPAGE_AMX
+  torch::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.numel() == N, "bias has ", bias.numel(), " elements, expected ", N);
+  }
+  const torch::Tensor x = x_in.contiguous();
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  // Row tiles: full ones read x in place; a last partial one reads a zero-padded copy of its rows.
+  const int64_t row_tiles = (M + 15) / 16, tail = M % 16;
+  std::vector<at::BFloat16> stage(tail != 0 ? 16 * K : 0, at::BFloat16(0.0f));
+  if (tail != 0) std::memcpy(stage.data(), xp + (M - tail) * K, tail * K * sizeof(at::BFloat16));
+  auto row_tile = [&](int64_t t) { return (tail != 0 && t == row_tiles - 1) ? stage.data() : xp + 16 * t * K; };
+  const int64_t lda = K * 2;
+
+  const auto* wptr = wp.data_ptr<at::BFloat16>();
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int64_t KB = K / 32, NB = N / 32;
+  const int64_t block_lines = KB * 32;  // 2 KiB of weights per k step
+  // Rows are taken kChunkTiles tiles at a time so that a chunk's activations (<= 256 x K bf16) stay in L2
+  // while the thread sweeps its column blocks; longer inputs (prompts) read the weights once per chunk.
+  constexpr int64_t kChunkTiles = 16;
+  const int64_t steps = (std::min(row_tiles, kChunkTiles) + 1) / 2 * KB;
+  const int64_t per_kb = (block_lines + steps - 1) / steps;
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    configure_linear_tiles();
+    alignas(64) float buf[256];
+    // output tile `tile` (row tile t, column half c) of block nb, rounded into y
+    auto store = [&](int tile, int64_t t, int64_t nb, int64_t c) {
+      const float* bb = bp != nullptr ? bp + nb * 32 + 16 * c : nullptr;
+      switch (tile) {  // the tile number must be a constant
+        case 0: _tile_stored(0, buf, 64); break;
+        case 1: _tile_stored(1, buf, 64); break;
+        case 2: _tile_stored(2, buf, 64); break;
+        default: _tile_stored(3, buf, 64); break;
+      }
+      store_rows_bf16(buf, yp + 16 * t * N + nb * 32 + 16 * c, N, std::min<int64_t>(16, M - 16 * t), bb);
+    };
+    for (int64_t t0 = 0; t0 < row_tiles; t0 += kChunkTiles) {
+      const int64_t t1 = std::min(row_tiles, t0 + kChunkTiles);
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        const at::BFloat16* wb = wptr + nb * KB * 1024;
+        const char* pf = reinterpret_cast<const char*>(wb + KB * 1024);
+        const int64_t pf_lines = nb + 1 < nb1 ? block_lines : 0;
+        int64_t pf_line = 0;
+        for (int64_t t = t0; t < t1; t += 2) {
+          if (t + 1 < t1) {
+            block_product<true>(row_tile(t), row_tile(t + 1), lda, wb, KB, pf, pf_lines, per_kb, &pf_line);
+            store(0, t, nb, 0);
+            store(1, t, nb, 1);
+            store(2, t + 1, nb, 0);
+            store(3, t + 1, nb, 1);
+          } else {
+            block_product<false>(row_tile(t), nullptr, lda, wb, KB, pf, pf_lines, per_kb, &pf_line);
+            store(0, t, nb, 0);
+            store(1, t, nb, 1);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+#endif
+  return y;
+}
+
+}  // namespace
+
+void register_linear_ops(pybind11::module& m) {
+  m.def("amx_linear_available", &amx_linear_available, "whether amx_linear can run on this CPU/OS");
+  m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_linear's operand order");
+  m.def("amx_linear", &amx_linear, "x . W^T (+ bias) with AMX tile products from a packed bf16 weight",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+}

@@ -1,0 +1,102 @@
+"""The AMX tile GEMM for bf16 projections (csrc/linear_amx.cpp): matches a float32 product on ragged row
+counts (partial row tiles, odd numbers of row tiles, more rows than one activation chunk), adds the bias, gives
+every row the same bits whatever batch it is in, refuses shapes it cannot take, and PackedLinear routes to it
+only in its row range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpage.attention.backends.cpu_kernels import load_kernels
+from kvpage.model import llama
+from tests.conftest import have_cxx
+
+
+def _ops():
+    if not have_cxx():
+        pytest.skip("no C++ compiler: kernels cannot be built")
+    ops = load_kernels()
+    if ops is None or not ops.amx_linear_available():
+        pytest.skip("AMX tile products unavailable on this CPU/OS")
+    return ops
+
+
+def _rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 48, 100, 257, 300])
+@pytest.mark.parametrize("n,k", [(32, 32), (96, 64), (960, 576), (64, 1536)])
+def test_matches_float32_product(rows, n, k):
+    ops = _ops()
+    x, w, b = _rand(rows, k, seed=rows), _rand(n, k, seed=n + k), _rand(n, seed=7)
+    wp = ops.amx_pack_weight(w)
+    ref = x.float() @ w.float().T
+    # float32 sums, one rounding to bf16 (relative 2^-8) plus summation-order differences
+    tol = 2 ** -8 * ref.abs() + 1e-3 * k**0.5
+    y = ops.amx_linear(x, wp)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    assert ((y.float() - ref).abs() <= tol).all()
+    yb = ops.amx_linear(x, wp, b)
+    assert ((yb.float() - (ref + b.float())).abs() <= tol + 2 ** -8 * b.float().abs()).all()
+
+
+def test_rows_do_not_depend_on_the_batch():
+    ops = _ops()
+    x, w = _rand(75, 576, seed=1), _rand(960, 576, seed=2)
+    wp = ops.amx_pack_weight(w)
+    full = ops.amx_linear(x, wp)
+    for i in (0, 15, 16, 63, 64, 74):  # in full tiles, in the partial last tile, alone (staged)
+        assert torch.equal(ops.amx_linear(x[i : i + 1], wp)[0], full[i])
+    assert torch.equal(ops.amx_linear(x[10:50], wp), full[10:50])
+
+
+def test_non_contiguous_input_and_empty_batch():
+    ops = _ops()
+    w = _rand(64, 64, seed=3)
+    wp = ops.amx_pack_weight(w)
+    wide = _rand(20, 128, seed=4)
+    assert torch.equal(ops.amx_linear(wide[:, :64], wp), ops.amx_linear(wide[:, :64].contiguous(), wp))
+    assert ops.amx_linear(wide[:0, :64], wp).shape == (0, 64)
+
+
+def test_bad_shapes_are_refused():
+    ops = _ops()
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        ops.amx_pack_weight(_rand(48, 40, seed=1))
+    wp = ops.amx_pack_weight(_rand(64, 64, seed=1))
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.amx_linear(_rand(4, 96, seed=2), wp)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.amx_linear(torch.randn(4, 64), wp)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.amx_linear(_rand(4, 64, seed=2), wp, torch.zeros(3))
+
+
+def test_packed_linear_routes_by_rows(monkeypatch):
+    ops = _ops()
+    w = _rand(96, 64, seed=5)
+    lin = llama.PackedLinear(w, None, ops=ops, amx_max_rows=40)
+    assert lin.amx is not None
+    calls = []
+    real = ops.amx_linear
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def amx_linear(self, *a):
+            calls.append(a[0].shape[0])
+            return real(*a)
+
+    lin.ops = Spy()
+    x = _rand(64, 64, seed=6)
+    ref = x.float() @ w.float().T
+    for rows in (40, 41):
+        y = lin(x[:rows])
+        assert ((y.float() - ref[:rows]).abs() <= 2 ** -8 * ref[:rows].abs() + 0.01).all()
+    assert calls == [40]  # 41 rows went to oneDNN
+    assert llama.PackedLinear(_rand(80, 64, seed=1), None, ops=ops).amx is None  # 80 % 32 != 0: oneDNN only
+    monkeypatch.setenv("KVPAGE_AMX_LINEAR", "0")
+    assert llama.PackedLinear(w, None, ops=ops).amx is None
