@@ -20,6 +20,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="sharegpt", choices=["sharegpt", "chat64"])
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"])
     args = ap.parse_args()
     reqs = build_workload(args.workload)
     llm = LLM(kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
@@ -35,7 +36,7 @@ def main() -> None:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"{args.workload}: {tokens} tokens in {dt:.1f} s = {tokens / dt:.1f} tok/s under the profiler, "
           f"{llm.engine.num_steps} steps")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
 
 
 if __name__ == "__main__":

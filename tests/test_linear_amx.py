@@ -42,6 +42,17 @@ def test_matches_float32_product(rows, n, k):
     assert ((yb.float() - (ref + b.float())).abs() <= tol + 2 ** -8 * b.float().abs()).all()
 
 
+@pytest.mark.parametrize("rows", [1, 16, 19, 45, 300])
+def test_silu_gate_epilogue_matches_projection_then_silu_mul(rows):
+    ops = _ops()
+    x, w = _rand(rows, 576, seed=rows), _rand(2 * 48, 576, seed=9) * 3  # large values: both SiLU tails
+    fused = ops.amx_linear(x, ops.amx_pack_gate_up(w), None, True)
+    assert fused.shape == (rows, 48)
+    assert torch.equal(fused, ops.silu_mul(ops.amx_linear(x, ops.amx_pack_weight(w))))
+    with pytest.raises(RuntimeError, match="no bias"):
+        ops.amx_linear(x, ops.amx_pack_gate_up(w), torch.zeros(96), True)
+
+
 def test_rows_do_not_depend_on_the_batch():
     ops = _ops()
     x, w = _rand(75, 576, seed=1), _rand(960, 576, seed=2)
@@ -98,5 +109,11 @@ def test_packed_linear_routes_by_rows(monkeypatch):
         assert ((y.float() - ref[:rows]).abs() <= 2 ** -8 * ref[:rows].abs() + 0.01).all()
     assert calls == [40]  # 41 rows went to oneDNN
     assert llama.PackedLinear(_rand(80, 64, seed=1), None, ops=ops).amx is None  # 80 % 32 != 0: oneDNN only
+    gated = llama.PackedLinear(w, None, ops=ops, amx_max_rows=40, gated=True)  # [gate; up], 48 each
+    assert gated.out_features == 48
+    for rows in (3, 40, 41):  # quantized path absent: AMX up to 40 rows, oneDNN + silu_mul above
+        y = gated(x[:rows])
+        g, u = ref[:rows, :48].bfloat16().float(), ref[:rows, 48:].bfloat16().float()
+        assert torch.allclose(y.float(), (g * torch.sigmoid(g) * u), rtol=0.02, atol=0.02)
     monkeypatch.setenv("KVPAGE_AMX_LINEAR", "0")
     assert llama.PackedLinear(w, None, ops=ops).amx is None

@@ -40,9 +40,14 @@ class PackedLinear(nn.Module):
     reading fewer bytes wins), the AMX tile GEMM (decode-sized batches) and oneDNN (prompt-sized inputs)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
-                 ops=None, amx_max_rows: int = AMX_LINEAR_MAX_ROWS) -> None:
+                 ops=None, amx_max_rows: int = AMX_LINEAR_MAX_ROWS, gated: bool = False) -> None:
         super().__init__()
-        self.out_features = weight.shape[0]
+        # gated: weight = [gate; up] and the layer returns silu(x Wg^T) * (x Wu^T), the MLP's input half; the
+        # AMX path computes it in its epilogue instead of writing both halves out for silu_mul to read back.
+        self.gated = gated
+        if gated and ops is None:
+            raise ValueError("a gated PackedLinear needs the compiled kernels (silu_mul)")
+        self.out_features = weight.shape[0] // 2 if gated else weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
         self.bias = bias
         # The checkpoint's own quantized blocks, used for steps of at most quant.QUANT_MAX_TOKENS tokens.
@@ -51,19 +56,23 @@ class PackedLinear(nn.Module):
         self.amx: torch.Tensor | None = None
         self.amx_max_rows = 0
         n, k = weight.shape
-        if weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and amx_linear_enabled(ops):
-            self.amx = ops.amx_pack_weight(weight)
+        if (weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and not (gated and bias is not None)
+                and amx_linear_enabled(ops)):
+            self.amx = ops.amx_pack_gate_up(weight) if gated else ops.amx_pack_weight(weight)
             self.amx_max_rows = amx_max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quant
         rows = x.shape[0]
+        if self.amx is not None and rows <= self.amx_max_rows and (q is None or rows > quant_config.QUANT_MAX_TOKENS):
+            return self.ops.amx_linear(x, self.amx, self.bias, self.gated)
         if q is not None and rows <= quant_config.QUANT_MAX_TOKENS:
             out = self.ops.quant_linear(x, q.qs, q.d, q.m)
-            return out if self.bias is None else out + self.bias.to(out.dtype)
-        if rows <= self.amx_max_rows:
-            return self.ops.amx_linear(x, self.amx, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.ops.silu_mul(out) if self.gated else out
 
 
 def packing_available() -> bool:
@@ -131,7 +140,8 @@ class MLP(nn.Module):
 
     def pack(self, quant: dict[str, QuantWeight], prefix: str, ops) -> None:
         gate_up_quant = concat([quant.get(f"{prefix}.{p}_proj.weight") for p in ("gate", "up")])
-        self.gate_up = PackedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), None, gate_up_quant, ops)
+        self.gate_up = PackedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), None, gate_up_quant, ops,
+                                    gated=True)
         self.down = PackedLinear(self.down_proj.weight, None, quant.get(f"{prefix}.down_proj.weight"), ops)
         del self.gate_proj, self.up_proj, self.down_proj
 
@@ -214,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
             ops.rotary_(q, k, cos, sin)
             a = p.o(p.attend(q, k, v, kv_cache, meta, p.scale).reshape(t, p.q_end))
             h = ops.add_rms_norm(a, residual, p.post_norm, p.eps)
-            m = p.down(ops.silu_mul(p.gate_up(h)))
+            m = p.down(p.gate_up(h))  # silu(gate) * up
             h = ops.add_rms_norm(m, residual, p.next_norm, p.next_eps)
         return h
 

@@ -77,6 +77,13 @@ inline __m512 exp16(__m512 x, __mmask16 keep) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_maskz_scalef_ps(keep, p, nn);
 }
+
+// silu(g) * u for 16 lanes: the one formula of the SiLU-gated MLP (silu_mul and amx_linear's gated epilogue
+// must agree to the bit). exp16 is called with -g, which may be positive: e^87 at most, so g << 0 gives -0.
+inline __m512 silu_mul16(__m512 g, __m512 u, __mmask16 keep) {
+  const __m512 ex = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g), keep);
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), ex)), u);
+}
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)

@@ -279,10 +279,7 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t str
 #if KVPAGE_AVX512
       for (; i < inter; i += 16) {
         const __mmask16 k = tail_mask(inter - i);
-        const __m512 x = load16(g + i, k);
-        const __m512 ex = kvpage::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x), k);  // inf for x << 0: y -> -0
-        const __m512 y = _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), ex)), load16(u + i, k));
-        store16(o + i, y, k);
+        store16(o + i, kvpage::silu_mul16(load16(g + i, k), load16(u + i, k), k), k);
       }
 #else
       for (; i < inter; ++i) {

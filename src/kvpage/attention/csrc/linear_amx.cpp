@@ -9,6 +9,9 @@
 //     row tiles from cache (2 x 2 output tiles per product group, each operand tile used twice);
 //   - the next block's lines are requested into L2 spread over the current block's products, so the memory
 //     stream overlaps the tile work instead of stalling the first tile load of every block.
+// For the MLP's [gate; up] projection the weight is packed so that each 32-column block holds 16 gate columns
+// and the same 16 up columns; the epilogue then writes silu(gate) * up directly (silu_gate), and the two
+// [rows, inter] halves are never written out and read back.
 // Activations are read in place (tile stride = the row pitch); a last partial row tile is staged zero-padded.
 // Every output element is one float32 sum over K in a fixed order whatever the number of rows (the result of a
 // row does not depend on the batch it came in), rounded once to bf16.
@@ -43,6 +46,12 @@ inline void store_rows_bf16(const float* buf, at::BFloat16* y, int64_t ldy, int6
     const __m512 v = _mm512_add_ps(_mm512_loadu_ps(buf + 16 * r), b);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(v));
   }
+}
+
+// float32 lanes rounded to bf16 and back (round to nearest even).
+inline __m512 bf16_round(__m512 v) {
+  const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
 
 // One 32-column block (weights wb) times row tiles a0 (and a1 when TWO) over K = 32 * KB; lines of the next
@@ -93,8 +102,16 @@ torch::Tensor amx_pack_weight(const torch::Tensor& w) {
   return w.contiguous().view({N / 32, 2, 16, K / 32, 16, 2}).permute({0, 3, 1, 4, 2, 5}).contiguous().view({N, K});
 }
 
+// w = [gate; up] ([2 * inter, K] bf16, inter % 16 == 0) -> packed so that every 32-column block holds 16
+// gate columns and the same 16 up columns: amx_linear(..., silu_gate=True) then returns silu(gate) * up.
+torch::Tensor amx_pack_gate_up(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % 32 == 0, "gate_up weight must be [2 * inter, K] with inter % 16 == 0");
+  const int64_t N = w.size(0), K = w.size(1);
+  return amx_pack_weight(w.contiguous().view({2, N / 32, 16, K}).permute({1, 0, 2, 3}).reshape({N, K}));
+}
+
 torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
-                         const c10::optional<torch::Tensor>& bias_in) {
+                         const c10::optional<torch::Tensor>& bias_in, bool silu_gate) {
   TORCH_CHECK(amx_linear_available(), "AMX tile products are not available on this CPU/OS");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be a 2-D bfloat16 tensor");
   TORCH_CHECK(wp.dim() == 2 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous(),
@@ -102,11 +119,14 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   const int64_t M = x_in.size(0), K = x_in.size(1), N = wp.size(0);
   TORCH_CHECK(wp.size(1) == K, "x has ", K, " columns, the weight ", wp.size(1));
   TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "weight sides must be multiples of 32, got ", N, " x ", K);
-  auto y = torch::empty({M, N}, x_in.options());
+  const bool has_bias = bias_in.has_value() && bias_in->defined();
+  TORCH_CHECK(!(silu_gate && has_bias), "silu_gate takes no bias");
+  const int64_t out_cols = silu_gate ? N / 2 : N;
+  auto y = torch::empty({M, out_cols}, x_in.options());
   if (M == 0) return y;
 #ifdef KVPAGE_AMX
   torch::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) {
+  if (has_bias) {
     bias = bias_in->to(at::kFloat).contiguous();
     TORCH_CHECK(bias.numel() == N, "bias has ", bias.numel(), " elements, expected ", N);
   }
@@ -131,17 +151,37 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   const int64_t per_kb = (block_lines + steps - 1) / steps;
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
     configure_linear_tiles();
-    alignas(64) float buf[256];
+    alignas(64) float buf[512];
     // output tile `tile` (row tile t, column half c) of block nb, rounded into y
-    auto store = [&](int tile, int64_t t, int64_t nb, int64_t c) {
-      const float* bb = bp != nullptr ? bp + nb * 32 + 16 * c : nullptr;
+    auto stage_tile = [&](int tile, float* dst) {
       switch (tile) {  // the tile number must be a constant
-        case 0: _tile_stored(0, buf, 64); break;
-        case 1: _tile_stored(1, buf, 64); break;
-        case 2: _tile_stored(2, buf, 64); break;
-        default: _tile_stored(3, buf, 64); break;
+        case 0: _tile_stored(0, dst, 64); break;
+        case 1: _tile_stored(1, dst, 64); break;
+        case 2: _tile_stored(2, dst, 64); break;
+        default: _tile_stored(3, dst, 64); break;
       }
-      store_rows_bf16(buf, yp + 16 * t * N + nb * 32 + 16 * c, N, std::min<int64_t>(16, M - 16 * t), bb);
+    };
+    // Row tile t's outputs of block nb from accumulator tiles `first` and first + 1: two 16-column halves,
+    // or with silu_gate one 16-column block silu(gate) * up, each rounded to bf16 first as the separate
+    // projection and silu_mul would.
+    auto store = [&](int first, int64_t t, int64_t nb) {
+      const int64_t valid = std::min<int64_t>(16, M - 16 * t);
+      stage_tile(first, buf);
+      stage_tile(first + 1, buf + 256);
+      if (silu_gate) {
+        at::BFloat16* yr = yp + 16 * t * out_cols + nb * 16;
+        for (int64_t r = 0; r < valid; ++r) {
+          const __m512 g = bf16_round(_mm512_loadu_ps(buf + 16 * r));
+          const __m512 u = bf16_round(_mm512_loadu_ps(buf + 256 + 16 * r));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + r * out_cols),
+                              (__m256i)_mm512_cvtneps_pbh(kvpage::silu_mul16(g, u, 0xFFFF)));
+        }
+        return;
+      }
+      const float* bb = bp != nullptr ? bp + nb * 32 : nullptr;
+      at::BFloat16* yb = yp + 16 * t * N + nb * 32;
+      store_rows_bf16(buf, yb, N, valid, bb);
+      store_rows_bf16(buf + 256, yb + 16, N, valid, bb != nullptr ? bb + 16 : nullptr);
     };
     for (int64_t t0 = 0; t0 < row_tiles; t0 += kChunkTiles) {
       const int64_t t1 = std::min(row_tiles, t0 + kChunkTiles);
@@ -153,14 +193,11 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
         for (int64_t t = t0; t < t1; t += 2) {
           if (t + 1 < t1) {
             block_product<true>(row_tile(t), row_tile(t + 1), lda, wb, KB, pf, pf_lines, per_kb, &pf_line);
-            store(0, t, nb, 0);
-            store(1, t, nb, 1);
-            store(2, t + 1, nb, 0);
-            store(3, t + 1, nb, 1);
+            store(0, t, nb);
+            store(2, t + 1, nb);
           } else {
             block_product<false>(row_tile(t), nullptr, lda, wb, KB, pf, pf_lines, per_kb, &pf_line);
-            store(0, t, nb, 0);
-            store(1, t, nb, 1);
+            store(0, t, nb);
           }
         }
       }
@@ -177,5 +214,7 @@ void register_linear_ops(pybind11::module& m) {
   m.def("amx_linear_available", &amx_linear_available, "whether amx_linear can run on this CPU/OS");
   m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_linear's operand order");
   m.def("amx_linear", &amx_linear, "x . W^T (+ bias) with AMX tile products from a packed bf16 weight",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("silu_gate") = false);
+  m.def("amx_pack_gate_up", &amx_pack_gate_up, "a bf16 [gate; up] weight packed for amx_linear(silu_gate=True)");
 }
