@@ -39,7 +39,8 @@ def main() -> None:
         raise SystemExit("needs the compiled kernels, AVX512_BF16 and a GGUF model with Q4/Q8 blocks")
     layers = list(projections(model))
     weight_bytes = sum(p.quant.nbytes for p in layers) + model.lm_quant.nbytes
-    dense_bytes = sum(p.packed.numel() * 2 for p in layers) + model.lm_packed.packed.numel() * 2
+    dense_bytes = sum(2 * p.quant.shape[0] * p.quant.shape[1] for p in layers) + 2 * model.lm_quant.shape[0] * \
+        model.lm_quant.shape[1]
     hidden = lm.config.hidden_size
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; SmolLM2-135M-Instruct")

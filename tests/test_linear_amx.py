@@ -108,6 +108,8 @@ def test_packed_linear_routes_by_rows(monkeypatch):
         y = lin(x[:rows])
         assert ((y.float() - ref[:rows]).abs() <= 2 ** -8 * ref[:rows].abs() + 0.01).all()
     assert calls == [40]  # 41 rows went to oneDNN
+    everywhere = llama.PackedLinear(w, None, ops=ops)  # default: AMX at every row count, no oneDNN copy
+    assert everywhere.packed is None and everywhere.amx_max_rows >= 1 << 40
     assert llama.PackedLinear(_rand(80, 64, seed=1), None, ops=ops).amx is None  # 80 % 32 != 0: oneDNN only
     gated = llama.PackedLinear(w, None, ops=ops, amx_max_rows=40, gated=True)  # [gate; up], 48 each
     assert gated.out_features == 48

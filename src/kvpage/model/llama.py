@@ -21,10 +21,10 @@ from kvpage.model.config import ModelConfig
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 
-# Row counts up to which kvpage's AMX tile GEMM (csrc/linear_amx.cpp) runs a projection instead of oneDNN's
-# packed GEMM: where it measured faster on this CPU (benchmarks/linear.py; BENCHMARKS.md). The wide output
-# projection keeps oneDNN from fewer rows on. KVPAGE_AMX_LINEAR=0 turns the kernel off (side-by-side runs).
-AMX_LINEAR_MAX_ROWS = 512
+# kvpage's AMX tile GEMM (csrc/linear_amx.cpp) runs the layer projections at every row count (measured
+# 1.2-2x oneDNN's packed GEMM for 16-1024 rows, 0.9-1.2x per shape at 2048, the gated MLP projection faster
+# everywhere: benchmarks/linear.py, BENCHMARKS.md); the wide output projection keeps oneDNN above this many
+# rows, where oneDNN measured faster. KVPAGE_AMX_LINEAR=0 turns the kernel off (side-by-side runs).
 AMX_LOGITS_MAX_ROWS = 128
 
 
@@ -36,11 +36,11 @@ def amx_linear_enabled(ops) -> bool:
 class PackedLinear(nn.Module):
     """Inference-only linear layer on pre-packed bf16 weights: same results as F.linear up to float32
     summation order, about twice as fast on this CPU, because the weight is laid out for the product once
-    instead of at every call. Three paths by row count: the checkpoint's quantized blocks (a few rows, where
-    reading fewer bytes wins), the AMX tile GEMM (decode-sized batches) and oneDNN (prompt-sized inputs)."""
+    instead of at every call. Paths by row count: the checkpoint's quantized blocks (a few rows, where reading
+    fewer bytes wins), then the AMX tile GEMM where the CPU has it, oneDNN otherwise (and above amx_max_rows)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
-                 ops=None, amx_max_rows: int = AMX_LINEAR_MAX_ROWS, gated: bool = False) -> None:
+                 ops=None, amx_max_rows: int | None = None, gated: bool = False) -> None:
         super().__init__()
         # gated: weight = [gate; up] and the layer returns silu(x Wg^T) * (x Wu^T), the MLP's input half; the
         # AMX path computes it in its epilogue instead of writing both halves out for silu_mul to read back.
@@ -48,23 +48,26 @@ class PackedLinear(nn.Module):
         if gated and ops is None:
             raise ValueError("a gated PackedLinear needs the compiled kernels (silu_mul)")
         self.out_features = weight.shape[0] // 2 if gated else weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
         self.bias = bias
         # The checkpoint's own quantized blocks, used for steps of at most quant.QUANT_MAX_TOKENS tokens.
         self.quant = quant if ops is not None else None
         self.ops = ops
+        # AMX operand order for up to amx_max_rows rows (None: all); oneDNN's packing only where it is used.
         self.amx: torch.Tensor | None = None
-        self.amx_max_rows = 0
+        self.amx_max_rows = -1
+        self.packed: torch.Tensor | None = None
         n, k = weight.shape
         if (weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and not (gated and bias is not None)
                 and amx_linear_enabled(ops)):
             self.amx = ops.amx_pack_gate_up(weight) if gated else ops.amx_pack_weight(weight)
-            self.amx_max_rows = amx_max_rows
+            self.amx_max_rows = amx_max_rows if amx_max_rows is not None else 1 << 62
+        if self.amx is None or amx_max_rows is not None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quant
         rows = x.shape[0]
-        if self.amx is not None and rows <= self.amx_max_rows and (q is None or rows > quant_config.QUANT_MAX_TOKENS):
+        if rows <= self.amx_max_rows and (q is None or rows > quant_config.QUANT_MAX_TOKENS):
             return self.ops.amx_linear(x, self.amx, self.bias, self.gated)
         if q is not None and rows <= quant_config.QUANT_MAX_TOKENS:
             out = self.ops.quant_linear(x, q.qs, q.d, q.m)

@@ -21,7 +21,7 @@ from kvpage.attention.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "quant_linear.cpp",
-            _CSRC / "linear_amx.cpp"]
+            _CSRC / "linear_amx.cpp", _CSRC / "prefill_amx.cpp"]
 _module: ModuleType | None = None
 _error: str | None = None
 PARTITION_SIZE = 512  # tokens per context partition: long contexts split into this many keys per task
@@ -99,6 +99,10 @@ class CpuPagedAttention:
             raise RuntimeError(f"compiled kernels unavailable: {_error}")
         # KVPAGE_KV_LAYOUT=rows keeps bf16 caches in the row layout (for side-by-side measurements).
         self.packed_ok = self.ops.has_packed_layout() and os.environ.get("KVPAGE_KV_LAYOUT", "packed") != "rows"
+        # Fresh prompts with AMX tile products where the CPU has them (1.4-1.9x torch's SDPA at 64-1000
+        # tokens); KVPAGE_AMX_PREFILL=0 keeps SDPA (side-by-side measurements).
+        self.amx_prefill = (os.environ.get("KVPAGE_AMX_PREFILL", "1") != "0"
+                            and hasattr(self.ops, "prefill_amx_available") and self.ops.prefill_amx_available())
 
     def packed_layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether a cache written and read with activations of `dtype` holds the packed layout: decided by the
@@ -119,6 +123,11 @@ class CpuPagedAttention:
             out[:nr] = self.ops.paged_attention(query[:nr], kv_cache, meta.block_tables[:ns],
                                                 meta.query_start_loc[: ns + 1], meta.seq_lens[:ns], scale,
                                                 PARTITION_SIZE, packed)
+        if self.amx_prefill and query.dtype == key.dtype == value.dtype == torch.bfloat16 and query.shape[2] == 64:
+            # whole prompts, nothing cached: one call for all of them (csrc/prefill_amx.cpp)
+            starts = [start for start, _ in meta.fresh_prefills]
+            self.ops.prefill_attention(query, key, value, out, starts, [n for _, n in meta.fresh_prefills], scale)
+            return out
         gqa = query.shape[1] != key.shape[1]
         for start, n in meta.fresh_prefills:  # whole prompt, nothing cached: dense causal attention
             q = query[start : start + n].transpose(0, 1)[None]

@@ -62,6 +62,11 @@ inline void reset_partials(float* acc, float* m, float* l, int64_t R, int64_t D)
 }
 
 #if defined(__AVX512F__)
+// The first min(left, 16) lanes.
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
 // exp(x) for 16 lanes with x <= 0 (same polynomial as exp_neg); lanes outside `keep` become 0.
 inline __m512 exp16(__m512 x, __mmask16 keep) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));

@@ -120,9 +120,7 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
 // Row passes of logits_postprocess, 16 lanes at a time where the CPU has AVX-512 (a plain loop otherwise):
 // widen to float32 while taking the max; visit entries >= a threshold; max; sum of exp(x - mx).
 #if KVPAGE_AVX512
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
-}
+using kvpage::tail_mask;
 inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
 inline __m512 load16(const at::BFloat16* p, __mmask16 k) {
   const __m256i raw = _mm256_maskz_loadu_epi16(k, reinterpret_cast<const void*>(p));

@@ -773,11 +773,13 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch
 void register_fused_ops(pybind11::module& m);  // fused_ops.cpp
 void register_quant_ops(pybind11::module& m);  // quant_linear.cpp
 void register_linear_ops(pybind11::module& m);  // linear_amx.cpp
+void register_prefill_ops(pybind11::module& m);  // prefill_amx.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
   register_quant_ops(m);
   register_linear_ops(m);
+  register_prefill_ops(m);
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", pybind11::arg("key"),
         pybind11::arg("value"), pybind11::arg("kv_cache"), pybind11::arg("slot_mapping"),
         pybind11::arg("packed") = false);
