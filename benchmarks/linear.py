@@ -1,11 +1,13 @@
-"""Projections of a decode step: kvpage's AMX tile GEMM (amx_linear) vs oneDNN's pre-packed bf16 GEMM.
+"""Projections of a step: kvpage's AMX tile GEMM (amx_linear) vs oneDNN's pre-packed bf16 GEMM.
 
 Uses the default model's real bf16 weights: for each row count M, the 120 layer projections of one forward
-pass (every layer's q|k|v, o, gate|up and down, so the ~210 MB of weights stream from memory as in a real
-step) plus the output projection (lm head, 57 MB), timed with each path side by side in one process,
-alternating rounds, medians reported. The kernel is used where it is faster (kvpage.model.llama.PackedLinear).
+pass (every layer's q|k|v, o, gate|up with its SiLU gating and down, so the ~210 MB of weights stream from
+memory as in a real step), then separately the output projection (lm head, 57 MB), timed with each path side
+by side in one process, alternating rounds, medians reported. gate|up runs as the engine runs it: the AMX
+kernel's gated epilogue against oneDNN followed by silu_mul. PackedLinear uses the kernel for every layer
+projection and for the lm head up to kvpage.model.llama.AMX_LOGITS_MAX_ROWS rows.
 
-    python benchmarks/linear.py [--rows 8 16 32 64 128 192 256 384 512 1024 2048] [--rounds 7]
+    python benchmarks/linear.py [--rows 1 8 16 32 64 128 256 512 1024 2048] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -44,38 +46,46 @@ def main() -> None:
         raise SystemExit("needs the compiled kernels and AMX tile products (CPU with AMX-BF16, Linux >= 5.16)")
     lm = load_model(dtype="bfloat16", attention_backend="reference")  # plain layers: the dense bf16 weights
     weights = dense_weights(lm.model)
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-    amx = [ops.amx_pack_weight(w) for w in weights]
-    nbytes = sum(w.numel() * 2 for w in weights)
-    flops_per_row = sum(2 * w.numel() for w in weights)
+    layers, head = weights[:-1], weights[-1:]
+    gated = [i % 4 == 2 for i in range(len(layers))]  # q|k|v, o, gate|up, down per layer
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; SmolLM2-135M-Instruct, {nbytes / 1e6:.0f} MB of bf16 weights per pass")
-    print("| rows | oneDNN (ms) | amx_linear (ms) | oneDNN / amx | amx TFLOP/s | amx weight GB/s |")
-    print("|---:|---:|---:|---:|---:|---:|")
+          f"{torch.get_num_threads()} threads; SmolLM2-135M-Instruct, {sum(w.numel() for w in layers) * 2 / 1e6:.0f} "
+          f"MB of layer weights + {head[0].numel() * 2 / 1e6:.0f} MB lm head per pass")
+    print("| rows | layers oneDNN (ms) | layers amx (ms) | oneDNN / amx | amx TFLOP/s | lm head oneDNN (ms) | "
+          "lm head amx (ms) | oneDNN / amx |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in args.rows:
         g = torch.Generator().manual_seed(m)
         inputs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {w.shape[1] for w in weights}}
+        cells = []
+        for group, flags in ((layers, gated), (head, [False])):
+            onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in group]
+            amx = [ops.amx_pack_gate_up(w) if f else ops.amx_pack_weight(w) for w, f in zip(group, flags, strict=True)]
 
-        def pass_onednn(inputs=inputs) -> float:
-            t = time.perf_counter()
-            for w, p in zip(weights, onednn, strict=True):
-                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
-            return time.perf_counter() - t
+            def pass_onednn(group=group, flags=flags, onednn=onednn, inputs=inputs) -> float:
+                t = time.perf_counter()
+                for w, f, p in zip(group, flags, onednn, strict=True):
+                    y = torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+                    if f:
+                        ops.silu_mul(y)
+                return time.perf_counter() - t
 
-        def pass_amx(inputs=inputs) -> float:
-            t = time.perf_counter()
-            for w, p in zip(weights, amx, strict=True):
-                ops.amx_linear(inputs[w.shape[1]], p)
-            return time.perf_counter() - t
+            def pass_amx(group=group, flags=flags, amx=amx, inputs=inputs) -> float:
+                t = time.perf_counter()
+                for w, f, p in zip(group, flags, amx, strict=True):
+                    ops.amx_linear(inputs[w.shape[1]], p, None, f)
+                return time.perf_counter() - t
 
-        pass_onednn(), pass_amx()  # warm-up
-        a_times, b_times = [], []
-        for _ in range(args.rounds):  # alternate so drift hits both alike
-            a_times.append(pass_onednn())
-            b_times.append(pass_amx())
-        a, b = statistics.median(a_times), statistics.median(b_times)
-        print(f"| {m} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.2f}x | {flops_per_row * m / b / 1e12:.2f} | "
-              f"{nbytes / b / 1e9:.1f} |", flush=True)
+            pass_onednn(), pass_amx()  # warm-up
+            a_times, b_times = [], []
+            for _ in range(args.rounds):  # alternate so drift hits both alike
+                a_times.append(pass_onednn())
+                b_times.append(pass_amx())
+            a, b = statistics.median(a_times), statistics.median(b_times)
+            cells.append((a, b, sum(2 * w.numel() for w in group) * m / b / 1e12))
+        (la, lb, ltf), (ha, hb, _) = cells
+        print(f"| {m} | {la * 1e3:.2f} | {lb * 1e3:.2f} | {la / lb:.2f}x | {ltf:.2f} | {ha * 1e3:.2f} | "
+              f"{hb * 1e3:.2f} | {ha / hb:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,11 @@ from kvpage.model.config import ModelConfig
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 
-# kvpage's AMX tile GEMM (csrc/linear_amx.cpp) runs the layer projections at every row count (measured
-# 1.2-2x oneDNN's packed GEMM for 16-1024 rows, 0.9-1.2x per shape at 2048, the gated MLP projection faster
-# everywhere: benchmarks/linear.py, BENCHMARKS.md); the wide output projection keeps oneDNN above this many
-# rows, where oneDNN measured faster. KVPAGE_AMX_LINEAR=0 turns the kernel off (side-by-side runs).
-AMX_LOGITS_MAX_ROWS = 128
+# kvpage's AMX tile GEMM (csrc/linear_amx.cpp) runs the layer projections at every row count (1.2-1.6x
+# oneDNN's packed GEMM for 1-1024 rows, 0.97x at 2048, on this CPU: benchmarks/linear.py, BENCHMARKS.md); the
+# wide output projection keeps oneDNN above this many rows, where oneDNN measured faster (0.8-0.9x at 128-256).
+# KVPAGE_AMX_LINEAR=0 turns the kernel off (side-by-side runs).
+AMX_LOGITS_MAX_ROWS = 64
 
 
 def amx_linear_enabled(ops) -> bool:
