@@ -99,7 +99,7 @@ class CpuPagedAttention:
             raise RuntimeError(f"compiled kernels unavailable: {_error}")
         # KVPAGE_KV_LAYOUT=rows keeps bf16 caches in the row layout (for side-by-side measurements).
         self.packed_ok = self.ops.has_packed_layout() and os.environ.get("KVPAGE_KV_LAYOUT", "packed") != "rows"
-        # Fresh prompts with AMX tile products where the CPU has them (1.4-1.9x torch's SDPA at 64-1000
+        # Fresh prompts with AMX tile products where the CPU has them (1.6-2.5x torch's SDPA at 64-1000
         # tokens); KVPAGE_AMX_PREFILL=0 keeps SDPA (side-by-side measurements).
         self.amx_prefill = (os.environ.get("KVPAGE_AMX_PREFILL", "1") != "0"
                             and hasattr(self.ops, "prefill_amx_available") and self.ops.prefill_amx_available())
