@@ -124,3 +124,35 @@ def test_bf16_top1_agreement_with_fp32(smol_fp32, smol_bf16, prompts, hf_greedy,
     record_property("bf16_top1_agreement", rate)
     print(f"bf16 top-1 agreement with fp32: {agree}/{total} = {rate:.2%}")
     assert rate >= 0.99
+
+
+def test_bf16_paths_without_amx_compute_the_same_function(smol_fp32, smol_bf16, prompts, hf_greedy, monkeypatch):
+    """The fallbacks where a CPU has no AMX (oneDNN projections + silu_mul, SDPA for prompts) and the AMX
+    kernels (tile GEMM with the gated epilogue, prefill_attention) differ only in bf16 rounding: teacher-forced
+    argmax agreement >= 99% and logits within a small distance."""
+    from kvpage.model import loader
+
+    monkeypatch.setenv("KVPAGE_AMX_LINEAR", "0")
+    monkeypatch.setenv("KVPAGE_AMX_PREFILL", "0")
+    before = set(loader._LOADED)
+    plain = loader.load_model("SmolLM2-135M-Instruct", dtype="bfloat16", attention_backend="cpu")
+    try:
+        assert plain is not smol_bf16 and plain.model.layers[0].mlp.gate_up.amx is None
+        agree = total = 0
+        worst = 0.0
+        for name, ids in prompts.items():
+            seq = ids + hf_greedy[name]
+            got = []
+            for lm in (smol_bf16, plain):
+                d = PagedGreedy(lm, block_size=16, num_blocks=64)
+                d.m.allocate_slots(KVSequence("x", seq), len(seq))
+                got.append(d.runner.execute([ScheduledSeq("x", seq, 0, d.m.block_table("x"), all_logits=True)])["x"])
+            agree += int((got[0].argmax(-1) == got[1].argmax(-1)).sum())
+            total += len(seq)
+            worst = max(worst, float((got[0] - got[1]).abs().max()))
+        print(f"AMX vs fallback bf16: argmax {agree}/{total}, max logit difference {worst:.3f}")
+        assert agree / total >= 0.99, (agree, total)
+        assert worst < 1.5, worst  # logits of magnitude ~10-30; bf16 paths drift by a few tenths at most
+    finally:
+        for key in set(loader._LOADED) - before:  # keep the AMX-off model out of other tests
+            loader._LOADED.pop(key)
