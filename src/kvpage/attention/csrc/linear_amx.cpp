@@ -152,7 +152,7 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
     configure_linear_tiles();
     alignas(64) float buf[512];
-    // output tile `tile` (row tile t, column half c) of block nb, rounded into y
+    // accumulator tile `tile` copied to dst (16 x 16 float32)
     auto stage_tile = [&](int tile, float* dst) {
       switch (tile) {  // the tile number must be a constant
         case 0: _tile_stored(0, dst, 64); break;

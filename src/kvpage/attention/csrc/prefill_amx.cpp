@@ -38,6 +38,10 @@ void configure_prefill_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// Keys a prompt of n tokens occupies per KV head in the packed K (16-key blocks) and V (32-key blocks).
+inline int64_t k_slots(int64_t n) { return (n + 15) / 16 * 16; }
+inline int64_t v_slots(int64_t n) { return (n + 31) / 32 * 32; }
+
 struct Prompt {
   int64_t start, n;
   int64_t k_off, v_off;  // element offsets of this prompt's packed K / V (KV head 0) in the scratch buffers
@@ -46,9 +50,8 @@ struct Prompt {
 // Packs one prompt's KV head h: K into kp ([n16][2][16 pairs][16 keys][2]), V into vp ([n32][16 pairs][64][2]).
 void pack_head(const at::BFloat16* key, int64_t sk, const at::BFloat16* value, int64_t sv, int64_t h,
                const Prompt& p, at::BFloat16* kp, at::BFloat16* vp) {
-  const int64_t n16 = (p.n + 15) / 16, n32 = (p.n + 31) / 32;
-  std::memset(kp, 0, n16 * 16 * kD * sizeof(at::BFloat16));
-  std::memset(vp, 0, n32 * 32 * kD * sizeof(at::BFloat16));
+  std::memset(kp, 0, k_slots(p.n) * kD * sizeof(at::BFloat16));
+  std::memset(vp, 0, v_slots(p.n) * kD * sizeof(at::BFloat16));
   auto* k32 = reinterpret_cast<uint32_t*>(kp);
   for (int64_t j = 0; j < p.n; ++j) {
     const auto* krow = reinterpret_cast<const uint32_t*>(key + (p.start + j) * sk + h * kD);
@@ -139,8 +142,8 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, con
     if (lengths[i] == 0) continue;
     const int64_t n = lengths[i];
     prompts.push_back({starts[i], n, k_total, v_total});
-    k_total += KVH * (n + 15) / 16 * 16 * kD;
-    v_total += KVH * (n + 31) / 32 * 32 * kD;
+    k_total += KVH * k_slots(n) * kD;
+    v_total += KVH * v_slots(n) * kD;
     max_n = std::max(max_n, n);
   }
   if (prompts.empty()) return;
@@ -155,8 +158,8 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, con
     for (int64_t i = b; i < e; ++i) {
       const Prompt& p = prompts[i / KVH];
       const int64_t h = i % KVH;
-      pack_head(kp, sk, vp, sv, h, p, kpack.data() + p.k_off + h * (p.n + 15) / 16 * 16 * kD,
-                vpack.data() + p.v_off + h * (p.n + 31) / 32 * 32 * kD);
+      pack_head(kp, sk, vp, sv, h, p, kpack.data() + p.k_off + h * k_slots(p.n) * kD,
+                vpack.data() + p.v_off + h * v_slots(p.n) * kD);
     }
   });
 
@@ -188,8 +191,8 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, con
       const Prompt& p = prompts[task.prompt];
       const int64_t h = task.head / G, r0 = task.row0;
       const int64_t rows = std::min<int64_t>(16, p.n - r0);
-      const at::BFloat16* kh = kpack.data() + p.k_off + h * (p.n + 15) / 16 * 16 * kD;
-      const at::BFloat16* vh = vpack.data() + p.v_off + h * (p.n + 31) / 32 * 32 * kD;
+      const at::BFloat16* kh = kpack.data() + p.k_off + h * k_slots(p.n) * kD;
+      const at::BFloat16* vh = vpack.data() + p.v_off + h * v_slots(p.n) * kD;
       // Q rows r0..r0+15 of this head (a partial last block is staged with zero rows)
       const at::BFloat16* q = qp + (p.start + r0) * sq + task.head * kD;
       int64_t qstride = sq * 2;
