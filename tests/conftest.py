@@ -107,3 +107,16 @@ def have_cxx() -> bool:
     import shutil
 
     return any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+
+
+def amx_ops(available: str):
+    """The compiled kernels when `ops.<available>()` says its AMX kernel can run here; the test is skipped
+    otherwise (no compiler, or a CPU/OS without AMX tiles)."""
+    if not have_cxx():
+        pytest.skip("no C++ compiler: kernels cannot be built")
+    from kvpage.attention.backends.cpu_kernels import load_kernels
+
+    ops = load_kernels()
+    if ops is None or not getattr(ops, available)():
+        pytest.skip("AMX tile products unavailable on this CPU/OS")
+    return ops

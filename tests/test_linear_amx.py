@@ -8,18 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpage.attention.backends.cpu_kernels import load_kernels
 from kvpage.model import llama
-from tests.conftest import have_cxx
+from tests.conftest import amx_ops
 
 
 def _ops():
-    if not have_cxx():
-        pytest.skip("no C++ compiler: kernels cannot be built")
-    ops = load_kernels()
-    if ops is None or not ops.amx_linear_available():
-        pytest.skip("AMX tile products unavailable on this CPU/OS")
-    return ops
+    return amx_ops("amx_linear_available")
 
 
 def _rand(*shape, seed):

@@ -107,17 +107,19 @@ def test_swap_out_and_in_keeps_tokens_exact(smol_fp32, prompts, hf_greedy):
     assert out[filler] == hf_greedy["story"][:4]
 
 
+def teacher_forced_logits(lm, seq: list[int]) -> torch.Tensor:
+    """Logits at every position of seq, computed in one prefill on a fresh paged cache."""
+    d = PagedGreedy(lm, block_size=16, num_blocks=64)
+    d.m.allocate_slots(KVSequence("x", seq), len(seq))
+    return d.runner.execute([ScheduledSeq("x", seq, 0, d.m.block_table("x"), all_logits=True)])["x"]
+
+
 def test_bf16_top1_agreement_with_fp32(smol_fp32, smol_bf16, prompts, hf_greedy, record_property):
     """Teacher-forced over prompt + fp32 continuation: bf16's argmax equals fp32's at >= 99% of positions."""
     agree = total = 0
     for name, ids in prompts.items():
         seq = ids + hf_greedy[name]
-        tops = []
-        for lm in (smol_fp32, smol_bf16):
-            d = PagedGreedy(lm, block_size=16, num_blocks=64)
-            d.m.allocate_slots(KVSequence("x", seq), len(seq))
-            logits = d.runner.execute([ScheduledSeq("x", seq, 0, d.m.block_table("x"), all_logits=True)])["x"]
-            tops.append(torch.argmax(logits, dim=-1))
+        tops = [torch.argmax(teacher_forced_logits(lm, seq), dim=-1) for lm in (smol_fp32, smol_bf16)]
         agree += int((tops[0] == tops[1]).sum())
         total += len(seq)
     rate = agree / total
@@ -142,11 +144,7 @@ def test_bf16_paths_without_amx_compute_the_same_function(smol_fp32, smol_bf16, 
         worst = 0.0
         for name, ids in prompts.items():
             seq = ids + hf_greedy[name]
-            got = []
-            for lm in (smol_bf16, plain):
-                d = PagedGreedy(lm, block_size=16, num_blocks=64)
-                d.m.allocate_slots(KVSequence("x", seq), len(seq))
-                got.append(d.runner.execute([ScheduledSeq("x", seq, 0, d.m.block_table("x"), all_logits=True)])["x"])
+            got = [teacher_forced_logits(lm, seq) for lm in (smol_bf16, plain)]
             agree += int((got[0].argmax(-1) == got[1].argmax(-1)).sum())
             total += len(seq)
             worst = max(worst, float((got[0] - got[1]).abs().max()))

@@ -9,17 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpage.attention.backends.cpu_kernels import load_kernels
-from tests.conftest import have_cxx
+from tests.conftest import amx_ops
 
 
 def _ops():
-    if not have_cxx():
-        pytest.skip("no C++ compiler: kernels cannot be built")
-    ops = load_kernels()
-    if ops is None or not ops.prefill_amx_available():
-        pytest.skip("AMX tile products unavailable on this CPU/OS")
-    return ops
+    return amx_ops("prefill_amx_available")
 
 
 def _batch(heads, kv_heads, lengths, seed, gap=3):

@@ -29,8 +29,7 @@ AMX_LOGITS_MAX_ROWS = 64
 
 
 def amx_linear_enabled(ops) -> bool:
-    return (ops is not None and os.environ.get("KVPAGE_AMX_LINEAR", "1") != "0"
-            and hasattr(ops, "amx_linear_available") and ops.amx_linear_available())
+    return ops is not None and os.environ.get("KVPAGE_AMX_LINEAR", "1") != "0" and ops.amx_linear_available()
 
 
 class PackedLinear(nn.Module):
@@ -54,6 +53,7 @@ class PackedLinear(nn.Module):
         self.ops = ops
         # AMX operand order for up to amx_max_rows rows (None: all); oneDNN's packing only where it is used.
         self.amx: torch.Tensor | None = None
+        self.amx_bias: torch.Tensor | None = None
         self.amx_max_rows = -1
         self.packed: torch.Tensor | None = None
         n, k = weight.shape
@@ -61,6 +61,8 @@ class PackedLinear(nn.Module):
                 and amx_linear_enabled(ops)):
             self.amx = ops.amx_pack_gate_up(weight) if gated else ops.amx_pack_weight(weight)
             self.amx_max_rows = amx_max_rows if amx_max_rows is not None else 1 << 62
+            if bias is not None:
+                self.amx_bias = bias.float()  # the kernel adds float32: converted once, not per call
         if self.amx is None or amx_max_rows is not None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
 
@@ -68,7 +70,7 @@ class PackedLinear(nn.Module):
         q = self.quant
         rows = x.shape[0]
         if rows <= self.amx_max_rows and (q is None or rows > quant_config.QUANT_MAX_TOKENS):
-            return self.ops.amx_linear(x, self.amx, self.bias, self.gated)
+            return self.ops.amx_linear(x, self.amx, self.amx_bias, self.gated)
         if q is not None and rows <= quant_config.QUANT_MAX_TOKENS:
             out = self.ops.quant_linear(x, q.qs, q.d, q.m)
             if self.bias is not None:

@@ -101,8 +101,7 @@ class CpuPagedAttention:
         self.packed_ok = self.ops.has_packed_layout() and os.environ.get("KVPAGE_KV_LAYOUT", "packed") != "rows"
         # Fresh prompts with AMX tile products where the CPU has them (1.6-2.5x torch's SDPA at 64-1000
         # tokens); KVPAGE_AMX_PREFILL=0 keeps SDPA (side-by-side measurements).
-        self.amx_prefill = (os.environ.get("KVPAGE_AMX_PREFILL", "1") != "0"
-                            and hasattr(self.ops, "prefill_amx_available") and self.ops.prefill_amx_available())
+        self.amx_prefill = os.environ.get("KVPAGE_AMX_PREFILL", "1") != "0" and self.ops.prefill_amx_available()
 
     def packed_layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether a cache written and read with activations of `dtype` holds the packed layout: decided by the

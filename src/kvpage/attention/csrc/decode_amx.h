@@ -72,6 +72,46 @@ inline void amx_configure(int64_t G) {
 
 inline void amx_release() { _tile_release(); }
 
+// Every tile 16 rows x 64 bytes (the GEMM and the prompt kernel, whose operands are all full tiles).
+inline void amx_configure_full() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One P.V product step for head size 64: the P tile (bf16 weights of 32 keys per row, row stride p_stride
+// bytes) times 32 keys of V in [16 key pairs][64 dims][2] order, accumulated into tiles 0-3 (dims 0-15, ...,
+// 48-63). P goes to tile 4; the V operands alternate between tiles 5 and 7, so that loading the next need not
+// wait for the product reading the last (tiles are not renamed).
+inline void pv_product64(const at::BFloat16* p, int64_t p_stride, const at::BFloat16* v) {
+  _tile_loadd(4, p, p_stride);
+  _tile_loadd(5, v, 256);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(7, v + 32, 256);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_loadd(5, v + 64, 256);
+  _tile_dpbf16ps(2, 4, 5);
+  _tile_loadd(7, v + 96, 256);
+  _tile_dpbf16ps(3, 4, 7);
+}
+
+// Accumulator tiles 0-3 (16 dims each) to / from acc rows of 64 floats.
+inline void store_acc64(float* acc) {
+  _tile_stored(0, acc, 256);
+  _tile_stored(1, acc + 16, 256);
+  _tile_stored(2, acc + 32, 256);
+  _tile_stored(3, acc + 48, 256);
+}
+inline void load_acc64(const float* acc) {
+  _tile_loadd(0, acc, 256);
+  _tile_loadd(1, acc + 16, 256);
+  _tile_loadd(2, acc + 32, 256);
+  _tile_loadd(3, acc + 48, 256);
+}
+
 // One decode task: R = kv_heads * G query rows (query row r = head r; KV head r / G) over keys
 // [k_begin, k_end), every one visible. Writes the unnormalized float32 sums acc[R][D], the row maxima m[R]
 // and the sums of weights l[R], like attend_tile_bf16. k_begin must be a multiple of 16.

@@ -148,20 +148,14 @@ inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pslot[r][1]), (__m256i)_mm512_cvtneps_pbh(e1));
     }
     if (rescale) {
-      _tile_stored(0, acc, D * 4);
-      _tile_stored(1, acc + 16, D * 4);
-      _tile_stored(2, acc + 32, D * 4);
-      _tile_stored(3, acc + 48, D * 4);
+      store_acc64(acc);
       for (int64_t r = 0; r < R; ++r)
         if (corr[r] != 1.f) {
           const __m512 vc = _mm512_set1_ps(corr[r]);
           for (int64_t c = 0; c < 4; ++c)
             _mm512_storeu_ps(acc + r * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), vc));
         }
-      _tile_loadd(0, acc, D * 4);
-      _tile_loadd(1, acc + 16, D * 4);
-      _tile_loadd(2, acc + 32, D * 4);
-      _tile_loadd(3, acc + 48, D * 4);
+      load_acc64(acc);
     }
 
     // P.V, two head-groups per product: head-groups f = 2j and 2j + 1 of the step (f = u * kv_heads + h). When
@@ -179,21 +173,10 @@ inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv
         stage_value_group<D>(a1, n[u1], vstage + group);
         vp = vstage;
       }
-      _tile_loadd(4, ptiles + j * R * 32, 64);
-      _tile_loadd(5, vp, 4 * D);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(7, vp + 32, 4 * D);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, vp + 64, 4 * D);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(7, vp + 96, 4 * D);
-      _tile_dpbf16ps(3, 4, 7);
+      pv_product64(ptiles + j * R * 32, 64, vp);
     }
   }
-  _tile_stored(0, acc, D * 4);
-  _tile_stored(1, acc + 16, D * 4);
-  _tile_stored(2, acc + 32, D * 4);
-  _tile_stored(3, acc + 48, D * 4);
+  store_acc64(acc);
 }
 
 }  // namespace kvpage

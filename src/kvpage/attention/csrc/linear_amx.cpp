@@ -28,16 +28,8 @@
 namespace {
 
 #ifdef KVPAGE_AMX
-// Tiles: 0-3 = output [2 row tiles][2 column tiles] (16 x 16 float32), 4/5 = activation rows (16 x 32 bf16),
-// 6/7 = weight (16 k pairs x 16 columns x 2).
-void configure_linear_tiles() {
-  kvpage::TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles (all full, amx_configure_full): 0-3 = output [2 row tiles][2 column tiles] (16 x 16 float32), 4/5 =
+// activation rows (16 x 32 bf16), 6/7 = weight (16 k pairs x 16 columns x 2).
 
 // The first `valid` rows of a 16 x 16 float32 tile (staged in buf) plus bias, rounded to bf16 into y.
 inline void store_rows_bf16(const float* buf, at::BFloat16* y, int64_t ldy, int64_t valid, const float* bias) {
@@ -150,7 +142,7 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   const int64_t steps = (std::min(row_tiles, kChunkTiles) + 1) / 2 * KB;
   const int64_t per_kb = (block_lines + steps - 1) / steps;
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
-    configure_linear_tiles();
+    kvpage::amx_configure_full();
     alignas(64) float buf[512];
     // accumulator tile `tile` copied to dst (16 x 16 float32)
     auto stage_tile = [&](int tile, float* dst) {

@@ -27,16 +27,9 @@ namespace {
 #ifdef KVPAGE_AMX
 constexpr int64_t kD = 64;
 
-// Tiles: 0-3 = scores of four 16-key blocks (16 x 16 float32), then the output accumulators (16 rows x 16 dims);
-// 4/5 = Q (16 rows x 32 dims) during scores, P (16 rows x 32 keys) and V during P.V; 6/7 = K or V operands.
-void configure_prefill_tiles() {
-  kvpage::TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles (all full, amx_configure_full): 0-3 = scores of four 16-key blocks (16 x 16 float32), then the output
+// accumulators (16 rows x 16 dims); 4/5 = Q (16 rows x 32 dims) during scores; 6/7 = K operands; during P.V
+// 4 = P, 5/7 = V (pv_product64).
 
 // Keys a prompt of n tokens occupies per KV head in the packed K (16-key blocks) and V (32-key blocks).
 inline int64_t k_slots(int64_t n) { return (n + 15) / 16 * 16; }
@@ -48,10 +41,9 @@ struct Prompt {
 };
 
 // Packs one prompt's KV head h: K into kp ([n16][2][16 pairs][16 keys][2]), V into vp ([n32][16 pairs][64][2]).
+// Both arrive zeroed (value-initialized scratch), so the keys past n stay zero.
 void pack_head(const at::BFloat16* key, int64_t sk, const at::BFloat16* value, int64_t sv, int64_t h,
                const Prompt& p, at::BFloat16* kp, at::BFloat16* vp) {
-  std::memset(kp, 0, k_slots(p.n) * kD * sizeof(at::BFloat16));
-  std::memset(vp, 0, v_slots(p.n) * kD * sizeof(at::BFloat16));
   auto* k32 = reinterpret_cast<uint32_t*>(kp);
   for (int64_t j = 0; j < p.n; ++j) {
     const auto* krow = reinterpret_cast<const uint32_t*>(key + (p.start + j) * sk + h * kD);
@@ -147,7 +139,7 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, con
     max_n = std::max(max_n, n);
   }
   if (prompts.empty()) return;
-  std::vector<at::BFloat16> kpack(k_total), vpack(v_total);
+  std::vector<at::BFloat16> kpack(k_total), vpack(v_total);  // zeroed: pack_head writes only the n keys
   const auto* qp = query.data_ptr<at::BFloat16>();
   const auto* kp = key.data_ptr<at::BFloat16>();
   const auto* vp = value.data_ptr<at::BFloat16>();
@@ -180,7 +172,7 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, con
   std::atomic<int64_t> next{0};
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    configure_prefill_tiles();
+    kvpage::amx_configure_full();
     std::vector<float> scores(16 * max32);
     std::vector<at::BFloat16> probs(16 * max32);
     alignas(64) at::BFloat16 qstage[16 * kD];
@@ -247,22 +239,8 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, con
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      for (int64_t kb = 0; kb < nk32; ++kb) {
-        const at::BFloat16* vb = vh + kb * 32 * kD;
-        _tile_loadd(4, probs.data() + kb * 32, span * 2);
-        _tile_loadd(5, vb, 4 * kD);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, vb + 32, 4 * kD);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(5, vb + 64, 4 * kD);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, vb + 96, 4 * kD);
-        _tile_dpbf16ps(3, 4, 6);
-      }
-      _tile_stored(0, obuf, kD * 4);
-      _tile_stored(1, obuf + 16, kD * 4);
-      _tile_stored(2, obuf + 32, kD * 4);
-      _tile_stored(3, obuf + 48, kD * 4);
+      for (int64_t kb = 0; kb < nk32; ++kb) kvpage::pv_product64(probs.data() + kb * 32, span * 2, vh + kb * 32 * kD);
+      kvpage::store_acc64(obuf);
       for (int64_t r = 0; r < rows; ++r) {
         at::BFloat16* o = op + (p.start + r0 + r) * so + task.head * kD;
         const __m512 inv = _mm512_set1_ps(1.f / rsum[r]);
