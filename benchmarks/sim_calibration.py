@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import random
+from dataclasses import replace
 
 from _common import drive, median_seconds
 from kvpage.entrypoints.cli import build_parser
@@ -27,12 +28,28 @@ from kvpage.sim.workloads import WorkloadSpec, generate
 
 
 def machine_numbers() -> dict[str, float]:
+    """The rates of the kernels the engine runs (not of generic torch ops): its bf16 projection GEMM at a
+    256-row batch with the weight in cache, its paged decode attention reading a KV cache that does not fit in
+    cache, and a plain streaming read (weights)."""
     import torch
 
+    from kernels import run_case
+    from kvpage.attention.backends.cpu_kernels import load_kernels
+
     out = {}
-    for dt in (torch.bfloat16, torch.float32):
-        a, b = torch.randn(256, 576, dtype=dt), torch.randn(576, 1536, dtype=dt)
-        out[f"gemm_{str(dt)[6:]}_tflops"] = 2 * 256 * 576 * 1536 / median_seconds(lambda a=a, b=b: a @ b, 7) / 1e12
+    ops = load_kernels()
+    a = torch.randn(256, 576).bfloat16()
+    w = torch.randn(1536, 576).bfloat16()
+    if ops is not None and ops.amx_linear_available():
+        wp = ops.amx_pack_weight(w)
+        gemm = median_seconds(lambda: ops.amx_linear(a, wp, None, False), 15)
+    else:
+        gemm = median_seconds(lambda: a @ w.t(), 15)
+    out["gemm_bf16_tflops"] = 2 * 256 * 576 * 1536 / gemm / 1e12
+    if ops is not None:  # 256 sequences x 1024 tokens of SmolLM2's KV heads: 200 MB, read from memory
+        b, ctx, hq, hkv, d = 256, 1024, 9, 3, 64
+        paged_ms, _ = run_case(ops, b, ctx, hq, hkv, d, 16, 5, packed=True)
+        out["kv_read_gb_s"] = 2 * b * ctx * hkv * d * 2 / (paged_ms * 1e-3) / 1e9
     x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
     out["read_gb_s"] = x.numel() * 4 / median_seconds(x.sum, 7) / 1e9
     return out
@@ -67,7 +84,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args()
     print(f"machine: {platform.processor() or platform.machine()}, {platform.python_version()}")
-    print("measured:", {k: round(v, 2) for k, v in machine_numbers().items()})
+    measured = machine_numbers()
+    print("measured:", {k: round(v, 2) for k, v in measured.items()})
     streams = {
         "sharegpt (fit)": generate(WorkloadSpec("sharegpt", args.requests, seed=1)),
         "lognormal (check)": generate(WorkloadSpec("lognormal", args.requests, seed=2)),
@@ -86,10 +104,17 @@ def main() -> None:
     roofline = build_cost(sim_args, model)
     samples = [(StepFeatures(**{k: v for k, v in s.items() if k != "seconds"}), s["seconds"])
                for s in real[fit_name]["steps"]]
-    fitted = fit_roofline_overheads(roofline, samples)
-    print(f"roofline overheads fitted on {fit_name}: {fitted.step_overhead * 1e3:.2f} ms/step + "
-          f"{fitted.seq_overhead * 1e3:.3f} ms/seq (defaults: {roofline.machine.step_overhead * 1e3:.2f} + "
-          f"{roofline.machine.seq_overhead * 1e3:.3f})")
+    # The rates measured above (where measured) with the two overheads fitted to the recorded steps: what the
+    # defaults in kvpage.sim.cost.MachineSpec should say for this machine.
+    rates = {"gemm_flops": measured["gemm_bf16_tflops"] * 1e12, "copy_bandwidth": measured["read_gb_s"] * 1e9}
+    if "kv_read_gb_s" in measured:
+        rates["mem_bandwidth"] = measured["kv_read_gb_s"] * 1e9
+    fitted = fit_roofline_overheads(RooflineCost(model, replace(roofline.machine, **rates), roofline.block_size),
+                                    samples)
+    print(f"measured rates + overheads fitted on {fit_name} (refit): GEMM {fitted.gemm_flops / 1e12:.2f} TFLOP/s, "
+          f"KV read {fitted.mem_bandwidth / 1e9:.1f} GB/s, weights {fitted.copy_bandwidth / 1e9:.1f} GB/s, "
+          f"{fitted.step_overhead * 1e3:.2f} ms/step + {fitted.seq_overhead * 1e3:.3f} ms/seq; defaults: "
+          f"{roofline.describe()}")
     refit = RooflineCost(model, fitted, roofline.block_size)
     print(f"\n{'stream':<18} {'model':<10} {'makespan s':>10} {'tok/s':>8} {'steps':>6} {'preempt':>7} {'error':>7}")
     for name, reqs in streams.items():

@@ -183,7 +183,9 @@ def test_step_features_of_a_scheduled_step():
 
 
 def test_roofline_phases_decode_reads_kv_prefill_computes():
-    cost = RooflineCost(SMOL)
+    hw = MachineSpec(gemm_flops=1e12, mem_bandwidth=11.6e9, copy_bandwidth=24e9, step_overhead=18e-3,
+                     seq_overhead=1.9e-4)
+    cost = RooflineCost(SMOL, hw)
     decode = cost.parts(StepFeatures(num_seqs=16, num_tokens=16, context_tokens=16 * 500, attn_pairs=16 * 500,
                                      logit_rows=16))
     # attention is bound by reading 16 x 500 tokens of KV; the linear layers by streaming the weights

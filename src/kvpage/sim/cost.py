@@ -90,16 +90,18 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class MachineSpec:
-    """Measured on the project machine (2-vCPU Xeon, AVX512_BF16/AMX, torch 2.13 CPU), see BENCHMARKS.md:
-    bf16 GEMM ~1.0 TFLOP/s at 256-row batches (fp32 ~0.3), KV read by the attention kernel ~11.6 GB/s,
-    weights streamed at copy bandwidth ~24 GB/s. The two overheads are fitted by
-    ``benchmarks/sim_calibration.py`` (``fit_roofline_overheads``) on a real run here."""
+    """Measured on the project machine (2-vCPU Xeon, AVX512_BF16/AMX, torch 2.13 CPU) by
+    ``benchmarks/sim_calibration.py`` from the engine's own kernels, see BENCHMARKS.md: bf16 projection GEMM
+    (AMX tiles) ~1.8 TFLOP/s at a 256-row batch, KV read by the paged decode kernel ~16.9 GB/s, weights
+    streamed at read bandwidth ~25 GB/s. The two overheads (per-step Python work and the small per-layer ops:
+    slot writes, norms, rotary; per-sequence sampling and outputs) are fitted by the same script
+    (``fit_roofline_overheads``) on a real run here with those rates."""
 
-    gemm_flops: float = 1.0e12
-    mem_bandwidth: float = 11.6e9  # KV reads in attention
-    copy_bandwidth: float = 24e9  # weight streaming, swap and copy-on-write copies
-    step_overhead: float = 18e-3  # seconds per step: scheduling, batch preparation, launch
-    seq_overhead: float = 1.9e-4  # seconds per scheduled sequence: metadata, sampling, detokenizing, outputs
+    gemm_flops: float = 1.8e12
+    mem_bandwidth: float = 16.9e9  # KV reads in attention
+    copy_bandwidth: float = 25e9  # weight streaming, swap and copy-on-write copies
+    step_overhead: float = 9.4e-3  # seconds per step: scheduling, batch preparation, per-layer small ops
+    seq_overhead: float = 1.95e-4  # seconds per scheduled sequence: metadata, sampling, detokenizing, outputs
 
 
 @dataclass(frozen=True)
