@@ -3,7 +3,8 @@
 The budget holds exactly --static-slots reservations of max_model_len (default 16 x 2048 tokens). Both runs use
 the same engine, model, scheduler and ShareGPT-like requests; only the KV policy differs. Reported: peak and
 mean concurrency (running sequences per step), throughput, and KV utilization (live tokens / allocated slots)
-sampled at every step.
+sampled at every step. Both runs fault the pool's pages in at startup (``kv_prefault``, as
+benchmarks/throughput.py does and as vLLM zero-fills its cache); KVPAGE_BENCH_PREFAULT=0 turns that off.
 
 Targets (issue #5): concurrency >= 3x, throughput >= 2x, paged utilization >= 97%.
 
@@ -38,7 +39,7 @@ def workload(n: int, max_len: int, vocab: int, seed: int = 0) -> list[tuple[list
 
 def run(policy: str, reqs, budget: int, max_len: int) -> dict:
     llm = LLM(kv_cache_memory=budget, max_model_len=max_len, kv_policy=policy, max_num_seqs=256,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_prefault=os.environ.get("KVPAGE_BENCH_PREFAULT", "1") != "0")
     eng = llm.engine
     eng.add_request("warm", reqs[0][0][:8], SamplingParams(temperature=0, max_tokens=2))
     while eng.has_unfinished_requests():
