@@ -4,12 +4,14 @@ copy-on-write forks and swapping."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from kvpage.kv import KVSequence
 from kvpage.worker.model_runner import ScheduledSeq
-from tests.conftest import MAX_NEW
+from tests.conftest import MAX_NEW, amx_ops
 from tests.paged_driver import PagedGreedy, generate
 
 
@@ -154,3 +156,73 @@ def test_bf16_paths_without_amx_compute_the_same_function(smol_fp32, smol_bf16, 
     finally:
         for key in set(loader._LOADED) - before:  # keep the AMX-off model out of other tests
             loader._LOADED.pop(key)
+
+
+def _prompt_kernel_on(lm) -> None:
+    amx_ops("prefill_amx_available")
+    if not getattr(lm.model.layers[0].self_attn.backend, "amx_prefill", False):
+        pytest.skip("the prompt kernel is off (KVPAGE_AMX_PREFILL=0 or another attention backend)")
+
+
+def _last_logits(lm, seq: list[int], cuts: tuple[int, ...]) -> torch.Tensor:
+    """The logits after seq's last token, its prompt computed in chunks ending at `cuts` (and len(seq))."""
+    d = PagedGreedy(lm, block_size=16, num_blocks=64)
+    d.m.allocate_slots(KVSequence("x", seq), len(seq))
+    table = d.m.block_table("x")
+    bounds = (0, *cuts, len(seq))
+    for a, b in itertools.pairwise(bounds):
+        out = d.runner.execute([ScheduledSeq("x", seq[a:b], a, table, need_logits=b == len(seq))])
+    return out["x"]
+
+
+def test_bf16_prompt_chunks_after_cached_keys_are_bit_exact(smol_bf16, prompts):
+    """In bf16 the projections of >= 5 rows give a row the same bits whatever its batch, and every prompt chunk
+    of >= 64 tokens, after cached keys or not, goes through the same prompt kernel with the same per-row order
+    of sums: a prompt computed in chunks ends in the very logits of the prompt computed at once (the last
+    row's logits depend on every earlier key and value of every layer)."""
+    _prompt_kernel_on(smol_bf16)
+    seq = (prompts["long"] * 2)[:330]
+    whole = _last_logits(smol_bf16, seq, ())
+    assert torch.equal(_last_logits(smol_bf16, seq, (128, 192)), whole)
+    assert torch.equal(_last_logits(smol_bf16, seq, (100, 237)), whole)  # cached prefixes off the 16-key grid
+
+
+def _mixed_step(lm, prompts):
+    """One step holding a prompt chunk after cached keys (a), a decode (b) and a fresh prompt (c), in that
+    scheduler order; returns each sequence's logits."""
+    a = (prompts["long"] * 2)[:200]  # 100 cached + a 100-token chunk
+    b = prompts["story"] + [13]  # a decode after its prompt
+    c = (prompts["long"] * 2)[5:105]  # a fresh 100-token prompt
+    d = PagedGreedy(lm, block_size=16, num_blocks=128)
+    for sid, s in (("a", a), ("b", b), ("c", c)):
+        d.m.allocate_slots(KVSequence(sid, s), len(s))
+    tab = {sid: d.m.block_table(sid) for sid in "abc"}
+    d.runner.execute([ScheduledSeq("a", a[:100], 0, tab["a"]), ScheduledSeq("b", b[:-1], 0, tab["b"])])
+    got = d.runner.execute([ScheduledSeq("a", a[100:], 100, tab["a"], need_logits=True),
+                            ScheduledSeq("b", b[-1:], len(b) - 1, tab["b"], need_logits=True),
+                            ScheduledSeq("c", c, 0, tab["c"], need_logits=True)])
+    return got, a, b, c
+
+
+def test_bf16_step_mixing_decode_cached_chunk_and_fresh_prompt(smol_bf16, prompts):
+    """The runner regroups a mixed step for the kernels and every sequence gets its own logits back: a and c
+    bit-equal to their prompts computed at once (the same prompt kernel)."""
+    _prompt_kernel_on(smol_bf16)
+    got, a, b, c = _mixed_step(smol_bf16, prompts)
+    assert torch.equal(got["a"], _last_logits(smol_bf16, a, ()))
+    assert torch.equal(got["c"], _last_logits(smol_bf16, c, ()))
+    # b alone decodes one row, which takes the few-row projections (another rounding): close, same argmax
+    alone = _last_logits(smol_bf16, b, (len(b) - 1,))
+    assert got["b"].argmax() == alone.argmax() and (got["b"] - alone).abs().max() < 1.0
+
+
+def test_bf16_mixed_step_without_the_prompt_kernel(smol_bf16, prompts, monkeypatch):
+    """Without the prompt kernel the chunk after cached keys goes to the paged kernel over its own slice of the
+    batch (rows after the decode's): the same logits as that chunk computed in a step of its own."""
+    backend = smol_bf16.model.layers[0].self_attn.backend
+    if not hasattr(backend, "amx_prefill"):
+        pytest.skip("needs the compiled CPU attention backend")
+    monkeypatch.setattr(backend, "amx_prefill", False)
+    got, a, _, c = _mixed_step(smol_bf16, prompts)
+    assert torch.equal(got["a"], _last_logits(smol_bf16, a, (100,)))
+    assert torch.equal(got["c"], _last_logits(smol_bf16, c, ()))

@@ -69,3 +69,94 @@ def test_refuses_bad_input():
         ops.prefill_attention(q[:, :3], k, v, out[:, :3], starts, [20], 0.125)
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.prefill_attention(q.float(), k, v, out, starts, [20], 0.125)
+
+
+def _paged_case(heads, kv_heads, chunks, seed, block_size=16):
+    """A packed bf16 cache holding, per sequence, `cached + n` keys in randomly placed blocks, every other slot
+    NaN; queries for its last n positions at scattered rows of one step's batch."""
+    from kvpage.attention.backends.cpu_kernels import pack_kv_rows
+
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // block_size) + 1 for c, n in chunks]  # one spare block per sequence (never read)
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    rows = torch.full((2, num_blocks, block_size, kv_heads, 64), float("nan"), dtype=torch.bfloat16)
+    tables = torch.zeros(len(chunks), max(need), dtype=torch.long)
+    keys, values, used = [], [], 0
+    for i, (c, n) in enumerate(chunks):
+        tables[i, : need[i]] = perm[used : used + need[i]]
+        used += need[i]
+        k = (torch.randn(c + n, kv_heads, 64, generator=g) * 2).bfloat16()
+        v = (torch.randn(c + n, kv_heads, 64, generator=g) * 2).bfloat16()
+        for pos in range(c + n):
+            blk, off = tables[i, pos // block_size], pos % block_size
+            rows[0, blk, off], rows[1, blk, off] = k[pos], v[pos]
+        keys.append(k)
+        values.append(v)
+    starts, pos = [], 2
+    for _, n in chunks:
+        starts.append(pos)
+        pos += n + 2
+    q = (torch.randn(pos, heads, 64, generator=g) * 2).bfloat16()
+    return q, pack_kv_rows(rows), tables, starts, keys, values
+
+
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(9, 3, 16), (4, 4, 32), (8, 2, 16), (6, 1, 64)])
+def test_paged_chunks_after_cached_keys_match_float32(heads, kv_heads, block_size):
+    """Chunks after cached prefixes of any alignment (and c = 0, a fresh prompt read from the cache) against
+    float32 attention of the chunk's queries over all its keys; the cache's never-written slots are NaN."""
+    ops = _ops()
+    chunks = [(0, 40), (5, 1), (16, 16), (37, 70), (249, 130), (3, 257), (100, 15)]
+    q, cache, tables, starts, keys, values = _paged_case(heads, kv_heads, chunks, seed=heads + block_size,
+                                                         block_size=block_size)
+    out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
+    ops.prefill_attention_paged(q, cache, tables, out, starts, [n for _, n in chunks], [c + n for c, n in chunks],
+                                list(range(len(chunks))), 0.125)
+    covered = torch.zeros(q.shape[0], dtype=torch.bool)
+    for i, (c, n) in enumerate(chunks):
+        sl = slice(starts[i], starts[i] + n)
+        mask = torch.arange(c + n)[None, :] <= (c + torch.arange(n))[:, None]  # query r sees keys 0 .. c + r
+        ref = F.scaled_dot_product_attention(q[sl].transpose(0, 1)[None].float(),
+                                             keys[i].transpose(0, 1)[None].float(),
+                                             values[i].transpose(0, 1)[None].float(), attn_mask=mask, scale=0.125,
+                                             enable_gqa=True)[0].transpose(0, 1)
+        assert torch.isfinite(out[sl].float()).all(), (c, n)
+        assert (out[sl].float() - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (c, n)
+        covered[sl] = True
+    assert (out[~covered] == 7.0).all()
+
+
+def test_paged_fresh_prompt_equals_rows_kernel():
+    """c = 0 read from the cache is the same computation as the rows kernel: bit-equal outputs."""
+    ops = _ops()
+    chunks = [(0, 33), (0, 200)]
+    q, cache, tables, starts, keys, values = _paged_case(9, 3, chunks, seed=5)
+    a = torch.zeros(q.shape, dtype=torch.bfloat16)
+    ops.prefill_attention_paged(q, cache, tables, a, starts, [33, 200], [33, 200], [0, 1], 0.125)
+    k = torch.zeros(q.shape[0], 3, 64, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    for i, (_, n) in enumerate(chunks):
+        k[starts[i] : starts[i] + n], v[starts[i] : starts[i] + n] = keys[i], values[i]
+    b = torch.zeros(q.shape, dtype=torch.bfloat16)
+    ops.prefill_attention(q, k, v, b, starts, [33, 200], 0.125)
+    assert torch.equal(a, b)
+
+
+def test_paged_refuses_bad_input():
+    ops = _ops()
+    q, cache, tables, starts, _, _ = _paged_case(4, 2, [(10, 20)], seed=2)
+    out = torch.zeros(q.shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fewer keys"):
+        ops.prefill_attention_paged(q, cache, tables, out, starts, [20], [19], [0], 0.125)
+    with pytest.raises(RuntimeError, match="no block table row"):
+        ops.prefill_attention_paged(q, cache, tables, out, starts, [20], [30], [1], 0.125)
+    with pytest.raises(RuntimeError, match="more blocks"):
+        ops.prefill_attention_paged(q, cache, tables, out, starts, [20], [30 + 16 * tables.shape[1]], [0], 0.125)
+    bad = tables.clone()
+    bad[0, 0] = cache.shape[1]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.prefill_attention_paged(q, cache, bad, out, starts, [20], [30], [0], 0.125)
+    with pytest.raises(RuntimeError, match="outside the batch"):
+        ops.prefill_attention_paged(q, cache, tables, out, [q.shape[0] - 5], [20], [30], [0], 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.prefill_attention_paged(q, cache.float(), tables, out, starts, [20], [30], [0], 0.125)

@@ -23,11 +23,14 @@ class AttentionMetadata:
     # Python copies of the small per-sequence arrays, so CPU backends do not convert tensors every layer.
     query_lens_list: list[int]
     seq_lens_list: list[int]
-    # Split for backends that hand fresh prompts (no cached prefix) to a dense kernel: the first
-    # ``paged_seqs`` sequences (rows [0, paged_rows)) go through the paged kernel; each (start, length) in
-    # ``fresh_prefills`` is a whole prompt with nothing cached before it. The runner orders the batch so.
+    # Split for backends that hand long prompt work to a prompt kernel: the first ``paged_seqs`` sequences
+    # (rows [0, paged_rows)) are decodes and short chunks for the paged kernel; then come ``cached_prefills``,
+    # prompt chunks after cached keys (sequences paged_seqs .. paged_seqs + len - 1, each (start row, length)),
+    # then ``fresh_prefills``, whole prompts with nothing cached before them (the sequences after those, each
+    # (start row, length)). The runner orders the batch so.
     paged_seqs: int = -1  # -1: every sequence is paged work
     paged_rows: int = -1
+    cached_prefills: tuple[tuple[int, int], ...] = ()
     fresh_prefills: tuple[tuple[int, int], ...] = ()
 
     @property

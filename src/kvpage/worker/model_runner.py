@@ -11,7 +11,10 @@ from kvpage.attention.metadata import AttentionMetadata
 from kvpage.model.llama import LlamaForCausalLM
 from kvpage.worker.kv_cache import KVCache
 
-FRESH_PREFILL_MIN = 64  # prompts at least this long with nothing cached go to dense causal attention
+# Prompt chunks at least this long (fresh, or after cached keys) are grouped for a backend's prompt kernel; a
+# backend may ask for another threshold (``prefill_min``): the AMX prompt kernel beats the paged one from ~8
+# query rows on (benchmarks/prefill.py), the SDPA fallback, one call per prompt, only from longer prompts.
+PREFILL_KERNEL_MIN = 64
 
 
 @dataclass
@@ -79,15 +82,19 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        self.prefill_min = getattr(model.layers[0].self_attn.backend, "prefill_min", PREFILL_KERNEL_MIN)
 
     def prepare(self, batch: Sequence[ScheduledSeq]) -> PreparedBatch:
         if not batch:
             raise ValueError("empty batch")
-        # Paged work first, then long fresh prompts (dense attention needs no cache reads for them).
-        fresh = [s for s in batch if s.start_pos == 0 and len(s.token_ids) >= FRESH_PREFILL_MIN]
-        if fresh:
-            ids_fresh = {id(s) for s in fresh}
-            batch = [s for s in batch if id(s) not in ids_fresh] + fresh
+        # Paged work first, then long prompt chunks after cached keys, then long fresh prompts (backends with a
+        # prompt kernel take the last two groups, see AttentionMetadata).
+        long = [s for s in batch if len(s.token_ids) >= self.prefill_min]
+        cached = [s for s in long if s.start_pos > 0]
+        fresh = [s for s in long if s.start_pos == 0]
+        if long:
+            ids_long = {id(s) for s in long}
+            batch = [s for s in batch if id(s) not in ids_long] + cached + fresh
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -126,7 +133,8 @@ class ModelRunner:
             row = list(s.block_table[: -(-end // bs)])
             padded.append(row + [0] * (max_blocks - len(row)))
         tables = torch.tensor(padded, dtype=torch.long).reshape(len(batch), max_blocks)
-        n_paged = len(batch) - len(fresh)
+        n_paged = len(batch) - len(long)
+        n_cached = n_paged + len(cached)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_tables=tables,
@@ -137,7 +145,8 @@ class ModelRunner:
             seq_lens_list=seq_lens,
             paged_seqs=n_paged,
             paged_rows=qsl[n_paged],
-            fresh_prefills=tuple((qsl[i], query_lens[i]) for i in range(n_paged, len(batch))),
+            cached_prefills=tuple((qsl[i], query_lens[i]) for i in range(n_paged, n_cached)),
+            fresh_prefills=tuple((qsl[i], query_lens[i]) for i in range(n_cached, len(batch))),
         )
         return PreparedBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
                              torch.tensor(rows, dtype=torch.long), slices)

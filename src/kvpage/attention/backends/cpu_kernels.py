@@ -102,6 +102,9 @@ class CpuPagedAttention:
         # Fresh prompts with AMX tile products where the CPU has them (1.6-2.5x torch's SDPA at 64-1000
         # tokens); KVPAGE_AMX_PREFILL=0 keeps SDPA (side-by-side measurements).
         self.amx_prefill = os.environ.get("KVPAGE_AMX_PREFILL", "1") != "0" and self.ops.prefill_amx_available()
+        # Query rows from which a prompt chunk is worth the prompt kernel (the runner groups those chunks): the
+        # AMX one is 1.7-2.8x the paged kernel at 16 rows after 500-2000 cached keys, and at par near 8.
+        self.prefill_min = 16 if self.amx_prefill else 64
 
     def packed_layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether a cache written and read with activations of `dtype` holds the packed layout: decided by the
@@ -113,7 +116,7 @@ class CpuPagedAttention:
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         packed = self.packed_layout(kv_cache, query.dtype)
         self.ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping, packed)
-        if not meta.fresh_prefills:
+        if not meta.fresh_prefills and not meta.cached_prefills:
             return self.ops.paged_attention(query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                             scale, PARTITION_SIZE, packed)
         out = torch.empty(query.shape, dtype=query.dtype)
@@ -122,6 +125,24 @@ class CpuPagedAttention:
             out[:nr] = self.ops.paged_attention(query[:nr], kv_cache, meta.block_tables[:ns],
                                                 meta.query_start_loc[: ns + 1], meta.seq_lens[:ns], scale,
                                                 PARTITION_SIZE, packed)
+        prompts = meta.cached_prefills + meta.fresh_prefills
+        if self.amx_prefill and packed and query.shape[2] == 64:
+            # every long prompt chunk, cached prefix or not, in one call reading its keys from the cache
+            # (written just above): csrc/prefill_amx.cpp
+            seqs = range(ns, ns + len(prompts))
+            self.ops.prefill_attention_paged(query, kv_cache, meta.block_tables, out, [s for s, _ in prompts],
+                                             [n for _, n in prompts], [meta.seq_lens_list[i] for i in seqs],
+                                             list(seqs), scale)
+            return out
+        if meta.cached_prefills:  # chunks after cached keys: the paged kernel over their slice of the batch
+            nc = len(meta.cached_prefills)
+            r0 = meta.cached_prefills[0][0]
+            r1 = meta.cached_prefills[-1][0] + meta.cached_prefills[-1][1]
+            out[r0:r1] = self.ops.paged_attention(query[r0:r1], kv_cache, meta.block_tables[ns : ns + nc],
+                                                  meta.query_start_loc[ns : ns + nc + 1] - r0,
+                                                  meta.seq_lens[ns : ns + nc], scale, PARTITION_SIZE, packed)
+        if not meta.fresh_prefills:
+            return out
         if self.amx_prefill and query.dtype == key.dtype == value.dtype == torch.bfloat16 and query.shape[2] == 64:
             # whole prompts, nothing cached: one call for all of them (csrc/prefill_amx.cpp)
             starts = [start for start, _ in meta.fresh_prefills]
