@@ -5,6 +5,10 @@ SmolLM2's shape (9 query heads over 3 KV heads, head size 64), bf16, one prompt 
 one call for a step's worth of ShareGPT-like prompts (lognormal lengths, median ~160, capped at 1024, as in
 benchmarks/throughput.py); medians of alternating rounds.
 
+Second table: prompt chunks after cached keys (a prefix-cache hit, or the later chunks of a chunked prefill),
+their keys in the packed paged cache (16-token blocks, randomly placed): the paged kernel (paged_attention,
+which served them before) vs the prompt kernel reading the cache (prefill_attention_paged).
+
     python benchmarks/prefill.py [--lengths 64 160 220 400 1000] [--rounds 15]
 """
 
@@ -21,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvpage.attention.backends.cpu_kernels import load_kernels
+from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, load_kernels, pack_kv_rows
 
 HEADS, KV_HEADS, D = 9, 3, 64
 
@@ -81,6 +85,46 @@ def main() -> None:
         a, b = statistics.median(a_times), statistics.median(b_times)
         flops = sum(2 * 2 * HEADS * D * n * (n + 1) / 2 for n in lengths)  # causal q.k and p.v
         print(f"| {name} | {a * 1e6:.0f} | {b * 1e6:.0f} | {a / b:.2f}x | {flops / b / 1e12:.2f} |", flush=True)
+    chunks_after_cached_keys(ops, args.rounds)
+
+
+def chunks_after_cached_keys(ops, rounds: int) -> None:
+    print("\n| cached keys | chunk tokens | paged_attention (us) | prefill_attention_paged (us) "
+          "| paged / prompt kernel | prompt kernel TFLOP/s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    g = torch.Generator().manual_seed(0)
+    for cached, n in [(500, 8), (500, 16), (2000, 16), (500, 64), (160, 160), (1000, 200), (249, 725), (2048, 2048)]:
+        ctx, bs = cached + n, 16
+        nblk = -(-ctx // bs)
+        perm = torch.randperm(nblk, generator=g)
+        rows = torch.randn(2, nblk, bs, KV_HEADS, D, generator=g).bfloat16()
+        cache = torch.empty_like(rows)
+        cache[:, perm] = rows
+        cache = pack_kv_rows(cache)
+        table = perm.view(1, nblk)
+        q = torch.randn(n, HEADS, D, generator=g).bfloat16()
+        out = torch.empty_like(q)
+        qsl, lens = torch.tensor([0, n]), torch.tensor([ctx])
+
+        def paged(q=q, cache=cache, table=table, qsl=qsl, lens=lens) -> float:
+            t = time.perf_counter()
+            ops.paged_attention(q, cache, table, qsl, lens, D**-0.5, PARTITION_SIZE, True)
+            return time.perf_counter() - t
+
+        def prompt(q=q, cache=cache, table=table, out=out, n=n, ctx=ctx) -> float:
+            t = time.perf_counter()
+            ops.prefill_attention_paged(q, cache, table, out, [0], [n], [ctx], [0], D**-0.5)
+            return time.perf_counter() - t
+
+        for _ in range(2):
+            paged(), prompt()
+        a_times, b_times = [], []
+        for _ in range(rounds):
+            a_times.append(paged())
+            b_times.append(prompt())
+        a, b = statistics.median(a_times), statistics.median(b_times)
+        flops = 2 * 2 * HEADS * D * (n * cached + n * (n + 1) / 2)
+        print(f"| {cached} | {n} | {a * 1e6:.0f} | {b * 1e6:.0f} | {a / b:.2f}x | {flops / b / 1e12:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -102,9 +102,12 @@ class CpuPagedAttention:
         # Fresh prompts with AMX tile products where the CPU has them (1.6-2.5x torch's SDPA at 64-1000
         # tokens); KVPAGE_AMX_PREFILL=0 keeps SDPA (side-by-side measurements).
         self.amx_prefill = os.environ.get("KVPAGE_AMX_PREFILL", "1") != "0" and self.ops.prefill_amx_available()
+        # Prompt chunks after cached keys on that kernel too, reading the packed cache; KVPAGE_PREFILL_CACHED=0
+        # sends them to the paged kernel as before (side-by-side measurements, benchmarks/long_prompt.py).
+        self.prefill_cached = self.amx_prefill and os.environ.get("KVPAGE_PREFILL_CACHED", "1") != "0"
         # Query rows from which a prompt chunk is worth the prompt kernel (the runner groups those chunks): the
-        # AMX one is 1.7-2.8x the paged kernel at 16 rows after 500-2000 cached keys, and at par near 8.
-        self.prefill_min = 16 if self.amx_prefill else 64
+        # AMX one is 1.7-3x the paged kernel at 16 rows after 500-2000 cached keys, and at par near 8.
+        self.prefill_min = 16 if self.prefill_cached else 64
 
     def packed_layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether a cache written and read with activations of `dtype` holds the packed layout: decided by the
@@ -126,7 +129,7 @@ class CpuPagedAttention:
                                                 meta.query_start_loc[: ns + 1], meta.seq_lens[:ns], scale,
                                                 PARTITION_SIZE, packed)
         prompts = meta.cached_prefills + meta.fresh_prefills
-        if self.amx_prefill and packed and query.shape[2] == 64:
+        if self.prefill_cached and packed and query.shape[2] == 64:
             # every long prompt chunk, cached prefix or not, in one call reading its keys from the cache
             # (written just above): csrc/prefill_amx.cpp
             seqs = range(ns, ns + len(prompts))
