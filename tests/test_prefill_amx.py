@@ -101,17 +101,19 @@ def _paged_case(heads, kv_heads, chunks, seed, block_size=16):
     return q, pack_kv_rows(rows), tables, starts, keys, values
 
 
-@pytest.mark.parametrize("heads,kv_heads,block_size", [(9, 3, 16), (4, 4, 32), (8, 2, 16), (6, 1, 64)])
-def test_paged_chunks_after_cached_keys_match_float32(heads, kv_heads, block_size):
+@pytest.mark.parametrize("heads,kv_heads,block_size,scratch", [(9, 3, 16, 64 << 20), (4, 4, 32, 64 << 20),
+                                                                  (8, 2, 16, 1), (6, 1, 64, 100_000)])
+def test_paged_chunks_after_cached_keys_match_float32(heads, kv_heads, block_size, scratch):
     """Chunks after cached prefixes of any alignment (and c = 0, a fresh prompt read from the cache) against
-    float32 attention of the chunk's queries over all its keys; the cache's never-written slots are NaN."""
+    float32 attention of the chunk's queries over all its keys; the cache's never-written slots are NaN. A
+    small scratch bound splits the prompts into groups (1 byte: one prompt per group)."""
     ops = _ops()
     chunks = [(0, 40), (5, 1), (16, 16), (37, 70), (249, 130), (3, 257), (100, 15)]
     q, cache, tables, starts, keys, values = _paged_case(heads, kv_heads, chunks, seed=heads + block_size,
                                                          block_size=block_size)
     out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
     ops.prefill_attention_paged(q, cache, tables, out, starts, [n for _, n in chunks], [c + n for c, n in chunks],
-                                list(range(len(chunks))), 0.125)
+                                list(range(len(chunks))), 0.125, scratch)
     covered = torch.zeros(q.shape[0], dtype=torch.bool)
     for i, (c, n) in enumerate(chunks):
         sl = slice(starts[i], starts[i] + n)

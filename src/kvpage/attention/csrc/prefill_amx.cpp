@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -66,16 +67,17 @@ void pack_head(const at::BFloat16* key, int64_t sk, const at::BFloat16* value, i
 
 // Packs KV head h of a prompt's keys 0 .. p.keys() - 1 from the packed cache (packed_kv.h) into the same
 // scratch order as pack_head: a K group is the scratch's 16-key block as it is; a V group is half of a 32-key
-// block. The V of slots past the last key is zeroed (a never-written slot may hold NaN, which a zero weight
-// would not cancel); K there is never used (its scores are masked out of the softmax).
+// block. Every V slot past the last key is zeroed (a never-written cache slot, or the uninitialized scratch,
+// may hold NaN, which a zero weight would not cancel); K there is never used (its scores are masked out of
+// the softmax).
 void pack_head_cached(const at::BFloat16* kcache, const at::BFloat16* vcache, const int64_t* table,
                       int64_t block_size, int64_t kv_heads, int64_t h, const Prompt& p, at::BFloat16* kp,
                       at::BFloat16* vp) {
-  const int64_t L = p.keys(), group = 16 * kD;
-  for (int64_t g = 0; g * 16 < L; ++g) {
+  const int64_t L = p.keys(), group = 16 * kD, groups = (L + 15) / 16;
+  for (int64_t g = 0; g < groups; ++g) {
     const int64_t pos = g * 16;
-    const int64_t base = kvpage::packed_group_offset(table[pos / block_size], pos % block_size, block_size, kv_heads, kD) +
-                       h * group;
+    const int64_t base =
+        kvpage::packed_group_offset(table[pos / block_size], pos % block_size, block_size, kv_heads, kD) + h * group;
     std::memcpy(kp + g * group, kcache + base, group * sizeof(at::BFloat16));
     at::BFloat16* vdst = vp + (g / 2) * 32 * kD + (g % 2) * 8 * 2 * kD;
     if (L - pos >= 16)
@@ -83,6 +85,8 @@ void pack_head_cached(const at::BFloat16* kcache, const at::BFloat16* vcache, co
     else
       kvpage::stage_value_group<kD>(vcache + base, L - pos, vdst);
   }
+  if (groups % 2 == 1)  // the last 32-key V block's second half holds no key (the scratch is not zeroed)
+    std::memset(vp + groups * group, 0, group * sizeof(at::BFloat16));
 }
 
 // Scores of NB consecutive 16-key blocks (K operands from k0 on) against the Q tiles 4/5, into tiles 0..NB-1,
@@ -319,7 +323,7 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, con
 void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv_cache,
                              const torch::Tensor& block_tables, torch::Tensor& out, const std::vector<int64_t>& starts,
                              const std::vector<int64_t>& lengths, const std::vector<int64_t>& seq_lens,
-                             const std::vector<int64_t>& seqs, double scale) {
+                             const std::vector<int64_t>& seqs, double scale, int64_t max_scratch_bytes) {
   check_query_out(query, out, scale);
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == at::kBFloat16 &&
                   kv_cache.is_contiguous(),
@@ -350,24 +354,37 @@ void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv
     }
     if (lengths[i] > 0) prompts.push_back({starts[i], lengths[i], seq_lens[i] - lengths[i], 0, 0, seqs[i]});
   }
-  if (prompts.empty()) return;
-  int64_t k_total, v_total;
-  place_scratch(prompts, KVH, &k_total, &v_total);
-  std::vector<at::BFloat16> kpack(k_total), vpack(v_total);
   const auto* kcache = kv_cache.data_ptr<at::BFloat16>();
   const auto* vcache = kcache + num_blocks * bs * KVH * kD;
-  const int64_t P = static_cast<int64_t>(prompts.size());
-  at::parallel_for(0, P * KVH, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const Prompt& p = prompts[i / KVH];
-      const int64_t h = i % KVH;
-      pack_head_cached(kcache, vcache, tables + p.seq * max_blocks, bs, KVH, h, p,
-                       kpack.data() + p.k_off + h * k_slots(p.keys()) * kD,
-                       vpack.data() + p.v_off + h * v_slots(p.keys()) * kD);
-    }
-  });
-  attend_prompts(prompts, kpack.data(), vpack.data(), query.data_ptr<at::BFloat16>(), query.stride(0),
-                 out.data_ptr<at::BFloat16>(), out.stride(0), H, H / KVH, scale);
+  // Prompts in groups whose copied keys fit max_scratch_bytes (many chunks after long cached prefixes in one
+  // step would otherwise copy the whole of their caches at once); a prompt larger than the bound is one group.
+  TORCH_CHECK(max_scratch_bytes > 0, "max_scratch_bytes must be positive");
+  for (size_t first = 0; first < prompts.size();) {
+    auto scratch_bytes = [&](const Prompt& p) { return KVH * (k_slots(p.keys()) + v_slots(p.keys())) * kD * 2; };
+    size_t last = first;
+    int64_t bytes = 0;
+    do {
+      bytes += scratch_bytes(prompts[last++]);
+    } while (last < prompts.size() && bytes + scratch_bytes(prompts[last]) <= max_scratch_bytes);
+    std::vector<Prompt> group(prompts.begin() + first, prompts.begin() + last);
+    first = last;
+    int64_t k_total, v_total;
+    place_scratch(group, KVH, &k_total, &v_total);
+    // not zeroed: pack_head_cached writes every K and V slot the products read
+    std::unique_ptr<at::BFloat16[]> kpack(new at::BFloat16[k_total]), vpack(new at::BFloat16[v_total]);
+    const int64_t P = static_cast<int64_t>(group.size());
+    at::parallel_for(0, P * KVH, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const Prompt& p = group[i / KVH];
+        const int64_t h = i % KVH;
+        pack_head_cached(kcache, vcache, tables + p.seq * max_blocks, bs, KVH, h, p,
+                         kpack.get() + p.k_off + h * k_slots(p.keys()) * kD,
+                         vpack.get() + p.v_off + h * v_slots(p.keys()) * kD);
+      }
+    });
+    attend_prompts(group, kpack.get(), vpack.get(), query.data_ptr<at::BFloat16>(), query.stride(0),
+                   out.data_ptr<at::BFloat16>(), out.stride(0), H, H / KVH, scale);
+  }
 #else
   (void)tables, (void)max_blocks, (void)num_blocks, (void)T, (void)starts, (void)lengths, (void)seq_lens, (void)seqs;
 #endif
@@ -386,5 +403,5 @@ void register_prefill_ops(pybind11::module& m) {
         "bf16 cache (head size 64) with AMX tiles, written into out",
         pybind11::arg("query"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"), pybind11::arg("out"),
         pybind11::arg("starts"), pybind11::arg("lengths"), pybind11::arg("seq_lens"), pybind11::arg("seqs"),
-        pybind11::arg("scale"));
+        pybind11::arg("scale"), pybind11::arg("max_scratch_bytes") = int64_t{64} << 20);
 }
