@@ -12,8 +12,8 @@ from kvpage.model.llama import LlamaForCausalLM
 from kvpage.worker.kv_cache import KVCache
 
 # Prompt chunks at least this long (fresh, or after cached keys) are grouped for a backend's prompt kernel; a
-# backend may ask for another threshold (``prefill_min``): the AMX prompt kernel beats the paged one from ~8
-# query rows on (benchmarks/prefill.py), the SDPA fallback, one call per prompt, only from longer prompts.
+# backend may ask for another threshold for its cache and dtype (``prefill_min``): the AMX prompt kernel over
+# the packed cache beats the paged one from ~8 query rows on (benchmarks/prefill.py).
 PREFILL_KERNEL_MIN = 64
 
 
@@ -82,7 +82,9 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
-        self.prefill_min = getattr(model.layers[0].self_attn.backend, "prefill_min", PREFILL_KERNEL_MIN)
+        backend = model.layers[0].self_attn.backend
+        self.prefill_min = (backend.prefill_min(kv_cache.layers[0], model.embed_tokens.weight.dtype)
+                            if hasattr(backend, "prefill_min") else PREFILL_KERNEL_MIN)
 
     def prepare(self, batch: Sequence[ScheduledSeq]) -> PreparedBatch:
         if not batch:

@@ -105,9 +105,6 @@ class CpuPagedAttention:
         # Prompt chunks after cached keys on that kernel too, reading the packed cache; KVPAGE_PREFILL_CACHED=0
         # sends them to the paged kernel as before (side-by-side measurements, benchmarks/long_prompt.py).
         self.prefill_cached = self.amx_prefill and os.environ.get("KVPAGE_PREFILL_CACHED", "1") != "0"
-        # Query rows from which a prompt chunk is worth the prompt kernel (the runner groups those chunks): the
-        # AMX one is 1.7-3x the paged kernel at 16 rows after 500-2000 cached keys, and at par near 8.
-        self.prefill_min = 16 if self.prefill_cached else 64
 
     def packed_layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether a cache written and read with activations of `dtype` holds the packed layout: decided by the
@@ -115,6 +112,13 @@ class CpuPagedAttention:
         _, _, block_size, _, head_dim = kv_cache.shape
         return (self.packed_ok and kv_cache.dtype == torch.bfloat16 and dtype == torch.bfloat16
                 and block_size % 16 == 0 and head_dim in (64, 128))
+
+    def prefill_min(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> int:
+        """Query rows from which the runner groups a prompt chunk for the prompt kernel: 16 where chunks read
+        the packed cache with AMX (1.7-3x the paged kernel at 16 rows after 500-2000 cached keys, at par near
+        8), else 64 (the paged kernel; SDPA, one call per prompt, for longer fresh prompts)."""
+        use = self.prefill_cached and self.packed_layout(kv_cache, dtype) and kv_cache.shape[4] == 64
+        return 16 if use else 64
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         packed = self.packed_layout(kv_cache, query.dtype)
