@@ -160,8 +160,9 @@ def test_bf16_paths_without_amx_compute_the_same_function(smol_fp32, smol_bf16, 
 
 def _prompt_kernel_on(lm) -> None:
     amx_ops("prefill_amx_available")
-    if not getattr(lm.model.layers[0].self_attn.backend, "amx_prefill", False):
-        pytest.skip("the prompt kernel is off (KVPAGE_AMX_PREFILL=0 or another attention backend)")
+    if not getattr(lm.model.layers[0].self_attn.backend, "prefill_cached", False):
+        pytest.skip("the cache-reading prompt kernel is off (KVPAGE_AMX_PREFILL=0, KVPAGE_PREFILL_CACHED=0 or "
+                    "another attention backend)")
 
 
 def _last_logits(lm, seq: list[int], cuts: tuple[int, ...]) -> torch.Tensor:
@@ -220,9 +221,10 @@ def test_bf16_mixed_step_without_the_prompt_kernel(smol_bf16, prompts, monkeypat
     """Without the prompt kernel the chunk after cached keys goes to the paged kernel over its own slice of the
     batch (rows after the decode's): the same logits as that chunk computed in a step of its own."""
     backend = smol_bf16.model.layers[0].self_attn.backend
-    if not hasattr(backend, "amx_prefill"):
+    if not hasattr(backend, "prefill_cached"):
         pytest.skip("needs the compiled CPU attention backend")
     monkeypatch.setattr(backend, "amx_prefill", False)
+    monkeypatch.setattr(backend, "prefill_cached", False)
     got, a, _, c = _mixed_step(smol_bf16, prompts)
     assert torch.equal(got["a"], _last_logits(smol_bf16, a, (100,)))
     assert torch.equal(got["c"], _last_logits(smol_bf16, c, ()))

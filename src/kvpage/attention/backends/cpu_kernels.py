@@ -113,12 +113,16 @@ class CpuPagedAttention:
         return (self.packed_ok and kv_cache.dtype == torch.bfloat16 and dtype == torch.bfloat16
                 and block_size % 16 == 0 and head_dim in (64, 128))
 
+    def prompts_read_cache(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether long prompt chunks over this cache (fresh or after cached keys) go to the AMX prompt kernel
+        that reads their keys from the packed cache (prefill_attention_paged)."""
+        return self.prefill_cached and self.packed_layout(kv_cache, dtype) and kv_cache.shape[4] == 64
+
     def prefill_min(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> int:
         """Query rows from which the runner groups a prompt chunk for the prompt kernel: 16 where chunks read
         the packed cache with AMX (1.7-3x the paged kernel at 16 rows after 500-2000 cached keys, at par near
         8), else 64 (the paged kernel; SDPA, one call per prompt, for longer fresh prompts)."""
-        use = self.prefill_cached and self.packed_layout(kv_cache, dtype) and kv_cache.shape[4] == 64
-        return 16 if use else 64
+        return 16 if self.prompts_read_cache(kv_cache, dtype) else 64
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         packed = self.packed_layout(kv_cache, query.dtype)
@@ -133,7 +137,7 @@ class CpuPagedAttention:
                                                 meta.query_start_loc[: ns + 1], meta.seq_lens[:ns], scale,
                                                 PARTITION_SIZE, packed)
         prompts = meta.cached_prefills + meta.fresh_prefills
-        if self.prefill_cached and packed and query.shape[2] == 64:
+        if self.prompts_read_cache(kv_cache, query.dtype):
             # every long prompt chunk, cached prefix or not, in one call reading its keys from the cache
             # (written just above): csrc/prefill_amx.cpp
             seqs = range(ns, ns + len(prompts))
