@@ -8,6 +8,12 @@ kernel's gated epilogue against oneDNN followed by silu_mul. PackedLinear uses t
 projection and for the lm head up to kvpage.model.llama.AMX_LOGITS_MAX_ROWS rows.
 
     python benchmarks/linear.py [--rows 1 8 16 32 64 128 256 512 1024 2048] [--rounds 7]
+
+--hot instead times the tile GEMM's 120-projection pass with the weights streaming from memory (cold) against
+layer 0's four projections each repeated 30 times (the same FLOPs, weights in cache: hot), so the difference
+is what the weights' read adds on top of the products.
+
+    python benchmarks/linear.py --hot [--rows 32 64 96 128 256]
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--hot", action="store_true", help="cold vs hot weights for the tile GEMM (see above)")
     args = ap.parse_args()
     ops = load_kernels()
     if ops is None or not ops.amx_linear_available():
@@ -51,6 +58,9 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; SmolLM2-135M-Instruct, {sum(w.numel() for w in layers) * 2 / 1e6:.0f} "
           f"MB of layer weights + {head[0].numel() * 2 / 1e6:.0f} MB lm head per pass")
+    if args.hot:
+        cold_vs_hot(ops, layers, gated, args.rows, args.rounds)
+        return
     print("| rows | layers oneDNN (ms) | layers amx (ms) | oneDNN / amx | amx TFLOP/s | lm head oneDNN (ms) | "
           "lm head amx (ms) | oneDNN / amx |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -86,6 +96,38 @@ def main() -> None:
         (la, lb, ltf), (ha, hb, _) = cells
         print(f"| {m} | {la * 1e3:.2f} | {lb * 1e3:.2f} | {la / lb:.2f}x | {ltf:.2f} | {ha * 1e3:.2f} | "
               f"{hb * 1e3:.2f} | {ha / hb:.2f}x |", flush=True)
+
+
+def cold_vs_hot(ops, layers, gated, rows: list[int], rounds: int) -> None:
+    packed = [ops.amx_pack_gate_up(w) if f else ops.amx_pack_weight(w) for w, f in zip(layers, gated, strict=True)]
+    flops = sum(2 * w.numel() for w in layers)
+    print("| rows | weights cold (ms) | TFLOP/s | weights hot (ms) | TFLOP/s | cold - hot (ms) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for m in rows:
+        g = torch.Generator().manual_seed(m)
+        inputs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {w.shape[1] for w in layers}}
+
+        def cold(m=m, inputs=inputs) -> float:
+            t = time.perf_counter()
+            for w, f, p in zip(layers, gated, packed, strict=True):
+                ops.amx_linear(inputs[w.shape[1]], p, None, f)
+            return time.perf_counter() - t
+
+        def hot(m=m, inputs=inputs) -> float:
+            t = time.perf_counter()
+            for w, f, p in zip(layers[:4], gated[:4], packed[:4], strict=True):
+                for _ in range(len(layers) // 4):
+                    ops.amx_linear(inputs[w.shape[1]], p, None, f)
+            return time.perf_counter() - t
+
+        cold(), hot()
+        c_times, h_times = [], []
+        for _ in range(rounds):
+            c_times.append(cold())
+            h_times.append(hot())
+        c, h = statistics.median(c_times), statistics.median(h_times)
+        print(f"| {m} | {c * 1e3:.2f} | {flops * m / c / 1e12:.2f} | {h * 1e3:.2f} | {flops * m / h / 1e12:.2f} | "
+              f"{(c - h) * 1e3:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

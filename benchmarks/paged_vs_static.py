@@ -8,7 +8,7 @@ benchmarks/throughput.py does and as vLLM zero-fills its cache); KVPAGE_BENCH_PR
 
 Targets (issue #5): concurrency >= 3x, throughput >= 2x, paged utilization >= 97%.
 
-    python benchmarks/paged_vs_static.py [--requests 256]
+    python benchmarks/paged_vs_static.py [--requests 256] [--phases]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def workload(n: int, max_len: int, vocab: int, seed: int = 0) -> list[tuple[list
     return out
 
 
-def run(policy: str, reqs, budget: int, max_len: int) -> dict:
+def run(policy: str, reqs, budget: int, max_len: int, phases: bool = False) -> dict:
     llm = LLM(kv_cache_memory=budget, max_model_len=max_len, kv_policy=policy, max_num_seqs=256,
               enable_prefix_caching=False, kv_prefault=os.environ.get("KVPAGE_BENCH_PREFAULT", "1") != "0")
     eng = llm.engine
@@ -47,6 +47,8 @@ def run(policy: str, reqs, budget: int, max_len: int) -> dict:
     for i, (prompt, out_len) in enumerate(reqs):
         eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     running, util = [], []
+    if phases:
+        eng.step_log = []  # per step: its shape (sequences, tokens, prompt tokens) and wall time
 
     def sample() -> None:
         s = eng.kv.stats()
@@ -57,7 +59,28 @@ def run(policy: str, reqs, budget: int, max_len: int) -> dict:
     tokens, dt = drive(eng, sample)
     return {"policy": policy, "num_blocks": eng.kv.num_blocks, "peak_running": max(running),
             "mean_running": statistics.mean(running), "tok_per_s": tokens / dt, "seconds": dt, "tokens": tokens,
-            "mean_kv_utilization": statistics.mean(util), "preemptions": eng.stats()["preemptions"]}
+            "mean_kv_utilization": statistics.mean(util), "preemptions": eng.stats()["preemptions"],
+            "steps": eng.step_log or []}
+
+
+def print_phases(r: dict) -> None:
+    """Where a run's time goes: its steps bucketed by sequences computing, decode-only vs with prompt tokens."""
+    print(f"\n{r['policy']}: {len(r['steps'])} steps, {sum(s['seconds'] for s in r['steps']):.1f} s")
+    print("| sequences | decode-only steps | their time | tokens / ms per step | steps with prompt tokens | "
+          "their time | tokens / ms per step |")
+    print("|---|---:|---:|---|---:|---:|---|")
+    for lo, hi in ((1, 16), (16, 32), (32, 64), (64, 96), (96, 1 << 30)):
+        cells = []
+        for prompt in (False, True):
+            sel = [s for s in r["steps"] if lo <= s["num_seqs"] < hi and (s["prefill_tokens"] > 0) == prompt]
+            if not sel:
+                cells.append("0 | | ")
+                continue
+            t = sum(s["seconds"] for s in sel)
+            cells.append(f"{len(sel)} | {t:.1f} s | {statistics.mean(s['num_tokens'] for s in sel):.0f} / "
+                         f"{t / len(sel) * 1e3:.1f}")
+        label = f"{lo}-{hi - 1}" if hi < 1 << 30 else f">= {lo}"
+        print(f"| {label} | {cells[0]} | {cells[1]} |")
 
 
 def main() -> None:
@@ -66,6 +89,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--static-slots", type=int, default=16, help="reservations the budget holds")
     ap.add_argument("--json")
+    ap.add_argument("--phases", action="store_true", help="also print each run's steps by size (step log)")
     args = ap.parse_args()
     probe = LLM(kv_cache_memory="64MiB", max_model_len=args.max_model_len)
     bpb = probe.engine.worker.bytes_per_block
@@ -74,8 +98,8 @@ def main() -> None:
     budget = blocks * bpb
     reqs = workload(args.requests, args.max_model_len, vocab)
     del probe
-    static = run("static", reqs, budget, args.max_model_len)
-    paged = run("paged", reqs, budget, args.max_model_len)
+    static = run("static", reqs, budget, args.max_model_len, args.phases)
+    paged = run("paged", reqs, budget, args.max_model_len, args.phases)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; SmolLM2-135M-Instruct, {args.requests} "
           f"ShareGPT-like requests, KV budget {blocks} blocks x 16 tokens = {args.static_slots} reservations of "
           f"{args.max_model_len}")
@@ -86,6 +110,9 @@ def main() -> None:
     print(f"  paged/static: peak concurrency {paged['peak_running'] / static['peak_running']:.2f}x, "
           f"mean concurrency {paged['mean_running'] / static['mean_running']:.2f}x, "
           f"throughput {paged['tok_per_s'] / static['tok_per_s']:.2f}x")
+    if args.phases:
+        for r in (static, paged):
+            print_phases(r)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"static": static, "paged": paged}, f, indent=2)
