@@ -26,6 +26,7 @@ from _common import median_seconds
 from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, CpuPagedAttention, load_kernels, pack_kv_rows
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
+from kvpage.worker.kv_cache import as_block_major
 from throughput import build_workload
 
 
@@ -88,7 +89,7 @@ def main() -> None:
         renumber = torch.randperm(nb, generator=gen)
         moved = torch.empty_like(rows)
         moved[:, renumber] = rows  # block i's data now lives at block renumber[i]: same attention, other places
-        layout = (lambda c: pack_kv_rows(c)) if packed else (lambda c: c.clone())
+        layout = (lambda c: as_block_major(pack_kv_rows(c))) if packed else as_block_major  # the engine's storage
         caches = {"built": [layout(rows) for _ in range(6)], "shuffled": [layout(moved) for _ in range(6)]}
         del rows, moved
         renumber = renumber.tolist()

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from _common import median_seconds
 from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, CpuPagedAttention, load_kernels, pack_kv_rows
+from kvpage.worker.kv_cache import as_block_major
 
 
 def median_ms(fn, reps: int) -> float:
@@ -138,6 +139,7 @@ def run_case(ops, b: int, ctx: int, hq: int, hkv: int, d: int, bs: int, reps: in
         cache[idx, perm] = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(b * nblk, bs, hkv, d)
     if packed:
         cache = pack_kv_rows(cache)
+    cache = as_block_major(cache)  # the engine's storage order: a block's K and V adjacent
     tables = perm.view(b, nblk)
     qsl = torch.arange(b + 1)
     lens = torch.full((b,), ctx)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, load_kernels, pack_kv_rows
+from kvpage.worker.kv_cache import as_block_major
 
 HEADS, KV_HEADS, D = 9, 3, 64
 
@@ -100,7 +101,7 @@ def chunks_after_cached_keys(ops, rounds: int) -> None:
         rows = torch.randn(2, nblk, bs, KV_HEADS, D, generator=g).bfloat16()
         cache = torch.empty_like(rows)
         cache[:, perm] = rows
-        cache = pack_kv_rows(cache)
+        cache = as_block_major(pack_kv_rows(cache))  # the engine's storage order
         table = perm.view(1, nblk)
         q = torch.randn(n, HEADS, D, generator=g).bfloat16()
         out = torch.empty_like(q)

@@ -18,6 +18,7 @@ from kvpage.attention.backends.cpu_kernels import (
 )
 from kvpage.attention.backends.reference import ReferenceAttention
 from kvpage.attention.metadata import AttentionMetadata
+from kvpage.worker.kv_cache import as_block_major
 from tests.conftest import have_cxx
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
@@ -60,14 +61,20 @@ def make_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, di
     return q, k, v, cache, meta
 
 
+LAYOUTS = {"contiguous": torch.Tensor.clone, "block_major": as_block_major}
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 128), (6, 2, 32)])
-def test_kernel_matches_reference_fp32(block_size, heads, kv_heads, dim):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kernel_matches_reference_fp32(block_size, heads, kv_heads, dim, layout):
+    """Both storage orders the kernels take: a plain contiguous [2, blocks, ...] tensor and the engine's
+    block-major view (a block's K and V adjacent)."""
     rng = random.Random(block_size * 100 + heads * 10 + dim)
     ops = load_kernels()
     for _ in range(3):
         q, k, v, cache, meta = make_case(rng, block_size, heads, kv_heads, dim, torch.float32, torch.float32)
-        ref_cache, ker_cache = cache.clone(), cache.clone()
+        ref_cache, ker_cache = cache.clone(), LAYOUTS[layout](cache)
         ref = ReferenceAttention().forward(q, k, v, ref_cache, meta, dim**-0.5)
         ops.reshape_and_cache(k, v, ker_cache, meta.slot_mapping)
         assert torch.equal(ker_cache, ref_cache), "the slot write must be exact"
@@ -97,7 +104,8 @@ def test_kernel_bf16_paths(kv_dtype, q_dtype):
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 1, 128), (4, 4, 64)])
 @pytest.mark.parametrize("long", [False, True])
-def test_bf16_vectorized_path_matches_reference(block_size, heads, kv_heads, dim, long):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_vectorized_path_matches_reference(block_size, heads, kv_heads, dim, long, layout):
     """bf16 query and cache with head size 64/128 take the 16-keys-at-a-time path: every block size (chunks
     shorter and longer than 16 keys), masked tails, GQA groups and context partitions that cut blocks."""
     rng = random.Random(block_size * 1000 + heads * 10 + dim + long)
@@ -105,7 +113,7 @@ def test_bf16_vectorized_path_matches_reference(block_size, heads, kv_heads, dim
     for _ in range(3):
         q, k, v, cache, meta = make_case(rng, block_size, heads, kv_heads, dim, torch.bfloat16, torch.bfloat16,
                                          long=long)
-        ref_cache, ker_cache = cache.clone(), cache.clone()
+        ref_cache, ker_cache = cache.clone(), LAYOUTS[layout](cache)
         ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), ref_cache, meta, dim**-0.5)
         ops.reshape_and_cache(k, v, ker_cache, meta.slot_mapping)
         for part in (PARTITION_SIZE, 17) if long else (PARTITION_SIZE,):
@@ -136,6 +144,11 @@ def test_kernel_rejects_bad_input():
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         ops.paged_attention(torch.zeros(1, 3, 8), cache, torch.zeros(1, 1, dtype=torch.long),
                             torch.tensor([0, 1]), torch.tensor([1]), 1.0, 512)
+    one = (torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
+    with pytest.raises(RuntimeError, match="dense"):  # a block's interior must be [block_size, heads, dim]
+        ops.reshape_and_cache(*one, torch.zeros(2, 4, 2, 16, 8).transpose(2, 3), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="block-major"):  # blocks 3 apart: neither storage order
+        ops.reshape_and_cache(*one, torch.zeros(4, 3, 16, 2, 8)[:, :2].transpose(0, 1), torch.tensor([0]))
 
 
 def make_decode_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, dim: int, num_seqs: int):
@@ -215,7 +228,8 @@ def poison_unwritten(cache: torch.Tensor, tables: torch.Tensor, seq_lens: list[i
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"),
                          [(9, 3, 64), (8, 1, 128), (4, 4, 64), (16, 2, 64), (8, 1, 64), (5, 5, 64), (24, 3, 64)])
 @pytest.mark.parametrize("long", [False, True])
-def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long, layout):
     """bf16 caches in the packed layout: the slot write puts every new K/V element where pack_kv_rows says,
     and attention (decode, chunks after a cached prefix, whole prompts; masked tails with NaN in every
     never-written slot; GQA groups 1-8; partitions that cut contexts) matches the reference, with decode tasks
@@ -234,9 +248,9 @@ def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long)
         cache.view(2, -1, *cache.shape[3:])[:, meta.slot_mapping] = float("nan")
         ref_cache = cache.clone()
         ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), ref_cache, meta, dim**-0.5)
-        packed = pack_kv_rows(cache)
+        packed = LAYOUTS[layout](pack_kv_rows(cache))
         ops.reshape_and_cache(k, v, packed, meta.slot_mapping, True)
-        written = unpack_kv_rows(packed).view(2, -1, kv_heads, dim)[:, meta.slot_mapping]
+        written = unpack_kv_rows(packed).reshape(2, -1, kv_heads, dim)[:, meta.slot_mapping]
         assert torch.equal(written, ref_cache.view(2, -1, kv_heads, dim)[:, meta.slot_mapping])
         for part in (PARTITION_SIZE, 64) if long else (PARTITION_SIZE,):
             try:

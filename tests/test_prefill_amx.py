@@ -71,10 +71,12 @@ def test_refuses_bad_input():
         ops.prefill_attention(q.float(), k, v, out, starts, [20], 0.125)
 
 
-def _paged_case(heads, kv_heads, chunks, seed, block_size=16):
+def _paged_case(heads, kv_heads, chunks, seed, block_size=16, block_major=True):
     """A packed bf16 cache holding, per sequence, `cached + n` keys in randomly placed blocks, every other slot
-    NaN; queries for its last n positions at scattered rows of one step's batch."""
+    NaN; queries for its last n positions at scattered rows of one step's batch. Block-major storage as the
+    engine allocates it, or a plain contiguous tensor."""
     from kvpage.attention.backends.cpu_kernels import pack_kv_rows
+    from kvpage.worker.kv_cache import as_block_major
 
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // block_size) + 1 for c, n in chunks]  # one spare block per sequence (never read)
@@ -98,19 +100,21 @@ def _paged_case(heads, kv_heads, chunks, seed, block_size=16):
         starts.append(pos)
         pos += n + 2
     q = (torch.randn(pos, heads, 64, generator=g) * 2).bfloat16()
-    return q, pack_kv_rows(rows), tables, starts, keys, values
+    packed = pack_kv_rows(rows)
+    return q, as_block_major(packed) if block_major else packed, tables, starts, keys, values
 
 
-@pytest.mark.parametrize("heads,kv_heads,block_size,scratch", [(9, 3, 16, 64 << 20), (4, 4, 32, 64 << 20),
-                                                                  (8, 2, 16, 1), (6, 1, 64, 100_000)])
-def test_paged_chunks_after_cached_keys_match_float32(heads, kv_heads, block_size, scratch):
+@pytest.mark.parametrize("heads,kv_heads,block_size,scratch,block_major",
+                         [(9, 3, 16, 64 << 20, True), (4, 4, 32, 64 << 20, False), (8, 2, 16, 1, True),
+                          (6, 1, 64, 100_000, False)])
+def test_paged_chunks_after_cached_keys_match_float32(heads, kv_heads, block_size, scratch, block_major):
     """Chunks after cached prefixes of any alignment (and c = 0, a fresh prompt read from the cache) against
     float32 attention of the chunk's queries over all its keys; the cache's never-written slots are NaN. A
     small scratch bound splits the prompts into groups (1 byte: one prompt per group)."""
     ops = _ops()
     chunks = [(0, 40), (5, 1), (16, 16), (37, 70), (249, 130), (3, 257), (100, 15)]
     q, cache, tables, starts, keys, values = _paged_case(heads, kv_heads, chunks, seed=heads + block_size,
-                                                         block_size=block_size)
+                                                         block_size=block_size, block_major=block_major)
     out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
     ops.prefill_attention_paged(q, cache, tables, out, starts, [n for _, n in chunks], [c + n for c, n in chunks],
                                 list(range(len(chunks))), 0.125, scratch)

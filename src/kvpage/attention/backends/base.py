@@ -27,7 +27,7 @@ class AttentionBackend(Protocol):
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter each new token's K and V to ``slot = block * block_size + offset``."""
-    _, num_blocks, block_size, heads, dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    block_size = kv_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    kv_cache[0, blocks, offsets] = key.to(kv_cache.dtype)  # works on any strides (the engine's are block-major)
+    kv_cache[1, blocks, offsets] = value.to(kv_cache.dtype)

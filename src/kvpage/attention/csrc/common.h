@@ -128,4 +128,26 @@ inline void restore_pair_order(float* acc, int64_t R) {
 }
 #endif
 
+// Where a layer's K and V blocks lie, in elements from the cache's data pointer. The cache is a
+// [2, num_blocks, block_size, kv_heads, D] tensor whose block interior [block_size, kv_heads, D] is dense; the
+// engine allocates it block-major (storage [num_blocks, 2, ...], so a block's K and V are one contiguous
+// stretch, which streams faster from memory than two stretches half the size), and a plain contiguous
+// [2, num_blocks, ...] tensor works too. v_offset: from a block's K to its V; block_stride: from one block's K
+// to the next block's.
+struct KVGeometry {
+  int64_t v_offset, block_stride;
+};
+inline KVGeometry kv_geometry(const at::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, heads, dim]");
+  const int64_t block = kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4), nb = kv_cache.size(1);
+  TORCH_CHECK(kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4) &&
+                  kv_cache.stride(2) == kv_cache.size(3) * kv_cache.size(4),
+              "kv_cache blocks must be dense [block_size, heads, dim]");
+  const bool contiguous = kv_cache.stride(1) == block && kv_cache.stride(0) == nb * block;
+  const bool block_major = kv_cache.stride(1) == 2 * block && kv_cache.stride(0) == block;
+  TORCH_CHECK(contiguous || block_major || nb <= 1,
+              "kv_cache must be contiguous or a block-major view ([blocks, 2, ...] storage transposed)");
+  return {kv_cache.stride(0), nb <= 1 ? block : kv_cache.stride(1)};
+}
+
 }  // namespace kvpage

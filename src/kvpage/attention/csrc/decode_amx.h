@@ -117,7 +117,8 @@ inline void load_acc64(const float* acc) {
 // and the sums of weights l[R], like attend_tile_bf16. k_begin must be a multiple of 16.
 template <int64_t D, int64_t G>
 void attend_decode_amx(const at::BFloat16* q, int64_t kv_heads, const at::BFloat16* kcache,
-                       const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t k_begin,
+                       const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
+                       int64_t k_begin,
                        int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch, float scale) {
   static_assert(D % 32 == 0, "head size must be a multiple of 32");
   constexpr int64_t NC = D / 32;  // 32-dim slices of a bf16 row (AMX K steps; 512-bit chunks)
@@ -125,7 +126,6 @@ void attend_decode_amx(const at::BFloat16* q, int64_t kv_heads, const at::BFloat
   const int64_t R = kv_heads * G;
   const int64_t span_pad = std::min<int64_t>(kAmxSpan, (k_end - k_begin + 15) / 16 * 16);
   const int64_t row_stride = kv_heads * D;
-  const int64_t block_stride = block_size * row_stride;
   // scratch: scores [R][span_pad] floats | weights [R][span_pad] bf16 | Q^T pairs [kv_heads][NC][16][G] int32 |
   // one score tile [16][16] floats | interleaved V slice [8 pairs][NC][64] bf16
   scratch.resize(static_cast<size_t>(R * span_pad * 3 / 2 + kv_heads * NC * 16 * G + 256 + 8 * D + 16));

@@ -52,12 +52,13 @@ inline void prefetch_group_l1(const at::BFloat16* p) { prefetch_lines<_MM_HINT_T
 // weights are relative to in m[R] and the weight sums in l[R].
 inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv_heads, const at::BFloat16* kcache,
                                     const at::BFloat16* vcache, const int64_t* table, int64_t block_size,
+                                    int64_t block_stride,
                                     int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
                                     std::vector<float>& scratch, float scale, NextKeys next = {}) {
   constexpr int64_t D = 64, NC = D / 32;
   const int64_t R = kv_heads * G;
   const int64_t group = 16 * D;
-  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group, next};
+  const PackedGroups groups{kcache, vcache, table, block_size, block_stride, kv_heads, group, next};
   // scratch (bf16 unless noted): Q operands [kv_heads][NC][R][32] | P operands [kv_heads][R][32] |
   // scores [R][32] f32 | staged values [2][group] | rescale factors [16] f32
   const int64_t q_elems = kv_heads * NC * R * 32, p_elems = kv_heads * R * 32;

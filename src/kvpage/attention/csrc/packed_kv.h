@@ -10,7 +10,8 @@
 //   K: [D/2 dim pairs][16 keys][2]   -> one 512-bit load = one dim pair of all 16 keys: 16 scores per
 //                                       instruction, no horizontal reduction;
 //   V: [8 key pairs][D][2]            -> one 512-bit load = 16 dims of two keys, dpbf16's P.V operand as is.
-// The tensor keeps the row layout's shape [2, num_blocks, block_size, kv_heads, D] and its block size, so
+// The tensor keeps the row layout's shape [2, num_blocks, block_size, kv_heads, D] (and its strides, contiguous
+// or block-major: common.h kv_geometry) and its block size, so
 // block copies, swapping and prefix sharing are unchanged; only token-level access differs (writes through
 // write_cache_packed, reads through this kernel). Needs block_size % 16 == 0 and D % 32 == 0.
 #pragma once
@@ -41,10 +42,11 @@ struct NextKeys {
   int64_t begin = 0, end = 0;
 };
 
-// Element offset, from the start of the K (or V) half of the cache, of the 16-key group holding in-block
-// position `off` of physical block `block`, KV head 0 (head h is h * 16 * D further): the layout's one formula.
-inline int64_t packed_group_offset(int64_t block, int64_t off, int64_t block_size, int64_t kv_heads, int64_t D) {
-  return block * block_size * kv_heads * D + (off / 16) * kv_heads * 16 * D;
+// Element offset, from the K (or V) base of the cache, of the 16-key group holding in-block position `off` of
+// physical block `block`, KV head 0 (head h is h * 16 * D further): the layout's one formula. block_stride:
+// elements from one block's K to the next block's K (kv_geometry).
+inline int64_t packed_group_offset(int64_t block, int64_t off, int64_t block_stride, int64_t kv_heads, int64_t D) {
+  return block * block_stride + (off / 16) * kv_heads * 16 * D;
 }
 
 // Requests `bytes` from p on (whole 64-byte lines) into the cache level Hint names.
@@ -76,7 +78,7 @@ struct PackedGroups {
   const at::BFloat16* kcache;
   const at::BFloat16* vcache;
   const int64_t* table;  // the sequence's block table
-  int64_t block_size, kv_heads, group;  // group: elements of one (16-key group, KV head) = 16 * D
+  int64_t block_size, block_stride, kv_heads, group;  // group: elements of one (16-key group, KV head) = 16 * D
   // The keys the same thread attends to next (its next task), so that the prefetch runs on across the end of
   // this task: without it, a task's first kPackedPrefetchAhead steps would wait for memory.
   NextKeys next;
@@ -84,7 +86,7 @@ struct PackedGroups {
   // Element offset of the group holding key t (its KV head 0; head h is h * group further).
   int64_t at(int64_t t) const { return at(table, t); }
   int64_t at(const int64_t* tab, int64_t t) const {
-    return packed_group_offset(tab[t / block_size], t % block_size, block_size, kv_heads, group / 16);
+    return packed_group_offset(tab[t / block_size], t % block_size, block_stride, kv_heads, group / 16);
   }
 
   // The two groups of the step starting at key t (n: their keys before k_end; base: their offsets).
@@ -166,7 +168,8 @@ inline void online_softmax_step(__m512 s0, __m512 s1, __mmask16 keep0, __mmask16
 // with each value load serving a batch of rows.
 template <int64_t D>
 void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, int64_t G, const at::BFloat16* kcache,
-                        const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t kv_heads,
+                        const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
+                        int64_t kv_heads,
                         int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
                         std::vector<float>& scratch, float scale, NextKeys next = {}) {
   static_assert(D % 32 == 0, "head size must be a multiple of 32");
@@ -175,7 +178,7 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
   constexpr int64_t SB = 4, NP = 4;        // rows per score batch, partial sums per row
   const int64_t R = nq * H;
   const int64_t group = 16 * D;            // elements of one (16-key group, head)
-  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group, next};
+  const PackedGroups groups{kcache, vcache, table, block_size, block_stride, kv_heads, group, next};
   scratch.resize(static_cast<size_t>(R * kPackedStep));
   float* wts = scratch.data();  // this step's softmax weights, [r][32]
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -314,13 +317,14 @@ inline void amx_configure_packed(int64_t G) {
 // contract as attend_tile_packed; G <= 16 (tile rows), tiles configured by amx_configure_packed(G).
 template <int64_t D>
 void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads, const at::BFloat16* kcache,
-                              const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t k_begin,
+                              const at::BFloat16* vcache, const int64_t* table, int64_t block_size,
+                              int64_t block_stride, int64_t k_begin,
                               int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch, float scale,
                               NextKeys next = {}) {
   constexpr int64_t NC = D / 32, NF = D / 16;
   const int64_t R = kv_heads * G;
   const int64_t group = 16 * D;
-  const PackedGroups groups{kcache, vcache, table, block_size, kv_heads, group, next};
+  const PackedGroups groups{kcache, vcache, table, block_size, block_stride, kv_heads, group, next};
   // scratch: Q packed [kv_heads][NC][G][32] bf16 | scores [R][32] f32 | P [2][R][16] bf16 | V tail [8][D][2]
   scratch.resize(static_cast<size_t>(R * D / 2 + 48 * R + 8 * D + 32));
   auto* qpack = reinterpret_cast<at::BFloat16*>(scratch.data());

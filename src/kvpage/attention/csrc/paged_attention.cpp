@@ -1,6 +1,7 @@
 // Paged attention on CPU for kvpage.
 //
-// KV layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16.
+// KV layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16, contiguous or
+// block-major (common.h kv_geometry: the engine keeps a block's K and V adjacent).
 // A flat batch holds, for sequence s, query rows query_start_loc[s] .. query_start_loc[s+1]-1; they are the
 // last q_len tokens of a context of seq_lens[s] tokens, so query j sits at position seq_len - q_len + j and
 // attends to keys 0..that position (causal, with any cached prefix in front).
@@ -129,7 +130,8 @@ inline __m512 bf16x16_to_ps(const at::BFloat16* p) {
 // row of the KV head's group. Float32 accumulators, running max and sum, as in attend_tile.
 template <int64_t D>
 void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int64_t G, const at::BFloat16* kcache,
-                      const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t kv_heads,
+                      const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
+                      int64_t kv_heads,
                       int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
                       std::vector<float>& scratch, float scale) {
   static_assert(D % 32 == 0, "head size must be a multiple of 32");
@@ -137,7 +139,6 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
   constexpr int64_t NF = D / 16;  // 512-bit chunks of a float row
   const int64_t R = nq * H;
   const int64_t row_stride = kv_heads * D;
-  const int64_t block_stride = block_size * row_stride;
   scratch.resize(static_cast<size_t>(8 * D + R * 16));
   // the chunk's values as interleaved bf16 pairs: [pair][512-bit chunk c][lo, hi halves] = 8 x D floats' room
   auto* vpairs = reinterpret_cast<at::BFloat16*>(scratch.data());
@@ -250,13 +251,14 @@ bool g_amx_decode = true;  // the AMX decode path when the CPU and OS allow it (
 // The AMX decode kernel for a head size and a group size (<= 8, checked by the caller) known at compile time.
 template <int64_t D>
 void dispatch_decode_amx(int64_t G, const at::BFloat16* q, int64_t kv_heads, const at::BFloat16* kc,
-                         const at::BFloat16* vc, const int64_t* table, int64_t block_size, int64_t k_begin,
+                         const at::BFloat16* vc, const int64_t* table, int64_t block_size, int64_t block_stride,
+                         int64_t k_begin,
                          int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch, float scale) {
   switch (G) {
 #define KVPAGE_AMX_CASE(g)                                                                                     \
   case g:                                                                                                      \
-    return kvpage::attend_decode_amx<D, g>(q, kv_heads, kc, vc, table, block_size, k_begin, k_end, acc, m, l,   \
-                                           scratch, scale);
+    return kvpage::attend_decode_amx<D, g>(q, kv_heads, kc, vc, table, block_size, block_stride, k_begin,      \
+                                           k_end, acc, m, l, scratch, scale);
     KVPAGE_AMX_CASE(1) KVPAGE_AMX_CASE(2) KVPAGE_AMX_CASE(3) KVPAGE_AMX_CASE(4)
     KVPAGE_AMX_CASE(5) KVPAGE_AMX_CASE(6) KVPAGE_AMX_CASE(7) KVPAGE_AMX_CASE(8)
 #undef KVPAGE_AMX_CASE
@@ -286,7 +288,8 @@ struct Task {
 // layout), and each K/V row serves the G query heads of its group. Float32 accumulators, running max and sum.
 template <typename KV, int64_t DC>
 void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kcache, const KV* vcache,
-                 const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t D_rt, int64_t pos0,
+                 const int64_t* table, int64_t block_size, int64_t block_stride, int64_t kv_heads, int64_t D_rt,
+                 int64_t pos0,
                  int64_t k_begin, int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch,
                  const at::BFloat16* const* qb, float scale) {
   // DC > 0: the head size is a compile-time constant, so the per-element loops unroll fully.
@@ -294,7 +297,6 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
   // qb (optional): each row's unscaled bf16 query, for exact bf16 dot products straight from the cache
   const int64_t R = nq * H;
   const int64_t row_stride = kv_heads * D;
-  const int64_t block_stride = block_size * row_stride;
   scratch.resize(static_cast<size_t>(block_size * D + R * block_size));
   float* rows = scratch.data();                 // one head's keys (then values) of this block as float, [i][d]
   float* sc = scratch.data() + block_size * D;  // scores, then weights, [r][i]
@@ -387,7 +389,9 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
                    const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, double scale,
                    int64_t partition_size, bool packed, torch::Tensor& out) {  // partition_size: keys per task, at most
   const int64_t H = query.size(1), D = query.size(2);
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);
+  const int64_t block_stride = geo.block_stride;
   const int64_t G = H / kv_heads;
   const int64_t S = seq_lens.size(0);
   const int64_t max_blocks = block_tables.size(1);
@@ -397,7 +401,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   const Q* qptr = query.data_ptr<Q>();
   Q* optr = out.data_ptr<Q>();
   const KV* kcache = kv_cache.data_ptr<KV>();
-  const KV* vcache = kcache + num_blocks * block_size * kv_heads * D;
+  const KV* vcache = kcache + geo.v_offset;
 
   // Tasks: (sequence, tile of up to kTile query tokens, context partition), all heads. Contexts are split
   // into partitions only when there are too few tiles to keep every core busy.
@@ -485,26 +489,31 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #if defined(KVPAGE_AMX)
           if (use_amx_pairs && tk.nq == 1) {
 #ifdef KVPAGE_AMX_PAIRS
-            kvpage::attend_decode_amx_pairs(qb[0], G, kv_heads, kcache, vcache, table, block_size, k_begin, k_end, pa,
+            kvpage::attend_decode_amx_pairs(qb[0], G, kv_heads, kcache, vcache, table, block_size, block_stride,
+                                            k_begin, k_end, pa,
                                             pm, pl, scratch, sc, next);
 #endif
             continue;
           }
           if (use_amx_packed && tk.nq == 1) {
             if (D == 64)
-              kvpage::attend_decode_amx_packed<64>(qb[0], G, kv_heads, kcache, vcache, table, block_size, k_begin,
+              kvpage::attend_decode_amx_packed<64>(qb[0], G, kv_heads, kcache, vcache, table, block_size,
+                                                   block_stride, k_begin,
                                                    k_end, pa, pm, pl, scratch, sc, next);
             else
-              kvpage::attend_decode_amx_packed<128>(qb[0], G, kv_heads, kcache, vcache, table, block_size, k_begin,
+              kvpage::attend_decode_amx_packed<128>(qb[0], G, kv_heads, kcache, vcache, table, block_size,
+                                                    block_stride, k_begin,
                                                     k_end, pa, pm, pl, scratch, sc, next);
             continue;
           }
 #endif
           if (D == 64)
-            kvpage::attend_tile_packed<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, tk.pos0,
+            kvpage::attend_tile_packed<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads,
+                                           tk.pos0,
                                            k_begin, k_end, pa, pm, pl, scratch, sc, next);
           else
-            kvpage::attend_tile_packed<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, tk.pos0,
+            kvpage::attend_tile_packed<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                            kv_heads, tk.pos0,
                                             k_begin, k_end, pa, pm, pl, scratch, sc, next);
           continue;
         }
@@ -515,33 +524,40 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #ifdef KVPAGE_AMX
         if (use_amx && tk.nq == 1) {
           if (D == 64)
-            dispatch_decode_amx<64>(G, qb[0], kv_heads, kcache, vcache, table, block_size, k_begin, k_end, pa, pm, pl,
+            dispatch_decode_amx<64>(G, qb[0], kv_heads, kcache, vcache, table, block_size, block_stride, k_begin,
+                                    k_end, pa, pm, pl,
                                     scratch, sc);
           else
-            dispatch_decode_amx<128>(G, qb[0], kv_heads, kcache, vcache, table, block_size, k_begin, k_end, pa, pm,
+            dispatch_decode_amx<128>(G, qb[0], kv_heads, kcache, vcache, table, block_size, block_stride, k_begin,
+                                     k_end, pa, pm,
                                      pl, scratch, sc);
           continue;
         }
 #endif
         if (use_dp && (D == 64 || D == 128)) {
           if (D == 64)
-            attend_tile_bf16<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, tk.pos0, k_begin,
+            attend_tile_bf16<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, tk.pos0,
+                                 k_begin,
                                  k_end, pa, pm, pl, scratch, sc);
           else
-            attend_tile_bf16<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, tk.pos0, k_begin,
+            attend_tile_bf16<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, tk.pos0,
+                                  k_begin,
                                   k_end, pa, pm, pl, scratch, sc);
           continue;
         }
       }
 #endif
       if (D == 64)
-        attend_tile<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, D, tk.pos0,
+        attend_tile<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, D,
+                            tk.pos0,
                             k_begin, k_end, pa, pm, pl, scratch, qb, sc);
       else if (D == 128)
-        attend_tile<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, D, tk.pos0,
+        attend_tile<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, D,
+                             tk.pos0,
                              k_begin, k_end, pa, pm, pl, scratch, qb, sc);
       else
-        attend_tile<KV, 0>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, kv_heads, D, tk.pos0,
+        attend_tile<KV, 0>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, D,
+                           tk.pos0,
                            k_begin, k_end, pa, pm, pl, scratch, qb, sc);
     }
 #ifdef KVPAGE_AMX
@@ -610,9 +626,10 @@ template <typename KV, typename IN>
 void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
                  const torch::Tensor& slot_mapping) {
   const int64_t N = key.size(0), row = key.size(1) * key.size(2);
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t block_size = kv_cache.size(2), num_slots = kv_cache.size(1) * block_size;
+  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);
   KV* kdst = kv_cache.data_ptr<KV>();
-  KV* vdst = kdst + num_slots * row;
+  KV* vdst = kdst + geo.v_offset;
   const IN* ksrc = key.data_ptr<IN>();
   const IN* vsrc = value.data_ptr<IN>();
   const int64_t ks = key.stride(0), vs = value.stride(0);  // token rows may be views into a wider qkv output
@@ -621,13 +638,14 @@ void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Te
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i];
       TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
+      const int64_t at = (slot / block_size) * geo.block_stride + (slot % block_size) * row;
       if constexpr (std::is_same_v<KV, IN>) {
-        std::memcpy(kdst + slot * row, ksrc + i * ks, sizeof(KV) * row);
-        std::memcpy(vdst + slot * row, vsrc + i * vs, sizeof(KV) * row);
+        std::memcpy(kdst + at, ksrc + i * ks, sizeof(KV) * row);
+        std::memcpy(vdst + at, vsrc + i * vs, sizeof(KV) * row);
       } else {
         for (int64_t e = 0; e < row; ++e) {
-          kdst[slot * row + e] = static_cast<KV>(ksrc[i * ks + e]);
-          vdst[slot * row + e] = static_cast<KV>(vsrc[i * vs + e]);
+          kdst[at + e] = static_cast<KV>(ksrc[i * ks + e]);
+          vdst[at + e] = static_cast<KV>(vsrc[i * vs + e]);
         }
       }
     }
@@ -641,8 +659,9 @@ void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, to
                         const torch::Tensor& slot_mapping) {
   const int64_t N = key.size(0), kv_heads = key.size(1), D = key.size(2);
   const int64_t block_size = kv_cache.size(2), num_slots = kv_cache.size(1) * block_size;
+  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);
   at::BFloat16* kdst = kv_cache.data_ptr<at::BFloat16>();
-  at::BFloat16* vdst = kdst + num_slots * kv_heads * D;
+  at::BFloat16* vdst = kdst + geo.v_offset;
   const IN* ksrc = key.data_ptr<IN>();
   const IN* vsrc = value.data_ptr<IN>();
   const int64_t ks = key.stride(0), vs = value.stride(0);
@@ -664,7 +683,8 @@ void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, to
         }
         // K: the token's dim pairs are 32-bit words one 16-key row (64 bytes) apart; V: its elements every
         // other bf16 of its key pair's row (packed_kv.h).
-        const int64_t base = kvpage::packed_group_offset(slot / block_size, off, block_size, kv_heads, D) + h * 16 * D;
+        const int64_t base = kvpage::packed_group_offset(slot / block_size, off, geo.block_stride, kv_heads,
+                                                         D) + h * 16 * D;
         auto* k32 = reinterpret_cast<uint32_t*>(kdst + base + (off % 16) * 2);
         const auto* kw = reinterpret_cast<const uint32_t*>(krow.data());
         at::BFloat16* vpair = vdst + base + ((off % 16) / 2) * 2 * D;
@@ -701,8 +721,7 @@ void check_packed(const torch::Tensor& kv_cache) {
 }
 
 void check_common(const torch::Tensor& kv_cache) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, heads, dim]");
-  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  kvpage::kv_geometry(kv_cache);  // shape and strides
   TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16,
               "kv_cache must be float32 or bfloat16");
 }

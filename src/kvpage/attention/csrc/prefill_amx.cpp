@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "common.h"  // kv_geometry
 #include "decode_amx.h"  // TileConfig, amx_permitted, exp16, KVPAGE_AMX
 #include "packed_kv.h"  // packed_group_offset, stage_value_group
 
@@ -71,13 +72,14 @@ void pack_head(const at::BFloat16* key, int64_t sk, const at::BFloat16* value, i
 // may hold NaN, which a zero weight would not cancel); K there is never used (its scores are masked out of
 // the softmax).
 void pack_head_cached(const at::BFloat16* kcache, const at::BFloat16* vcache, const int64_t* table,
-                      int64_t block_size, int64_t kv_heads, int64_t h, const Prompt& p, at::BFloat16* kp,
+                      int64_t block_size, int64_t block_stride, int64_t kv_heads, int64_t h, const Prompt& p,
+                      at::BFloat16* kp,
                       at::BFloat16* vp) {
   const int64_t L = p.keys(), group = 16 * kD, groups = (L + 15) / 16;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t pos = g * 16;
     const int64_t base =
-        kvpage::packed_group_offset(table[pos / block_size], pos % block_size, block_size, kv_heads, kD) + h * group;
+        kvpage::packed_group_offset(table[pos / block_size], pos % block_size, block_stride, kv_heads, kD) + h * group;
     std::memcpy(kp + g * group, kcache + base, group * sizeof(at::BFloat16));
     at::BFloat16* vdst = vp + (g / 2) * 32 * kD + (g % 2) * 8 * 2 * kD;
     if (L - pos >= 16)
@@ -325,9 +327,9 @@ void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv
                              const std::vector<int64_t>& lengths, const std::vector<int64_t>& seq_lens,
                              const std::vector<int64_t>& seqs, double scale, int64_t max_scratch_bytes) {
   check_query_out(query, out, scale);
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == at::kBFloat16 &&
-                  kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous bfloat16 [2, blocks, block_size, kv_heads, 64] tensor");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == at::kBFloat16,
+              "kv_cache must be a bfloat16 [2, blocks, block_size, kv_heads, 64] tensor");
+  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);
   const int64_t T = query.size(0), H = query.size(1), KVH = kv_cache.size(3), bs = kv_cache.size(2);
   const int64_t num_blocks = kv_cache.size(1);
   TORCH_CHECK(kv_cache.size(4) == 64, "head size must be 64");
@@ -355,7 +357,7 @@ void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv
     if (lengths[i] > 0) prompts.push_back({starts[i], lengths[i], seq_lens[i] - lengths[i], 0, 0, seqs[i]});
   }
   const auto* kcache = kv_cache.data_ptr<at::BFloat16>();
-  const auto* vcache = kcache + num_blocks * bs * KVH * kD;
+  const auto* vcache = kcache + geo.v_offset;
   // Prompts in groups whose copied keys fit max_scratch_bytes (many chunks after long cached prefixes in one
   // step would otherwise copy the whole of their caches at once); a prompt larger than the bound is one group.
   TORCH_CHECK(max_scratch_bytes > 0, "max_scratch_bytes must be positive");
@@ -377,7 +379,7 @@ void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv
       for (int64_t i = b; i < e; ++i) {
         const Prompt& p = group[i / KVH];
         const int64_t h = i % KVH;
-        pack_head_cached(kcache, vcache, tables + p.seq * max_blocks, bs, KVH, h, p,
+        pack_head_cached(kcache, vcache, tables + p.seq * max_blocks, bs, geo.block_stride, KVH, h, p,
                          kpack.get() + p.k_off + h * k_slots(p.keys()) * kD,
                          vpack.get() + p.v_off + h * v_slots(p.keys()) * kD);
       }
@@ -386,7 +388,7 @@ void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv
                    out.data_ptr<at::BFloat16>(), out.stride(0), H, H / KVH, scale);
   }
 #else
-  (void)tables, (void)max_blocks, (void)num_blocks, (void)T, (void)starts, (void)lengths, (void)seq_lens, (void)seqs;
+  (void)geo, (void)tables, (void)max_blocks, (void)num_blocks, (void)T, (void)starts, (void)lengths, (void)seq_lens, (void)seqs;
 #endif
 }
 
