@@ -468,6 +468,21 @@ def test_static_policy_reserves_max_model_len_and_never_shares():
     m.check_invariants()
 
 
+def test_static_policy_fills_the_pool_whatever_the_watermark():
+    """A reservation never grows, so the admission watermark (kept free for growing sequences) does not apply:
+    a pool of exactly 16 reservations admits 16, not 15."""
+    m = make_kv_manager("static", 16 * 128, 16, max_model_len=2048, watermark=0.01)
+    n = 0
+    while m.allocate_slots(KVSequence(f"s{n}", list(range(100))), 100) is not None:
+        n += 1
+    assert n == 16 and m.pool.num_free_blocks == 0
+    m.check_invariants()
+    paged = make_kv_manager("paged", 16 * 128, 16, max_model_len=2048, watermark=0.01)
+    while paged.allocate_slots(KVSequence(f"s{n}", list(range(2048))), 2048) is not None:
+        n += 1
+    assert paged.pool.num_free_blocks >= 20  # the paged policy keeps its reserve (1% of 2048 blocks)
+
+
 def test_static_policy_requires_room_for_one_reservation():
     with pytest.raises(ValueError, match="needs 8 blocks but the pool has 4"):
         StaticReservationManager(4, 4, max_model_len=32)

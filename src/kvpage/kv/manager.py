@@ -544,6 +544,12 @@ class StaticReservationManager(KVCacheManager):
             tokens = min(limit, 1 << max(0, total - 1).bit_length())
         return max(-(-tokens // self.block_size), -(-len(seq.token_ids) // self.block_size), 1)
 
+    def _admission_reserve(self) -> int:
+        """No reserve: the watermark protects running sequences' growth, and a reservation already holds
+        everything its sequence will ever need, so keeping blocks back would only cost the baseline a slot
+        (a pool of 16 reservations would admit 15)."""
+        return 0
+
     def stranded_free_blocks(self, need_blocks: int) -> int:
         """Free blocks in runs too short for a reservation of ``need_blocks``."""
         return sum(n for _, n in self._extents if n < need_blocks)
