@@ -18,6 +18,19 @@ def median_seconds(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+def alternating_medians(a: Callable[[], float], b: Callable[[], float], rounds: int,
+                        warmup: int = 1) -> tuple[float, float]:
+    """Median seconds of two passes that time themselves, run alternately (after ``warmup`` untimed rounds) so
+    that drift on this noisy machine hits both alike."""
+    for _ in range(warmup):
+        a(), b()
+    a_times, b_times = [], []
+    for _ in range(rounds):
+        a_times.append(a())
+        b_times.append(b())
+    return statistics.median(a_times), statistics.median(b_times)
+
+
 def drive(engine, on_step: Callable[[], None] | None = None) -> tuple[int, float]:
     """Step ``engine`` until every request has finished; returns (generated tokens, seconds of stepping).
     ``on_step`` runs after each step (to sample KV statistics); its time is left out of the seconds, since it

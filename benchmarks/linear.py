@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import time
 
 import torch
 
+from _common import alternating_medians
 from kvpage.attention.backends.cpu_kernels import load_kernels
 from kvpage.model.loader import load_model
 
@@ -86,12 +86,7 @@ def main() -> None:
                     ops.amx_linear(inputs[w.shape[1]], p, None, f)
                 return time.perf_counter() - t
 
-            pass_onednn(), pass_amx()  # warm-up
-            a_times, b_times = [], []
-            for _ in range(args.rounds):  # alternate so drift hits both alike
-                a_times.append(pass_onednn())
-                b_times.append(pass_amx())
-            a, b = statistics.median(a_times), statistics.median(b_times)
+            a, b = alternating_medians(pass_onednn, pass_amx, args.rounds)
             cells.append((a, b, sum(2 * w.numel() for w in group) * m / b / 1e12))
         (la, lb, ltf), (ha, hb, _) = cells
         print(f"| {m} | {la * 1e3:.2f} | {lb * 1e3:.2f} | {la / lb:.2f}x | {ltf:.2f} | {ha * 1e3:.2f} | "
@@ -120,12 +115,7 @@ def cold_vs_hot(ops, layers, gated, rows: list[int], rounds: int) -> None:
                     ops.amx_linear(inputs[w.shape[1]], p, None, f)
             return time.perf_counter() - t
 
-        cold(), hot()
-        c_times, h_times = [], []
-        for _ in range(rounds):
-            c_times.append(cold())
-            h_times.append(hot())
-        c, h = statistics.median(c_times), statistics.median(h_times)
+        c, h = alternating_medians(cold, hot, rounds)
         print(f"| {m} | {c * 1e3:.2f} | {flops * m / c / 1e12:.2f} | {h * 1e3:.2f} | {flops * m / h / 1e12:.2f} | "
               f"{(c - h) * 1e3:.1f} |", flush=True)
 

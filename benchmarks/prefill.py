@@ -19,12 +19,12 @@ import math
 import os
 import platform
 import random
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from _common import alternating_medians
 from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, load_kernels, pack_kv_rows
 from kvpage.worker.kv_cache import as_block_major
 
@@ -77,13 +77,7 @@ def main() -> None:
             ops.prefill_attention(q, k, v, out, starts, lengths, D**-0.5)
             return time.perf_counter() - t
 
-        for _ in range(3):
-            sdpa(), amx()
-        a_times, b_times = [], []
-        for _ in range(args.rounds):
-            a_times.append(sdpa())
-            b_times.append(amx())
-        a, b = statistics.median(a_times), statistics.median(b_times)
+        a, b = alternating_medians(sdpa, amx, args.rounds, warmup=3)
         flops = sum(2 * 2 * HEADS * D * n * (n + 1) / 2 for n in lengths)  # causal q.k and p.v
         print(f"| {name} | {a * 1e6:.0f} | {b * 1e6:.0f} | {a / b:.2f}x | {flops / b / 1e12:.2f} |", flush=True)
     chunks_after_cached_keys(ops, args.rounds)
@@ -117,13 +111,7 @@ def chunks_after_cached_keys(ops, rounds: int) -> None:
             ops.prefill_attention_paged(q, cache, table, out, [0], [n], [ctx], [0], D**-0.5)
             return time.perf_counter() - t
 
-        for _ in range(2):
-            paged(), prompt()
-        a_times, b_times = [], []
-        for _ in range(rounds):
-            a_times.append(paged())
-            b_times.append(prompt())
-        a, b = statistics.median(a_times), statistics.median(b_times)
+        a, b = alternating_medians(paged, prompt, rounds, warmup=2)
         flops = 2 * 2 * HEADS * D * (n * cached + n * (n + 1) / 2)
         print(f"| {cached} | {n} | {a * 1e6:.0f} | {b * 1e6:.0f} | {a / b:.2f}x | {flops / b / 1e12:.2f} |", flush=True)
 

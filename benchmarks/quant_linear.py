@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import time
 
 import torch
 
+from _common import alternating_medians
 from kvpage.model import quant as quant_config
 from kvpage.model.loader import load_model
 
@@ -67,12 +67,7 @@ def main() -> None:
                     model.compute_logits_ex(h)
                 return time.perf_counter() - t
 
-            quant_times, dense_times = [], []
-            one_pass(m), one_pass(0)  # warm-up
-            for _ in range(args.rounds):  # alternate so drift hits both alike
-                quant_times.append(one_pass(m))
-                dense_times.append(one_pass(0))
-            q, d = statistics.median(quant_times) * 1e3, statistics.median(dense_times) * 1e3
+            q, d = (x * 1e3 for x in alternating_medians(lambda m=m: one_pass(m), lambda: one_pass(0), args.rounds))
             print(f"| {m} | {q:.2f} | {d:.2f} | {d / q:.2f}x |")
     finally:
         quant_config.QUANT_MAX_TOKENS = saved
