@@ -144,6 +144,21 @@ def test_kernel_rejects_bad_input():
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         ops.paged_attention(torch.zeros(1, 3, 8), cache, torch.zeros(1, 1, dtype=torch.long),
                             torch.tensor([0, 1]), torch.tensor([1]), 1.0, 512)
+    q, table = torch.zeros(3, 2, 8), torch.tensor([[0, 1], [2, 3]])
+    bad_batches = [  # (query_start_loc, seq_lens, block_tables, error): each would read outside query or cache
+        (torch.tensor([0, 1]), torch.tensor([1, 2]), table, "seqs \\+ 1"),
+        (torch.tensor([0, 1, 2]), torch.tensor([1, 2]), table, "from 0 to the 3 query rows"),
+        (torch.tensor([0, 2, 1, 3]), torch.tensor([2, 1, 1]), torch.zeros(3, 1, dtype=torch.long), "decreases"),
+        (torch.tensor([0, 1, 3]), torch.tensor([1, 1]), table, "fewer keys"),
+        (torch.tensor([0, 1, 3]), torch.tensor([1, 40]), table, "more blocks than its table row"),
+        (torch.tensor([0, 1, 3]), torch.tensor([1, 20]), torch.tensor([[0, 1], [2, 4]]), "block 4 outside"),
+        (torch.tensor([0, 1, 3]), torch.tensor([1, 20]), table[:1], "a row per sequence"),
+        (torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([1, 20]), table, "int64 tensor of seqs"),
+    ]
+    for qsl, lens, tables, error in bad_batches:
+        with pytest.raises(RuntimeError, match=error):
+            ops.paged_attention(q, cache, tables, qsl, lens, 1.0, 512)
+    ops.paged_attention(q, cache, table, torch.tensor([0, 1, 3]), torch.tensor([1, 20]), 1.0, 512)  # the valid one
     one = (torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
     with pytest.raises(RuntimeError, match="dense"):  # a block's interior must be [block_size, heads, dim]
         ops.reshape_and_cache(*one, torch.zeros(2, 4, 2, 16, 8).transpose(2, 3), torch.tensor([0]))

@@ -726,6 +726,38 @@ void check_common(const torch::Tensor& kv_cache) {
               "kv_cache must be float32 or bfloat16");
 }
 
+// The batch description must fit the query and the cache: the kernels index with these numbers unchecked, so a
+// bad offset or block id would read outside the tensors. O(sequences + blocks), ~0.1% of a decode step.
+void check_batch(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                 const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) {
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
+              "seq_lens must be a contiguous int64 [seqs] tensor");
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kLong &&
+                  query_start_loc.is_contiguous() && query_start_loc.size(0) == S + 1,
+              "query_start_loc must be a contiguous int64 tensor of seqs + 1 = ", S + 1, " offsets");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.size(0) >= S,
+              "block_tables must be an int64 [seqs, max_blocks] tensor with a row per sequence");
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t bs = kv_cache.size(2), num_blocks = kv_cache.size(1), max_blocks = block_tables.size(1);
+  TORCH_CHECK(qsl[0] == 0 && qsl[S] == query.size(0), "query_start_loc must run from 0 to the ", query.size(0),
+              " query rows, got ", qsl[0], " .. ", qsl[S]);
+  const torch::Tensor tables_c = block_tables.contiguous();
+  const int64_t* tables = tables_c.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    TORCH_CHECK(q_len >= 0, "query_start_loc decreases at sequence ", s);
+    TORCH_CHECK(lens[s] >= q_len, "sequence ", s, " has fewer keys (", lens[s], ") than queries (", q_len, ")");
+    const int64_t used = (lens[s] + bs - 1) / bs;
+    TORCH_CHECK(used <= max_blocks, "sequence ", s, ": ", lens[s], " keys need more blocks than its table row holds");
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t blk = tables[s * max_blocks + b];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "sequence ", s, ": block ", blk, " outside the cache");
+    }
+  }
+}
+
 }  // namespace
 
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
@@ -770,6 +802,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kMaxGroup, "query group too large");
   TORCH_CHECK(partition_size > 0, "partition_size must be positive");
+  check_batch(query, kv_cache, block_tables, query_start_loc, seq_lens);
   query = query.contiguous();
   block_tables = block_tables.contiguous();
   auto out = torch::empty_like(query);
