@@ -39,9 +39,6 @@ class CacheConfig:
     # Fault every KV page in at startup (as an engine that zero-fills its cache does) instead of on first
     # write during generation: slower start, steadier steps. Off by default: it costs cold start.
     kv_prefault: bool = False
-    # Packed weights on 2 MiB pages (kvpage/hugepages.py): 3-5% faster decode, ~0.5 s more startup on this VM
-    # (fresh huge pages are slow to fault in here), so one-shot `kvpage generate` leaves it off.
-    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:

@@ -27,7 +27,6 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     swap_space: str | int = 0
     kv_prefault: bool = False
-    huge_pages: bool = True
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
@@ -45,10 +44,10 @@ class EngineArgs:
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, size_gib_default(self.kv_cache_memory), self.kv_cache_dtype,
                            size_gib_default(self.swap_space), self.enable_prefix_caching, self.watermark,
-                           self.kv_prefault, self.huge_pages)
+                           self.kv_prefault)
 
     @staticmethod
-    def add_cli_args(p: argparse.ArgumentParser, huge_pages: bool = True) -> None:
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group("engine")
         g.add_argument("--model", default=DEFAULT_MODEL, help="default name, .gguf file or Hugging Face directory")
         g.add_argument("--dtype", default="auto", choices=RUN_DTYPES,
@@ -61,9 +60,6 @@ class EngineArgs:
         g.add_argument("--swap-space", default="0", help="host memory for swapped blocks (bare number = GiB)")
         g.add_argument("--kv-prefault", action="store_true", default=False,
                        help="fault the KV cache's pages in at startup (slower start, no page faults mid-run)")
-        g.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=huge_pages,
-                       help="weights and KV cache on 2 MiB pages: faster decode, slower start "
-                            f"(default {'on' if huge_pages else 'off'} here; KVPAGE_HUGE_PAGES=0 forbids it)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--max-num-seqs", type=int, default=256)
         g.add_argument("--max-num-batched-tokens", type=int)

@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-seed", type=int, help="per-request seed: the same seed reproduces the output")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt, n=1)")
     p.add_argument("--json", action="store_true", help="print full RequestOutputs as JSON")
-    EngineArgs.add_cli_args(p, huge_pages=False)  # one-shot: the ~0.5 s they cost at startup is not won back
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 
 

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpage import hugepages
 from kvpage.attention.backends.base import AttentionBackend
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.model import quant as quant_config
@@ -178,7 +177,6 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors))
         self.fast_ops = None  # set by enable_fast_path()
         self.lm_quant: QuantWeight | None = None
-        self._on_huge_pages = False
 
     def enable_fast_path(self, ops, quant: dict[str, QuantWeight] | None = None) -> None:
         """bf16 inference path: packed fused projections and fused norm / RoPE / SiLU kernels (``ops``); with
@@ -197,32 +195,6 @@ class LlamaForCausalLM(nn.Module):
             self._fast_plan.append(_FastLayer(layer, nxt.weight if nxt else self.final_norm_f32,
                                               nxt.eps if nxt else self.norm.eps))
         self.fast_ops = ops
-
-    def weights_to_huge_pages(self) -> bool:
-        """Move the weights every step streams (AMX operands, quantized blocks) onto huge pages (hugepages.py):
-        decode steps of 1-32 rows ran 3-5% faster so. Once per model (engines may share it); True if placed."""
-        if self.fast_ops is None or self._on_huge_pages:
-            return self._on_huge_pages
-        linears = [m for m in self.modules() if isinstance(m, PackedLinear)] + [self.lm_packed]
-        linears = list({id(m): m for m in linears}.values())
-        quants = [m.quant for m in linears if m.quant is not None]
-        if self.lm_quant is not None:
-            quants.append(self.lm_quant)
-        quants = list({id(q): q for q in quants}.values())
-        amx = [m for m in linears if m.amx is not None]
-        flat = [m.amx for m in amx] + [t for q in quants for t in (q.qs, q.d, q.m) if t is not None]
-        copies = hugepages.huge_page_copies(flat)
-        if copies is None:
-            return False
-        moved = iter(copies)
-        for m in amx:
-            m.amx = next(moved)
-        for q in quants:  # QuantWeight objects are shared between a PackedLinear and lm_quant: update in place
-            q.qs, q.d = next(moved), next(moved)
-            if q.m is not None:
-                q.m = next(moved)
-        self._on_huge_pages = True
-        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:

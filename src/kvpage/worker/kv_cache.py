@@ -13,13 +13,13 @@ for both. The host (swap) tier has the same layout with its own block count.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Sequence
 
 import torch
 
-from kvpage import hugepages
 from kvpage.capacity import KVShape
 from kvpage.model.config import ModelConfig
 
@@ -33,12 +33,25 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return shape.bytes_per_token() * block_size
 
 
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in (writable) without changing their contents
+_PAGE = 4096
+
+
 def prefault_pages(tensors: Sequence[torch.Tensor]) -> str:
     """Fault every page of the tensors in now; returns how ("madvise" or "zero-fill"). Contents are not
     meaningful before the engine writes them either way."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        madvise = None
     how = "madvise"
     for t in tensors:
-        if not hugepages.advise([t], hugepages.MADV_POPULATE_WRITE):
+        if t.numel() == 0:
+            continue
+        start = t.data_ptr() // _PAGE * _PAGE
+        length = t.data_ptr() + t.numel() * t.element_size() - start
+        if madvise is None or madvise(start, length, _MADV_POPULATE_WRITE) != 0:
             t.zero_()  # older kernels: touching every page does the same, a little slower
             how = "zero-fill"
     return how
@@ -65,7 +78,7 @@ class KVCache:
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Not zeroed: every slot is written before any read (attention reads only positions < seq_len, and
         # block copies move whole blocks). Zeroing 2 GiB costs ~3 s at startup; the price is
-        # one page fault per fresh 4 KiB the first time the engine writes it. (Not on huge pages: see hugepages.py.)
+        # one page fault per fresh 4 KiB the first time the engine writes it.
         self.layers = [block_major(shape, dtype) for _ in range(cfg.num_layers)]
         host_shape = (2, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         n_host_layers = cfg.num_layers if num_host_blocks else 0

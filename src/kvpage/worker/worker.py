@@ -38,8 +38,6 @@ class Worker:
                 f"{self.max_model_len}: raise kv_cache_memory or lower max_model_len"
             )
         self.num_swap_blocks = int(cc.swap_space) // self.bytes_per_block
-        if cc.huge_pages:
-            self.lm.model.weights_to_huge_pages()
         self.kv_cache = KVCache(cfg, self.num_blocks, cc.block_size, self.kv_dtype, self.num_swap_blocks)
         if cc.kv_prefault:
             self.kv_cache.prefault()
