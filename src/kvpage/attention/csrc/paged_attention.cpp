@@ -727,7 +727,8 @@ void check_common(const torch::Tensor& kv_cache) {
 }
 
 // The batch description must fit the query and the cache: the kernels index with these numbers unchecked, so a
-// bad offset or block id would read outside the tensors. O(sequences + blocks), ~0.1% of a decode step.
+// bad offset or block id would read outside the tensors. O(sequences + blocks), against the kernel's
+// O(keys x heads x head_dim). block_tables must already be contiguous (the caller makes it so).
 void check_batch(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                  const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) {
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
@@ -743,8 +744,7 @@ void check_batch(const torch::Tensor& query, const torch::Tensor& kv_cache, cons
   const int64_t bs = kv_cache.size(2), num_blocks = kv_cache.size(1), max_blocks = block_tables.size(1);
   TORCH_CHECK(qsl[0] == 0 && qsl[S] == query.size(0), "query_start_loc must run from 0 to the ", query.size(0),
               " query rows, got ", qsl[0], " .. ", qsl[S]);
-  const torch::Tensor tables_c = block_tables.contiguous();
-  const int64_t* tables = tables_c.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s];
     TORCH_CHECK(q_len >= 0, "query_start_loc decreases at sequence ", s);
@@ -802,9 +802,9 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kMaxGroup, "query group too large");
   TORCH_CHECK(partition_size > 0, "partition_size must be positive");
-  check_batch(query, kv_cache, block_tables, query_start_loc, seq_lens);
   query = query.contiguous();
   block_tables = block_tables.contiguous();
+  check_batch(query, kv_cache, block_tables, query_start_loc, seq_lens);
   auto out = torch::empty_like(query);
   const bool kv_bf16 = kv_cache.scalar_type() == at::kBFloat16;
   if (query.scalar_type() == at::kFloat) {
