@@ -749,12 +749,7 @@ void check_batch(const torch::Tensor& query, const torch::Tensor& kv_cache, cons
     const int64_t q_len = qsl[s + 1] - qsl[s];
     TORCH_CHECK(q_len >= 0, "query_start_loc decreases at sequence ", s);
     TORCH_CHECK(lens[s] >= q_len, "sequence ", s, " has fewer keys (", lens[s], ") than queries (", q_len, ")");
-    const int64_t used = (lens[s] + bs - 1) / bs;
-    TORCH_CHECK(used <= max_blocks, "sequence ", s, ": ", lens[s], " keys need more blocks than its table row holds");
-    for (int64_t b = 0; b < used; ++b) {
-      const int64_t blk = tables[s * max_blocks + b];
-      TORCH_CHECK(blk >= 0 && blk < num_blocks, "sequence ", s, ": block ", blk, " outside the cache");
-    }
+    kvpage::check_table_row(tables + s * max_blocks, max_blocks, lens[s], bs, num_blocks, "sequence", s);
   }
 }
 

@@ -348,12 +348,8 @@ void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv
     TORCH_CHECK(seq_lens[i] >= lengths[i], "prompt ", i, " has fewer keys (", seq_lens[i], ") than queries (",
                 lengths[i], ")");
     TORCH_CHECK(seqs[i] >= 0 && seqs[i] < block_tables.size(0), "prompt ", i, ": no block table row ", seqs[i]);
-    TORCH_CHECK((seq_lens[i] + bs - 1) / bs <= max_blocks, "prompt ", i, ": ", seq_lens[i],
-                " keys need more blocks than its table row holds");
-    for (int64_t b = 0; b < (seq_lens[i] + bs - 1) / bs; ++b) {
-      const int64_t blk = tables[seqs[i] * max_blocks + b];
-      TORCH_CHECK(blk >= 0 && blk < num_blocks, "prompt ", i, ": block ", blk, " outside the cache");
-    }
+    kvpage::check_table_row(tables + seqs[i] * max_blocks, max_blocks, seq_lens[i], bs, num_blocks, "prompt",
+                            static_cast<int64_t>(i));
     if (lengths[i] > 0) prompts.push_back({starts[i], lengths[i], seq_lens[i] - lengths[i], 0, 0, seqs[i]});
   }
   const auto* kcache = kv_cache.data_ptr<at::BFloat16>();
