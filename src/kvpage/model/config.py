@@ -68,27 +68,23 @@ class ModelConfig:
 
 # --------------------------------------------------------------------------- GGUF
 def open_gguf(path: Path) -> Any:
+    """A parsed GGUF file (``kvpage.model.gguf_file.GGUFFile``); a clear ValueError when it is not one."""
     try:
-        from gguf import GGUFReader
+        from kvpage.model.gguf_file import GGUFFile
     except ImportError as e:  # pragma: no cover - gguf is a declared dependency
         raise RuntimeError("reading GGUF files needs the 'gguf' package: pip install gguf") from e
     try:
-        return GGUFReader(str(path))
+        return GGUFFile(path)
     except Exception as e:
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
 
 
+_VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+
+
 def gguf_fields(reader: Any, with_vocab: bool = False) -> dict[str, Any]:
     """Metadata as Python values; the large vocab arrays only when asked for."""
-    out: dict[str, Any] = {}
-    for key, f in reader.fields.items():
-        if not with_vocab and key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                                      "tokenizer.ggml.scores"):
-            continue
-        try:
-            out[key] = f.contents()
-        except Exception:  # pragma: no cover - exotic field types
-            continue
+    out = {k: v for k, v in reader.fields.items() if with_vocab or k not in _VOCAB_KEYS}
     out["__tensor_names__"] = {t.name for t in reader.tensors}
     return out
 

@@ -10,8 +10,11 @@ import torch
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None = None,
                   freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse frequencies (float32, head_dim/2), computed the way transformers does."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
+    """Inverse frequencies (float32, head_dim/2), computed the way transformers does. Always real CPU values,
+    also inside a ``torch.device("meta")`` block (the loader builds the model there; meta arithmetic imports
+    torch._dynamo, ~1 s)."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (base ** (steps.to(torch.float) / head_dim))
     if freq_factors is not None:  # GGUF files of llama3-scaled models carry the per-dim divisors
         return inv_freq / freq_factors.to(torch.float32)
     if not scaling:

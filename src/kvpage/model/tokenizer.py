@@ -110,10 +110,9 @@ class KVTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> KVTokenizer:
-        from gguf import GGUFReader
+        from kvpage.model.config import open_gguf
 
-        reader = GGUFReader(str(path))
-        fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        fields = {k: v for k, v in open_gguf(Path(path)).fields.items() if k.startswith("tokenizer.")}
         return cls.from_gguf_fields(fields, source=str(path))
 
     @classmethod

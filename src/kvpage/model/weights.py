@@ -46,7 +46,8 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def iter_gguf_tensors(reader: Any, path: Path, cfg: ModelConfig,
                       quant: dict[str, Any] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(parameter name, float32 tensor) for every tensor of an open GGUFReader; ``rope_freqs`` passes through.
+    """(parameter name, float32 tensor) for every tensor of an open GGUF file (``open_gguf``); ``rope_freqs``
+    passes through.
 
     With ``quant``, matrices stored as Q4_0 / Q4_1 / Q8_0 are also kept there as repacked blocks
     (``kvpage.model.quant.QuantWeight``) under the same parameter name.
