@@ -5,7 +5,8 @@ Workloads (fixed seed, greedy, EOS ignored, output tokens counted as requested):
   sharegpt  256 requests; prompt / output lengths lognormal, medians ~160 / ~200, capped at 1024 / 512
 
 Engines, each in its own process, one after another in this invocation:
-  kvpage                 this engine (dtype auto = bf16 here)
+  kvpage                 this engine (dtype auto: bf16 where the CPU has AVX512_BF16, else float32; the
+                         transformers and vLLM peers run the same dtype)
   hf-generate            transformers generate() in static, left-padded batches (--hf-batch)
   hf-generate-batch      transformers' own continuous batching (generate_batch)
   vllm                   vLLM's CPU build, if a Python with vllm is given (--vllm-python / $KVPAGE_VLLM_PYTHON)
@@ -135,13 +136,14 @@ VLLM = r"""
 import json, os, sys, time
 reqs = json.load(sys.stdin)
 from vllm import LLM, SamplingParams
-llm = LLM(model=os.environ["KVPAGE_VLLM_MODEL"], dtype="bfloat16", max_model_len=2048, max_num_seqs=256)
+dtype = os.environ["KVPAGE_PEER_DTYPE"]
+llm = LLM(model=os.environ["KVPAGE_VLLM_MODEL"], dtype=dtype, max_model_len=2048, max_num_seqs=256)
 params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
 llm.generate([{"prompt_token_ids": reqs[0]["prompt_token_ids"]}], SamplingParams(max_tokens=4), use_tqdm=False)
 t = time.perf_counter()
 outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
 dt = time.perf_counter() - t
-print(json.dumps({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs), "dtype": "bfloat16"}))
+print(json.dumps({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs), "dtype": dtype}))
 """
 
 
@@ -207,6 +209,7 @@ def main() -> None:
     ap.add_argument("--llama-parallel", type=int, default=32)
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
+    from kvpage.config import resolve_dtype
 
     results: dict[str, dict[str, dict]] = {}
     for wl in args.workloads:
@@ -228,6 +231,7 @@ def main() -> None:
                             break
                         runs.append(run_python(args.vllm_python, VLLM, reqs, {
                             "KVPAGE_VLLM_MODEL": args.vllm_model, "VLLM_CPU_KVCACHE_SPACE": "4",
+                            "KVPAGE_PEER_DTYPE": resolve_dtype("auto"),
                             "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}))
                     elif eng == "llama.cpp":
                         if not args.llama_server:

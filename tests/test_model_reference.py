@@ -130,12 +130,34 @@ def test_bf16_top1_agreement_with_fp32(smol_fp32, smol_bf16, prompts, hf_greedy,
     assert rate >= 0.99
 
 
+def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, prompts, hf_greedy):
+    """float32 on the fast path (what dtype auto runs on a CPU without AVX512_BF16): decode steps from the
+    checkpoint's quantized blocks (the exact weights, float32 sums in another order), prompts through oneDNN's
+    packed float32 product, fused norms / RoPE / SiLU. Greedy tokens equal transformers' float32 ones; one
+    prompt at a time, so every decode step is a one-token step on the quantized blocks."""
+    from kvpage.model import loader
+
+    before = set(loader._LOADED)
+    lm = loader.load_model("SmolLM2-135M-Instruct", dtype="float32", fast=True)
+    try:
+        if lm.model.fast_ops is None:
+            pytest.skip("no compiled kernels or oneDNN float32 packing here")
+        assert lm is not smol_fp32 and smol_fp32.model.fast_ops is None  # the exact path stays as it was
+        assert lm.model.layers[0].mlp.gate_up.quant is not None and lm.model.lm_quant is not None
+        for name, ids in prompts.items():
+            assert generate(lm, [ids], MAX_NEW)[0] == hf_greedy[name], name
+    finally:
+        for key in set(loader._LOADED) - before:
+            loader._LOADED.pop(key)
+
+
 def test_bf16_paths_without_amx_compute_the_same_function(smol_fp32, smol_bf16, prompts, hf_greedy, monkeypatch):
     """The fallbacks where a CPU has no AMX (oneDNN projections + silu_mul, SDPA for prompts) and the AMX
     kernels (tile GEMM with the gated epilogue, prefill_attention) differ only in bf16 rounding: teacher-forced
     argmax agreement >= 99% and logits within a small distance."""
     from kvpage.model import loader
 
+    amx_ops("amx_linear_available")  # without AMX, smol_bf16 already is the fallback: nothing to compare
     monkeypatch.setenv("KVPAGE_AMX_LINEAR", "0")
     monkeypatch.setenv("KVPAGE_AMX_PREFILL", "0")
     before = set(loader._LOADED)

@@ -28,6 +28,15 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if cpu_has_bf16() else "float32"
 
 
+def fast_path(dtype: str) -> bool:
+    """Whether the model runs on the fast path (packed projections, fused kernels, the checkpoint's quantized
+    blocks for few-token steps): ``auto`` and ``bfloat16`` do; an explicit ``float32`` keeps the step-by-step
+    transformers arithmetic, the exactness reference. So on a CPU without AVX512_BF16, ``auto`` is float32 on
+    the fast path: there a decode step is bound by reading the weights, and float32 ones are 7x the bytes of
+    the checkpoint's 4.5-bit blocks."""
+    return dtype in ("auto", "bfloat16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -56,7 +65,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class ModelRunConfig:
     model: str = "SmolLM2-135M-Instruct"
-    dtype: str = "auto"  # bfloat16 where the CPU has AVX512_BF16, else float32
+    dtype: str = "auto"  # bfloat16 where the CPU has AVX512_BF16, else float32; both on the fast path
     max_model_len: int | None = None  # default: the model's context length
     attention_backend: str = "auto"
 

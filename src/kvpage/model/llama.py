@@ -80,10 +80,11 @@ class PackedLinear(nn.Module):
         return self.ops.silu_mul(out) if self.gated else out
 
 
-def packing_available() -> bool:
+def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """oneDNN's packed linear runs for this dtype here (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
     try:
-        w = torch.ones(4, 4, dtype=torch.bfloat16)
-        PackedLinear(w, None)(torch.ones(1, 4, dtype=torch.bfloat16))
+        w = torch.ones(4, 4, dtype=dtype)
+        PackedLinear(w, None)(torch.ones(1, 4, dtype=dtype))
         return True
     except Exception:
         return False

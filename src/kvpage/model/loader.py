@@ -25,18 +25,18 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def _maybe_enable_fast_path(net: LlamaForCausalLM, run_dtype: torch.dtype, backend: str,
-                            quant: dict[str, QuantWeight]) -> None:
-    """bf16 with the compiled backend: packed fused projections + fused elementwise kernels, and the GGUF's own
-    quantized blocks for few-token steps. float32 keeps the step-by-step transformers arithmetic (the
-    exactness reference)."""
-    if run_dtype != torch.bfloat16 or backend == "reference":
+                            quant: dict[str, QuantWeight], fast: bool) -> None:
+    """With the compiled backend: packed fused projections + fused elementwise kernels, and the GGUF's own
+    quantized blocks for few-token steps. Without ``fast`` (float32 by default) the model keeps the
+    step-by-step transformers arithmetic (the exactness reference)."""
+    if not fast or backend == "reference":
         return
     from kvpage.attention.backends.cpu_kernels import load_kernels
     from kvpage.model.llama import packing_available
 
     ops = load_kernels()
-    if ops is None or not packing_available():
-        logger.info("bf16 fast path unavailable (kernels or oneDNN packing missing): plain bf16 path")
+    if ops is None or not packing_available(run_dtype):
+        logger.info("%s fast path unavailable (kernels or oneDNN packing missing here): plain path", run_dtype)
         return
     net.enable_fast_path(ops, quant)
 
@@ -65,22 +65,24 @@ _MAX_CACHED = 3
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-               attention_backend: str = "auto") -> LoadedModel:
+               attention_backend: str = "auto", fast: bool | None = None) -> LoadedModel:
     """Everything from local files; never the network. Engines in one process share a loaded model
-    (weights are read-only; each engine owns its KV cache)."""
+    (weights are read-only; each engine owns its KV cache). ``fast``: the fast path (config.fast_path);
+    None = bfloat16 yes, float32 no."""
     run_dtype = parse_dtype(dtype)
+    fast = run_dtype == torch.bfloat16 if fast is None else fast
     path = resolve_model_path(model)
     if path is None:
         raise ValueError(f"{model!r} is a preset (architecture numbers only, no weights): it can be planned, not run")
-    key = (str(path.resolve()), path.stat().st_mtime_ns, run_dtype, attention_backend, model.lower())
+    key = (str(path.resolve()), path.stat().st_mtime_ns, run_dtype, attention_backend, model.lower(), fast)
     if key not in _LOADED:
         if len(_LOADED) >= _MAX_CACHED:
             _LOADED.pop(next(iter(_LOADED)))
-        _LOADED[key] = _load(model, path, run_dtype, attention_backend)
+        _LOADED[key] = _load(model, path, run_dtype, attention_backend, fast)
     return _LOADED[key]
 
 
-def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str) -> LoadedModel:
+def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str, fast: bool) -> LoadedModel:
     t0 = time.perf_counter()
     freq_factors = None
     quant: dict[str, QuantWeight] = {}
@@ -105,7 +107,7 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
         tokenizer = KVTokenizer.from_gguf_fields(fields, source=str(path))
         if not cfg.vocab_size:
             cfg = cfg.with_overrides(vocab_size=len(fields["tokenizer.ggml.tokens"]))
-        tensors = iter_gguf_tensors(reader, path, cfg, quant if run_dtype == torch.bfloat16 else None)
+        tensors = iter_gguf_tensors(reader, path, cfg, quant if fast else None)
     if not cfg.intermediate_size or not cfg.hidden_size or not cfg.vocab_size:
         raise ValueError(f"{path}: config lacks hidden_size, intermediate_size or vocab_size")
 
@@ -133,7 +135,7 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
     )
     net.requires_grad_(False)
     net.eval()
-    _maybe_enable_fast_path(net, run_dtype, attention_backend, quant)
+    _maybe_enable_fast_path(net, run_dtype, attention_backend, quant, fast)
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %d layers) from %s in %.1f s", cfg.name, run_dtype, cfg.num_layers, path, seconds)
     return LoadedModel(cfg, net, tokenizer, run_dtype, path, seconds)

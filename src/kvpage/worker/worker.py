@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
-from kvpage.config import CacheConfig, ModelRunConfig, resolve_dtype
+from kvpage.config import CacheConfig, ModelRunConfig, fast_path, resolve_dtype
 from kvpage.kv import KVCacheManager, make_kv_manager
 from kvpage.model.loader import load_model, parse_dtype
 from kvpage.units import format_bytes
@@ -19,7 +19,7 @@ class Worker:
     def __init__(self, model_config: ModelRunConfig | None = None, cache_config: CacheConfig | None = None) -> None:
         self.model_config = mc = model_config or ModelRunConfig()
         self.cache_config = cc = cache_config or CacheConfig()
-        self.lm = load_model(mc.model, resolve_dtype(mc.dtype), mc.attention_backend)
+        self.lm = load_model(mc.model, resolve_dtype(mc.dtype), mc.attention_backend, fast=fast_path(mc.dtype))
         cfg = self.lm.config
         limit = cfg.max_position_embeddings or mc.max_model_len
         if not limit:

@@ -20,6 +20,14 @@
 #define KVPAGE_AVX512 0
 #endif
 
+// AVX2 + FMA without AVX-512 (Zen 3 and older, many cloud VMs): 8-lane paths where a kernel has one.
+#if !KVPAGE_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#define KVPAGE_AVX2 1
+#include <immintrin.h>
+#else
+#define KVPAGE_AVX2 0
+#endif
+
 namespace kvpage {
 
 inline float to_float(float x) { return x; }
@@ -88,6 +96,23 @@ inline __m512 exp16(__m512 x, __mmask16 keep) {
 inline __m512 silu_mul16(__m512 g, __m512 u, __mmask16 keep) {
   const __m512 ex = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g), keep);
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), ex)), u);
+}
+#endif
+
+#if KVPAGE_AVX2
+// Sum and maximum of 8 lanes.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
 }
 #endif
 

@@ -384,6 +384,137 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
   }
 }
 
+#if KVPAGE_AVX2
+// exp(x) for 8 lanes, x <= 0 (exp_neg's polynomial, so vector and scalar tails agree).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 nn = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, nn);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(nn), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+// Eight dot products q . k_i (k_i = k + i * stride, D floats each) as one vector, lane i = key i: eight
+// accumulators over the dims, then a horizontal-add tree (no per-key horizontal reduction).
+template <int64_t D>
+inline __m256 dot8(const float* q, const float* k, int64_t stride) {
+  __m256 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(k + i * stride + c), qv, a[i]);
+  }
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// attend_tile for float32 KV and head size D on AVX2 + FMA (same contract: q pre-scaled, rows r = j * H +
+// head, row r sees keys <= pos0 + r / H). K and V rows are read where they lie in the cache (no copy); scores
+// come eight keys at a time (dot8), the weights through exp8, and P.V keeps each row's output in registers
+// 64 dims at a time while the block's values stream past.
+template <int64_t D>
+void attend_tile_f32_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const float* kcache, const float* vcache,
+                          const int64_t* table, int64_t block_size, int64_t block_stride, int64_t kv_heads,
+                          int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
+                          std::vector<float>& scratch) {
+  static_assert(D % 64 == 0, "head size must be a multiple of 64");
+  const int64_t R = nq * H;
+  const int64_t row_stride = kv_heads * D;
+  scratch.resize(static_cast<size_t>(R * block_size + 8));
+  float* sc = scratch.data();  // this block's weights, [r][i]
+  reset_partials(acc, m, l, R, D);
+  int64_t t = k_begin;
+  while (t < k_end) {
+    const int64_t off = t % block_size;
+    const int64_t n = std::min(block_size - off, k_end - t);
+    const int64_t phys = table[t / block_size];
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const float* kbase = kcache + phys * block_stride + off * row_stride + h * D;
+      const float* vbase = vcache + phys * block_stride + off * row_stride + h * D;
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = j * H + h * G + g;
+          float* s = sc + r * block_size;
+          if (visible <= 0) {
+            std::fill(s, s + n, 0.f);
+            continue;
+          }
+          const float* qr = q + r * D;
+          __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+          int64_t i = 0;
+          for (; i + 8 <= visible; i += 8) {
+            const __m256 d8 = dot8<D>(qr, kbase + i * row_stride, row_stride);
+            _mm256_storeu_ps(s + i, d8);
+            vmax = _mm256_max_ps(vmax, d8);
+          }
+          float bmax = kvpage::hmax8(vmax);
+          for (; i < visible; ++i) {  // the block's last < 8 visible keys, one by one
+            const float* k = kbase + i * row_stride;
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t c = 0; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(k + c), _mm256_loadu_ps(qr + c), a);
+            s[i] = kvpage::hsum8(a);
+            bmax = std::max(bmax, s[i]);
+          }
+          const float new_m = std::max(m[r], bmax);
+          const float corr = exp_neg(m[r] - new_m);
+          const __m256 vm = _mm256_set1_ps(new_m);
+          __m256 vsum = _mm256_setzero_ps();
+          i = 0;
+          for (; i + 8 <= visible; i += 8) {
+            const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+            _mm256_storeu_ps(s + i, w);
+            vsum = _mm256_add_ps(vsum, w);
+          }
+          float sum = kvpage::hsum8(vsum);
+          for (; i < visible; ++i) {
+            s[i] = exp_neg(s[i] - new_m);
+            sum += s[i];
+          }
+          for (i = visible; i < n; ++i) s[i] = 0.f;
+          l[r] = l[r] * corr + sum;
+          m[r] = new_m;
+          if (corr != 1.f) {
+            const __m256 vc = _mm256_set1_ps(corr);
+            float* a = acc + r * D;
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), vc));
+          }
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t visible = std::min(n, pos0 + j + 1 - t);
+        if (visible <= 0) continue;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = j * H + h * G + g;
+          const float* w = sc + r * block_size;
+          for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            float* a = acc + r * D + d0;
+            __m256 o[8];
+            for (int c = 0; c < 8; ++c) o[c] = _mm256_loadu_ps(a + 8 * c);
+            for (int64_t i = 0; i < visible; ++i) {
+              const __m256 wv = _mm256_set1_ps(w[i]);
+              const float* v = vbase + i * row_stride + d0;
+              for (int c = 0; c < 8; ++c) o[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * c), o[c]);
+            }
+            for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * c, o[c]);
+          }
+        }
+      }
+    }
+    t += n;
+  }
+}
+#endif
+
 template <typename KV, typename Q>
 void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                    const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, double scale,
@@ -448,7 +579,8 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   use_amx_pairs = use_amx_packed && D == 64 && H <= 16;
 #endif
   g_decode_kernel = use_amx_pairs ? "amx-pairs" : use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
-                  : (use_dp && (D == 64 || D == 128)) ? "avx512-rows" : "generic";
+                  : (use_dp && (D == 64 || D == 128)) ? "avx512-rows"
+                  : (KVPAGE_AVX2 && std::is_same_v<KV, float> && (D == 64 || D == 128)) ? "avx2-f32" : "generic";
   auto work = [&](int64_t begin, int64_t end) {
 #ifdef KVPAGE_AMX
     if (use_amx) kvpage::amx_configure(G);
@@ -543,6 +675,19 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
             attend_tile_bf16<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, tk.pos0,
                                   k_begin,
                                   k_end, pa, pm, pl, scratch, sc);
+          continue;
+        }
+      }
+#endif
+#if KVPAGE_AVX2
+      if constexpr (std::is_same_v<KV, float>) {
+        if (D % 64 == 0 && D <= 128) {
+          if (D == 64)
+            attend_tile_f32_avx2<64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                     kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch);
+          else
+            attend_tile_f32_avx2<128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                      kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch);
           continue;
         }
       }

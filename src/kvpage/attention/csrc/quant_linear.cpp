@@ -42,11 +42,16 @@ inline void half_row(const at::Half* src, float* dst, int64_t n) {
 }
 #else
 inline void half_row(const at::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  int64_t i = 0;
+#if KVPAGE_AVX2 && defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 #endif
 
-#if KVPAGE_AVX512
+#if KVPAGE_AVX512 || KVPAGE_AVX2
 // Row n's codes and scales into L1 ahead of use: the hardware prefetcher alone leaves the weight stream
 // latency-bound (measured: half the bandwidth). m may be null (Q8).
 inline void prefetch_row(const void* qs, int64_t row_bytes, const at::Half* d, const at::Half* m, int64_t nb,
@@ -119,6 +124,22 @@ inline void add_block(__m512 lo, __m512 hi, float d, const float* xb, int64_t K,
 }
 #endif
 
+#if KVPAGE_AVX2
+// acc[t] += d * (w . x_t) for one block of 32 weights as four 8-lane vectors and M token rows.
+template <int M>
+inline void add_block8(const __m256 (&w)[4], float d, const float* xb, int64_t K, __m256* acc) {
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int t = 0; t < M; ++t) {
+    const float* xt = xb + t * K;
+    __m256 s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));
+    s = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), s);
+    s = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), s);
+    s = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), s);
+    acc[t] = _mm256_fmadd_ps(s, dv, acc[t]);
+  }
+}
+#endif
+
 // Rows [n0, n1) of out[M, N] = x[M, K] . W^T for Q4 (m != nullptr) or Q8 (m == nullptr) weights.
 template <int M, bool Q4, typename OUT>
 void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::Half* d, const at::Half* m,
@@ -127,7 +148,7 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
   std::vector<float> dbuf(nb), mbuf(Q4 ? nb : 0);
   [[maybe_unused]] const int64_t row_bytes = Q4 ? K / 2 : K;
   for (int64_t n = n0; n < n1; ++n) {
-#if KVPAGE_AVX512
+#if KVPAGE_AVX512 || KVPAGE_AVX2
     if (n + kAhead < n1) prefetch_row(qs_v, row_bytes, d, m, nb, n + kAhead);
 #endif
     half_row(d + n * nb, dbuf.data(), nb);
@@ -138,6 +159,7 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
       for (int t = 0; t < M; ++t) {
         const float* xs = xsum + t * nb;
         float s = 0.f;
+#pragma omp simd reduction(+ : s)
         for (int64_t b = 0; b < nb; ++b) s += mbuf[b] * xs[b];
         mterm[t] = s;
       }
@@ -164,6 +186,52 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
       }
     }
     for (int t = 0; t < M; ++t) store_out(out + t * N + n, _mm512_reduce_add_ps(acc[t]) + mterm[t]);
+#elif KVPAGE_AVX2
+    // 8 lanes, two accumulator chains per token row (even and odd blocks). A Q4 block's 16 bytes are
+    // broadcast to both 128-bit lanes and one byte shuffle spreads 8 of them over 8 dword lanes: their low
+    // nibbles are elements 0-7 (or 8-15), their high nibbles 16-23 (or 24-31), in GGUF order.
+    __m256 acc[2][M];
+    for (int t = 0; t < M; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+    if constexpr (Q4) {
+      const uint8_t* q = static_cast<const uint8_t*>(qs_v) + n * (K / 2);
+      const __m256i low4 = _mm256_set1_epi32(0x0F);
+      const __m256i first8 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                              4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+      const __m256i last8 = _mm256_add_epi8(first8, _mm256_set1_epi32(8));  // -1 + 8 keeps bit 7 set: still zero
+      const auto block = [&](int64_t b, __m256* into) {
+        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
+        const __m256i e0 = _mm256_shuffle_epi8(v, first8), e1 = _mm256_shuffle_epi8(v, last8);
+        const __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(e0, low4)),
+                             _mm256_cvtepi32_ps(_mm256_and_si256(e1, low4)),
+                             _mm256_cvtepi32_ps(_mm256_srli_epi32(e0, 4)),
+                             _mm256_cvtepi32_ps(_mm256_srli_epi32(e1, 4))};
+        add_block8<M>(w, dbuf[b], x + b * kQK, K, into);
+      };
+      int64_t b = 0;
+      for (; b + 2 <= nb; b += 2) {  // the two chains written out: an array indexed by b & 1 would live in memory
+        block(b, acc[0]);
+        block(b + 1, acc[1]);
+      }
+      if (b < nb) block(b, acc[0]);
+    } else {
+      const int8_t* q = static_cast<const int8_t*>(qs_v) + n * K;
+      const auto block = [&](int64_t b, __m256* into) {
+        const int8_t* p = q + b * kQK;
+        const __m256 w[4] = {
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16)))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 24))))};
+        add_block8<M>(w, dbuf[b], x + b * kQK, K, into);
+      };
+      int64_t b = 0;
+      for (; b + 2 <= nb; b += 2) {
+        block(b, acc[0]);
+        block(b + 1, acc[1]);
+      }
+      if (b < nb) block(b, acc[0]);
+    }
+    for (int t = 0; t < M; ++t) store_out(out + t * N + n, kvpage::hsum8(_mm256_add_ps(acc[0][t], acc[1][t])) + mterm[t]);
 #else
     float acc[M];
     for (int t = 0; t < M; ++t) acc[t] = 0.f;
