@@ -4,8 +4,9 @@ For each (batch, context): the K/V of every sequence is laid out twice, contiguo
 torch.nn.functional.scaled_dot_product_attention and scattered over randomly permuted 16-token blocks for
 kvpage's paged kernel (in the KV layout the engine uses here, packed where the CPU has AVX512-BF16; --layout
 picks one); one query token per sequence (decode), SmolLM2's shape (9 query heads, 3 KV heads,
-head dim 64), bf16. Reported: median time of each, their ratio (target: paged <= 1.05x contiguous), and the
-effective KV read bandwidth next to this machine's measured copy bandwidth.
+head dim 64), in the engine's dtype here (--dtype: bf16 with AVX512_BF16, else float32). Reported: median
+time of each, their ratio (target: paged <= 1.05x contiguous), and the effective KV read bandwidth next to
+this machine's measured copy bandwidth.
 
     python benchmarks/kernels.py [--batches 1 16 64 256] [--contexts 128 1024 8192] [--threads N]
                                  [--vllm-python <venv>/bin/python [--vllm-block-size 128]]
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 from _common import median_seconds
 from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, CpuPagedAttention, load_kernels, pack_kv_rows
+from kvpage.config import resolve_dtype
 from kvpage.worker.kv_cache import as_block_major
 
 
@@ -62,6 +64,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
     ap.add_argument("--layout", choices=["engine", "packed", "rows"], default="engine",
                     help="kvpage's bf16 KV layout: the one the engine uses here (default), or either")
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                    help="Q/K/V dtype (auto: the engine's here, bf16 with AVX512_BF16, else float32)")
     ap.add_argument("--vllm-python", default=os.environ.get("KVPAGE_VLLM_PYTHON"),
                     help="a Python with vLLM's CPU build: time its paged decode op on the same shapes")
     ap.add_argument("--vllm-block-size", type=int, default=128,
@@ -73,16 +77,19 @@ def main() -> None:
     if ops is None:
         raise SystemExit("compiled kernels unavailable on this machine")
     hq, hkv, d, bs = 9, 3, 64, 16
-    probe = torch.zeros(2, 1, bs, hkv, d, dtype=torch.bfloat16)
-    packed = CpuPagedAttention().packed_layout(probe, torch.bfloat16) if args.layout == "engine" else (
+    dtype = getattr(torch, resolve_dtype(args.dtype))
+    esize = torch.finfo(dtype).bits // 8
+    probe = torch.zeros(2, 1, bs, hkv, d, dtype=dtype)
+    packed = CpuPagedAttention().packed_layout(probe, dtype) if args.layout == "engine" else (
         args.layout == "packed")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
           f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s (read+write), "
           f"read bandwidth {read_bandwidth_gbs():.1f} GB/s (2 GiB sum); kvpage KV layout: "
-          f"{'packed' if packed else 'rows'}")
+          f"{'packed' if packed else 'rows'}, {dtype}")
     cases = [(b, ctx) for b in args.batches for ctx in args.contexts
-             if 2 * b * ctx * hkv * d * 2 <= args.max_kv_gib * 2**30]
-    vllm = run_vllm(args.vllm_python, cases, args.vllm_block_size, (hq, hkv, d), torch.get_num_threads())
+             if 2 * b * ctx * hkv * d * esize <= args.max_kv_gib * 2**30]
+    vllm = (run_vllm(args.vllm_python, cases, args.vllm_block_size, (hq, hkv, d), torch.get_num_threads())
+            if dtype == torch.bfloat16 else "its op is timed in bf16 only")
     if isinstance(vllm, str):
         print(f"vLLM: skipped ({vllm})")
         vllm = {}
@@ -93,11 +100,11 @@ def main() -> None:
     print(header + (f" {'vLLM ms':>8} {'vLLM GB/s':>9} {'paged/vLLM':>10}" if vllm else ""))
     for b in args.batches:
         for ctx in args.contexts:
-            kv_bytes = 2 * b * ctx * hkv * d * 2
+            kv_bytes = 2 * b * ctx * hkv * d * esize
             if (b, ctx) not in cases:
                 print(f"{b:>5} {ctx:>7}  skipped (K/V {kv_bytes / 2**30:.1f} GiB > --max-kv-gib)")
                 continue
-            paged, dense = run_case(ops, b, ctx, hq, hkv, d, bs, 20 if kv_bytes < 2**28 else 5, packed)
+            paged, dense = run_case(ops, b, ctx, hq, hkv, d, bs, 20 if kv_bytes < 2**28 else 5, packed, dtype)
             line = (f"{b:>5} {ctx:>7} {paged:9.3f} {dense:8.3f} {paged / dense:10.2f} "
                     f"{kv_bytes / paged / 1e6:10.1f} {kv_bytes / dense / 1e6:9.1f}")
             if (b, ctx) in vllm:
@@ -126,14 +133,14 @@ def run_vllm(python: str | None, cases: list[tuple[int, int]], block_size: int, 
 
 
 def run_case(ops, b: int, ctx: int, hq: int, hkv: int, d: int, bs: int, reps: int,
-             packed: bool) -> tuple[float, float]:
+             packed: bool, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
     """Median ms of the paged kernel and of contiguous SDPA on the same K/V (checked to agree)."""
-    k = torch.randn(b, hkv, ctx, d).bfloat16()
-    v = torch.randn(b, hkv, ctx, d).bfloat16()
-    q = torch.randn(b, hq, 1, d).bfloat16()
+    k = torch.randn(b, hkv, ctx, d).to(dtype)
+    v = torch.randn(b, hkv, ctx, d).to(dtype)
+    q = torch.randn(b, hq, 1, d).to(dtype)
     nblk = -(-ctx // bs)
     perm = torch.randperm(b * nblk)
-    cache = torch.zeros(2, b * nblk, bs, hkv, d, dtype=torch.bfloat16)
+    cache = torch.zeros(2, b * nblk, bs, hkv, d, dtype=dtype)
     pad = nblk * bs - ctx
     for idx, src in ((0, k), (1, v)):
         cache[idx, perm] = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(b * nblk, bs, hkv, d)

@@ -348,3 +348,25 @@ def test_backend_packs_bf16_caches_and_keeps_rows_otherwise(monkeypatch):
     assert not backend.packed_layout(torch.zeros(2, 4, 16, 3, 32, dtype=torch.bfloat16), torch.bfloat16)
     monkeypatch.setenv("KVPAGE_KV_LAYOUT", "rows")
     assert not CpuPagedAttention().packed_layout(bf16, torch.bfloat16)
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_reported(tmp_path, monkeypatch, caplog):
+    """An interrupted first build leaves torch's lock file behind, and torch would wait for it forever."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension as cpp
+
+    from kvpage.attention.backends import cpu_kernels
+
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    cpu_kernels._check_build_lock("x")
+    assert not lock.exists() and "stale kernel build lock" in caplog.text
+    lock.touch()
+    cpu_kernels._check_build_lock("x")
+    assert lock.exists() and "waiting for another process's kernel build" in caplog.text
+    cpu_kernels._check_build_lock("x")  # no lock: nothing to do

@@ -51,7 +51,8 @@ class EngineArgs:
         g = p.add_argument_group("engine")
         g.add_argument("--model", default=DEFAULT_MODEL, help="default name, .gguf file or Hugging Face directory")
         g.add_argument("--dtype", default="auto", choices=RUN_DTYPES,
-                       help="auto = bfloat16 where the CPU has AVX512_BF16, else float32")
+                       help="auto = bfloat16 where the CPU has AVX512_BF16, else float32, both on the fast path "
+                            "(packed and quantized products, fused kernels); float32 = the exact step-by-step path")
         g.add_argument("--max-model-len", type=int, help="longest sequence (default: the model's context length)")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY,

@@ -33,7 +33,7 @@ def amx_linear_enabled(ops) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Inference-only linear layer on pre-packed bf16 weights: same results as F.linear up to float32
+    """Inference-only linear layer on pre-packed bf16 (or float32) weights: same results as F.linear up to float32
     summation order, about twice as fast on this CPU, because the weight is laid out for the product once
     instead of at every call. Paths by row count: the checkpoint's quantized blocks (a few rows, where reading
     fewer bytes wins), then the AMX tile GEMM where the CPU has it, oneDNN otherwise (and above amx_max_rows)."""
@@ -183,8 +183,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_quant: QuantWeight | None = None
 
     def enable_fast_path(self, ops, quant: dict[str, QuantWeight] | None = None) -> None:
-        """bf16 inference path: packed fused projections and fused norm / RoPE / SiLU kernels (``ops``); with
-        ``quant`` (parameter name -> the checkpoint's quantized blocks) few-token steps compute from those."""
+        """The fast path (bf16, or float32 where the CPU has no native bf16): packed fused projections and fused
+        norm / RoPE / SiLU kernels (``ops``); with ``quant`` (parameter name -> the checkpoint's quantized
+        blocks) few-token steps compute from those."""
         quant = quant or {}
         for i, layer in enumerate(self.layers):
             layer.self_attn.pack(quant, f"layers.{i}.self_attn", ops)
@@ -276,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class _FastLayer:
-    """One decoder layer of the bf16 fast path as plain attributes and bound methods."""
+    """One decoder layer of the fast path as plain attributes and bound methods."""
 
     __slots__ = ("attend", "down", "eps", "gate_up", "head_dim", "in_norm", "k_end", "next_eps", "next_norm",
                  "num_heads", "num_kv_heads", "o", "post_norm", "q_end", "qkv", "scale")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -44,6 +45,27 @@ def _headers_tag() -> str:
     return digest.hexdigest()[:12]
 
 
+STALE_LOCK_SECONDS = 600.0  # a build takes 1-5 min here; a lock this old was left by an interrupted one
+
+
+def _check_build_lock(name: str) -> None:
+    """torch's build waits for as long as the lock file of another build exists, and an interrupted build
+    (Ctrl-C during the first start) leaves it behind: every later start would hang without a word. A lock
+    older than STALE_LOCK_SECONDS is removed (so this start builds); a younger one is reported."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing a stale kernel build lock (%s, %.0f min old: an interrupted build)", lock, age / 60)
+        lock.unlink(missing_ok=True)
+    else:
+        logger.warning("waiting for another process's kernel build (%s); if none is running, delete that file", lock)
+
+
 def load_kernels() -> ModuleType | None:
     """The compiled module, or None (with the reason logged once) when it cannot be built."""
     global _module, _error
@@ -53,6 +75,7 @@ def load_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         name = f"kvpage_paged_attention_{_cpu_tag()}"
+        _check_build_lock(name)
         _module = load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
                        extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVPAGE_HEADERS={_headers_tag()}"],
                        extra_ldflags=["-fopenmp"], verbose=False)
