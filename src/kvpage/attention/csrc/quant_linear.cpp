@@ -138,6 +138,18 @@ inline void add_block8(const __m256 (&w)[4], float d, const float* xb, int64_t K
     acc[t] = _mm256_fmadd_ps(s, dv, acc[t]);
   }
 }
+
+// block(b, chain) for b = 0 .. nb-1, even blocks into c0 and odd ones into c1, written out (an accumulator
+// array indexed by b & 1 would live in memory).
+template <typename F>
+inline void two_chains(int64_t nb, F&& block, __m256* c0, __m256* c1) {
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    block(b, c0);
+    block(b + 1, c1);
+  }
+  if (b < nb) block(b, c0);
+}
 #endif
 
 // Rows [n0, n1) of out[M, N] = x[M, K] . W^T for Q4 (m != nullptr) or Q8 (m == nullptr) weights.
@@ -197,7 +209,8 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
       const __m256i low4 = _mm256_set1_epi32(0x0F);
       const __m256i first8 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
                                               4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
-      const __m256i last8 = _mm256_add_epi8(first8, _mm256_set1_epi32(8));  // -1 + 8 keeps bit 7 set: still zero
+      // bytes 8-15: +8 on each dword's first byte only (the -1 bytes, which zero a lane's upper bytes, stay -1)
+      const __m256i last8 = _mm256_add_epi8(first8, _mm256_set1_epi32(8));
       const auto block = [&](int64_t b, __m256* into) {
         const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
         const __m256i e0 = _mm256_shuffle_epi8(v, first8), e1 = _mm256_shuffle_epi8(v, last8);
@@ -207,12 +220,7 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
                              _mm256_cvtepi32_ps(_mm256_srli_epi32(e1, 4))};
         add_block8<M>(w, dbuf[b], x + b * kQK, K, into);
       };
-      int64_t b = 0;
-      for (; b + 2 <= nb; b += 2) {  // the two chains written out: an array indexed by b & 1 would live in memory
-        block(b, acc[0]);
-        block(b + 1, acc[1]);
-      }
-      if (b < nb) block(b, acc[0]);
+      two_chains(nb, block, acc[0], acc[1]);
     } else {
       const int8_t* q = static_cast<const int8_t*>(qs_v) + n * K;
       const auto block = [&](int64_t b, __m256* into) {
@@ -224,12 +232,7 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 24))))};
         add_block8<M>(w, dbuf[b], x + b * kQK, K, into);
       };
-      int64_t b = 0;
-      for (; b + 2 <= nb; b += 2) {
-        block(b, acc[0]);
-        block(b + 1, acc[1]);
-      }
-      if (b < nb) block(b, acc[0]);
+      two_chains(nb, block, acc[0], acc[1]);
     }
     for (int t = 0; t < M; ++t) store_out(out + t * N + n, kvpage::hsum8(_mm256_add_ps(acc[0][t], acc[1][t])) + mterm[t]);
 #else
