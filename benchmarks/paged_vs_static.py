@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--phases", action="store_true", help="also print each run's steps by size (step log)")
     args = ap.parse_args()
-    probe = LLM(kv_cache_memory="64MiB", max_model_len=args.max_model_len)
+    probe = LLM(kv_cache_memory="128MiB", max_model_len=args.max_model_len)  # one sequence even in float32
     bpb = probe.engine.worker.bytes_per_block
     vocab = probe.engine.worker.lm.config.vocab_size
     blocks = args.static_slots * -(-args.max_model_len // 16)
