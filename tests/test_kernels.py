@@ -136,6 +136,34 @@ def test_long_contexts_split_into_partitions():
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize("block_size", [1, 7, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_stream_splits_its_context_over_the_threads(threads, block_size, dtype):
+    """Fewer decode sequences than threads (one stream): contexts shorter than a partition are cut into one
+    part per thread (at least 64 keys, multiples of 16, cuts inside blocks for odd block sizes) and merged;
+    results match the dense reference at every context length around the cuts."""
+    ops = load_kernels()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(block_size)
+        for ctx in (1, 63, 64, 65, 127, 129, 200, 333):
+            nblocks = -(-ctx // block_size)
+            cache = torch.full((2, nblocks + 3, block_size, 2, 64), float("nan"), dtype=dtype)
+            table = torch.randperm(nblocks + 3, generator=g)[:nblocks]
+            for p in range(ctx):
+                cache[:, table[p // block_size], p % block_size] = torch.randn(2, 2, 64, generator=g).to(dtype)
+            q = torch.randn(1, 6, 64, generator=g).to(dtype)
+            tables, lens = table[None].clone(), torch.tensor([ctx])
+            out = ops.paged_attention(q, cache, tables, torch.arange(2), lens, 0.125, PARTITION_SIZE)
+            ref = dense_reference(q, cache, tables, lens, 0.125)
+            tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+            torch.testing.assert_close(out.float(), ref, **tol)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kernel_rejects_bad_input():
     ops = load_kernels()
     cache = torch.zeros(2, 4, 16, 2, 8)

@@ -74,6 +74,60 @@ def test_kernel_matches_the_dequantized_matrix(qtype, n, k, tokens):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize(("n", "k"), [(40, 576), (17, 96), (33, 32)])
+@pytest.mark.parametrize("x_kind", ["normal", "outliers", "zero_blocks"])
+def test_int16_activations_stay_within_their_rounding_bound(qtype, n, k, x_kind):
+    """int16=True (one token row, AVX2 builds): each activation is rounded to a 16-bit code of its block's
+    max|x| / 32767, so |out - exact| <= sum |w| * max|x|_block / 65534 (+ float32 summation slack)."""
+    ops = load_kernels()
+    qw = from_gguf(random_gguf_blocks(qtype, n, k, seed=7 * n + k), qtype, (n, k))
+    w = qw.dequantize().double()
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(n))
+    if x_kind == "outliers":  # one large value per block, as in a real model's residual channels
+        x[0, ::32] *= 200.0
+    elif x_kind == "zero_blocks":
+        x[0, : k // 2] = 0.0
+    out = ops.quant_linear(x, qw.qs, qw.d, qw.m, True, True)
+    ref = x.double() @ w.T
+    amax = x.double().view(1, -1, 32).abs().amax(-1, keepdim=True).expand(1, -1, 32).reshape(1, k)
+    bound = (w.abs() * (amax / 65534)).sum(-1)
+    slack = 1e-5 * ref.abs().max().item() + 1e-6
+    assert ((out.double() - ref).abs() <= bound * 1.001 + slack).all()
+    if ops.quant_int16_available() and x_kind != "zero_blocks":
+        assert not torch.equal(out, ops.quant_linear(x, qw.qs, qw.d, qw.m, True, False))  # really a second path
+    many = torch.cat([x, x, x])  # several rows keep the float path (faster there): same result as int16=False
+    assert torch.equal(ops.quant_linear(many, qw.qs, qw.d, qw.m, True, True),
+                       ops.quant_linear(many, qw.qs, qw.d, qw.m, True, False))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 9])
+@pytest.mark.parametrize("int16", [False, True])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_gated_epilogue_equals_silu_mul_of_the_product(qtype, tokens, int16, x_dtype):
+    """gated=True (the MLP's [gate; up] product) returns silu_mul of the plain product, computed in the same
+    pass: [tokens, N / 2], equal to the separate kernels up to float rounding of the activation."""
+    ops = load_kernels()
+    n, k = 2 * 52, 96  # 52 = not a multiple of the 8 / 16 lanes of the epilogue
+    qw = from_gguf(random_gguf_blocks(qtype, n, k, seed=tokens), qtype, (n, k))
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(3)).to(x_dtype)
+    plain = ops.quant_linear(x, qw.qs, qw.d, qw.m, True, int16)
+    got = ops.quant_linear(x, qw.qs, qw.d, qw.m, True, int16, True)
+    assert got.shape == (tokens, n // 2) and got.dtype == torch.float32
+    want = ops.silu_mul(plain)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    ref = torch.nn.functional.silu(plain[:, : n // 2].double()) * plain[:, n // 2 :].double()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+    if x_dtype == torch.bfloat16:  # bf16 output: the float32 result rounded once
+        out_b = ops.quant_linear(x, qw.qs, qw.d, qw.m, False, int16, True)
+        assert out_b.dtype == torch.bfloat16 and torch.equal(out_b, got.bfloat16())
+    with pytest.raises(RuntimeError, match="even number of rows"):
+        ops.quant_linear(x, qw.qs[1:], qw.d[1:], None if qw.m is None else qw.m[1:], True, int16, True)
+
+
+@needs_kernels
 def test_kernel_rejects_bad_input():
     ops = load_kernels()
     qw = from_gguf(random_gguf_blocks(Q.Q4_1, 8, 64, 5), Q.Q4_1, (8, 64))

@@ -26,6 +26,10 @@ from kvpage.model.dequant import nibbles
 # BENCHMARKS.md); 0 turns them off.
 QUANT_MAX_TOKENS = int(os.environ.get("KVPAGE_QUANT_MAX_TOKENS", "4"))
 QUANT_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q8_0}
+# Those steps' activations as 16-bit integer blocks where the build has the kernel (AVX2): one integer
+# product per pair of weights instead of a float conversion and FMA per weight; rounding <= 1.5e-5 of each
+# 32-block's largest value. KVPAGE_QUANT_INT16=0 keeps them float32 (the exact-sum reference).
+QUANT_INT16 = os.environ.get("KVPAGE_QUANT_INT16", "1") != "0"
 
 
 @dataclass

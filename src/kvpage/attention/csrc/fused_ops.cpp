@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -280,6 +281,11 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t str
         store16(o + i, kvpage::silu_mul16(load16(g + i, k), load16(u + i, k), k), k);
       }
 #else
+#if KVPAGE_AVX2
+      if constexpr (std::is_same_v<T, float>)
+        for (; i + 8 <= inter; i += 8)
+          _mm256_storeu_ps(o + i, kvpage::silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+#endif
       for (; i < inter; ++i) {
         const float x = f32(g[i]);
         o[i] = static_cast<T>(x / (1.f + std::exp(-x)) * f32(u[i]));

@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <utility>
 #include <string>
+#include <cstdlib>
 #include <vector>
 
 namespace {
@@ -40,6 +41,9 @@ using kvpage::exp_neg;
 using kvpage::reset_partials;
 #if defined(__AVX512F__)
 using kvpage::exp16;
+#endif
+#if KVPAGE_AVX2
+using kvpage::exp8;
 #endif
 using kvpage::to_float;
 
@@ -58,6 +62,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 constexpr int64_t kMaxGroup = 64;
 
 constexpr int64_t kTile = 16;  // query tokens per task (prompt chunks); decode tasks hold one
+constexpr int64_t kMinPartition = 64;  // keys: below this, merging partitions costs more than a second thread saves
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define KVPAGE_DPBF16 1
@@ -385,23 +390,6 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
 }
 
 #if KVPAGE_AVX2
-// exp(x) for 8 lanes, x <= 0 (exp_neg's polynomial, so vector and scalar tails agree).
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 nn = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, nn);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(nn), 23);
-  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-}
-
 // Eight dot products q . k_i (k_i = k + i * stride, D floats each) as one vector, lane i = key i: eight
 // accumulators over the dims, then a horizontal-add tree (no per-key horizontal reduction).
 template <int64_t D>
@@ -538,8 +526,23 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   // into partitions only when there are too few tiles to keep every core busy.
   int64_t base_tasks = 0;
   for (int64_t s = 0; s < S; ++s) base_tasks += (qsl[s + 1] - qsl[s] + kTile - 1) / kTile;
-  const bool few_tasks = base_tasks < 4 * at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
+  const bool few_tasks = base_tasks < 4 * threads;
   if (!few_tasks) partition_size = std::numeric_limits<int64_t>::max() / 4 / 16 * 16;  // no split (a multiple of 16)
+  // KVPAGE_SPLIT_SHORT=0 turns the split below off (side-by-side measurements).
+  static const bool split_short = [] {
+    const char* v = std::getenv("KVPAGE_SPLIT_SHORT");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  if (split_short && base_tasks > 0 && base_tasks < threads) {
+    // Fewer tiles than threads (one stream's decode): contexts shorter than a partition would leave threads
+    // idle, so cut them into one part per idle thread, in multiples of 16 keys and at least kMinPartition.
+    int64_t longest = 0;
+    for (int64_t s = 0; s < S; ++s) longest = std::max(longest, lens[s]);
+    const int64_t ways = (threads + base_tasks - 1) / base_tasks;
+    const int64_t part = ((longest + ways - 1) / ways + 15) / 16 * 16;
+    partition_size = std::min(partition_size, std::max(kMinPartition, part));
+  }
   std::vector<Task> tasks;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s];

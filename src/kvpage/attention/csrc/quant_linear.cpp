@@ -1,14 +1,15 @@
 // Matrix-vector products straight from GGUF-style quantized weights, for steps with few tokens (one stream's
 // decode, small batches), where the cost is reading the weights: 4.5 or 8.5 bits per weight instead of 16.
 //
-//   quant_linear(x [M, K], qs, d, m) -> [M, N]
+//   quant_linear(x [M, K], qs, d, m, float_out, int16, gated) -> [M, N] ([M, N / 2] gated)
 //
 // Weights are "repacked GGUF blocks" of 32 along K (see kvpage/model/quant.py):
 //   Q4 (from Q4_0 / Q4_1): qs uint8 [N, K/2] (16 bytes per block: low nibbles = elements 0..15, high nibbles =
 //                           16..31, as in GGUF), d and m float16 [N, K/32]; weight = d * q + m.
 //   Q8 (from Q8_0):        qs int8 [N, K], d float16 [N, K/32]; weight = d * q.
 // The arithmetic is float32 on the exact weights: sum_b d_b * (q_b . x_b) + m_b * sum(x_b), with x widened to
-// float32. Output is float32 or x's dtype (bf16 rounded to nearest even).
+// float32 (int16, one token row, AVX2 builds: x_b as 16-bit codes of a per-block scale, integer products).
+// Output is float32 or x's dtype (bf16 rounded to nearest even).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -46,6 +47,8 @@ inline void half_row(const at::Half* src, float* dst, int64_t n) {
 #if KVPAGE_AVX2 && defined(__F16C__)
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  // the tail too (K = 576 leaves 2 of 18 scales per row): at::Half's software conversion is ~10x the cost
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].x);
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -262,6 +265,89 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
   }
 }
 
+#if KVPAGE_AVX2
+// Token rows as 16-bit integer blocks: per block of 32, scale = max|x| / 32767 and codes round(x / scale)
+// (nearest even, the default rounding mode). The rounding error, at most 1.5e-5 of the block's largest
+// value, is far below bf16's; llama.cpp's 8-bit codes were measured here at 93% top-1 agreement with the
+// float32 path on the test prompts (their error is 256x this), too coarse for this model's outliers.
+void quantize_rows_i16(const float* xf, int64_t blocks, int16_t* xq, float* xd) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* src = xf + i * kQK;
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(src + 8 * j);
+    const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float amax = kvpage::hmax8(mx);
+    xd[i] = amax / 32767.f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+    for (int j = 0; j < 4; j += 2) {
+      const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)),
+                                                _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv)));
+      // packs interleaves 128-bit lanes: quadwords (0, 2, 1, 3) restore element order
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kQK + 8 * j), _mm256_permute4x64_epi64(packed, 0xD8));
+    }
+  }
+}
+
+// Eight float16 scales from p (the first `count`, the rest 0).
+inline __m256 half8(const at::Half* p, int64_t count) {
+  if (count >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(tmp, p, sizeof(uint16_t) * count);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+}
+
+// Rows [n0, n1) of out[1, N] from one 16-bit token row (xq; xd and xsum zero-padded to a multiple of 8 blocks)
+// with integer dot products per block: the weight codes widened to 16 bits, 16 products summed pairwise per
+// instruction (vpmaddwd; at most 2 * 32767 * 128 per pair, no overflow), one float conversion and FMA per
+// block instead of four of each. Scales are handled eight blocks at a time in registers (d * xd; Q4's m term
+// m . xsum against the float32 block sums), so a row has no scalar pass over its scales.
+template <bool Q4, typename OUT>
+void quant_row_i16(const int16_t* xq, const float* xd, const float* xsum, const void* qs_v, const at::Half* d,
+                   const at::Half* m, int64_t K, int64_t n0, int64_t n1, OUT* out) {
+  const int64_t nb = K / kQK;
+  const int64_t row_bytes = Q4 ? K / 2 : K;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  alignas(32) float sc[8];
+  for (int64_t n = n0; n < n1; ++n) {
+    if (n + kAhead < n1) prefetch_row(qs_v, row_bytes, d, m, nb, n + kAhead);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), mterm = _mm256_setzero_ps();
+    const at::Half* dn = d + n * nb;
+    const auto dot = [&](int64_t b, __m256i w0, __m256i w1, float scale, __m256& into) {
+      const __m256i* xv = reinterpret_cast<const __m256i*>(xq + b * kQK);
+      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)),
+                                         _mm256_madd_epi16(w1, _mm256_loadu_si256(xv + 1)));
+      into = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), into);
+    };
+    const auto block = [&](int64_t b, float scale, __m256& into) {
+      if constexpr (Q4) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(qs_v) +
+                                                                             n * row_bytes + b * 16));
+        // low nibbles = elements 0..15, high nibbles = 16..31 (GGUF order)
+        dot(b, _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4)),
+            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)), scale, into);
+      } else {
+        const __m128i* p = reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(qs_v) + n * row_bytes + b * kQK);
+        dot(b, _mm256_cvtepi8_epi16(_mm_loadu_si128(p)), _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1)), scale, into);
+      }
+    };
+    for (int64_t g = 0; g < nb; g += 8) {
+      const int64_t count = std::min<int64_t>(8, nb - g);
+      _mm256_store_ps(sc, _mm256_mul_ps(half8(dn + g, count), _mm256_loadu_ps(xd + g)));
+      if constexpr (Q4) mterm = _mm256_fmadd_ps(half8(m + n * nb + g, count), _mm256_loadu_ps(xsum + g), mterm);
+      int64_t j = 0;
+      for (; j + 2 <= count; j += 2) {  // two accumulator chains
+        block(g + j, sc[j], acc0);
+        block(g + j + 1, sc[j + 1], acc1);
+      }
+      if (j < count) block(g + j, sc[j], acc0);
+    }
+    store_out(out + n, kvpage::hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), mterm)));
+  }
+}
+#endif
+
 // Calls fn(std::integral_constant<int, R>) for R = rows (1..kMaxM): the token count is a compile-time constant
 // inside the kernels, so their accumulators stay in registers.
 template <typename F>
@@ -279,9 +365,47 @@ void with_rows(int64_t rows, F&& fn) {
   }
 }
 
+// Runs rows(n0, n1, dst) over W's rows in parallel chunks; rows writes out[t, n] of its chunk at dst[t * N + n]
+// (dst is out itself, or float32 scratch). With `gated` (W = [gate; up], out [M, N / 2]) a chunk computes its
+// gate rows and the matching up rows into the scratch and writes silu(gate) * up: the MLP's activation costs
+// neither a second pass over memory nor a second parallel region.
+template <typename OUT, typename F>
+void over_rows(int64_t M, int64_t N, int64_t grain, bool gated, OUT* out, F&& rows) {
+  if (!gated) {
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows(n0, n1, out); });
+    return;
+  }
+  const int64_t inter = N / 2;
+  std::vector<float> both(M * N);
+  at::parallel_for(0, inter, std::max<int64_t>(8, grain / 2), [&](int64_t n0, int64_t n1) {
+    rows(n0, n1, both.data());
+    rows(n0 + inter, n1 + inter, both.data());
+    for (int64_t t = 0; t < M; ++t) {
+      const float* g = both.data() + t * N;
+      const float* u = g + inter;
+      OUT* o = out + t * inter;
+      int64_t i = n0;
+#if KVPAGE_AVX512
+      for (; i + 16 <= n1; i += 16) {  // the formula silu_mul uses (same bits for float32 output)
+        alignas(64) float r[16];
+        _mm512_store_ps(r, kvpage::silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i), 0xFFFF));
+        for (int j = 0; j < 16; ++j) store_out(o + i + j, r[j]);
+      }
+#elif KVPAGE_AVX2
+      for (; i + 8 <= n1; i += 8) {
+        alignas(32) float r[8];
+        _mm256_store_ps(r, kvpage::silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+        for (int j = 0; j < 8; ++j) store_out(o + i + j, r[j]);
+      }
+#endif
+      for (; i < n1; ++i) store_out(o + i, g[i] / (1.f + std::exp(-g[i])) * u[i]);
+    }
+  });
+}
+
 template <typename IN, typename OUT>
 void run_quant(const IN* x, int64_t M, int64_t K, int64_t N, bool q4, const void* qs, const at::Half* d,
-               const at::Half* m, OUT* out) {
+               const at::Half* m, bool int16, bool gated, OUT* out) {
   const int64_t nb = K / kQK;
   // Rows of W in chunks: both cores stream disjoint parts of the weights.
   const int64_t grain = std::max<int64_t>(8, N / (4 * at::get_num_threads()));
@@ -292,6 +416,25 @@ void run_quant(const IN* x, int64_t M, int64_t K, int64_t N, bool q4, const void
     for (int64_t j = 0; j < kQK; ++j) s += xf[i * kQK + j];
     xsum[i] = s;
   }
+#if KVPAGE_AVX2
+  // One token row only: from two rows up the float path's shared weight conversion pays for itself (measured
+  // at par or faster at 2-4 rows), so those steps keep it.
+  if (int16 && M == 1) {
+    const int64_t padded = (nb + 7) / 8 * 8;  // the kernel reads scales eight blocks at a time
+    std::vector<int16_t> xq(K);
+    std::vector<float> xd(padded, 0.f), xs(padded, 0.f);
+    quantize_rows_i16(xf.data(), nb, xq.data(), xd.data());
+    std::copy(xsum.begin(), xsum.end(), xs.begin());
+    over_rows(M, N, grain, gated, out, [&](int64_t n0, int64_t n1, auto* dst) {
+      using D = std::remove_pointer_t<decltype(dst)>;
+      if (q4) quant_row_i16<true, D>(xq.data(), xd.data(), xs.data(), qs, d, m, K, n0, n1, dst);
+      else quant_row_i16<false, D>(xq.data(), xd.data(), nullptr, qs, d, m, K, n0, n1, dst);
+    });
+    return;
+  }
+#else
+  (void)int16;
+#endif
 #if KVPAGE_Q4_DPBF16
   if (q4 && std::is_same<IN, at::BFloat16>::value) {
     const int64_t npair = (nb + 1) / 2;
@@ -301,30 +444,30 @@ void run_quant(const IN* x, int64_t M, int64_t K, int64_t N, bool q4, const void
         for (int64_t j = 0; j < kQK; ++j)  // [lo(b), lo(b+1), hi(b), hi(b+1)] per pair
           xp[t * npair * 64 + (b / 2) * 64 + (j / 16) * 32 + (b % 2) * 16 + j % 16] =
               at::BFloat16(xf[t * K + b * kQK + j]);
-    for (int64_t t0 = 0; t0 < M; t0 += kMaxM) {
-      with_rows(std::min(kMaxM, M - t0), [&](auto R) {
-        at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-          q4_rows_bf16<R(), OUT>(xp.data() + t0 * npair * 64, xsum.data() + t0 * nb,
-                                 static_cast<const uint8_t*>(qs), d, m, K, N, n0, n1, out + t0 * N);
+    over_rows(M, N, grain, gated, out, [&](int64_t n0, int64_t n1, auto* dst) {
+      using D = std::remove_pointer_t<decltype(dst)>;
+      for (int64_t t0 = 0; t0 < M; t0 += kMaxM)
+        with_rows(std::min(kMaxM, M - t0), [&](auto R) {
+          q4_rows_bf16<R(), D>(xp.data() + t0 * npair * 64, xsum.data() + t0 * nb, static_cast<const uint8_t*>(qs),
+                               d, m, K, N, n0, n1, dst + t0 * N);
         });
-      });
-    }
+    });
     return;
   }
 #endif
-  for (int64_t t0 = 0; t0 < M; t0 += kMaxM) {
-    with_rows(std::min(kMaxM, M - t0), [&](auto R) {
-      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  over_rows(M, N, grain, gated, out, [&](int64_t n0, int64_t n1, auto* dst) {
+    using D = std::remove_pointer_t<decltype(dst)>;
+    for (int64_t t0 = 0; t0 < M; t0 += kMaxM)
+      with_rows(std::min(kMaxM, M - t0), [&](auto R) {
         const float* xr = xf.data() + t0 * K;
-        if (q4) quant_rows<R(), true, OUT>(xr, xsum.data() + t0 * nb, qs, d, m, K, N, n0, n1, out + t0 * N);
-        else quant_rows<R(), false, OUT>(xr, nullptr, qs, d, m, K, N, n0, n1, out + t0 * N);
+        if (q4) quant_rows<R(), true, D>(xr, xsum.data() + t0 * nb, qs, d, m, K, N, n0, n1, dst + t0 * N);
+        else quant_rows<R(), false, D>(xr, nullptr, qs, d, m, K, N, n0, n1, dst + t0 * N);
       });
-    });
-  }
+  });
 }
 
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
-                           bool float_out) {
+                           bool float_out, bool int16, bool gated) {
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, in_features]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous(), "qs must be a dense [out_features, bytes] matrix");
@@ -343,16 +486,17 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c
                 "Q4 weights need m: float16 [out_features, in_features / 32]");
     mp = m->data_ptr<at::Half>();
   }
+  TORCH_CHECK(!gated || N % 2 == 0, "gated needs W = [gate; up]: an even number of rows, got ", N);
   const bool bf16_in = x.scalar_type() == at::kBFloat16, bf16_out = bf16_in && !float_out;
-  auto out = torch::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  auto out = torch::empty({M, gated ? N / 2 : N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out;
   const void* qp = qs.data_ptr();
   const at::Half* dp = d.data_ptr<at::Half>();
   if (bf16_in) {
-    if (bf16_out) run_quant(x.data_ptr<at::BFloat16>(), M, K, N, q4, qp, dp, mp, out.data_ptr<at::BFloat16>());
-    else run_quant(x.data_ptr<at::BFloat16>(), M, K, N, q4, qp, dp, mp, out.data_ptr<float>());
+    if (bf16_out) run_quant(x.data_ptr<at::BFloat16>(), M, K, N, q4, qp, dp, mp, int16, gated, out.data_ptr<at::BFloat16>());
+    else run_quant(x.data_ptr<at::BFloat16>(), M, K, N, q4, qp, dp, mp, int16, gated, out.data_ptr<float>());
   } else {
-    run_quant(x.data_ptr<float>(), M, K, N, q4, qp, dp, mp, out.data_ptr<float>());
+    run_quant(x.data_ptr<float>(), M, K, N, q4, qp, dp, mp, int16, gated, out.data_ptr<float>());
   }
   return out;
 }
@@ -360,7 +504,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c
 }  // namespace
 
 void register_quant_ops(pybind11::module& m) {
-  m.def("quant_linear", &quant_linear, "x . W^T from Q4 / Q8 block-quantized weights (few-token steps)",
+  m.def("quant_linear", &quant_linear,
+        "x . W^T from Q4 / Q8 block-quantized weights (few-token steps); gated: silu(x . Wg^T) * (x . Wu^T) for "
+        "W = [Wg; Wu]",
         pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("d"), pybind11::arg("m") = pybind11::none(),
-        pybind11::arg("float_out") = false);
+        pybind11::arg("float_out") = false, pybind11::arg("int16") = false, pybind11::arg("gated") = false);
+  m.def("quant_int16_available", []() { return KVPAGE_AVX2 == 1; },
+        "quant_linear(..., int16=True) has 16-bit integer dot products here (AVX2 builds); elsewhere ignored");
 }
