@@ -100,10 +100,10 @@ inline float exp_shift_sum(float* s, int64_t n, float mx) {
 #endif
 }
 
+constexpr int64_t kPrefetchAhead = 2;  // blocks (the row-layout kernels' prefetch distance)
+
 #ifdef KVPAGE_DPBF16
 // Key m of a 16-key chunk goes into slot kSlotKey[m] so that reduce16 leaves key i's sum in lane i.
-constexpr int64_t kPrefetchAhead = 2;  // blocks
-
 constexpr int kSlotKey[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
 // Horizontal sums of 16 vectors at once (a transposing add tree: 45 shuffles/adds instead of 16 separate
@@ -425,7 +425,25 @@ void attend_tile_f32_avx2(const float* q, int64_t nq, int64_t H, int64_t G, cons
     const int64_t off = t % block_size;
     const int64_t n = std::min(block_size - off, k_end - t);
     const int64_t phys = table[t / block_size];
+    // The AVX-512 row kernel's prefetch: the block kPrefetchAhead blocks later into L2 (scattered blocks defeat
+    // the hardware prefetcher), a slice per KV head. float32 rows are twice bf16's bytes.
+    const char* pf_k = nullptr;
+    const char* pf_v = nullptr;
+    int64_t pf_lines = 0;
+    if (off == 0 || t == k_begin) {
+      const int64_t ahead = (t / block_size + kPrefetchAhead) * block_size;
+      if (ahead < k_end) {
+        const int64_t nb = table[ahead / block_size];
+        pf_k = reinterpret_cast<const char*>(kcache + nb * block_stride);
+        pf_v = reinterpret_cast<const char*>(vcache + nb * block_stride);
+        pf_lines = (std::min<int64_t>(block_size, k_end - ahead) * row_stride * 4 + 63) / 64;
+      }
+    }
     for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t i = h * pf_lines / kv_heads; i < (h + 1) * pf_lines / kv_heads; ++i) {
+        _mm_prefetch(pf_k + 64 * i, _MM_HINT_T1);
+        _mm_prefetch(pf_v + 64 * i, _MM_HINT_T1);
+      }
       const float* kbase = kcache + phys * block_stride + off * row_stride + h * D;
       const float* vbase = vcache + phys * block_stride + off * row_stride + h * D;
       for (int64_t j = 0; j < nq; ++j) {
