@@ -1,10 +1,11 @@
 """Single-stream decode speed and cold start of `kvpage generate` (command to first streamed token).
 
-    python benchmarks/latency.py [--rounds 3] [--dtypes auto float32]
+    python benchmarks/latency.py [--rounds 3] [--dtypes auto float32] [--envs VAR=0 VAR=1] [--no-cold-start]
 
 Targets (issue #5): single-stream decode >= 115 tok/s; cold start <= 5 s. Each round is a fresh process;
 with several --dtypes the rounds alternate between them (auto: the engine's default; float32: the exact
-step-by-step path).
+step-by-step path), and with several --envs between those environment settings too (each a comma-separated
+list of VAR=VALUE, "-" for none), so variants are compared side by side on a noisy machine.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ print(len(out.outputs[0].token_ids) / dt)
 """
 
 
-def cold_start(dtype: str) -> float:
+def cold_start(dtype: str, env: dict[str, str] | None = None) -> float:
     """Seconds from launching `kvpage generate --stream` to the first byte of generated text on stdout."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "kvpage.entrypoints.cli", "generate", "--chat", "Hi!",
                              "--stream", "--max-tokens", "8", "--temperature", "0", "--dtype", dtype],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     assert proc.stdout is not None
     proc.stdout.read(1)
     first = time.perf_counter() - t0
@@ -49,21 +50,40 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--envs", nargs="+", default=["-"], help="environment variants, e.g. KVPAGE_QUANT_INT16=0")
+    ap.add_argument("--no-cold-start", action="store_true", help="decode speed only")
     args = ap.parse_args()
-    single: dict[str, list[float]] = {d: [] for d in args.dtypes}
-    cold: dict[str, list[float]] = {d: [] for d in args.dtypes}
+    variants = [(d, e) for d in args.dtypes for e in args.envs]
+    extra = {e: parse_env(e) for e in args.envs}
+    single: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+    cold: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
     for _ in range(args.rounds):
-        for d in args.dtypes:
-            out = subprocess.run([sys.executable, "-c", SINGLE, d], capture_output=True, text=True, check=True).stdout
-            single[d].append(float(out.strip().splitlines()[-1]))
-            cold[d].append(cold_start(d))
+        for d, e in variants:
+            env = dict(os.environ, **extra[e])
+            out = subprocess.run([sys.executable, "-c", SINGLE, d], capture_output=True, text=True, check=True,
+                                 env=env).stdout
+            single[(d, e)].append(float(out.strip().splitlines()[-1]))
+            if not args.no_cold_start:
+                cold[(d, e)].append(cold_start(d, env))
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; SmolLM2-135M-Instruct")
-    for d in args.dtypes:
-        print(f"dtype {d}: single-stream decode: median {statistics.median(single[d]):.1f} tok/s "
-              f"(runs {', '.join(f'{x:.1f}' for x in single[d])}; target >= 115)")
-        print(f"dtype {d}: cold start to first token: median {statistics.median(cold[d]):.2f} s "
-              f"(runs {', '.join(f'{x:.2f}' for x in cold[d])}; target <= 5 s)")
+    for d, e in variants:
+        name = f"dtype {d}" + ("" if e == "-" else f" [{e}]")
+        print(f"{name}: single-stream decode: median {statistics.median(single[(d, e)]):.1f} tok/s "
+              f"(runs {', '.join(f'{x:.1f}' for x in single[(d, e)])}; target >= 115)")
+        if cold[(d, e)]:
+            print(f"{name}: cold start to first token: median {statistics.median(cold[(d, e)]):.2f} s "
+                  f"(runs {', '.join(f'{x:.2f}' for x in cold[(d, e)])}; target <= 5 s)")
 
+
+def parse_env(spec: str) -> dict[str, str]:
+    """'A=1,B=x' -> {'A': '1', 'B': 'x'}; '-' -> {}."""
+    if spec == "-":
+        return {}
+    pairs = [p.split("=", 1) for p in spec.split(",")]
+    bad = [p[0] for p in pairs if len(p) != 2 or not p[0]]
+    if bad:
+        raise SystemExit(f"--envs: expected VAR=VALUE[,VAR=VALUE...], got {spec!r}")
+    return dict(pairs)
 
 if __name__ == "__main__":
     main()
