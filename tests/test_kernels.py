@@ -156,11 +156,14 @@ def test_one_stream_splits_its_context_over_the_threads(threads, block_size, dty
                 cache[:, table[p // block_size], p % block_size] = torch.randn(2, 2, 64, generator=g).to(dtype)
             q = torch.randn(1, 6, 64, generator=g).to(dtype)
             tables, lens = table[None].clone(), torch.tensor([ctx])
-            out = ops.paged_attention(q, cache, tables, torch.arange(2), lens, 0.125, PARTITION_SIZE)
             ref = dense_reference(q, cache, tables, lens, 0.125)
             tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-            torch.testing.assert_close(out.float(), ref, **tol)
+            for split in (True, False):  # KVPAGE_SPLIT_SHORT's switch: both ways give the reference
+                ops.set_split_short(split)
+                out = ops.paged_attention(q, cache, tables, torch.arange(2), lens, 0.125, PARTITION_SIZE)
+                torch.testing.assert_close(out.float(), ref, **tol)
     finally:
+        ops.set_split_short(True)
         torch.set_num_threads(before)
 
 

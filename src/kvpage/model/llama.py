@@ -226,35 +226,19 @@ class LlamaForCausalLM(nn.Module):
         t = residual.shape[0]
         first = self._fast_plan[0]
         h = ops.rms_norm(residual, first.in_norm, first.eps)
-        if t <= quant_config.QUANT_MAX_TOKENS and first.quant is not None:
-            return self._fast_decode(h, residual, cos, sin, kv_caches, meta)
+        # steps of at most QUANT_MAX_TOKENS tokens: products straight from the quantized blocks where a layer
+        # has them all (a GGUF may mix formats layer by layer; PackedLinear.forward sorts out the rest)
+        few = t <= quant_config.QUANT_MAX_TOKENS
         for p, kv_cache in zip(self._fast_plan, kv_caches, strict=True):
-            qkv = p.qkv(h)
+            qkv_proj, o_proj, gate_up, down = p.decode if few and p.decode is not None else p.full
+            qkv = qkv_proj(h)
             q = qkv[:, : p.q_end].view(t, p.num_heads, p.head_dim)
             k = qkv[:, p.q_end : p.k_end].view(t, p.num_kv_heads, p.head_dim)
             v = qkv[:, p.k_end :].view(t, p.num_kv_heads, p.head_dim)
             ops.rotary_(q, k, cos, sin)
-            a = p.o(p.attend(q, k, v, kv_cache, meta, p.scale).reshape(t, p.q_end))
+            a = o_proj(p.attend(q, k, v, kv_cache, meta, p.scale).reshape(t, p.q_end))
             h = ops.add_rms_norm(a, residual, p.post_norm, p.eps)
-            m = p.down(p.gate_up(h))  # silu(gate) * up
-            h = ops.add_rms_norm(m, residual, p.next_norm, p.next_eps)
-        return h
-
-    def _fast_decode(self, h, residual, cos, sin, kv_caches, meta) -> torch.Tensor:
-        """_fast_forward's layer loop for steps of at most QUANT_MAX_TOKENS tokens: every product straight from
-        the quantized blocks (the MLP's activation in the gate_up product's epilogue)."""
-        ops, ql, i16 = self.fast_ops, self.fast_ops.quant_linear, quant_config.QUANT_INT16
-        t = h.shape[0]
-        for p, kv_cache in zip(self._fast_plan, kv_caches, strict=True):
-            wqkv, wo, wgu, wdown = p.quant
-            qkv = ql(h, *wqkv, False, i16)
-            q = qkv[:, : p.q_end].view(t, p.num_heads, p.head_dim)
-            k = qkv[:, p.q_end : p.k_end].view(t, p.num_kv_heads, p.head_dim)
-            v = qkv[:, p.k_end :].view(t, p.num_kv_heads, p.head_dim)
-            ops.rotary_(q, k, cos, sin)
-            a = ql(p.attend(q, k, v, kv_cache, meta, p.scale).reshape(t, p.q_end), *wo, False, i16)
-            h = ops.add_rms_norm(a, residual, p.post_norm, p.eps)
-            m = ql(ql(h, *wgu, False, i16, True), *wdown, False, i16)
+            m = down(gate_up(h))  # silu(gate) * up
             h = ops.add_rms_norm(m, residual, p.next_norm, p.next_eps)
         return h
 
@@ -300,13 +284,18 @@ class LlamaForCausalLM(nn.Module):
 class _FastLayer:
     """One decoder layer of the fast path as plain attributes and bound methods."""
 
-    __slots__ = ("attend", "down", "eps", "gate_up", "head_dim", "in_norm", "k_end", "next_eps", "next_norm",
-                 "num_heads", "num_kv_heads", "o", "post_norm", "q_end", "qkv", "quant", "scale")
+    __slots__ = ("attend", "decode", "eps", "full", "head_dim", "in_norm", "k_end", "next_eps", "next_norm",
+                 "num_heads", "num_kv_heads", "post_norm", "q_end", "scale")
 
     def __init__(self, layer: DecoderLayer, next_norm: torch.Tensor, next_eps: float) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv, self.o = attn.qkv.forward, attn.o_packed.forward
-        self.gate_up, self.down = mlp.gate_up.forward, mlp.down.forward
+        linears = (attn.qkv, attn.o_packed, mlp.gate_up, mlp.down)
+        self.full = tuple(w.forward for w in linears)
+        # Few-token steps call the quantized kernel directly when all four have the checkpoint's blocks and no
+        # bias (under cProfile, PackedLinear.forward's own time was ~4% of a one-stream token); the gate_up
+        # product applies the MLP's activation in its epilogue.
+        self.decode = (tuple(_quant_projection(w.ops, w.quant, w.gated) for w in linears)
+                       if all(w.quant is not None and w.bias is None for w in linears) else None)
         self.attend = attn.backend.forward
         self.in_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = layer.post_attention_layernorm.eps
@@ -315,12 +304,12 @@ class _FastLayer:
         self.q_end = attn.num_heads * attn.head_dim
         self.k_end = self.q_end + attn.num_kv_heads * attn.head_dim
         self.scale = attn.scale
-        # (qs, d, m) of qkv, o, gate_up, down when all four have the checkpoint's blocks and no bias: few-token
-        # steps then call the quantized kernel directly (under cProfile, PackedLinear.forward's own time was
-        # ~4% of a one-stream token)
-        linears = (attn.qkv, attn.o_packed, mlp.gate_up, mlp.down)
-        self.quant = (tuple((w.quant.qs, w.quant.d, w.quant.m) for w in linears)
-                      if all(w.quant is not None and w.bias is None for w in linears) else None)
+
+
+def _quant_projection(ops, w: QuantWeight, gated: bool):
+    """x -> the quantized kernel's product (QUANT_INT16 read per call, so it can be switched at run time)."""
+    ql, qs, d, m = ops.quant_linear, w.qs, w.d, w.m
+    return lambda x: ql(x, qs, d, m, False, quant_config.QUANT_INT16, gated)
 
 
 @dataclass

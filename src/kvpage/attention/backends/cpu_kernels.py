@@ -82,6 +82,8 @@ def load_kernels() -> ModuleType | None:
         # AMX tile products for decode attention where the CPU and OS allow them; KVPAGE_AMX_DECODE=0 keeps
         # the AVX-512 kernel (for side-by-side measurements).
         _module.set_amx_decode(os.environ.get("KVPAGE_AMX_DECODE", "1") != "0")
+        # One stream's short contexts cut over the threads; KVPAGE_SPLIT_SHORT=0 keeps one task per sequence.
+        _module.set_split_short(os.environ.get("KVPAGE_SPLIT_SHORT", "1") != "0")
     except Exception as e:  # no compiler, no ninja, ...
         _error = f"{type(e).__name__}: {e}".splitlines()[0]
         logger.warning("compiled CPU kernels unavailable (%s): using the reference attention backend", _error)

@@ -32,7 +32,6 @@
 #include <type_traits>
 #include <utility>
 #include <string>
-#include <cstdlib>
 #include <vector>
 
 namespace {
@@ -102,6 +101,38 @@ inline float exp_shift_sum(float* s, int64_t n, float mx) {
 
 constexpr int64_t kPrefetchAhead = 2;  // blocks (the row-layout kernels' prefetch distance)
 
+#if defined(__AVX512F__) || KVPAGE_AVX2
+// Blocks are scattered, so the hardware prefetcher cannot run ahead across a block boundary. Made where a row
+// kernel starts a block (key t), this picks the block kPrefetchAhead blocks later; slice(h) fetches KV head h's
+// share of its K and V rows into L2, a slice per head so the requests do not queue up behind each other.
+template <typename KV>
+struct BlockPrefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t lines = 0;
+  int64_t heads = 1;
+
+  BlockPrefetch(const KV* kcache, const KV* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
+                int64_t row_stride, int64_t kv_heads, int64_t t, int64_t k_begin, int64_t k_end)
+      : heads(kv_heads) {
+    if (t % block_size != 0 && t != k_begin) return;  // not the start of a block
+    const int64_t ahead = (t / block_size + kPrefetchAhead) * block_size;
+    if (ahead >= k_end) return;
+    const int64_t nb = table[ahead / block_size];
+    k = reinterpret_cast<const char*>(kcache + nb * block_stride);
+    v = reinterpret_cast<const char*>(vcache + nb * block_stride);
+    lines = (std::min<int64_t>(block_size, k_end - ahead) * row_stride * static_cast<int64_t>(sizeof(KV)) + 63) / 64;
+  }
+
+  void slice(int64_t h) const {
+    for (int64_t i = h * lines / heads; i < (h + 1) * lines / heads; ++i) {
+      _mm_prefetch(k + 64 * i, _MM_HINT_T1);
+      _mm_prefetch(v + 64 * i, _MM_HINT_T1);
+    }
+  }
+};
+#endif
+
 #ifdef KVPAGE_DPBF16
 // Key m of a 16-key chunk goes into slot kSlotKey[m] so that reduce16 leaves key i's sum in lane i.
 constexpr int kSlotKey[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
@@ -156,29 +187,10 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
     const int64_t off = t % block_size;
     const int64_t n = std::min<int64_t>({block_size - off, k_end - t, 16});
     const int64_t phys = table[t / block_size];
-    // Blocks are scattered, so the hardware prefetcher cannot run ahead across a block boundary: while a block
-    // is processed, fetch the one kPrefetchAhead blocks later into L2, a slice per KV head so the requests do
-    // not queue up behind each other in one burst.
-    const char* pf_k = nullptr;
-    const char* pf_v = nullptr;
-    int64_t pf_bytes = 0;
-    if (off == 0 || t == k_begin) {
-      const int64_t ahead = (t / block_size + kPrefetchAhead) * block_size;
-      if (ahead < k_end) {
-        const int64_t nb = table[ahead / block_size];
-        pf_k = reinterpret_cast<const char*>(kcache + nb * block_stride);
-        pf_v = reinterpret_cast<const char*>(vcache + nb * block_stride);
-        pf_bytes = std::min<int64_t>(block_size, k_end - ahead) * row_stride * 2;
-      }
-    }
+    const BlockPrefetch<at::BFloat16> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, kv_heads,
+                                               t, k_begin, k_end);
     for (int64_t h = 0; h < kv_heads; ++h) {
-      if (pf_bytes > 0) {
-        const int64_t lines = (pf_bytes + 63) / 64;
-        for (int64_t i = h * lines / kv_heads; i < (h + 1) * lines / kv_heads; ++i) {
-          _mm_prefetch(pf_k + 64 * i, _MM_HINT_T1);
-          _mm_prefetch(pf_v + 64 * i, _MM_HINT_T1);
-        }
-      }
+      prefetch.slice(h);
       const at::BFloat16* kbase = kcache + phys * block_stride + off * row_stride + h * D;
       const at::BFloat16* vbase = vcache + phys * block_stride + off * row_stride + h * D;
       int64_t vis_max = 0;
@@ -249,6 +261,8 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
   kvpage::restore_pair_order<D>(acc, R);
 }
 #endif
+
+bool g_split_short = true;  // one stream's short contexts cut over the threads (set_split_short toggles, for A/B)
 
 #ifdef KVPAGE_AMX
 bool g_amx_decode = true;  // the AMX decode path when the CPU and OS allow it (set_amx_decode toggles, for A/B)
@@ -425,25 +439,10 @@ void attend_tile_f32_avx2(const float* q, int64_t nq, int64_t H, int64_t G, cons
     const int64_t off = t % block_size;
     const int64_t n = std::min(block_size - off, k_end - t);
     const int64_t phys = table[t / block_size];
-    // The AVX-512 row kernel's prefetch: the block kPrefetchAhead blocks later into L2 (scattered blocks defeat
-    // the hardware prefetcher), a slice per KV head. float32 rows are twice bf16's bytes.
-    const char* pf_k = nullptr;
-    const char* pf_v = nullptr;
-    int64_t pf_lines = 0;
-    if (off == 0 || t == k_begin) {
-      const int64_t ahead = (t / block_size + kPrefetchAhead) * block_size;
-      if (ahead < k_end) {
-        const int64_t nb = table[ahead / block_size];
-        pf_k = reinterpret_cast<const char*>(kcache + nb * block_stride);
-        pf_v = reinterpret_cast<const char*>(vcache + nb * block_stride);
-        pf_lines = (std::min<int64_t>(block_size, k_end - ahead) * row_stride * 4 + 63) / 64;
-      }
-    }
+    const BlockPrefetch<float> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, kv_heads, t,
+                                        k_begin, k_end);
     for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t i = h * pf_lines / kv_heads; i < (h + 1) * pf_lines / kv_heads; ++i) {
-        _mm_prefetch(pf_k + 64 * i, _MM_HINT_T1);
-        _mm_prefetch(pf_v + 64 * i, _MM_HINT_T1);
-      }
+      prefetch.slice(h);
       const float* kbase = kcache + phys * block_stride + off * row_stride + h * D;
       const float* vbase = vcache + phys * block_stride + off * row_stride + h * D;
       for (int64_t j = 0; j < nq; ++j) {
@@ -547,12 +546,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   const int64_t threads = at::get_num_threads();
   const bool few_tasks = base_tasks < 4 * threads;
   if (!few_tasks) partition_size = std::numeric_limits<int64_t>::max() / 4 / 16 * 16;  // no split (a multiple of 16)
-  // KVPAGE_SPLIT_SHORT=0 turns the split below off (side-by-side measurements).
-  static const bool split_short = [] {
-    const char* v = std::getenv("KVPAGE_SPLIT_SHORT");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  if (split_short && base_tasks > 0 && base_tasks < threads) {
+  if (g_split_short && base_tasks > 0 && base_tasks < threads) {
     // Fewer tiles than threads (one stream's decode): contexts shorter than a partition would leave threads
     // idle, so cut them into one part per idle thread, in multiples of 16 keys and at least kMinPartition.
     int64_t longest = 0;
@@ -1010,6 +1004,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   });
+  m.def("set_split_short", [](bool on) { g_split_short = on; });
   // Whether decode tasks may use AMX tile products; returns whether this build and machine can at all.
   m.def("set_amx_decode", [](bool on) {
 #ifdef KVPAGE_AMX

@@ -409,9 +409,11 @@ void run_quant(const IN* x, int64_t M, int64_t K, int64_t N, bool q4, const void
   const int64_t nb = K / kQK;
   // Rows of W in chunks: both cores stream disjoint parts of the weights.
   const int64_t grain = std::max<int64_t>(8, N / (4 * at::get_num_threads()));
-  std::vector<float> xf(M * K), xsum(q4 ? M * nb : 0);
+  // Block sums of x (Q4's m term), zero-padded by 8: the one-row int16 kernel reads them eight blocks at a time.
+  const int64_t nsum = q4 ? M * nb : 0;
+  std::vector<float> xf(M * K), xsum(nsum + 8, 0.f);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = kvpage::to_float(x[i]);
-  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
+  for (int64_t i = 0; i < nsum; ++i) {
     float s = 0.f;
     for (int64_t j = 0; j < kQK; ++j) s += xf[i * kQK + j];
     xsum[i] = s;
@@ -420,14 +422,12 @@ void run_quant(const IN* x, int64_t M, int64_t K, int64_t N, bool q4, const void
   // One token row only: from two rows up the float path's shared weight conversion pays for itself (measured
   // at par or faster at 2-4 rows), so those steps keep it.
   if (int16 && M == 1) {
-    const int64_t padded = (nb + 7) / 8 * 8;  // the kernel reads scales eight blocks at a time
     std::vector<int16_t> xq(K);
-    std::vector<float> xd(padded, 0.f), xs(padded, 0.f);
+    std::vector<float> xd(nb + 8, 0.f);  // padded like xsum
     quantize_rows_i16(xf.data(), nb, xq.data(), xd.data());
-    std::copy(xsum.begin(), xsum.end(), xs.begin());
     over_rows(M, N, grain, gated, out, [&](int64_t n0, int64_t n1, auto* dst) {
       using D = std::remove_pointer_t<decltype(dst)>;
-      if (q4) quant_row_i16<true, D>(xq.data(), xd.data(), xs.data(), qs, d, m, K, n0, n1, dst);
+      if (q4) quant_row_i16<true, D>(xq.data(), xd.data(), xsum.data(), qs, d, m, K, n0, n1, dst);
       else quant_row_i16<false, D>(xq.data(), xd.data(), nullptr, qs, d, m, K, n0, n1, dst);
     });
     return;
