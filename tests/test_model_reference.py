@@ -185,6 +185,37 @@ def test_int16_decode_agrees_with_fp32(smol_fp32, smol_fp32_fast, prompts, hf_gr
     assert worst < 0.05
 
 
+def test_compiled_decode_layers_equal_the_python_loop(smol_fp32_fast, prompts, hf_greedy, monkeypatch):
+    """Decode-only few-token steps run the layer stack in one compiled call (csrc/decode_layers.cpp) with the
+    same kernels in the same order as the Python layer loop: the logits are bit-identical, one stream
+    (teacher-forced) and a batch of streams (greedy), both activation forms."""
+    from kvpage.model import quant
+
+    lm = smol_fp32_fast
+    stack = lm.model._decode_layers
+    assert stack is not None and stack.num_layers() == len(lm.model.layers)
+    names = sorted(prompts)
+    for int16 in (False, True):
+        monkeypatch.setattr(quant, "QUANT_INT16", int16)
+        seq = prompts[names[0]] + hf_greedy[names[0]]
+        compiled = teacher_forced_decode(lm, seq, len(prompts[names[0]]))
+        batch_compiled = generate(lm, [prompts[n] for n in names[:3]], 12)
+        monkeypatch.setattr(lm.model, "_decode_layers", None)
+        assert torch.equal(compiled, teacher_forced_decode(lm, seq, len(prompts[names[0]]))), int16
+        assert batch_compiled == generate(lm, [prompts[n] for n in names[:3]], 12), int16
+        monkeypatch.setattr(lm.model, "_decode_layers", stack)
+
+
+def test_compiled_decode_layers_reject_bad_input(smol_fp32_fast):
+    """A call with the wrong number of caches is refused with the reason, before any cache is written."""
+    stack = smol_fp32_fast.model._decode_layers
+    h = torch.zeros(1, smol_fp32_fast.model.norm.weight.shape[0])
+    with pytest.raises(RuntimeError, match="KV caches for"):
+        stack.run(h, torch.ones(1, 64), torch.zeros(1, 64), [], torch.zeros(1, dtype=torch.long),
+                  torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                  torch.ones(1, dtype=torch.int32), False, False)
+
+
 def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast, prompts, hf_greedy,
                                                       monkeypatch):
     """float32 on the fast path, as dtype auto runs it without AVX512_BF16: decode steps from the checkpoint's

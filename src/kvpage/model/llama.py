@@ -26,6 +26,10 @@ from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 # wide output projection keeps oneDNN above this many rows, where oneDNN measured faster (0.8-0.9x at 128-256).
 # KVPAGE_AMX_LINEAR=0 turns the kernel off (side-by-side runs).
 AMX_LOGITS_MAX_ROWS = 64
+# Decode-only steps of at most QUANT_MAX_TOKENS tokens run the whole layer stack in one compiled call
+# (csrc/decode_layers.cpp) where every layer has quantized weights; KVPAGE_DECODE_LAYERS=python keeps the
+# Python layer loop (side-by-side runs; both give the same bits).
+DECODE_LAYERS_COMPILED = os.environ.get("KVPAGE_DECODE_LAYERS", "compiled") != "python"
 
 
 def amx_linear_enabled(ops) -> bool:
@@ -180,6 +184,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors))
         self.fast_ops = None  # set by enable_fast_path()
+        self._decode_layers = None  # the compiled layer stack for decode-only few-token steps (ditto)
         self.lm_quant: QuantWeight | None = None
 
     def enable_fast_path(self, ops, quant: dict[str, QuantWeight] | None = None) -> None:
@@ -200,6 +205,27 @@ class LlamaForCausalLM(nn.Module):
             self._fast_plan.append(_FastLayer(layer, nxt.weight if nxt else self.final_norm_f32,
                                               nxt.eps if nxt else self.norm.eps))
         self.fast_ops = ops
+        self._decode_layers = self._compiled_decode_layers(ops) if DECODE_LAYERS_COMPILED else None
+
+    def _compiled_decode_layers(self, ops):
+        """The layer stack for decode-only few-token steps as one compiled object, or None where a layer lacks
+        quantized weights, the backend is not the compiled one, or the build predates it."""
+        from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, CpuPagedAttention
+
+        attn = self.layers[0].self_attn
+        if (not hasattr(ops, "DecodeLayers") or any(p.decode is None for p in self._fast_plan)
+                or not all(isinstance(layer.self_attn.backend, CpuPagedAttention) for layer in self.layers)):
+            return None
+        first = self._fast_plan[0]
+        stack = ops.DecodeLayers(first.in_norm, first.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                 attn.scale, PARTITION_SIZE)
+        for layer, p in zip(self.layers, self._fast_plan, strict=True):
+            a, mlp = layer.self_attn, layer.mlp
+            mats = [t for w in (a.qkv.quant, a.o_packed.quant, mlp.gate_up.quant, mlp.down.quant)
+                    for t in (w.qs, w.d, w.m)]
+            stack.add_layer(mats, p.post_norm, p.eps, p.next_norm, p.next_eps)
+        self._decode_backend = attn.backend
+        return stack
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -225,10 +251,14 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, torch.float32)
         t = residual.shape[0]
         first = self._fast_plan[0]
-        h = ops.rms_norm(residual, first.in_norm, first.eps)
         # steps of at most QUANT_MAX_TOKENS tokens: products straight from the quantized blocks where a layer
         # has them all (a GGUF may mix formats layer by layer; PackedLinear.forward sorts out the rest)
         few = t <= quant_config.QUANT_MAX_TOKENS
+        if few and self._decode_layers is not None and not meta.fresh_prefills and not meta.cached_prefills:
+            packed = self._decode_backend.packed_layout(kv_caches[0], first.in_norm.dtype)
+            return self._decode_layers.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
+                                           meta.query_start_loc, meta.seq_lens, quant_config.QUANT_INT16, packed)
+        h = ops.rms_norm(residual, first.in_norm, first.eps)
         for p, kv_cache in zip(self._fast_plan, kv_caches, strict=True):
             qkv_proj, o_proj, gate_up, down = p.decode if few and p.decode is not None else p.full
             qkv = qkv_proj(h)

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include "common.h"
+#include "ops.h"
 
 #include <cmath>
 #include <cstdint>

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include "common.h"
+#include "ops.h"
 #include "decode_amx.h"
 #include "packed_kv.h"
 #include "decode_amx_pairs.h"
@@ -981,12 +982,14 @@ void register_fused_ops(pybind11::module& m);  // fused_ops.cpp
 void register_quant_ops(pybind11::module& m);  // quant_linear.cpp
 void register_linear_ops(pybind11::module& m);  // linear_amx.cpp
 void register_prefill_ops(pybind11::module& m);  // prefill_amx.cpp
+void register_decode_ops(pybind11::module& m);  // decode_layers.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
   register_quant_ops(m);
   register_linear_ops(m);
   register_prefill_ops(m);
+  register_decode_ops(m);
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", pybind11::arg("key"),
         pybind11::arg("value"), pybind11::arg("kv_cache"), pybind11::arg("slot_mapping"),
         pybind11::arg("packed") = false);

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include "common.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -466,6 +467,8 @@ void run_quant(const IN* x, int64_t M, int64_t K, int64_t N, bool q4, const void
   });
 }
 
+}  // namespace
+
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
                            bool float_out, bool int16, bool gated) {
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, in_features]");
@@ -500,8 +503,6 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c
   }
   return out;
 }
-
-}  // namespace
 
 void register_quant_ops(pybind11::module& m) {
   m.def("quant_linear", &quant_linear,
