@@ -36,11 +36,18 @@ def amx_linear_enabled(ops) -> bool:
     return ops is not None and os.environ.get("KVPAGE_AMX_LINEAR", "1") != "0" and ops.amx_linear_available()
 
 
+def f32_gemm_enabled(ops) -> bool:
+    """kvpage's float32 panel GEMM for float32 projections (AVX2 builds); KVPAGE_F32_GEMM=0 keeps oneDNN's."""
+    return (ops is not None and os.environ.get("KVPAGE_F32_GEMM", "1") != "0"
+            and getattr(ops, "f32_gemm_available", lambda: False)())
+
+
 class PackedLinear(nn.Module):
     """Inference-only linear layer on pre-packed bf16 (or float32) weights: same results as F.linear up to float32
     summation order, about twice as fast on this CPU, because the weight is laid out for the product once
     instead of at every call. Paths by row count: the checkpoint's quantized blocks (a few rows, where reading
-    fewer bytes wins), then the AMX tile GEMM where the CPU has it, oneDNN otherwise (and above amx_max_rows)."""
+    fewer bytes wins), then the AMX tile GEMM where the CPU has it (bf16), kvpage's panel GEMM for float32 on
+    AVX2 builds, oneDNN otherwise (and above amx_max_rows)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
                  ops=None, amx_max_rows: int | None = None, gated: bool = False) -> None:
@@ -67,7 +74,13 @@ class PackedLinear(nn.Module):
             self.amx_max_rows = amx_max_rows if amx_max_rows is not None else 1 << 62
             if bias is not None:
                 self.amx_bias = bias.float()  # the kernel adds float32: converted once, not per call
-        if self.amx is None or amx_max_rows is not None:
+        # float32 weights on AVX2 builds: kvpage's panel GEMM (csrc/gemm_f32.cpp; 1.0-2.0x oneDNN's packed
+        # product on this model's shapes at 5-2048 rows here), oneDNN's packing otherwise.
+        self.f32: torch.Tensor | None = None
+        self.n = n
+        if weight.dtype == torch.float32 and f32_gemm_enabled(ops):
+            self.f32 = ops.f32_pack_weight(weight.contiguous())
+        elif self.amx is None or amx_max_rows is not None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,6 +92,8 @@ class PackedLinear(nn.Module):
             if self.bias is None:  # the gated activation in the kernel's epilogue
                 return self.ops.quant_linear(x, q.qs, q.d, q.m, False, quant_config.QUANT_INT16, self.gated)
             out = self.ops.quant_linear(x, q.qs, q.d, q.m, False, quant_config.QUANT_INT16) + self.bias.to(x.dtype)
+        elif self.f32 is not None:
+            out = self.ops.f32_linear(x, self.f32, self.n, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return self.ops.silu_mul(out) if self.gated else out

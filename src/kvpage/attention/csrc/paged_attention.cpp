@@ -992,6 +992,7 @@ void register_quant_ops(pybind11::module& m);  // quant_linear.cpp
 void register_linear_ops(pybind11::module& m);  // linear_amx.cpp
 void register_prefill_ops(pybind11::module& m);  // prefill_amx.cpp
 void register_decode_ops(pybind11::module& m);  // decode_layers.cpp
+void register_gemm_ops(pybind11::module& m);  // gemm_f32.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
@@ -999,6 +1000,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_linear_ops(m);
   register_prefill_ops(m);
   register_decode_ops(m);
+  register_gemm_ops(m);
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", pybind11::arg("key"),
         pybind11::arg("value"), pybind11::arg("kv_cache"), pybind11::arg("slot_mapping"),
         pybind11::arg("packed") = false);

@@ -1,0 +1,150 @@
+// float32 x . W^T for the float32 fast path on AVX2 + FMA CPUs (no AVX-512, no bf16), where every
+// projection of a batched step is a float32 GEMM with a short inner dimension (576-1536 for SmolLM2).
+//
+//   f32_pack_weight(w [N, K]) -> [ceil(N / 16), K, 16]     once at load: 16-column panels, k-major
+//   f32_linear(x [M, K], packed, N, bias) -> [M, N]
+//
+// The microkernel holds a 6-row x 16-column tile of the output in 12 registers and runs the whole K: per k,
+// two aligned loads of the panel, six broadcasts of x, twelve FMAs (the register tile of BLIS's Haswell
+// kernel). Each output is one float32 sum in k order. oneDNN's packed product reached 94 GFLOP/s on the
+// 49152 x 576 output matrix at 64 rows here and 107-125 on the layers' shapes (BENCHMARKS.md, session 18).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "common.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kNR = 16;  // panel width (two 8-lane vectors)
+constexpr int64_t kMR = 6;   // rows per register tile
+
+#if KVPAGE_AVX2
+// Rows [0, R) of x (row stride lda) times one panel (K x 16), written to c (row stride ldc): `cols` <= 16 of
+// the panel's columns are real (the last panel of an N that is not a multiple of 16). The accumulators are
+// named variables, not an array: GCC kept an array's copy on the stack in sync every iteration (12 stores per
+// 12 FMAs, 32 GFLOP/s on one core instead of ~100).
+template <int R>
+void tile(const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc, int64_t cols,
+          const float* bias) {
+  static_assert(R >= 1 && R <= kMR, "1..6 rows");
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 l0 = zero, h0 = zero, l1 = zero, h1 = zero, l2 = zero, h2 = zero, l3 = zero, h3 = zero, l4 = zero,
+         h4 = zero, l5 = zero, h5 = zero;
+#define KVPAGE_GEMM_ROW(i)                                                \
+  if constexpr (R > i) {                                                  \
+    const __m256 av = _mm256_broadcast_ss(a + i * lda + k);              \
+    l##i = _mm256_fmadd_ps(av, b0, l##i);                                 \
+    h##i = _mm256_fmadd_ps(av, b1, h##i);                                 \
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_load_ps(b + kNR * k), b1 = _mm256_load_ps(b + kNR * k + 8);
+    KVPAGE_GEMM_ROW(0) KVPAGE_GEMM_ROW(1) KVPAGE_GEMM_ROW(2) KVPAGE_GEMM_ROW(3) KVPAGE_GEMM_ROW(4)
+    KVPAGE_GEMM_ROW(5)
+  }
+#undef KVPAGE_GEMM_ROW
+  const __m256 bias_lo = bias != nullptr ? _mm256_loadu_ps(bias) : zero;
+  const __m256 bias_hi = bias != nullptr ? _mm256_loadu_ps(bias + 8) : zero;
+  alignas(32) float buf[kNR];
+  const auto store = [&](int64_t r, __m256 lo, __m256 hi) {
+    lo = _mm256_add_ps(lo, bias_lo);
+    hi = _mm256_add_ps(hi, bias_hi);
+    float* o = c + r * ldc;
+    if (cols == kNR) {
+      _mm256_storeu_ps(o, lo);
+      _mm256_storeu_ps(o + 8, hi);
+    } else {
+      _mm256_store_ps(buf, lo);
+      _mm256_store_ps(buf + 8, hi);
+      std::copy(buf, buf + cols, o);
+    }
+  };
+  store(0, l0, h0);
+  if constexpr (R > 1) store(1, l1, h1);
+  if constexpr (R > 2) store(2, l2, h2);
+  if constexpr (R > 3) store(3, l3, h3);
+  if constexpr (R > 4) store(4, l4, h4);
+  if constexpr (R > 5) store(5, l5, h5);
+}
+
+void rows_times_panel(int64_t rows, const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc,
+                      int64_t cols, const float* bias) {
+  int64_t r = 0;
+  for (; r + kMR <= rows; r += kMR) tile<kMR>(a + r * lda, lda, b, K, c + r * ldc, ldc, cols, bias);
+  switch (rows - r) {
+    case 1: tile<1>(a + r * lda, lda, b, K, c + r * ldc, ldc, cols, bias); break;
+    case 2: tile<2>(a + r * lda, lda, b, K, c + r * ldc, ldc, cols, bias); break;
+    case 3: tile<3>(a + r * lda, lda, b, K, c + r * ldc, ldc, cols, bias); break;
+    case 4: tile<4>(a + r * lda, lda, b, K, c + r * ldc, ldc, cols, bias); break;
+    case 5: tile<5>(a + r * lda, lda, b, K, c + r * ldc, ldc, cols, bias); break;
+    default: break;
+  }
+}
+#endif
+
+bool f32_gemm_available() { return KVPAGE_AVX2 == 1; }
+
+torch::Tensor f32_pack_weight(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "weight must be float32 [out_features, in_features]");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR;
+  // [P, K, 16]: panel p holds columns 16p..16p+15 of W^T, k-major; columns past N are zero
+  auto padded = torch::zeros({P * kNR, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({P, kNR, K}).transpose(1, 2).contiguous();
+}
+
+torch::Tensor f32_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(f32_gemm_available(), "f32_linear needs an AVX2 + FMA build without AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [tokens, in_features]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kNR && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kFloat,
+              "packed must come from f32_pack_weight");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "x has ", K, " features, the packed weight ", packed.size(1));
+  TORCH_CHECK(N > (P - 1) * kNR && N <= P * kNR, "N = ", N, " does not match ", P, " panels");
+  const float* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "bias must be [out_features]");
+    b = torch::cat({b, torch::zeros({P * kNR - N}, b.options())});
+    bp = b.data_ptr<float>();
+  }
+  x = x.contiguous();
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+#if KVPAGE_AVX2
+  const float* a = x.data_ptr<float>();
+  const float* w = packed.data_ptr<float>();
+  float* c = out.data_ptr<float>();
+  // Row chunks whose x rows stay in L2 (~256 KiB) while every panel passes by; tasks are (chunk, panel) pairs,
+  // chunk-major, so a thread's consecutive tasks share their x rows.
+  // Chunks of equal size (a multiple of 6 rows): 128 rows cut as 108 + 20 left one thread 5x the other's work.
+  const int64_t mc_max = std::max<int64_t>(kMR, (256 * 1024 / (4 * K)) / kMR * kMR);
+  const int64_t chunks = (M + mc_max - 1) / mc_max;
+  const int64_t mc = ((M + chunks - 1) / chunks + kMR - 1) / kMR * kMR;
+  const int64_t tasks = chunks * P;
+  at::parallel_for(0, tasks, std::max<int64_t>(1, tasks / (8 * at::get_num_threads())), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t ci = t / P, p = t % P;
+      const int64_t m0 = ci * mc, rows = std::min(mc, M - m0);
+      const int64_t n0 = p * kNR, cols = std::min(kNR, N - n0);
+      rows_times_panel(rows, a + m0 * K, K, w + p * K * kNR, K, c + m0 * N + n0, N, cols,
+                       bp == nullptr ? nullptr : bp + n0);
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+void register_gemm_ops(pybind11::module& m) {
+  m.def("f32_gemm_available", &f32_gemm_available, "whether f32_linear runs in this build (AVX2 + FMA, no AVX-512)");
+  m.def("f32_pack_weight", &f32_pack_weight, "a float32 [N, K] weight in 16-column panels for f32_linear");
+  m.def("f32_linear", &f32_linear, "float32 x . W^T (+ bias) from a panel-packed weight", pybind11::arg("x"),
+        pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
+}
