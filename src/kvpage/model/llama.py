@@ -200,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors))
         self.fast_ops = None  # set by enable_fast_path()
         self._decode_layers = None  # the compiled layer stack for decode-only few-token steps (ditto)
+        self._decode_backend = None  # its attention backend (decides the KV layout flag per call)
         self.lm_quant: QuantWeight | None = None
 
     def enable_fast_path(self, ops, quant: dict[str, QuantWeight] | None = None) -> None:
