@@ -85,5 +85,6 @@ def parse_env(spec: str) -> dict[str, str]:
         raise SystemExit(f"--envs: expected VAR=VALUE[,VAR=VALUE...], got {spec!r}")
     return dict(pairs)
 
+
 if __name__ == "__main__":
     main()

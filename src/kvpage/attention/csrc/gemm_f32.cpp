@@ -46,9 +46,9 @@ void tile(const float* a, int64_t lda, const float* b, int64_t K, float* c, int6
     KVPAGE_GEMM_ROW(5)
   }
 #undef KVPAGE_GEMM_ROW
-  const __m256 bias_lo = bias != nullptr ? _mm256_loadu_ps(bias) : zero;
-  const __m256 bias_hi = bias != nullptr ? _mm256_loadu_ps(bias + 8) : zero;
-  alignas(32) float buf[kNR];
+  alignas(32) float buf[kNR] = {};
+  if (bias != nullptr) std::copy(bias, bias + cols, buf);  // the panel's real columns only
+  const __m256 bias_lo = _mm256_load_ps(buf), bias_hi = _mm256_load_ps(buf + 8);
   const auto store = [&](int64_t r, __m256 lo, __m256 hi) {
     lo = _mm256_add_ps(lo, bias_lo);
     hi = _mm256_add_ps(hi, bias_hi);
@@ -110,7 +110,6 @@ torch::Tensor f32_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N
   if (bias.has_value()) {
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "bias must be [out_features]");
-    b = torch::cat({b, torch::zeros({P * kNR - N}, b.options())});
     bp = b.data_ptr<float>();
   }
   x = x.contiguous();

@@ -105,18 +105,17 @@ constexpr int64_t kPrefetchAhead = 2;  // blocks (the row-layout kernels' prefet
 #if defined(__AVX512F__) || KVPAGE_AVX2
 // Blocks are scattered, so the hardware prefetcher cannot run ahead across a block boundary. Made where a row
 // kernel starts a block (key t), this picks the block kPrefetchAhead blocks later and fetches its K and V rows
-// into L2 in parts, so the requests do not queue up behind each other: slice(h) is KV head h's share (the
-// AVX-512 kernel, one call per head), part(i, parts) a finer share that the AVX2 kernel spreads over its work.
+// into L2 in parts, so the requests do not queue up behind each other: part(i, parts) fetches the i-th of
+// `parts` equal shares (the AVX-512 kernel takes one share per KV head, the AVX2 kernel finer ones spread
+// over its work).
 template <typename KV>
 struct BlockPrefetch {
   const char* k = nullptr;
   const char* v = nullptr;
   int64_t lines = 0;
-  int64_t heads = 1;
 
   BlockPrefetch(const KV* kcache, const KV* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
-                int64_t row_stride, int64_t kv_heads, int64_t t, int64_t k_begin, int64_t k_end)
-      : heads(kv_heads) {
+                int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end) {
     if (t % block_size != 0 && t != k_begin) return;  // not the start of a block
     const int64_t ahead = (t / block_size + kPrefetchAhead) * block_size;
     if (ahead >= k_end) return;
@@ -132,7 +131,6 @@ struct BlockPrefetch {
       _mm_prefetch(v + 64 * i, _MM_HINT_T1);
     }
   }
-  void slice(int64_t h) const { part(h, heads); }
 };
 #endif
 
@@ -190,10 +188,10 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
     const int64_t off = t % block_size;
     const int64_t n = std::min<int64_t>({block_size - off, k_end - t, 16});
     const int64_t phys = table[t / block_size];
-    const BlockPrefetch<at::BFloat16> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, kv_heads,
-                                               t, k_begin, k_end);
+    const BlockPrefetch<at::BFloat16> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, t,
+                                               k_begin, k_end);
     for (int64_t h = 0; h < kv_heads; ++h) {
-      prefetch.slice(h);
+      prefetch.part(h, kv_heads);
       const at::BFloat16* kbase = kcache + phys * block_stride + off * row_stride + h * D;
       const at::BFloat16* vbase = vcache + phys * block_stride + off * row_stride + h * D;
       int64_t vis_max = 0;
@@ -442,8 +440,8 @@ void attend_tile_f32_avx2(const float* q, int64_t nq, int64_t H, int64_t G, cons
     const int64_t off = t % block_size;
     const int64_t n = std::min(block_size - off, k_end - t);
     const int64_t phys = table[t / block_size];
-    const BlockPrefetch<float> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, kv_heads, t,
-                                        k_begin, k_end);
+    const BlockPrefetch<float> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin,
+                                        k_end);
     // The block kPrefetchAhead ahead is fetched in small parts spread over this block's work: one part per
     // eight keys of each query row's scores, as many during P.V (side by side on random 16-token blocks,
     // 16-64 sequences x 256-4096 keys: 1.35-1.45x the bandwidth of fetching a head's share at once, which
