@@ -1,4 +1,5 @@
-"""Projections of a step: kvpage's AMX tile GEMM (amx_linear) vs oneDNN's pre-packed bf16 GEMM.
+"""Projections of a step: kvpage's AMX tile GEMM (amx_linear) vs oneDNN's pre-packed bf16 GEMM, or with
+--dtype float32 kvpage's float32 panel GEMM (f32_linear, AVX2 builds) vs oneDNN's pre-packed float32 GEMM.
 
 Uses the default model's real bf16 weights: for each row count M, the 120 layer projections of one forward
 pass (every layer's q|k|v, o, gate|up with its SiLU gating and down, so the ~210 MB of weights stream from
@@ -7,7 +8,9 @@ by side in one process, alternating rounds, medians reported. gate|up runs as th
 kernel's gated epilogue against oneDNN followed by silu_mul. PackedLinear uses the kernel for every layer
 projection and for the lm head up to kvpage.model.llama.AMX_LOGITS_MAX_ROWS rows.
 
-    python benchmarks/linear.py [--rows 1 8 16 32 64 128 256 512 1024 2048] [--rounds 7]
+    python benchmarks/linear.py [--rows 1 8 16 32 64 128 256 512 1024 2048] [--rounds 7] [--dtype float32]
+
+With float32, gate|up runs as the engine runs it there: either product followed by silu_mul.
 
 --hot instead times the tile GEMM's 120-projection pass with the weights streaming from memory (cold) against
 layer 0's four projections each repeated 30 times (the same FLOPs, weights in cache: hot), so the difference
@@ -47,30 +50,41 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--hot", action="store_true", help="cold vs hot weights for the tile GEMM (see above)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
     ops = load_kernels()
-    if ops is None or not ops.amx_linear_available():
+    f32 = args.dtype == "float32"
+    if f32 and (ops is None or not ops.f32_gemm_available() or args.hot):
+        raise SystemExit("--dtype float32 needs the compiled kernels built for AVX2 without AVX-512 (and no --hot)")
+    if not f32 and (ops is None or not ops.amx_linear_available()):
         raise SystemExit("needs the compiled kernels and AMX tile products (CPU with AMX-BF16, Linux >= 5.16)")
-    lm = load_model(dtype="bfloat16", attention_backend="reference")  # plain layers: the dense bf16 weights
+    dtype = torch.float32 if f32 else torch.bfloat16
+    lm = load_model(dtype=args.dtype, attention_backend="reference")  # plain layers: the dense weights
     weights = dense_weights(lm.model)
     layers, head = weights[:-1], weights[-1:]
     gated = [i % 4 == 2 for i in range(len(layers))]  # q|k|v, o, gate|up, down per layer
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; SmolLM2-135M-Instruct, {sum(w.numel() for w in layers) * 2 / 1e6:.0f} "
-          f"MB of layer weights + {head[0].numel() * 2 / 1e6:.0f} MB lm head per pass")
+          f"{torch.get_num_threads()} threads; SmolLM2-135M-Instruct {args.dtype}, "
+          f"{sum(w.numel() * w.element_size() for w in layers) / 1e6:.0f} MB of layer weights + "
+          f"{head[0].numel() * head[0].element_size() / 1e6:.0f} MB lm head per pass")
     if args.hot:
         cold_vs_hot(ops, layers, gated, args.rows, args.rounds)
         return
-    print("| rows | layers oneDNN (ms) | layers amx (ms) | oneDNN / amx | amx TFLOP/s | lm head oneDNN (ms) | "
-          "lm head amx (ms) | oneDNN / amx |")
+    name = "kvpage f32" if f32 else "amx"
+    print(f"| rows | layers oneDNN (ms) | layers {name} (ms) | oneDNN / {name} | {name} TFLOP/s | "
+          f"lm head oneDNN (ms) | lm head {name} (ms) | oneDNN / {name} |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in args.rows:
         g = torch.Generator().manual_seed(m)
-        inputs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {w.shape[1] for w in weights}}
+        inputs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {w.shape[1] for w in weights}}
         cells = []
         for group, flags in ((layers, gated), (head, [False])):
             onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in group]
-            amx = [ops.amx_pack_gate_up(w) if f else ops.amx_pack_weight(w) for w, f in zip(group, flags, strict=True)]
+            if f32:
+                mine = [(ops.f32_pack_weight(w), w.shape[0]) for w in group]
+            else:
+                mine = [ops.amx_pack_gate_up(w) if f else ops.amx_pack_weight(w)
+                        for w, f in zip(group, flags, strict=True)]
 
             def pass_onednn(group=group, flags=flags, onednn=onednn, inputs=inputs) -> float:
                 t = time.perf_counter()
@@ -80,13 +94,18 @@ def main() -> None:
                         ops.silu_mul(y)
                 return time.perf_counter() - t
 
-            def pass_amx(group=group, flags=flags, amx=amx, inputs=inputs) -> float:
+            def pass_kvpage(group=group, flags=flags, mine=mine, inputs=inputs) -> float:
                 t = time.perf_counter()
-                for w, f, p in zip(group, flags, amx, strict=True):
-                    ops.amx_linear(inputs[w.shape[1]], p, None, f)
+                for w, f, p in zip(group, flags, mine, strict=True):
+                    if f32:
+                        y = ops.f32_linear(inputs[w.shape[1]], *p)
+                        if f:
+                            ops.silu_mul(y)
+                    else:
+                        ops.amx_linear(inputs[w.shape[1]], p, None, f)
                 return time.perf_counter() - t
 
-            a, b = alternating_medians(pass_onednn, pass_amx, args.rounds)
+            a, b = alternating_medians(pass_onednn, pass_kvpage, args.rounds)
             cells.append((a, b, sum(2 * w.numel() for w in group) * m / b / 1e12))
         (la, lb, ltf), (ha, hb, _) = cells
         print(f"| {m} | {la * 1e3:.2f} | {lb * 1e3:.2f} | {la / lb:.2f}x | {ltf:.2f} | {ha * 1e3:.2f} | "

@@ -74,8 +74,9 @@ class PackedLinear(nn.Module):
             self.amx_max_rows = amx_max_rows if amx_max_rows is not None else 1 << 62
             if bias is not None:
                 self.amx_bias = bias.float()  # the kernel adds float32: converted once, not per call
-        # float32 weights on AVX2 builds: kvpage's panel GEMM (csrc/gemm_f32.cpp; 1.0-2.0x oneDNN's packed
-        # product on this model's shapes at 5-2048 rows here), oneDNN's packing otherwise.
+        # float32 weights on AVX2 builds: kvpage's panel GEMM (csrc/gemm_f32.cpp; 1.1-1.65x oneDNN's packed
+        # product on a pass of this model's layers at 1-2048 rows: benchmarks/linear.py --dtype float32),
+        # oneDNN's packing otherwise.
         self.f32: torch.Tensor | None = None
         self.n = n
         if weight.dtype == torch.float32 and f32_gemm_enabled(ops):
