@@ -1,14 +1,17 @@
 """Calibrate and check the simulator's step-time model against real kvpage runs on this machine.
 
-1. Measures the machine numbers the default roofline uses (bf16/fp32 GEMM rate, read bandwidth).
+1. Measures the machine numbers the roofline uses, for the dtype the engine runs here: the projection GEMM
+   rate, the paged kernel's KV read bandwidth, the streaming read bandwidth.
 2. Runs the real engine on two request streams made by ``kvpage.sim.workloads`` (random token ids of the
    same lengths), recording every step's shape and wall time (``LLMEngine.step_log``).
 3. Writes the first run's step log as a calibration file (``kvpage simulate --calibrate FILE``).
-4. Simulates both streams with the same pool and scheduler settings, under the default roofline and under
-   the calibration, and prints predicted vs measured makespan and throughput. The second stream is not
-   used for fitting, so its error is an honest out-of-sample check.
+4. Fits the roofline's two overheads on the first run with the measured rates: this machine's profile,
+   written with --machine-out for ``kvpage simulate --machine FILE``.
+5. Simulates both streams with the same pool and scheduler settings, under the default profile (xeon-amx),
+   this machine's refitted profile and the linear calibration, and prints predicted vs measured makespan and
+   throughput. The second stream is not used for fitting, so its error is an honest out-of-sample check.
 
-    python benchmarks/sim_calibration.py [--out /tmp/kvpage_calibration.json]
+    python benchmarks/sim_calibration.py [--out /tmp/kvpage_calibration.json] [--machine-out machine.json]
 """
 
 from __future__ import annotations
@@ -20,36 +23,38 @@ import random
 from dataclasses import replace
 
 from _common import drive, median_seconds
+from kvpage.config import resolve_dtype
 from kvpage.entrypoints.cli import build_parser
 from kvpage.entrypoints.simulate import build_config, build_cost, build_model
-from kvpage.sim.cost import RooflineCost, StepFeatures, fit_roofline_overheads, load_calibration
+from kvpage.sim.cost import RooflineCost, StepFeatures, fit_roofline_overheads, load_calibration, machine_profile
 from kvpage.sim.simulator import Simulator
 from kvpage.sim.workloads import WorkloadSpec, generate
 
 
-def machine_numbers() -> dict[str, float]:
-    """The rates of the kernels the engine runs (not of generic torch ops): its bf16 projection GEMM at a
-    256-row batch with the weight in cache, its paged decode attention reading a KV cache that does not fit in
-    cache, and a plain streaming read (weights)."""
+def machine_numbers(dtype: str) -> dict[str, float]:
+    """The rates of the kernels the engine runs (not of generic torch ops): its projection GEMM for ``dtype``
+    (``PackedLinear``: AMX tiles for bf16 where the CPU has them, kvpage's panel GEMM for float32 on AVX2
+    builds, oneDNN otherwise) at a 256-row batch with the weight in cache, its paged decode attention reading a
+    KV cache that does not fit in cache, and a plain streaming read (weights)."""
     import torch
 
     from kernels import run_case
-    from kvpage.attention.backends.cpu_kernels import load_kernels
+    from kvpage.attention.backends.cpu_kernels import CpuPagedAttention, load_kernels
+    from kvpage.model.llama import PackedLinear
 
     out = {}
     ops = load_kernels()
-    a = torch.randn(256, 576).bfloat16()
-    w = torch.randn(1536, 576).bfloat16()
-    if ops is not None and ops.amx_linear_available():
-        wp = ops.amx_pack_weight(w)
-        gemm = median_seconds(lambda: ops.amx_linear(a, wp, None, False), 15)
-    else:
-        gemm = median_seconds(lambda: a @ w.t(), 15)
-    out["gemm_bf16_tflops"] = 2 * 256 * 576 * 1536 / gemm / 1e12
-    if ops is not None:  # 256 sequences x 1024 tokens of SmolLM2's KV heads: 200 MB, read from memory
+    dt = getattr(torch, dtype)
+    a = torch.randn(256, 576).to(dt)
+    lin = PackedLinear(torch.randn(1536, 576).to(dt), None, ops=ops)
+    with torch.inference_mode():
+        gemm = median_seconds(lambda: lin(a), 15)
+    out["gemm_tflops"] = 2 * 256 * 576 * 1536 / gemm / 1e12
+    if ops is not None:  # 256 sequences x 1024 tokens of SmolLM2's KV heads, read from memory
         b, ctx, hq, hkv, d = 256, 1024, 9, 3, 64
-        paged_ms, _ = run_case(ops, b, ctx, hq, hkv, d, 16, 5, packed=True)
-        out["kv_read_gb_s"] = 2 * b * ctx * hkv * d * 2 / (paged_ms * 1e-3) / 1e9
+        packed = CpuPagedAttention().packed_layout(torch.zeros(2, 1, 16, hkv, d, dtype=dt), dt)  # the engine's
+        paged_ms, _ = run_case(ops, b, ctx, hq, hkv, d, 16, 5, packed=packed, dtype=dt)
+        out["kv_read_gb_s"] = 2 * b * ctx * hkv * d * dt.itemsize / (paged_ms * 1e-3) / 1e9
     x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
     out["read_gb_s"] = x.numel() * 4 / median_seconds(x.sum, 7) / 1e9
     return out
@@ -82,9 +87,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--kv-memory", default="1GiB")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--machine-out", help="write this machine's roofline profile (measured rates + fitted "
+                                          "overheads) as JSON for `kvpage simulate --machine FILE`")
+    ap.add_argument("--machine-name", default=platform.node() or "this-machine")
     args = ap.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, {platform.python_version()}")
-    measured = machine_numbers()
+    dtype = resolve_dtype("auto")  # what the engine runs here, and so what the simulator must model
+    print(f"machine: {platform.processor() or platform.machine()}, {platform.python_version()}, dtype {dtype}")
+    measured = machine_numbers(dtype)
     print("measured:", {k: round(v, 2) for k, v in measured.items()})
     streams = {
         "sharegpt (fit)": generate(WorkloadSpec("sharegpt", args.requests, seed=1)),
@@ -97,7 +106,7 @@ def main() -> None:
                    "steps": real[fit_name]["steps"]}, f)
     calib = load_calibration(args.out)
     print(f"wrote {args.out}: {calib.describe()}")
-    sim_args = build_parser().parse_args(["simulate", "--kv-memory", args.kv_memory,
+    sim_args = build_parser().parse_args(["simulate", "--kv-memory", args.kv_memory, "--dtype", dtype,
                                           "--max-model-len", str(args.max_model_len)])
     model = build_model(sim_args)
     config = build_config(sim_args, model)
@@ -106,7 +115,8 @@ def main() -> None:
                for s in real[fit_name]["steps"]]
     # The rates measured above (where measured) with the two overheads fitted to the recorded steps: what the
     # defaults in kvpage.sim.cost.MachineSpec should say for this machine.
-    rates = {"gemm_flops": measured["gemm_bf16_tflops"] * 1e12, "copy_bandwidth": measured["read_gb_s"] * 1e9}
+    rates = {"gemm_flops": measured["gemm_tflops"] * 1e12, "copy_bandwidth": measured["read_gb_s"] * 1e9,
+             "name": args.machine_name}
     if "kv_read_gb_s" in measured:
         rates["mem_bandwidth"] = measured["kv_read_gb_s"] * 1e9
     fitted = fit_roofline_overheads(RooflineCost(model, replace(roofline.machine, **rates), roofline.block_size),
@@ -116,12 +126,18 @@ def main() -> None:
           f"{fitted.step_overhead * 1e3:.2f} ms/step + {fitted.seq_overhead * 1e3:.3f} ms/seq; defaults: "
           f"{roofline.describe()}")
     refit = RooflineCost(model, fitted, roofline.block_size)
+    if args.machine_out:
+        profile = machine_profile(fitted, model.dtype_bytes, measured_on=platform.processor() or platform.machine(),
+                                  fitted_on=fit_name, command="python benchmarks/sim_calibration.py")
+        with open(args.machine_out, "w") as f:
+            json.dump(profile, f, indent=1)
+        print(f"wrote {args.machine_out}: use it with `kvpage simulate --machine {args.machine_out}`")
     print(f"\n{'stream':<18} {'model':<10} {'makespan s':>10} {'tok/s':>8} {'steps':>6} {'preempt':>7} {'error':>7}")
     for name, reqs in streams.items():
         r = real[name]
         print(f"{name:<18} {'measured':<10} {r['seconds']:>10.1f} {r['tok_s']:>8.1f} {len(r['steps']):>6} "
               f"{r['preemptions']:>7} {'':>7}")
-        for label, cost in (("roofline", roofline), ("refit", refit), ("calibrated", calib)):
+        for label, cost in ((roofline.machine.name, roofline), ("refit", refit), ("calibrated", calib)):
             s = Simulator(config, reqs, cost).run().summary()
             err = s["makespan_s"] / r["seconds"] - 1
             print(f"{'':<18} {label:<10} {s['makespan_s']:>10.1f} {s['throughput_tok_s']:>8.1f} {s['steps']:>6} "

@@ -3,6 +3,7 @@ the cost models, trace loading and the ``kvpage simulate`` command."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -21,6 +22,8 @@ from kvpage.sim.cost import (
     fit_linear,
     fit_roofline_overheads,
     load_calibration,
+    load_machine,
+    machine_profile,
 )
 from kvpage.sim.simulator import SimConfig, Simulator
 from kvpage.sim.workloads import SimRequest, WorkloadSpec, generate, load_trace, write_trace
@@ -210,6 +213,56 @@ def test_roofline_overheads_are_recovered_from_a_step_log():
     assert fitted.step_overhead == pytest.approx(3e-3) and fitted.seq_overhead == pytest.approx(5e-4)
 
 
+def test_default_machine_is_the_xeon_profile_and_dtype_picks_its_gemm_rate():
+    got, want = dataclasses.asdict(load_machine("xeon-amx", 2.0)), dataclasses.asdict(MachineSpec())
+    assert got == {k: pytest.approx(v) if isinstance(v, float) else v for k, v in want.items()}
+    fp32 = load_machine("xeon-amx", 4.0)
+    assert fp32.gemm_flops == pytest.approx(0.3e12) and fp32.mem_bandwidth == pytest.approx(MachineSpec().mem_bandwidth)
+
+
+def test_machine_profile_file_round_trips_and_drives_the_roofline(tmp_path, capsys):
+    measured = MachineSpec(gemm_flops=0.11e12, mem_bandwidth=14e9, copy_bandwidth=19e9, step_overhead=4e-3,
+                           seq_overhead=3e-4, name="zen3")
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps(machine_profile(measured, 4.0, measured_on="test")))
+    got = dataclasses.asdict(load_machine(str(f), 4.0))
+    assert got == {k: pytest.approx(v) if isinstance(v, float) else v for k, v in dataclasses.asdict(measured).items()}
+    # a bf16 simulation needs a bf16 rate: a float32 rate would make every step ~4x too slow on AMX
+    with pytest.raises(ValueError, match=r"no GEMM rate for bfloat16 weights .*has: float32"):
+        load_machine(str(f), 2.0)
+    assert load_machine(str(f), 2.0, gemm_flops=1e12).gemm_flops == 1e12
+    args = ["simulate", "--num-requests", "24", "--json", "--dtype", "float32"]
+    assert main([*args, "--machine", str(f)]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert "roofline (zen3)" in slow["cost_model"]
+    assert main(args) == 0
+    fast = json.loads(capsys.readouterr().out)
+    # same schedule, different clock: the machine moves time, never memory
+    assert slow["summary"]["steps"] == fast["summary"]["steps"]
+    assert slow["summary"]["makespan_s"] != pytest.approx(fast["summary"]["makespan_s"])
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"kind": "kvpage-step-log"}, "not a machine profile"),
+    ({"read_gb_s": None}, "read_gb_s must be a positive number"),
+    ({"kv_read_gb_s": 0}, "kv_read_gb_s must be a positive number"),
+    ({"gemm_tflops": 0.1}, "gemm_tflops must map a dtype"),
+    ({"gemm_tflops": {"float32": -1}}, "gemm must be a positive number"),
+    ({"step_overhead_ms": "fast"}, "step_overhead_ms must be a positive number"),
+])
+def test_bad_machine_profiles_are_refused_by_name(tmp_path, edit, message):
+    profile = machine_profile(MachineSpec(name="m"), 4.0)
+    profile.update(edit)
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps(profile))
+    with pytest.raises(ValueError, match=message):
+        load_machine(str(f), 4.0)
+    del profile["seq_overhead_ms"]
+    f.write_text(json.dumps({**profile, "kind": "kvpage-machine"}))
+    with pytest.raises(ValueError, match="missing seq_overhead_ms"):
+        load_machine(str(f), 4.0)
+
+
 def test_fit_recovers_known_coefficients():
     true = {"const": 0.004, "num_tokens": 2e-5, "num_seqs": 1e-4, "context_tokens": 2e-6, "attn_pairs": 0.0}
     rng = random.Random(0)
@@ -299,6 +352,7 @@ def test_cli_sweep_table(capsys):
     (["--trace", "/nonexistent.jsonl"], "trace file not found"),
     (["--calibrate", "/nonexistent.json"], "calibration file not found"),
     (["--model", "no-such-model"], "not found"),
+    (["--machine", "/nonexistent.json"], "neither a profile (xeon-amx"),
 ])
 def test_cli_errors_name_the_problem(capsys, argv, message):
     assert main(["simulate", "--num-requests", "5", *argv]) == 2

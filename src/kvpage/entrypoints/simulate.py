@@ -15,7 +15,7 @@ from typing import Any
 from kvpage.capacity import canonical_dtype, dtype_bytes
 from kvpage.model.config import ModelConfig
 from kvpage.model.registry import DEFAULT_MODEL, load_model_config
-from kvpage.sim.cost import CostModel, MachineSpec, ModelSpec, RooflineCost, load_calibration
+from kvpage.sim.cost import MACHINE_PROFILES, CostModel, ModelSpec, RooflineCost, load_calibration, load_machine
 from kvpage.sim.report import render_run, render_sweep
 from kvpage.sim.simulator import SimConfig, Simulator
 from kvpage.sim.workloads import WORKLOADS, SimRequest, WorkloadSpec, generate, load_trace, write_trace
@@ -27,8 +27,6 @@ SWEEPABLE = (
     "num_requests", "rate", "prefix_len", "num_prefixes", "n", "beam_width", "beam_prune", "sigma",
     "prompt_median", "output_median", "seed",
 )
-# bf16: MachineSpec's default (the engine's AMX GEMM); fp32 runs through oneDNN at ~0.3 TFLOP/s here.
-BF16_GEMM_FLOPS, FP32_GEMM_FLOPS = MachineSpec().gemm_flops, 0.3e12
 
 
 def _rate(text: str) -> float:
@@ -87,8 +85,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--model", default=DEFAULT_MODEL, help="model name, preset, .gguf or HF directory (config only)")
     c.add_argument("--dtype", default="bfloat16", help="weights and KV dtype (bfloat16, float32, fp8, ...)")
     c.add_argument("--calibrate", help="step log or coefficients from benchmarks/sim_calibration.py")
-    c.add_argument("--gemm-tflops", type=float, help="matrix-multiply rate (default: measured here)")
-    c.add_argument("--mem-bandwidth", type=float, help="read bandwidth in GB/s (default: measured here)")
+    c.add_argument("--machine", default="xeon-amx",
+                   help=f"machine profile for the roofline: {', '.join(MACHINE_PROFILES)}, or a JSON file from "
+                        "benchmarks/sim_calibration.py --machine-out (default: xeon-amx)")
+    c.add_argument("--gemm-tflops", type=float, help="matrix-multiply rate (default: the machine profile's)")
+    c.add_argument("--mem-bandwidth", type=float, help="KV read bandwidth in GB/s (default: the machine profile's)")
     c.add_argument("--step-overhead-ms", type=float)
     c.add_argument("--seq-overhead-ms", type=float)
 
@@ -130,7 +131,6 @@ def build_model(args: argparse.Namespace) -> ModelSpec:
 def build_cost(args: argparse.Namespace, model: ModelSpec) -> CostModel:
     if args.calibrate:
         return load_calibration(args.calibrate)
-    base = MachineSpec(gemm_flops=FP32_GEMM_FLOPS if model.dtype_bytes >= 4 else BF16_GEMM_FLOPS)
     overrides: dict[str, float] = {}
     for flag, field, scale in (("gemm_tflops", "gemm_flops", 1e12), ("mem_bandwidth", "mem_bandwidth", 1e9),
                                ("step_overhead_ms", "step_overhead", 1e-3), ("seq_overhead_ms", "seq_overhead", 1e-3)):
@@ -139,6 +139,7 @@ def build_cost(args: argparse.Namespace, model: ModelSpec) -> CostModel:
             if v < 0 or (v == 0 and field in ("gemm_flops", "mem_bandwidth")):
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {v}")
             overrides[field] = v * scale
+    base = load_machine(args.machine, model.dtype_bytes, overrides.get("gemm_flops"))
     return RooflineCost(model, dataclasses.replace(base, **overrides), args.block_size)
 
 

@@ -90,18 +90,88 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class MachineSpec:
-    """Measured on the project machine (2-vCPU Xeon, AVX512_BF16/AMX, torch 2.13 CPU) by
-    ``benchmarks/sim_calibration.py`` from the engine's own kernels, see BENCHMARKS.md: bf16 projection GEMM
-    (AMX tiles) ~1.8 TFLOP/s at a 256-row batch, KV read by the paged decode kernel ~16.9 GB/s, weights
-    streamed at read bandwidth ~25 GB/s. The two overheads (per-step Python work and the small per-layer ops:
-    slot writes, norms, rotary; per-sequence sampling and outputs) are fitted by the same script
-    (``fit_roofline_overheads``) on a real run here with those rates."""
+    """The rates and overheads one machine runs a step at, for one weight dtype. The defaults are the
+    ``xeon-amx`` profile (see ``MACHINE_PROFILES``): measured on a 2-vCPU Xeon with AVX512_BF16/AMX by
+    ``benchmarks/sim_calibration.py`` from the engine's own kernels (BENCHMARKS.md): bf16 projection GEMM (AMX
+    tiles) ~1.8 TFLOP/s at a 256-row batch, KV read by the paged decode kernel ~16.9 GB/s, weights streamed at
+    ~25 GB/s. The two overheads (per-step Python work and the small per-layer ops: slot writes, norms, rotary;
+    per-sequence sampling and outputs) are fitted by the same script (``fit_roofline_overheads``) on a real
+    run there with those rates."""
 
     gemm_flops: float = 1.8e12
     mem_bandwidth: float = 16.9e9  # KV reads in attention
     copy_bandwidth: float = 25e9  # weight streaming, swap and copy-on-write copies
     step_overhead: float = 9.4e-3  # seconds per step: scheduling, batch preparation, per-layer small ops
     seq_overhead: float = 1.95e-4  # seconds per scheduled sequence: metadata, sampling, detokenizing, outputs
+    name: str = "xeon-amx"
+
+
+MACHINE_KIND = "kvpage-machine"
+# A profile: GEMM rate per weight dtype class ("bfloat16" stands for every 2-byte-or-smaller dtype), KV and
+# streaming bandwidths, and the two overheads, as benchmarks/sim_calibration.py --machine-out writes them.
+MACHINE_PROFILES: dict[str, dict[str, Any]] = {
+    # 2-vCPU Xeon, AVX512_BF16 + AMX (sessions 4-12): bf16 through the AMX tile GEMM; float32 through oneDNN.
+    "xeon-amx": {"gemm_tflops": {"bfloat16": 1.8, "float32": 0.3}, "kv_read_gb_s": 16.9, "read_gb_s": 25.0,
+                 "step_overhead_ms": 9.4, "seq_overhead_ms": 0.195},
+}
+
+
+def _gemm_key(dtype_bytes: float) -> str:
+    return "float32" if dtype_bytes >= 4 else "bfloat16"
+
+
+def machine_from_profile(profile: dict[str, Any], dtype_bytes: float, name: str,
+                         gemm_flops: float | None = None) -> MachineSpec:
+    """The ``MachineSpec`` a profile gives for weights of ``dtype_bytes`` bytes; a clear error for a profile
+    that lacks a number or has no GEMM rate for that dtype (a rate measured for another dtype would mislead)
+    unless ``gemm_flops`` is given instead."""
+    if not isinstance(profile, dict):
+        raise ValueError(f"machine {name}: expected a JSON object")
+    need = ("gemm_tflops", "kv_read_gb_s", "read_gb_s", "step_overhead_ms", "seq_overhead_ms")
+    missing = [k for k in need if k not in profile]
+    if missing:
+        raise ValueError(f"machine {name}: missing {', '.join(missing)}")
+    rates = profile["gemm_tflops"]
+    if not isinstance(rates, dict):
+        raise ValueError(f"machine {name}: gemm_tflops must map a dtype (float32, bfloat16) to TFLOP/s")
+    key = _gemm_key(dtype_bytes)
+    if gemm_flops is not None:
+        rates = {**rates, key: gemm_flops / 1e12}
+    if key not in rates:
+        raise ValueError(f"machine {name}: no GEMM rate for {key} weights (it has: {', '.join(sorted(rates))}); "
+                         f"simulate with --dtype {' or '.join(sorted(rates))}, or pass --gemm-tflops")
+    values = {"gemm": rates[key], "kv_read_gb_s": profile["kv_read_gb_s"], "read_gb_s": profile["read_gb_s"],
+              "step_overhead_ms": profile["step_overhead_ms"], "seq_overhead_ms": profile["seq_overhead_ms"]}
+    for k, v in values.items():
+        if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or (v == 0 and not k.endswith("_ms")):
+            raise ValueError(f"machine {name}: {k} must be a positive number, got {v!r}")
+    return MachineSpec(gemm_flops=values["gemm"] * 1e12, mem_bandwidth=values["kv_read_gb_s"] * 1e9,
+                       copy_bandwidth=values["read_gb_s"] * 1e9, step_overhead=values["step_overhead_ms"] * 1e-3,
+                       seq_overhead=values["seq_overhead_ms"] * 1e-3, name=name)
+
+
+def load_machine(spec: str, dtype_bytes: float, gemm_flops: float | None = None) -> MachineSpec:
+    """A named profile (``MACHINE_PROFILES``) or a JSON file written by ``sim_calibration.py --machine-out``."""
+    if spec in MACHINE_PROFILES:
+        return machine_from_profile(MACHINE_PROFILES[spec], dtype_bytes, spec, gemm_flops)
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"--machine {spec}: neither a profile ({', '.join(MACHINE_PROFILES)}) nor a file")
+    try:
+        data: Any = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg})") from None
+    if not isinstance(data, dict) or data.get("kind") != MACHINE_KIND:
+        raise ValueError(f"{path}: not a machine profile (expected \"kind\": \"{MACHINE_KIND}\")")
+    return machine_from_profile(data, dtype_bytes, str(data.get("name") or path.stem), gemm_flops)
+
+
+def machine_profile(machine: MachineSpec, dtype_bytes: float, **extra: Any) -> dict[str, Any]:
+    """The JSON form of a measured ``MachineSpec`` (its GEMM rate under the dtype it was measured for)."""
+    return {"kind": MACHINE_KIND, "name": machine.name,
+            "gemm_tflops": {_gemm_key(dtype_bytes): machine.gemm_flops / 1e12},
+            "kv_read_gb_s": machine.mem_bandwidth / 1e9, "read_gb_s": machine.copy_bandwidth / 1e9,
+            "step_overhead_ms": machine.step_overhead * 1e3, "seq_overhead_ms": machine.seq_overhead * 1e3, **extra}
 
 
 @dataclass(frozen=True)
@@ -139,7 +209,7 @@ class RooflineCost:
 
     def describe(self) -> str:
         hw = self.machine
-        return (f"roofline: {self.model.name}, {self.model.weight_bytes / 1e6:.0f} MB weights, "
+        return (f"roofline ({hw.name}): {self.model.name}, {self.model.weight_bytes / 1e6:.0f} MB weights, "
                 f"{self.model.kv_bytes_per_token} B KV/token; GEMM {hw.gemm_flops / 1e12:.2f} TFLOP/s, "
                 f"KV read {hw.mem_bandwidth / 1e9:.1f} GB/s, overhead {hw.step_overhead * 1e3:.1f} ms/step "
                 f"+ {hw.seq_overhead * 1e3:.2f} ms/seq")
