@@ -60,6 +60,17 @@ def machine_numbers(dtype: str) -> dict[str, float]:
     return out
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def real_run(requests, kv_memory: str, max_model_len: int) -> dict:
     from kvpage.engine.llm import LLM
     from kvpage.sampling_params import SamplingParams
@@ -127,7 +138,7 @@ def main() -> None:
           f"{roofline.describe()}")
     refit = RooflineCost(model, fitted, roofline.block_size)
     if args.machine_out:
-        profile = machine_profile(fitted, model.dtype_bytes, measured_on=platform.processor() or platform.machine(),
+        profile = machine_profile(fitted, model.dtype_bytes, measured_on=cpu_name(),
                                   fitted_on=fit_name, command="python benchmarks/sim_calibration.py")
         with open(args.machine_out, "w") as f:
             json.dump(profile, f, indent=1)

@@ -218,6 +218,9 @@ def test_default_machine_is_the_xeon_profile_and_dtype_picks_its_gemm_rate():
     assert got == {k: pytest.approx(v) if isinstance(v, float) else v for k, v in want.items()}
     fp32 = load_machine("xeon-amx", 4.0)
     assert fp32.gemm_flops == pytest.approx(0.3e12) and fp32.mem_bandwidth == pytest.approx(MachineSpec().mem_bandwidth)
+    assert load_machine("zen3-avx2", 4.0).gemm_flops == pytest.approx(0.18e12)
+    with pytest.raises(ValueError, match="zen3-avx2: no GEMM rate for bfloat16"):
+        load_machine("zen3-avx2", 2.0)
 
 
 def test_machine_profile_file_round_trips_and_drives_the_roofline(tmp_path, capsys):
@@ -352,7 +355,8 @@ def test_cli_sweep_table(capsys):
     (["--trace", "/nonexistent.jsonl"], "trace file not found"),
     (["--calibrate", "/nonexistent.json"], "calibration file not found"),
     (["--model", "no-such-model"], "not found"),
-    (["--machine", "/nonexistent.json"], "neither a profile (xeon-amx"),
+    (["--machine", "/nonexistent.json"], "neither a profile (xeon-amx, zen3-avx2"),
+    (["--machine", "zen3-avx2"], "simulate with --dtype float32, or pass --gemm-tflops"),
 ])
 def test_cli_errors_name_the_problem(capsys, argv, message):
     assert main(["simulate", "--num-requests", "5", *argv]) == 2
