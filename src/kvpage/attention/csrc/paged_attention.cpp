@@ -405,27 +405,36 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
 }
 
 #if KVPAGE_AVX2
-// Eight dot products q . k_i (k_i = k + i * stride, D floats each) as one vector, lane i = key i: eight
+// Eight KV elements as float32: a bf16 value is the high half of its float32, so widening is exact (a zero
+// extension and a shift); float32 rows load as they are.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Eight dot products q . k_i (k_i = k + i * stride, D values each) as one vector, lane i = key i: eight
 // accumulators over the dims, then a horizontal-add tree (no per-key horizontal reduction).
-template <int64_t D>
-inline __m256 dot8(const float* q, const float* k, int64_t stride) {
+template <typename KV, int64_t D>
+inline __m256 dot8(const float* q, const KV* k, int64_t stride) {
   __m256 a[8];
   for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
   for (int64_t c = 0; c < D; c += 8) {
     const __m256 qv = _mm256_loadu_ps(q + c);
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(k + i * stride + c), qv, a[i]);
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(load8(k + i * stride + c), qv, a[i]);
   }
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// attend_tile for float32 KV and head size D on AVX2 + FMA (same contract: q pre-scaled, rows r = j * H +
-// head, row r sees keys <= pos0 + r / H). K and V rows are read where they lie in the cache (no copy); scores
-// come eight keys at a time (dot8), the weights through exp8, and P.V keeps each row's output in registers
-// 64 dims at a time while the block's values stream past.
-template <int64_t D>
-void attend_tile_f32_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const float* kcache, const float* vcache,
+// attend_tile for float32 or bf16 KV and head size D on AVX2 + FMA (same contract: q pre-scaled, rows r = j *
+// H + head, row r sees keys <= pos0 + r / H). K and V rows are read where they lie in the cache (no copy; bf16
+// widened to float32 in registers, so both caches compute the same float32 arithmetic); scores come eight keys
+// at a time (dot8), the weights through exp8, and P.V keeps each row's output in registers 64 dims at a time
+// while the block's values stream past.
+template <typename KV, int64_t D>
+void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kcache, const KV* vcache,
                           const int64_t* table, int64_t block_size, int64_t block_stride, int64_t kv_heads,
                           int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
                           std::vector<float>& scratch) {
@@ -440,7 +449,7 @@ void attend_tile_f32_avx2(const float* q, int64_t nq, int64_t H, int64_t G, cons
     const int64_t off = t % block_size;
     const int64_t n = std::min(block_size - off, k_end - t);
     const int64_t phys = table[t / block_size];
-    const BlockPrefetch<float> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin,
+    const BlockPrefetch<KV> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin,
                                         k_end);
     // The block kPrefetchAhead ahead is fetched in small parts spread over this block's work: one part per
     // eight keys of each query row's scores, as many during P.V (side by side on random 16-token blocks,
@@ -448,8 +457,8 @@ void attend_tile_f32_avx2(const float* q, int64_t nq, int64_t H, int64_t G, cons
     // queues more misses than the core can track and stalls it).
     const int64_t groups = (n + 7) / 8, parts = 2 * kv_heads * G * groups;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const float* kbase = kcache + phys * block_stride + off * row_stride + h * D;
-      const float* vbase = vcache + phys * block_stride + off * row_stride + h * D;
+      const KV* kbase = kcache + phys * block_stride + off * row_stride + h * D;
+      const KV* vbase = vcache + phys * block_stride + off * row_stride + h * D;
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
         for (int64_t g = 0; g < G; ++g) {
@@ -464,15 +473,15 @@ void attend_tile_f32_avx2(const float* q, int64_t nq, int64_t H, int64_t G, cons
           int64_t i = 0;
           for (; i + 8 <= visible; i += 8) {
             if (j == 0) prefetch.part((h * G + g) * groups + i / 8, parts);
-            const __m256 d8 = dot8<D>(qr, kbase + i * row_stride, row_stride);
+            const __m256 d8 = dot8<KV, D>(qr, kbase + i * row_stride, row_stride);
             _mm256_storeu_ps(s + i, d8);
             vmax = _mm256_max_ps(vmax, d8);
           }
           float bmax = kvpage::hmax8(vmax);
           for (; i < visible; ++i) {  // the block's last < 8 visible keys, one by one
-            const float* k = kbase + i * row_stride;
+            const KV* k = kbase + i * row_stride;
             __m256 a = _mm256_setzero_ps();
-            for (int64_t c = 0; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(k + c), _mm256_loadu_ps(qr + c), a);
+            for (int64_t c = 0; c < D; c += 8) a = _mm256_fmadd_ps(load8(k + c), _mm256_loadu_ps(qr + c), a);
             s[i] = kvpage::hsum8(a);
             bmax = std::max(bmax, s[i]);
           }
@@ -515,8 +524,8 @@ void attend_tile_f32_avx2(const float* q, int64_t nq, int64_t H, int64_t G, cons
             for (int c = 0; c < 8; ++c) o[c] = _mm256_loadu_ps(a + 8 * c);
             for (int64_t i = 0; i < visible; ++i) {
               const __m256 wv = _mm256_set1_ps(w[i]);
-              const float* v = vbase + i * row_stride + d0;
-              for (int c = 0; c < 8; ++c) o[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * c), o[c]);
+              const KV* v = vbase + i * row_stride + d0;
+              for (int c = 0; c < 8; ++c) o[c] = _mm256_fmadd_ps(wv, load8(v + 8 * c), o[c]);
             }
             for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * c, o[c]);
           }
@@ -603,7 +612,8 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #endif
   g_decode_kernel = use_amx_pairs ? "amx-pairs" : use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
                   : (use_dp && (D == 64 || D == 128)) ? "avx512-rows"
-                  : (KVPAGE_AVX2 && std::is_same_v<KV, float> && (D == 64 || D == 128)) ? "avx2-f32" : "generic";
+                  : (KVPAGE_AVX2 && (D == 64 || D == 128)) ? (std::is_same_v<KV, float> ? "avx2-f32" : "avx2-bf16")
+                  : "generic";
   auto work = [&](int64_t begin, int64_t end) {
 #ifdef KVPAGE_AMX
     if (use_amx) kvpage::amx_configure(G);
@@ -703,16 +713,15 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       }
 #endif
 #if KVPAGE_AVX2
-      if constexpr (std::is_same_v<KV, float>) {
-        if (D % 64 == 0 && D <= 128) {
-          if (D == 64)
-            attend_tile_f32_avx2<64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
-                                     kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch);
-          else
-            attend_tile_f32_avx2<128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
-                                      kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch);
-          continue;
-        }
+      if (D == 64) {
+        attend_tile_avx2<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads,
+                                 tk.pos0, k_begin, k_end, pa, pm, pl, scratch);
+        continue;
+      }
+      if (D == 128) {
+        attend_tile_avx2<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                  kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch);
+        continue;
       }
 #endif
       if (D == 64)
