@@ -8,7 +8,7 @@ benchmarks/throughput.py does and as vLLM zero-fills its cache); KVPAGE_BENCH_PR
 
 Targets (issue #5): concurrency >= 3x, throughput >= 2x, paged utilization >= 97%.
 
-    python benchmarks/paged_vs_static.py [--requests 256] [--phases]
+    python benchmarks/paged_vs_static.py [--requests 256] [--phases] [--kv-cache-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import random
 import statistics
 
 from _common import drive
+from kvpage.config import KV_CACHE_DTYPES
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
 
@@ -37,9 +38,10 @@ def workload(n: int, max_len: int, vocab: int, seed: int = 0) -> list[tuple[list
     return out
 
 
-def run(policy: str, reqs, budget: int, max_len: int, phases: bool = False) -> dict:
+def run(policy: str, reqs, budget: int, max_len: int, phases: bool = False, kv_dtype: str = "auto") -> dict:
     llm = LLM(kv_cache_memory=budget, max_model_len=max_len, kv_policy=policy, max_num_seqs=256,
-              enable_prefix_caching=False, kv_prefault=os.environ.get("KVPAGE_BENCH_PREFAULT", "1") != "0")
+              kv_cache_dtype=kv_dtype, enable_prefix_caching=False,
+              kv_prefault=os.environ.get("KVPAGE_BENCH_PREFAULT", "1") != "0")
     eng = llm.engine
     eng.add_request("warm", reqs[0][0][:8], SamplingParams(temperature=0, max_tokens=2))
     while eng.has_unfinished_requests():
@@ -90,19 +92,23 @@ def main() -> None:
     ap.add_argument("--static-slots", type=int, default=16, help="reservations the budget holds")
     ap.add_argument("--json")
     ap.add_argument("--phases", action="store_true", help="also print each run's steps by size (step log)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="both runs' cache dtype (the budget stays --static-slots reservations, in its bytes)")
     args = ap.parse_args()
-    probe = LLM(kv_cache_memory="128MiB", max_model_len=args.max_model_len)  # one sequence even in float32
+    probe = LLM(kv_cache_memory="128MiB", max_model_len=args.max_model_len,  # one sequence even in float32
+                kv_cache_dtype=args.kv_cache_dtype)
     bpb = probe.engine.worker.bytes_per_block
     vocab = probe.engine.worker.lm.config.vocab_size
     blocks = args.static_slots * -(-args.max_model_len // 16)
     budget = blocks * bpb
     reqs = workload(args.requests, args.max_model_len, vocab)
+    probe_kv = str(probe.engine.worker.kv_dtype).removeprefix("torch.")
     del probe
-    static = run("static", reqs, budget, args.max_model_len, args.phases)
-    paged = run("paged", reqs, budget, args.max_model_len, args.phases)
+    static = run("static", reqs, budget, args.max_model_len, args.phases, args.kv_cache_dtype)
+    paged = run("paged", reqs, budget, args.max_model_len, args.phases, args.kv_cache_dtype)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; SmolLM2-135M-Instruct, {args.requests} "
           f"ShareGPT-like requests, KV budget {blocks} blocks x 16 tokens = {args.static_slots} reservations of "
-          f"{args.max_model_len}")
+          f"{args.max_model_len} ({probe_kv}, {budget / 2**20:.0f} MiB)")
     for r in (static, paged):
         print(f"  {r['policy']:<7} peak running {r['peak_running']:4d}  mean running {r['mean_running']:6.1f}  "
               f"{r['tok_per_s']:7.1f} tok/s  KV utilization {r['mean_kv_utilization']:.1%}  "

@@ -234,6 +234,22 @@ def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast,
             assert generate(lm, [ids], MAX_NEW)[0] == hf_greedy[name], (name, int16)
 
 
+def test_fp32_weights_with_a_bf16_cache_on_the_fast_path(smol_fp32, smol_fp32_fast, prompts, hf_greedy,
+                                                        record_property):
+    """`--kv-cache-dtype bfloat16` under float32 weights (half the KV bytes: twice the tokens in the same pool):
+    the fast path (compiled layer stack for decode, the row kernel widening bf16 in registers, batched so
+    prompts and decode share steps) generates the same greedy tokens as the exact path on a bf16 cache, which
+    computes attention from the same rounded keys and values. Agreement with transformers' float32-cache
+    tokens is recorded, not required (rounding the cache may flip a near tie)."""
+    names = list(prompts)
+    ids = [prompts[n] for n in names]
+    exact = generate(smol_fp32, ids, MAX_NEW, kv_dtype=torch.bfloat16)
+    fast = generate(smol_fp32_fast, ids, MAX_NEW, kv_dtype=torch.bfloat16)
+    assert fast == exact
+    same = sum(a == b for n, out in zip(names, fast, strict=True) for a, b in zip(out, hf_greedy[n], strict=True))
+    record_property("bf16_cache_token_agreement", same / sum(len(hf_greedy[n]) for n in names))
+
+
 def test_bf16_paths_without_amx_compute_the_same_function(smol_fp32, smol_bf16, prompts, hf_greedy, monkeypatch):
     """The fallbacks where a CPU has no AMX (oneDNN projections + silu_mul, SDPA for prompts) and the AMX
     kernels (tile GEMM with the gated epilogue, prefill_attention) differ only in bf16 rounding: teacher-forced
