@@ -249,8 +249,9 @@ def test_machine_profile_file_round_trips_and_drives_the_roofline(tmp_path, caps
     ({"kind": "kvpage-step-log"}, "not a machine profile"),
     ({"read_gb_s": None}, "read_gb_s must be a positive number"),
     ({"kv_read_gb_s": 0}, "kv_read_gb_s must be a positive number"),
-    ({"gemm_tflops": 0.1}, "gemm_tflops must map a dtype"),
-    ({"gemm_tflops": {"float32": -1}}, "gemm must be a positive number"),
+    ({"gemm_tflops": 0.1}, "gemm_tflops must map float32 and/or bfloat16"),
+    ({"gemm_tflops": {"fp16": 0.1, "float32": 0.1}}, "gemm_tflops must map float32 and/or bfloat16"),
+    ({"gemm_tflops": {"float32": -1}}, "gemm_tflops.float32 must be a positive number"),
     ({"step_overhead_ms": "fast"}, "step_overhead_ms must be a positive number"),
 ])
 def test_bad_machine_profiles_are_refused_by_name(tmp_path, edit, message):

@@ -136,22 +136,21 @@ def machine_from_profile(profile: dict[str, Any], dtype_bytes: float, name: str,
     if missing:
         raise ValueError(f"machine {name}: missing {', '.join(missing)}")
     rates = profile["gemm_tflops"]
-    if not isinstance(rates, dict):
-        raise ValueError(f"machine {name}: gemm_tflops must map a dtype (float32, bfloat16) to TFLOP/s")
+    if not isinstance(rates, dict) or set(rates) - {"float32", "bfloat16"}:
+        raise ValueError(f"machine {name}: gemm_tflops must map float32 and/or bfloat16 to TFLOP/s, got {rates!r}")
     key = _gemm_key(dtype_bytes)
     if gemm_flops is not None:
         rates = {**rates, key: gemm_flops / 1e12}
     if key not in rates:
         raise ValueError(f"machine {name}: no GEMM rate for {key} weights (it has: {', '.join(sorted(rates))}); "
                          f"simulate with --dtype {' or '.join(sorted(rates))}, or pass --gemm-tflops")
-    values = {"gemm": rates[key], "kv_read_gb_s": profile["kv_read_gb_s"], "read_gb_s": profile["read_gb_s"],
-              "step_overhead_ms": profile["step_overhead_ms"], "seq_overhead_ms": profile["seq_overhead_ms"]}
+    values = {f"gemm_tflops.{key}": rates[key], **{k: profile[k] for k in need[1:]}}
     for k, v in values.items():
         if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or (v == 0 and not k.endswith("_ms")):
             raise ValueError(f"machine {name}: {k} must be a positive number, got {v!r}")
-    return MachineSpec(gemm_flops=values["gemm"] * 1e12, mem_bandwidth=values["kv_read_gb_s"] * 1e9,
-                       copy_bandwidth=values["read_gb_s"] * 1e9, step_overhead=values["step_overhead_ms"] * 1e-3,
-                       seq_overhead=values["seq_overhead_ms"] * 1e-3, name=name)
+    return MachineSpec(gemm_flops=rates[key] * 1e12, mem_bandwidth=profile["kv_read_gb_s"] * 1e9,
+                       copy_bandwidth=profile["read_gb_s"] * 1e9, step_overhead=profile["step_overhead_ms"] * 1e-3,
+                       seq_overhead=profile["seq_overhead_ms"] * 1e-3, name=name)
 
 
 def load_machine(spec: str, dtype_bytes: float, gemm_flops: float | None = None) -> MachineSpec:
