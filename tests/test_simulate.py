@@ -339,6 +339,21 @@ def test_cli_json_report(capsys):
     assert rep["config"]["num_blocks"] == 2**30 // (23040 * 16)
 
 
+def test_cli_kv_cache_dtype_apart_from_the_weights(capsys):
+    """As the engine's flag: float32 weights (their GEMM rate) with a bf16 cache (half the bytes per token, so
+    the same GiB holds twice the blocks); an unknown dtype is named."""
+    base = ["simulate", "--num-requests", "40", "--json", "--dtype", "float32", "--machine", "zen3-avx2"]
+    assert main(base) == 0
+    f32 = json.loads(capsys.readouterr().out)
+    assert main([*base, "--kv-cache-dtype", "bfloat16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert f32["kv_bytes_per_token"] == 2 * bf16["kv_bytes_per_token"] == 46080
+    assert bf16["config"]["num_blocks"] == 2 * f32["config"]["num_blocks"]
+    assert "GEMM 0.18 TFLOP/s" in bf16["cost_model"]  # still the float32 weights' rate
+    assert main([*base, "--kv-cache-dtype", "int3"]) == 2
+    assert "unknown KV dtype 'int3'" in capsys.readouterr().err
+
+
 def test_cli_sweep_table(capsys):
     argv = ["simulate", "--num-requests", "30", "--sweep", "block-size=8,32", "--sweep", "allocator=paged,static"]
     assert main(argv) == 0

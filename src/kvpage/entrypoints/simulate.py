@@ -25,7 +25,7 @@ SWEEPABLE = (
     "allocator", "static_reserve", "block_size", "kv_memory", "num_blocks", "max_model_len",
     "enable_prefix_caching", "watermark", "preemption", "swap_space", "max_num_seqs", "max_num_batched_tokens",
     "num_requests", "rate", "prefix_len", "num_prefixes", "n", "beam_width", "beam_prune", "sigma",
-    "prompt_median", "output_median", "seed",
+    "prompt_median", "output_median", "seed", "kv_cache_dtype",
 )
 
 
@@ -83,7 +83,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     c = p.add_argument_group("cost model")
     c.add_argument("--model", default=DEFAULT_MODEL, help="model name, preset, .gguf or HF directory (config only)")
-    c.add_argument("--dtype", default="bfloat16", help="weights and KV dtype (bfloat16, float32, fp8, ...)")
+    c.add_argument("--dtype", default="bfloat16", help="weights dtype, and the KV's unless --kv-cache-dtype "
+                                                       "(bfloat16, float32, fp8, ...)")
+    c.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache dtype when it differs from --dtype, as the engine's flag (e.g. bfloat16 under "
+                        "float32 weights: half the KV bytes per token)")
     c.add_argument("--calibrate", help="step log or coefficients from benchmarks/sim_calibration.py")
     c.add_argument("--machine", default="xeon-amx",
                    help=f"machine profile for the roofline: {', '.join(MACHINE_PROFILES)}, or a JSON file from "
@@ -121,9 +125,9 @@ def _model_config(model: str) -> ModelConfig:
 
 def build_model(args: argparse.Namespace) -> ModelSpec:
     cfg = _model_config(args.model)
-    dtype = canonical_dtype(args.dtype)
-    b = dtype_bytes(dtype)
-    kv_bpt = int(cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + cfg.value_head_dim) * b)
+    b = dtype_bytes(canonical_dtype(args.dtype))
+    kv_b = b if args.kv_cache_dtype == "auto" else dtype_bytes(canonical_dtype(args.kv_cache_dtype))
+    kv_bpt = int(cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + cfg.value_head_dim) * kv_b)
     return ModelSpec(cfg.name, cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads,
                      cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, max(b, 1.0), kv_bpt)
 
