@@ -234,20 +234,25 @@ def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast,
             assert generate(lm, [ids], MAX_NEW)[0] == hf_greedy[name], (name, int16)
 
 
-def test_fp32_weights_with_a_bf16_cache_on_the_fast_path(smol_fp32, smol_fp32_fast, prompts, hf_greedy,
-                                                        record_property):
-    """`--kv-cache-dtype bfloat16` under float32 weights (half the KV bytes: twice the tokens in the same pool):
-    the fast path (compiled layer stack for decode, the row kernel widening bf16 in registers, batched so
-    prompts and decode share steps) generates the same greedy tokens as the exact path on a bf16 cache, which
-    computes attention from the same rounded keys and values. Agreement with transformers' float32-cache
-    tokens is recorded, not required (rounding the cache may flip a near tie)."""
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_fp32_weights_with_a_half_size_cache_on_the_fast_path(smol_fp32, smol_fp32_fast, prompts, hf_greedy,
+                                                             record_property, kv_dtype, caplog):
+    """`--kv-cache-dtype bfloat16` (or float16) under float32 weights (half the KV bytes: twice the tokens in
+    the same pool): the fast path (batched, so prompts and decode share steps) generates the same greedy tokens
+    as the exact path on the same cache dtype, which computes attention from the same rounded keys and values.
+    bf16 caches run the compiled kernels (the AVX2 row kernel widens them in registers, the decode layer stack
+    included); float16 caches, which the kernels do not take, run the reference backend, said once in the log.
+    Agreement with transformers' float32-cache tokens is recorded, not required (rounding may flip a tie)."""
     names = list(prompts)
     ids = [prompts[n] for n in names]
-    exact = generate(smol_fp32, ids, MAX_NEW, kv_dtype=torch.bfloat16)
-    fast = generate(smol_fp32_fast, ids, MAX_NEW, kv_dtype=torch.bfloat16)
+    exact = generate(smol_fp32, ids, MAX_NEW, kv_dtype=kv_dtype)
+    with caplog.at_level("WARNING"):
+        fast = generate(smol_fp32_fast, ids, MAX_NEW, kv_dtype=kv_dtype)
     assert fast == exact
+    fallback = [r for r in caplog.records if "runs on the reference backend" in r.getMessage()]
+    assert bool(fallback) == (kv_dtype == torch.float16)
     same = sum(a == b for n, out in zip(names, fast, strict=True) for a, b in zip(out, hf_greedy[n], strict=True))
-    record_property("bf16_cache_token_agreement", same / sum(len(hf_greedy[n]) for n in names))
+    record_property(f"{kv_dtype}_cache_token_agreement", same / sum(len(hf_greedy[n]) for n in names))
 
 
 def test_bf16_paths_without_amx_compute_the_same_function(smol_fp32, smol_bf16, prompts, hf_greedy, monkeypatch):
