@@ -1,7 +1,8 @@
-"""Helpers shared by the benchmark scripts (timing, driving an engine to completion)."""
+"""Helpers shared by the benchmark scripts (timing, driving an engine to completion, naming the CPU)."""
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -47,3 +48,15 @@ def drive(engine, on_step: Callable[[], None] | None = None) -> tuple[int, float
         if on_step is not None:
             on_step()
     return tokens, stepping
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for the machine line every result is printed with."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -20,6 +20,7 @@ import random
 import statistics
 import time
 
+from _common import cpu_model
 from kvpage.kv import KVCacheManager, KVSequence, make_kv_manager
 
 
@@ -61,17 +62,6 @@ def run_steps(m: KVCacheManager, seqs: list[KVSequence], steps: int, slot_mappin
         times.append(time.perf_counter() - t0)
         crossings += sum(1 for s in seqs if len(s.token_ids) % bs == 1)
     return times, crossings
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import platform
 import random
 from dataclasses import replace
 
-from _common import drive, median_seconds
+from _common import cpu_model, drive, median_seconds
 from kvpage.config import resolve_dtype
 from kvpage.entrypoints.cli import build_parser
 from kvpage.entrypoints.simulate import build_config, build_cost, build_model
@@ -60,17 +60,6 @@ def machine_numbers(dtype: str) -> dict[str, float]:
     return out
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def real_run(requests, kv_memory: str, max_model_len: int) -> dict:
     from kvpage.engine.llm import LLM
     from kvpage.sampling_params import SamplingParams
@@ -103,7 +92,7 @@ def main() -> None:
     ap.add_argument("--machine-name", default=platform.node() or "this-machine")
     args = ap.parse_args()
     dtype = resolve_dtype("auto")  # what the engine runs here, and so what the simulator must model
-    print(f"machine: {platform.processor() or platform.machine()}, {platform.python_version()}, dtype {dtype}")
+    print(f"machine: {cpu_model()}, {platform.python_version()}, dtype {dtype}")
     measured = machine_numbers(dtype)
     print("measured:", {k: round(v, 2) for k, v in measured.items()})
     streams = {
@@ -138,7 +127,7 @@ def main() -> None:
           f"{roofline.describe()}")
     refit = RooflineCost(model, fitted, roofline.block_size)
     if args.machine_out:
-        profile = machine_profile(fitted, model.dtype_bytes, measured_on=cpu_name(),
+        profile = machine_profile(fitted, model.dtype_bytes, measured_on=cpu_model(),
                                   fitted_on=fit_name, command="python benchmarks/sim_calibration.py")
         with open(args.machine_out, "w") as f:
             json.dump(profile, f, indent=1)

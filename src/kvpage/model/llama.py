@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpage.attention.backends.base import AttentionBackend
-from kvpage.attention.backends.cpu_kernels import KERNEL_KV_DTYPES
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.model import quant as quant_config
 from kvpage.model.config import ModelConfig
@@ -273,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         # has them all (a GGUF may mix formats layer by layer; PackedLinear.forward sorts out the rest)
         few = t <= quant_config.QUANT_MAX_TOKENS
         if (few and self._decode_layers is not None and not meta.fresh_prefills and not meta.cached_prefills
-                and kv_caches[0].dtype in KERNEL_KV_DTYPES):
+                and self._decode_backend.takes(kv_caches[0])):
             packed = self._decode_backend.packed_layout(kv_caches[0], first.in_norm.dtype)
             return self._decode_layers.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
                                            meta.query_start_loc, meta.seq_lens, quant_config.QUANT_INT16, packed)

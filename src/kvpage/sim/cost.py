@@ -153,6 +153,13 @@ def machine_from_profile(profile: dict[str, Any], dtype_bytes: float, name: str,
                        seq_overhead=profile["seq_overhead_ms"] * 1e-3, name=name)
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg})") from None
+
+
 def load_machine(spec: str, dtype_bytes: float, gemm_flops: float | None = None) -> MachineSpec:
     """A named profile (``MACHINE_PROFILES``) or a JSON file written by ``sim_calibration.py --machine-out``."""
     if spec in MACHINE_PROFILES:
@@ -160,10 +167,7 @@ def load_machine(spec: str, dtype_bytes: float, gemm_flops: float | None = None)
     path = Path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"--machine {spec}: neither a profile ({', '.join(MACHINE_PROFILES)}) nor a file")
-    try:
-        data: Any = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e.msg})") from None
+    data = _read_json(path)
     if not isinstance(data, dict) or data.get("kind") != MACHINE_KIND:
         raise ValueError(f"{path}: not a machine profile (expected \"kind\": \"{MACHINE_KIND}\")")
     return machine_from_profile(data, dtype_bytes, str(data.get("name") or path.stem), gemm_flops)
@@ -306,10 +310,7 @@ def load_calibration(path: str | Path) -> LinearCost:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"calibration file not found: {path}")
-    try:
-        data: Any = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e.msg})") from None
+    data = _read_json(path)
     if isinstance(data, dict) and isinstance(data.get("coefficients"), dict):
         unknown = set(data["coefficients"]) - set(LINEAR_TERMS)
         if unknown:

@@ -155,6 +155,11 @@ class CpuPagedAttention:
         8), else 64 (the paged kernel; SDPA, one call per prompt, for longer fresh prompts)."""
         return 16 if self.prompts_read_cache(kv_cache, dtype) else 64
 
+    @staticmethod
+    def takes(kv_cache: torch.Tensor) -> bool:
+        """Whether the compiled kernels read and write this cache (others go to the reference backend)."""
+        return kv_cache.dtype in KERNEL_KV_DTYPES
+
     def _reference_forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self._reference is None:
             from kvpage.attention.backends.reference import ReferenceAttention
@@ -165,7 +170,7 @@ class CpuPagedAttention:
         return self._reference.forward(query, key, value, kv_cache, meta, scale)
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if kv_cache.dtype not in KERNEL_KV_DTYPES:
+        if not self.takes(kv_cache):
             return self._reference_forward(query, key, value, kv_cache, meta, scale)
         packed = self.packed_layout(kv_cache, query.dtype)
         self.ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping, packed)
