@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts (timing, driving an engine to completion, naming the CPU)."""
+"""Helpers shared by the benchmark scripts (timing, driving an engine to completion, naming the CPU, the
+engine's projection GEMM rate)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,20 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def engine_gemm_tflops(dtype: str, rows: int = 256) -> float:
+    """TFLOP/s of the engine's own projection GEMM for ``dtype`` (``PackedLinear``: AMX tiles for bf16 where
+    the CPU has them, kvpage's panel GEMM for float32 on AVX2 builds, oneDNN otherwise) on SmolLM2's gate
+    shape (576 -> 1536) at ``rows`` rows, the weight in cache: the best rate a step's products can reach."""
+    import torch
+
+    from kvpage.attention.backends.cpu_kernels import load_kernels
+    from kvpage.model.llama import PackedLinear
+
+    dt = getattr(torch, dtype)
+    a = torch.randn(rows, 576).to(dt)
+    lin = PackedLinear(torch.randn(1536, 576).to(dt), None, ops=load_kernels())
+    with torch.inference_mode():
+        seconds = median_seconds(lambda: lin(a), 15)
+    return 2 * rows * 576 * 1536 / seconds / 1e12

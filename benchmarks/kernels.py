@@ -6,9 +6,12 @@ kvpage's paged kernel (in the KV layout the engine uses here, packed where the C
 picks one); one query token per sequence (decode), SmolLM2's shape (9 query heads, 3 KV heads,
 head dim 64), in the engine's dtype here (--dtype: bf16 with AVX512_BF16, else float32). Reported: median
 time of each, their ratio (target: paged <= 1.05x contiguous), and the effective KV read bandwidth next to
-this machine's measured copy bandwidth.
+this machine's measured copy bandwidth. --kv-dtype gives the paged cache a dtype apart from the queries' (a
+16-bit cache under float32 queries, as `--kv-cache-dtype` does in the engine); each side's GB/s then counts
+the bytes it reads (SDPA reads the same rounded values in the query dtype).
 
     python benchmarks/kernels.py [--batches 1 16 64 256] [--contexts 128 1024 8192] [--threads N]
+                                 [--dtype auto|bfloat16|float32] [--kv-dtype same|bfloat16|float16|float32]
                                  [--vllm-python <venv>/bin/python [--vllm-block-size 128]]
 
 With --vllm-python (or $KVPAGE_VLLM_PYTHON), vLLM CPU's own paged decode op runs the same shapes in that
@@ -66,6 +69,9 @@ def main() -> None:
                     help="kvpage's bf16 KV layout: the one the engine uses here (default), or either")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                     help="Q/K/V dtype (auto: the engine's here, bf16 with AVX512_BF16, else float32)")
+    ap.add_argument("--kv-dtype", choices=["same", "bfloat16", "float16", "float32"], default="same",
+                    help="the paged cache's dtype apart from the queries' (same: --dtype); SDPA reads the same "
+                         "rounded K/V in the query dtype")
     ap.add_argument("--vllm-python", default=os.environ.get("KVPAGE_VLLM_PYTHON"),
                     help="a Python with vLLM's CPU build: time its paged decode op on the same shapes")
     ap.add_argument("--vllm-block-size", type=int, default=128,
@@ -78,18 +84,19 @@ def main() -> None:
         raise SystemExit("compiled kernels unavailable on this machine")
     hq, hkv, d, bs = 9, 3, 64, 16
     dtype = getattr(torch, resolve_dtype(args.dtype))
-    esize = torch.finfo(dtype).bits // 8
-    probe = torch.zeros(2, 1, bs, hkv, d, dtype=dtype)
+    kv_dtype = dtype if args.kv_dtype == "same" else getattr(torch, args.kv_dtype)
+    esize, dense_esize = torch.finfo(kv_dtype).bits // 8, torch.finfo(dtype).bits // 8
+    probe = torch.zeros(2, 1, bs, hkv, d, dtype=kv_dtype)
     packed = CpuPagedAttention().packed_layout(probe, dtype) if args.layout == "engine" else (
         args.layout == "packed")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
           f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s (read+write), "
           f"read bandwidth {read_bandwidth_gbs():.1f} GB/s (2 GiB sum); kvpage KV layout: "
-          f"{'packed' if packed else 'rows'}, {dtype}")
+          f"{'packed' if packed else 'rows'}, {kv_dtype} cache, {dtype} queries")
     cases = [(b, ctx) for b in args.batches for ctx in args.contexts
              if 2 * b * ctx * hkv * d * esize <= args.max_kv_gib * 2**30]
     vllm = (run_vllm(args.vllm_python, cases, args.vllm_block_size, (hq, hkv, d), torch.get_num_threads())
-            if dtype == torch.bfloat16 else "its op is timed in bf16 only")
+            if dtype == kv_dtype == torch.bfloat16 else "its op is timed in bf16 only")
     if isinstance(vllm, str):
         print(f"vLLM: skipped ({vllm})")
         vllm = {}
@@ -104,9 +111,11 @@ def main() -> None:
             if (b, ctx) not in cases:
                 print(f"{b:>5} {ctx:>7}  skipped (K/V {kv_bytes / 2**30:.1f} GiB > --max-kv-gib)")
                 continue
-            paged, dense = run_case(ops, b, ctx, hq, hkv, d, bs, 20 if kv_bytes < 2**28 else 5, packed, dtype)
+            paged, dense = run_case(ops, b, ctx, hq, hkv, d, bs, 20 if kv_bytes < 2**28 else 5, packed, dtype,
+                                    kv_dtype)
+            dense_bytes = kv_bytes // esize * dense_esize
             line = (f"{b:>5} {ctx:>7} {paged:9.3f} {dense:8.3f} {paged / dense:10.2f} "
-                    f"{kv_bytes / paged / 1e6:10.1f} {kv_bytes / dense / 1e6:9.1f}")
+                    f"{kv_bytes / paged / 1e6:10.1f} {dense_bytes / dense / 1e6:9.1f}")
             if (b, ctx) in vllm:
                 peer = vllm[(b, ctx)]
                 line += f" {peer:8.3f} {kv_bytes / peer / 1e6:9.1f} {paged / peer:10.2f}"
@@ -133,17 +142,20 @@ def run_vllm(python: str | None, cases: list[tuple[int, int]], block_size: int, 
 
 
 def run_case(ops, b: int, ctx: int, hq: int, hkv: int, d: int, bs: int, reps: int,
-             packed: bool, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
-    """Median ms of the paged kernel and of contiguous SDPA on the same K/V (checked to agree)."""
-    k = torch.randn(b, hkv, ctx, d).to(dtype)
-    v = torch.randn(b, hkv, ctx, d).to(dtype)
+             packed: bool, dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None
+             ) -> tuple[float, float]:
+    """Median ms of the paged kernel and of contiguous SDPA on the same K/V (checked to agree). A kv_dtype
+    other than dtype rounds K/V to it first; SDPA then reads those values in dtype."""
+    kv_dtype = kv_dtype or dtype
+    k = torch.randn(b, hkv, ctx, d).to(kv_dtype).to(dtype)
+    v = torch.randn(b, hkv, ctx, d).to(kv_dtype).to(dtype)
     q = torch.randn(b, hq, 1, d).to(dtype)
     nblk = -(-ctx // bs)
     perm = torch.randperm(b * nblk)
-    cache = torch.zeros(2, b * nblk, bs, hkv, d, dtype=dtype)
+    cache = torch.zeros(2, b * nblk, bs, hkv, d, dtype=kv_dtype)
     pad = nblk * bs - ctx
     for idx, src in ((0, k), (1, v)):
-        cache[idx, perm] = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(b * nblk, bs, hkv, d)
+        cache[idx, perm] = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(b * nblk, bs, hkv, d).to(kv_dtype)
     if packed:
         cache = pack_kv_rows(cache)
     cache = as_block_major(cache)  # the engine's storage order: a block's K and V adjacent

@@ -8,6 +8,12 @@ benchmarks/throughput.py does and as vLLM zero-fills its cache); KVPAGE_BENCH_PR
 
 Targets (issue #5): concurrency >= 3x, throughput >= 2x, paged utilization >= 97%.
 
+--phases also prints where each run's time goes (its steps by size, from the step log) and the compute floor:
+the arithmetic the paged run's steps did (linear layers, QK^T and P.V over the scored pairs, the lm head;
+``ModelSpec.step_flops``) at the engine's own best GEMM rate, measured in the same invocation
+(``engine_gemm_tflops``: 256 rows, weight in cache). No engine can run this workload faster on this machine
+with these products, so static's measured time over that floor is the highest paged/static ratio reachable.
+
     python benchmarks/paged_vs_static.py [--requests 256] [--phases] [--kv-cache-dtype bfloat16]
 """
 
@@ -21,10 +27,11 @@ import platform
 import random
 import statistics
 
-from _common import drive
+from _common import drive, engine_gemm_tflops
 from kvpage.config import KV_CACHE_DTYPES
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
+from kvpage.sim.cost import ModelSpec, StepFeatures
 
 
 def workload(n: int, max_len: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -85,6 +92,39 @@ def print_phases(r: dict) -> None:
         print(f"| {label} | {cells[0]} | {cells[1]} |")
 
 
+def compute_floor(model: ModelSpec, steps: list[dict], gemm_flops: float) -> dict[str, float]:
+    """FLOPs of a run's steps by phase, and the seconds they take at ``gemm_flops`` (every part at the GEMM
+    rate, memory and overheads free: a lower bound on any engine's time for the same work)."""
+    total = {"linear": 0.0, "attention": 0.0, "lm_head": 0.0}
+    for s in steps:
+        f = StepFeatures(**{k: v for k, v in s.items() if k != "seconds"})
+        for part, flops in model.step_flops(f).items():
+            total[part] += flops
+    flops = sum(total.values())
+    return {**total, "flops": flops, "seconds": flops / gemm_flops}
+
+
+def sim_model(dtype: str) -> ModelSpec:
+    """The default model's numbers as the simulator sees them (``kvpage simulate``'s own construction)."""
+    from kvpage.entrypoints.cli import build_parser
+    from kvpage.entrypoints.simulate import build_model
+
+    return build_model(build_parser().parse_args(["simulate", "--dtype", dtype]))
+
+
+def print_floor(model: ModelSpec, static: dict, paged: dict, dtype: str) -> None:
+    gemm = engine_gemm_tflops(dtype) * 1e12
+    floor = compute_floor(model, paged["steps"], gemm)
+    shares = ", ".join(f"{k} {floor[k] / floor['flops']:.0%}" for k in ("linear", "attention", "lm_head"))
+    best = paged["tokens"] / floor["seconds"]
+    print(f"\ncompute floor: the paged run's steps did {floor['flops'] / 1e12:.2f} TFLOP ({shares}); at the "
+          f"engine's {dtype} GEMM rate here ({gemm / 1e12:.3f} TFLOP/s, 256 rows, measured now) that is "
+          f"{floor['seconds']:.1f} s, against {paged['seconds']:.1f} s measured "
+          f"({floor['seconds'] / paged['seconds']:.0%})")
+    print(f"  best possible throughput {best:.1f} tok/s: at most {best / static['tok_per_s']:.2f}x static's "
+          f"measured {static['tok_per_s']:.1f} tok/s (target 2x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=256)
@@ -103,6 +143,7 @@ def main() -> None:
     budget = blocks * bpb
     reqs = workload(args.requests, args.max_model_len, vocab)
     probe_kv = str(probe.engine.worker.kv_dtype).removeprefix("torch.")
+    run_dtype = str(probe.engine.worker.lm.dtype).removeprefix("torch.")
     del probe
     static = run("static", reqs, budget, args.max_model_len, args.phases, args.kv_cache_dtype)
     paged = run("paged", reqs, budget, args.max_model_len, args.phases, args.kv_cache_dtype)
@@ -119,6 +160,7 @@ def main() -> None:
     if args.phases:
         for r in (static, paged):
             print_phases(r)
+        print_floor(sim_model(run_dtype), static, paged, run_dtype)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"static": static, "paged": paged}, f, indent=2)

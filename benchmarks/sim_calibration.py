@@ -22,7 +22,7 @@ import platform
 import random
 from dataclasses import replace
 
-from _common import cpu_model, drive, median_seconds
+from _common import cpu_model, drive, engine_gemm_tflops, median_seconds
 from kvpage.config import resolve_dtype
 from kvpage.entrypoints.cli import build_parser
 from kvpage.entrypoints.simulate import build_config, build_cost, build_model
@@ -40,16 +40,10 @@ def machine_numbers(dtype: str) -> dict[str, float]:
 
     from kernels import run_case
     from kvpage.attention.backends.cpu_kernels import CpuPagedAttention, load_kernels
-    from kvpage.model.llama import PackedLinear
 
-    out = {}
+    out = {"gemm_tflops": engine_gemm_tflops(dtype)}
     ops = load_kernels()
     dt = getattr(torch, dtype)
-    a = torch.randn(256, 576).to(dt)
-    lin = PackedLinear(torch.randn(1536, 576).to(dt), None, ops=ops)
-    with torch.inference_mode():
-        gemm = median_seconds(lambda: lin(a), 15)
-    out["gemm_tflops"] = 2 * 256 * 576 * 1536 / gemm / 1e12
     if ops is not None:  # 256 sequences x 1024 tokens of SmolLM2's KV heads, read from memory
         b, ctx, hq, hkv, d = 256, 1024, 9, 3, 64
         packed = CpuPagedAttention().packed_layout(torch.zeros(2, 1, 16, hkv, d, dtype=dt), dt)  # the engine's

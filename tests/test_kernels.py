@@ -1,5 +1,5 @@
 """The compiled CPU kernels against the reference backend: random shapes, block sizes, ragged lengths,
-GQA ratios, float32 and bfloat16 caches, contexts longer than one partition."""
+GQA ratios, float32, bfloat16 and float16 caches, contexts longer than one partition."""
 
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def test_kernel_matches_reference_fp32(block_size, heads, kv_heads, dim, layout)
 
 
 @pytest.mark.parametrize(("kv_dtype", "q_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-                                                   (torch.float32, torch.bfloat16)])
+                                                   (torch.float32, torch.bfloat16), (torch.float16, torch.float32),
+                                                   (torch.float16, torch.bfloat16)])
 def test_kernel_bf16_paths(kv_dtype, q_dtype):
     rng = random.Random(7)
     ops = load_kernels()
@@ -106,16 +107,19 @@ def test_kernel_bf16_paths(kv_dtype, q_dtype):
 @pytest.mark.parametrize("long", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_bf16_vectorized_path_matches_reference(block_size, heads, kv_heads, dim, long, layout, q_dtype):
-    """A bf16 cache with head size 64/128 takes a vectorized path: every block size (chunks shorter and longer
-    than 16 keys), masked tails, GQA groups and context partitions that cut blocks. On AVX2 builds that is the
-    row kernel widening bf16 to float32 in registers (named avx2-bf16), for bf16 and float32 queries alike;
-    with float32 queries it computes exactly what the reference does in float32, so the tolerance is float32's."""
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_half_size_cache_vectorized_path_matches_reference(block_size, heads, kv_heads, dim, long, layout, q_dtype,
+                                                           kv_dtype):
+    """A bf16 or float16 cache with head size 64/128 takes a vectorized path: every block size (chunks shorter
+    and longer than 16 keys), masked tails, GQA groups and context partitions that cut blocks. On AVX2 builds
+    that is the row kernel widening 16-bit values to float32 in registers (named avx2-bf16 / avx2-f16), for bf16
+    and float32 queries alike; with float32 queries it computes exactly what the reference does in float32 on
+    the same rounded cache, so the tolerance is float32's."""
     rng = random.Random(block_size * 1000 + heads * 10 + dim + long)
     ops = load_kernels()
     exact = q_dtype == torch.float32
     for _ in range(3):
-        q, k, v, cache, meta = make_case(rng, block_size, heads, kv_heads, dim, torch.bfloat16, q_dtype, long=long)
+        q, k, v, cache, meta = make_case(rng, block_size, heads, kv_heads, dim, kv_dtype, q_dtype, long=long)
         ref_cache, ker_cache = cache.clone(), LAYOUTS[layout](cache)
         ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), ref_cache, meta, dim**-0.5)
         ops.reshape_and_cache(k, v, ker_cache, meta.slot_mapping)
@@ -123,7 +127,7 @@ def test_bf16_vectorized_path_matches_reference(block_size, heads, kv_heads, dim
             out = ops.paged_attention(q, ker_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                       dim**-0.5, part)
             if ops.f32_gemm_available():  # an AVX2 + FMA build without AVX-512
-                assert ops.last_decode_kernel() == "avx2-bf16"
+                assert ops.last_decode_kernel() == {torch.bfloat16: "avx2-bf16", torch.float16: "avx2-f16"}[kv_dtype]
             if exact:
                 torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
             else:
@@ -146,7 +150,7 @@ def test_long_contexts_split_into_partitions():
 
 @pytest.mark.parametrize("threads", [2, 3, 5])
 @pytest.mark.parametrize("block_size", [1, 7, 16, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_one_stream_splits_its_context_over_the_threads(threads, block_size, dtype):
     """Fewer decode sequences than threads (one stream): contexts shorter than a partition are cut into one
     part per thread (at least 64 keys, multiples of 16, cuts inside blocks for odd block sizes) and merged;
@@ -162,7 +166,7 @@ def test_one_stream_splits_its_context_over_the_threads(threads, block_size, dty
             table = torch.randperm(nblocks + 3, generator=g)[:nblocks]
             for p in range(ctx):
                 cache[:, table[p // block_size], p % block_size] = torch.randn(2, 2, 64, generator=g).to(dtype)
-            q = torch.randn(1, 6, 64, generator=g).to(dtype)
+            q = torch.randn(1, 6, 64, generator=g).to(torch.float32 if dtype == torch.float16 else dtype)  # a cache dtype
             tables, lens = table[None].clone(), torch.tensor([ctx])
             ref = dense_reference(q, cache, tables, lens, 0.125)
             tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
@@ -198,6 +202,9 @@ def test_kernel_rejects_bad_input():
         with pytest.raises(RuntimeError, match=error):
             ops.paged_attention(q, cache, tables, qsl, lens, 1.0, 512)
     ops.paged_attention(q, cache, table, torch.tensor([0, 1, 3]), torch.tensor([1, 20]), 1.0, 512)  # the valid one
+    for bad in (torch.float64, torch.int8):  # cache dtypes the kernels do not read: refused by name, not misread
+        with pytest.raises(RuntimeError, match="kv_cache must be float32, bfloat16 or float16"):
+            ops.paged_attention(q, cache.to(bad), table, torch.tensor([0, 1, 3]), torch.tensor([1, 20]), 1.0, 512)
     one = (torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
     with pytest.raises(RuntimeError, match="dense"):  # a block's interior must be [block_size, heads, dim]
         ops.reshape_and_cache(*one, torch.zeros(2, 4, 2, 16, 8).transpose(2, 3), torch.tensor([0]))

@@ -201,6 +201,16 @@ def test_roofline_phases_decode_reads_kv_prefill_computes():
     assert cost.step_seconds(StepFeatures()) == 0.0
 
 
+def test_step_flops_count_every_phase_of_a_step():
+    """The arithmetic no engine can skip (the compute floor of benchmarks/paged_vs_static.py --phases): SmolLM2
+    has 30 x (576 x (576 + 2 x 192) + 576 x 576 + 3 x 576 x 1536) = 106,168,320 projection weights and a
+    49,152 x 576 lm head; attention costs 2 FLOPs per head dim for QK^T and 2 for P.V per scored pair."""
+    assert SMOL.linear_params == 106_168_320 and SMOL.head_params == 28_311_552
+    f = StepFeatures(num_seqs=2, num_tokens=7, prefill_tokens=6, context_tokens=41, attn_pairs=76, logit_rows=2)
+    assert SMOL.step_flops(f) == {"linear": 2 * 106_168_320 * 7, "attention": 4 * 30 * 9 * 64 * 76,
+                                  "lm_head": 2 * 28_311_552 * 2}
+
+
 def test_roofline_overheads_are_recovered_from_a_step_log():
     truth = RooflineCost(SMOL, MachineSpec(step_overhead=3e-3, seq_overhead=5e-4))
     rng = random.Random(1)

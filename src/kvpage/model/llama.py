@@ -271,8 +271,7 @@ class LlamaForCausalLM(nn.Module):
         # steps of at most QUANT_MAX_TOKENS tokens: products straight from the quantized blocks where a layer
         # has them all (a GGUF may mix formats layer by layer; PackedLinear.forward sorts out the rest)
         few = t <= quant_config.QUANT_MAX_TOKENS
-        if (few and self._decode_layers is not None and not meta.fresh_prefills and not meta.cached_prefills
-                and self._decode_backend.takes(kv_caches[0])):
+        if few and self._decode_layers is not None and not meta.fresh_prefills and not meta.cached_prefills:
             packed = self._decode_backend.packed_layout(kv_caches[0], first.in_norm.dtype)
             return self._decode_layers.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
                                            meta.query_start_loc, meta.seq_lens, quant_config.QUANT_INT16, packed)

@@ -87,6 +87,13 @@ class ModelSpec:
     def weight_bytes(self) -> float:
         return (self.linear_params + self.head_params) * self.dtype_bytes
 
+    def step_flops(self, f: StepFeatures) -> dict[str, float]:
+        """The arithmetic a step must do whatever the engine: every token through the linear layers, every
+        scored (query, key) pair through QK^T and P.V, the lm head for sequences that sample."""
+        return {"linear": 2.0 * self.linear_params * f.num_tokens,
+                "attention": 4.0 * self.num_layers * self.num_attention_heads * self.head_dim * f.attn_pairs,
+                "lm_head": 2.0 * self.head_params * f.logit_rows}
+
 
 @dataclass(frozen=True)
 class MachineSpec:
@@ -195,14 +202,13 @@ class RooflineCost:
         m, hw = self.model, self.machine
         moved = (f.swap_blocks + f.copy_blocks) * self.block_size * m.kv_bytes_per_token
         linear = head = attention = 0.0
+        flops = m.step_flops(f)
         if f.num_tokens:
-            linear = max(2.0 * m.linear_params * f.num_tokens / hw.gemm_flops,
-                         m.linear_params * m.dtype_bytes / hw.copy_bandwidth)
-            attention = max(4.0 * m.num_layers * m.num_attention_heads * m.head_dim * f.attn_pairs / hw.gemm_flops,
+            linear = max(flops["linear"] / hw.gemm_flops, m.linear_params * m.dtype_bytes / hw.copy_bandwidth)
+            attention = max(flops["attention"] / hw.gemm_flops,
                             m.kv_bytes_per_token * f.context_tokens / hw.mem_bandwidth)
         if f.logit_rows:
-            head = max(2.0 * m.head_params * f.logit_rows / hw.gemm_flops,
-                       m.head_params * m.dtype_bytes / hw.copy_bandwidth)
+            head = max(flops["lm_head"] / hw.gemm_flops, m.head_params * m.dtype_bytes / hw.copy_bandwidth)
         return {
             "overhead": (hw.step_overhead if f.num_seqs or moved else 0.0) + hw.seq_overhead * f.num_seqs,
             "linear": linear,

@@ -116,10 +116,6 @@ def unpack_kv_rows(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([k.reshape(nb, bs, kvh, d), v.reshape(nb, bs, kvh, d)])
 
 
-# Cache dtypes the compiled kernels read and write; other caches (float16) take the reference backend, logged.
-KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16)
-
-
 class CpuPagedAttention:
     name = "cpu"
 
@@ -127,7 +123,6 @@ class CpuPagedAttention:
         self.ops = load_kernels()
         if self.ops is None:
             raise RuntimeError(f"compiled kernels unavailable: {_error}")
-        self._reference = None  # built on the first cache the kernels do not take
         # KVPAGE_KV_LAYOUT=rows keeps bf16 caches in the row layout (for side-by-side measurements).
         self.packed_ok = self.ops.has_packed_layout() and os.environ.get("KVPAGE_KV_LAYOUT", "packed") != "rows"
         # Fresh prompts with AMX tile products where the CPU has them (1.6-2.5x torch's SDPA at 64-1000
@@ -155,23 +150,7 @@ class CpuPagedAttention:
         8), else 64 (the paged kernel; SDPA, one call per prompt, for longer fresh prompts)."""
         return 16 if self.prompts_read_cache(kv_cache, dtype) else 64
 
-    @staticmethod
-    def takes(kv_cache: torch.Tensor) -> bool:
-        """Whether the compiled kernels read and write this cache (others go to the reference backend)."""
-        return kv_cache.dtype in KERNEL_KV_DTYPES
-
-    def _reference_forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self._reference is None:
-            from kvpage.attention.backends.reference import ReferenceAttention
-
-            logger.warning("%s KV cache: the compiled attention kernels take float32 or bfloat16 caches; attention "
-                           "runs on the reference backend (slower)", str(kv_cache.dtype).removeprefix("torch."))
-            self._reference = ReferenceAttention()
-        return self._reference.forward(query, key, value, kv_cache, meta, scale)
-
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if not self.takes(kv_cache):
-            return self._reference_forward(query, key, value, kv_cache, meta, scale)
         packed = self.packed_layout(kv_cache, query.dtype)
         self.ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping, packed)
         if not meta.fresh_prefills and not meta.cached_prefills:

@@ -37,6 +37,7 @@ inline float to_float(at::BFloat16 x) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
 
 // 2^f on [-0.5, 0.5], degree 6, highest coefficient first: the one polynomial of exp_neg, exp16 and exp8
 // (so vector lanes and scalar tails agree).

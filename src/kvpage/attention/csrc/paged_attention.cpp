@@ -412,6 +412,16 @@ inline __m256 load8(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+// float16 widens exactly too, in one F16C conversion (every AVX2 CPU has F16C; the scalar path otherwise).
+inline __m256 load8(const at::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
 
 // Eight dot products q . k_i (k_i = k + i * stride, D values each) as one vector, lane i = key i: eight
 // accumulators over the dims, then a horizontal-add tree (no per-key horizontal reduction).
@@ -611,7 +621,8 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #endif
   g_decode_kernel = use_amx_pairs ? "amx-pairs" : use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
                   : (use_dp && (D == 64 || D == 128)) ? "avx512-rows"
-                  : (KVPAGE_AVX2 && (D == 64 || D == 128)) ? (std::is_same_v<KV, float> ? "avx2-f32" : "avx2-bf16")
+                  : (KVPAGE_AVX2 && (D == 64 || D == 128)) ? (std::is_same_v<KV, float> ? "avx2-f32"
+                                                                 : std::is_same_v<KV, at::Half> ? "avx2-f16" : "avx2-bf16")
                   : "generic";
   auto work = [&](int64_t begin, int64_t end) {
 #ifdef KVPAGE_AMX
@@ -820,8 +831,8 @@ void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Te
         std::memcpy(vdst + at, vsrc + i * vs, sizeof(KV) * row);
       } else {
         for (int64_t e = 0; e < row; ++e) {
-          kdst[at + e] = static_cast<KV>(ksrc[i * ks + e]);
-          vdst[at + e] = static_cast<KV>(vsrc[i * vs + e]);
+          kdst[at + e] = static_cast<KV>(to_float(ksrc[i * ks + e]));
+          vdst[at + e] = static_cast<KV>(to_float(vsrc[i * vs + e]));
         }
       }
     }
@@ -898,8 +909,9 @@ void check_packed(const torch::Tensor& kv_cache) {
 
 void check_common(const torch::Tensor& kv_cache) {
   kvpage::kv_geometry(kv_cache);  // shape and strides
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16,
-              "kv_cache must be float32 or bfloat16");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16 ||
+                  kv_cache.scalar_type() == at::kHalf,
+              "kv_cache must be float32, bfloat16 or float16");
 }
 
 // The batch description must fit the query and the cache: the kernels index with these numbers unchecked, so a
@@ -953,6 +965,9 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
   if (kv_cache.scalar_type() == at::kFloat) {
     if (key.scalar_type() == at::kFloat) write_cache<float, float>(key, value, kv_cache, slot_mapping);
     else write_cache<float, at::BFloat16>(key, value, kv_cache, slot_mapping);
+  } else if (kv_cache.scalar_type() == at::kHalf) {
+    if (key.scalar_type() == at::kFloat) write_cache<at::Half, float>(key, value, kv_cache, slot_mapping);
+    else write_cache<at::Half, at::BFloat16>(key, value, kv_cache, slot_mapping);
   } else {
     if (key.scalar_type() == at::kFloat) write_cache<at::BFloat16, float>(key, value, kv_cache, slot_mapping);
     else write_cache<at::BFloat16, at::BFloat16>(key, value, kv_cache, slot_mapping);
@@ -978,7 +993,16 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch
   check_batch(query, kv_cache, block_tables, query_start_loc, seq_lens);
   auto out = torch::empty_like(query);
   const bool kv_bf16 = kv_cache.scalar_type() == at::kBFloat16;
-  if (query.scalar_type() == at::kFloat) {
+  if (kv_cache.scalar_type() == at::kHalf) {
+    if (query.scalar_type() == at::kFloat)
+      run_attention<at::Half, float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, partition_size,
+                                     packed, out);
+    else {
+      TORCH_CHECK(query.scalar_type() == at::kBFloat16, "query must be float32 or bfloat16");
+      run_attention<at::Half, at::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                                            partition_size, packed, out);
+    }
+  } else if (query.scalar_type() == at::kFloat) {
     if (kv_bf16) run_attention<at::BFloat16, float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
                                                     partition_size, packed, out);
     else run_attention<float, float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
