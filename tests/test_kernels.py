@@ -166,7 +166,8 @@ def test_one_stream_splits_its_context_over_the_threads(threads, block_size, dty
             table = torch.randperm(nblocks + 3, generator=g)[:nblocks]
             for p in range(ctx):
                 cache[:, table[p // block_size], p % block_size] = torch.randn(2, 2, 64, generator=g).to(dtype)
-            q = torch.randn(1, 6, 64, generator=g).to(torch.float32 if dtype == torch.float16 else dtype)  # a cache dtype
+            q_dtype = torch.float32 if dtype == torch.float16 else dtype  # float16 is a cache dtype only
+            q = torch.randn(1, 6, 64, generator=g).to(q_dtype)
             tables, lens = table[None].clone(), torch.tensor([ctx])
             ref = dense_reference(q, cache, tables, lens, 0.125)
             tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
