@@ -1,7 +1,7 @@
 // Paged attention on CPU for kvpage.
 //
-// KV layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16, contiguous or
-// block-major (common.h kv_geometry: the engine keeps a block's K and V adjacent).
+// KV layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim], float32, bfloat16 or float16,
+// contiguous or block-major (common.h kv_geometry: the engine keeps a block's K and V adjacent).
 // A flat batch holds, for sequence s, query rows query_start_loc[s] .. query_start_loc[s+1]-1; they are the
 // last q_len tokens of a context of seq_lens[s] tokens, so query j sits at position seq_len - q_len + j and
 // attends to keys 0..that position (causal, with any cached prefix in front).
@@ -438,9 +438,10 @@ inline __m256 dot8(const float* q, const KV* k, int64_t stride) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// attend_tile for float32 or bf16 KV and head size D on AVX2 + FMA (same contract: q pre-scaled, rows r = j *
-// H + head, row r sees keys <= pos0 + r / H). K and V rows are read where they lie in the cache (no copy; bf16
-// widened to float32 in registers, so both caches compute the same float32 arithmetic); scores come eight keys
+// attend_tile for float32, bf16 or float16 KV and head size D on AVX2 + FMA (same contract: q pre-scaled, rows
+// r = j * H + head, row r sees keys <= pos0 + r / H). K and V rows are read where they lie in the cache (no
+// copy; 16-bit values widened to float32 in registers, so every cache computes the same float32 arithmetic
+// on its stored values); scores come eight keys
 // at a time (dot8), the weights through exp8, and P.V keeps each row's output in registers 64 dims at a time
 // while the block's values stream past.
 template <typename KV, int64_t D>
@@ -546,6 +547,11 @@ void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV
 }
 #endif
 
+template <typename KV>
+constexpr const char* avx2_kernel_name() {
+  return std::is_same_v<KV, float> ? "avx2-f32" : std::is_same_v<KV, at::Half> ? "avx2-f16" : "avx2-bf16";
+}
+
 template <typename KV, typename Q>
 void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                    const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, double scale,
@@ -621,8 +627,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #endif
   g_decode_kernel = use_amx_pairs ? "amx-pairs" : use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
                   : (use_dp && (D == 64 || D == 128)) ? "avx512-rows"
-                  : (KVPAGE_AVX2 && (D == 64 || D == 128)) ? (std::is_same_v<KV, float> ? "avx2-f32"
-                                                                 : std::is_same_v<KV, at::Half> ? "avx2-f16" : "avx2-bf16")
+                  : (KVPAGE_AVX2 && (D == 64 || D == 128)) ? avx2_kernel_name<KV>()
                   : "generic";
   auto work = [&](int64_t begin, int64_t end) {
 #ifdef KVPAGE_AMX
