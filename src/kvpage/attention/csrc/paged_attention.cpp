@@ -405,14 +405,9 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
 }
 
 #if KVPAGE_AVX2
-// Eight KV elements as float32: a bf16 value is the high half of its float32, so widening is exact (a zero
-// extension and a shift); float32 rows load as they are.
+// Eight KV elements as float32: float32 rows load as they are; float16 widens exactly in one F16C conversion
+// (every AVX2 CPU has F16C; the scalar path otherwise). bf16 rows go through load16 below.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-// float16 widens exactly too, in one F16C conversion (every AVX2 CPU has F16C; the scalar path otherwise).
 inline __m256 load8(const at::Half* p) {
 #if defined(__F16C__)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -423,15 +418,74 @@ inline __m256 load8(const at::Half* p) {
 #endif
 }
 
+// Sixteen KV elements as two float32 vectors. float32 and float16 rows keep their order (lo = elements 0-7, hi
+// = 8-15). A bf16 value is the high half of its float32, so a bf16 row is read as eight 32-bit words of two
+// values each: shifting a word left by 16 gives the even element as a float32, masking off its low half the odd
+// one (both exact), so lo = elements 0, 2, .., 14 and hi = 1, 3, .., 15: one load and two cheap operations
+// instead of two widening loads and two shifts.
+// The query and output rows a bf16 cache meets are kept in that even/odd order (kPairOrder).
+template <typename KV>
+constexpr bool kPairOrder = std::is_same_v<KV, at::BFloat16>;
+
+template <typename KV>
+inline void load16(const KV* p, __m256& lo, __m256& hi) {
+  if constexpr (kPairOrder<KV>) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    hi = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    lo = load8(p);
+    hi = load8(p + 8);
+  }
+}
+
+// Rows of D values between natural order and the even/odd order of load16 for bf16, within each 16 values.
+inline void to_pair_order(const float* src, float* dst, int64_t D) {
+  for (int64_t c = 0; c < D; c += 16)
+    for (int64_t j = 0; j < 8; ++j) {
+      dst[c + j] = src[c + 2 * j];
+      dst[c + 8 + j] = src[c + 2 * j + 1];
+    }
+}
+inline void from_pair_order(float* row, int64_t D) {
+  float tmp[16];
+  for (int64_t c = 0; c < D; c += 16) {
+    for (int64_t j = 0; j < 8; ++j) {
+      tmp[2 * j] = row[c + j];
+      tmp[2 * j + 1] = row[c + 8 + j];
+    }
+    std::memcpy(row + c, tmp, sizeof(tmp));
+  }
+}
+
+// One dot product q . k over D values, q in load16's order for KV.
+template <typename KV, int64_t D>
+inline float dot1(const float* q, const KV* k) {
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16) {
+    __m256 lo, hi;
+    load16(k + c, lo, hi);
+    a = _mm256_fmadd_ps(lo, _mm256_loadu_ps(q + c), a);
+    a = _mm256_fmadd_ps(hi, _mm256_loadu_ps(q + c + 8), a);
+  }
+  return kvpage::hsum8(a);
+}
+
 // Eight dot products q . k_i (k_i = k + i * stride, D values each) as one vector, lane i = key i: eight
-// accumulators over the dims, then a horizontal-add tree (no per-key horizontal reduction).
+// accumulators over the dims, then a horizontal-add tree (no per-key horizontal reduction). q is in load16's
+// order for KV.
 template <typename KV, int64_t D>
 inline __m256 dot8(const float* q, const KV* k, int64_t stride) {
   __m256 a[8];
   for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < D; c += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + c);
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(load8(k + i * stride + c), qv, a[i]);
+  for (int64_t c = 0; c < D; c += 16) {
+    const __m256 qlo = _mm256_loadu_ps(q + c), qhi = _mm256_loadu_ps(q + c + 8);
+    for (int i = 0; i < 8; ++i) {
+      __m256 lo, hi;
+      load16(k + i * stride + c, lo, hi);
+      a[i] = _mm256_fmadd_ps(lo, qlo, a[i]);
+      a[i] = _mm256_fmadd_ps(hi, qhi, a[i]);
+    }
   }
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -451,8 +505,13 @@ void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV
   static_assert(D % 64 == 0, "head size must be a multiple of 64");
   const int64_t R = nq * H;
   const int64_t row_stride = kv_heads * D;
-  scratch.resize(static_cast<size_t>(R * block_size + 8));
+  scratch.resize(static_cast<size_t>(R * block_size + 8 + (kPairOrder<KV> ? R * D : 0)));
   float* sc = scratch.data();  // this block's weights, [r][i]
+  if constexpr (kPairOrder<KV>) {  // queries in load16's order; the outputs accumulate in it too
+    float* qp = scratch.data() + R * block_size + 8;
+    for (int64_t r = 0; r < R; ++r) to_pair_order(q + r * D, qp + r * D, D);
+    q = qp;
+  }
   reset_partials(acc, m, l, R, D);
   int64_t t = k_begin;
   while (t < k_end) {
@@ -489,10 +548,7 @@ void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV
           }
           float bmax = kvpage::hmax8(vmax);
           for (; i < visible; ++i) {  // the block's last < 8 visible keys, one by one
-            const KV* k = kbase + i * row_stride;
-            __m256 a = _mm256_setzero_ps();
-            for (int64_t c = 0; c < D; c += 8) a = _mm256_fmadd_ps(load8(k + c), _mm256_loadu_ps(qr + c), a);
-            s[i] = kvpage::hsum8(a);
+            s[i] = dot1<KV, D>(qr, kbase + i * row_stride);
             bmax = std::max(bmax, s[i]);
           }
           const float new_m = std::max(m[r], bmax);
@@ -535,7 +591,12 @@ void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV
             for (int64_t i = 0; i < visible; ++i) {
               const __m256 wv = _mm256_set1_ps(w[i]);
               const KV* v = vbase + i * row_stride + d0;
-              for (int c = 0; c < 8; ++c) o[c] = _mm256_fmadd_ps(wv, load8(v + 8 * c), o[c]);
+              for (int c = 0; c < 4; ++c) {
+                __m256 lo, hi;
+                load16(v + 16 * c, lo, hi);
+                o[2 * c] = _mm256_fmadd_ps(wv, lo, o[2 * c]);
+                o[2 * c + 1] = _mm256_fmadd_ps(wv, hi, o[2 * c + 1]);
+              }
             }
             for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * c, o[c]);
           }
@@ -544,6 +605,8 @@ void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV
     }
     t += n;
   }
+  if constexpr (kPairOrder<KV>)
+    for (int64_t r = 0; r < R; ++r) from_pair_order(acc + r * D, D);
 }
 #endif
 
