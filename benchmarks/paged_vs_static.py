@@ -32,7 +32,7 @@ from _common import drive, engine_gemm_tflops
 from kvpage.config import KV_CACHE_DTYPES
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
-from kvpage.sim.cost import ModelSpec, StepFeatures
+from kvpage.sim.cost import ModelSpec, step_log_sample
 
 
 def workload(n: int, max_len: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -98,8 +98,7 @@ def compute_floor(model: ModelSpec, steps: list[dict], gemm_flops: float) -> dic
     rate, memory and overheads free: a lower bound on any engine's time for the same work)."""
     total = {"linear": 0.0, "attention": 0.0, "lm_head": 0.0}
     for s in steps:
-        f = StepFeatures(**{k: v for k, v in s.items() if k != "seconds"})
-        for part, flops in model.step_flops(f).items():
+        for part, flops in model.step_flops(step_log_sample(s)[0]).items():
             total[part] += flops
     flops = sum(total.values())
     return {**total, "flops": flops, "seconds": flops / gemm_flops}

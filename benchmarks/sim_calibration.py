@@ -26,7 +26,13 @@ from _common import cpu_model, drive, engine_gemm_tflops, median_seconds
 from kvpage.config import resolve_dtype
 from kvpage.entrypoints.cli import build_parser
 from kvpage.entrypoints.simulate import build_config, build_cost, build_model
-from kvpage.sim.cost import RooflineCost, StepFeatures, fit_roofline_overheads, load_calibration, machine_profile
+from kvpage.sim.cost import (
+    RooflineCost,
+    fit_roofline_overheads,
+    load_calibration,
+    machine_profile,
+    step_log_sample,
+)
 from kvpage.sim.simulator import Simulator
 from kvpage.sim.workloads import WorkloadSpec, generate
 
@@ -105,8 +111,7 @@ def main() -> None:
     model = build_model(sim_args)
     config = build_config(sim_args, model)
     roofline = build_cost(sim_args, model)
-    samples = [(StepFeatures(**{k: v for k, v in s.items() if k != "seconds"}), s["seconds"])
-               for s in real[fit_name]["steps"]]
+    samples = [step_log_sample(s) for s in real[fit_name]["steps"]]
     # The rates measured above (where measured) with the two overheads fitted to the recorded steps: what the
     # defaults in kvpage.sim.cost.MachineSpec should say for this machine.
     rates = {"gemm_flops": measured["gemm_tflops"] * 1e12, "copy_bandwidth": measured["read_gb_s"] * 1e9,

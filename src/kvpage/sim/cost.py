@@ -95,24 +95,6 @@ class ModelSpec:
                 "lm_head": 2.0 * self.head_params * f.logit_rows}
 
 
-@dataclass(frozen=True)
-class MachineSpec:
-    """The rates and overheads one machine runs a step at, for one weight dtype. The defaults are the
-    ``xeon-amx`` profile (see ``MACHINE_PROFILES``): measured on a 2-vCPU Xeon with AVX512_BF16/AMX by
-    ``benchmarks/sim_calibration.py`` from the engine's own kernels (BENCHMARKS.md): bf16 projection GEMM (AMX
-    tiles) ~1.8 TFLOP/s at a 256-row batch, KV read by the paged decode kernel ~16.9 GB/s, weights streamed at
-    ~25 GB/s. The two overheads (per-step Python work and the small per-layer ops: slot writes, norms, rotary;
-    per-sequence sampling and outputs) are fitted by the same script (``fit_roofline_overheads``) on a real
-    run there with those rates."""
-
-    gemm_flops: float = 1.8e12
-    mem_bandwidth: float = 16.9e9  # KV reads in attention
-    copy_bandwidth: float = 25e9  # weight streaming, swap and copy-on-write copies
-    step_overhead: float = 9.4e-3  # seconds per step: scheduling, batch preparation, per-layer small ops
-    seq_overhead: float = 1.95e-4  # seconds per scheduled sequence: metadata, sampling, detokenizing, outputs
-    name: str = "xeon-amx"
-
-
 MACHINE_KIND = "kvpage-machine"
 # A profile: GEMM rate per weight dtype class ("bfloat16" stands for every 2-byte-or-smaller dtype), KV and
 # streaming bandwidths, and the two overheads, as benchmarks/sim_calibration.py --machine-out writes them.
@@ -125,6 +107,27 @@ MACHINE_PROFILES: dict[str, dict[str, Any]] = {
     "zen3-avx2": {"gemm_tflops": {"float32": 0.18}, "kv_read_gb_s": 20.7, "read_gb_s": 30.2,
                   "step_overhead_ms": 10.8, "seq_overhead_ms": 0.48},
 }
+
+
+_XEON = MACHINE_PROFILES["xeon-amx"]
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """The rates and overheads one machine runs a step at, for one weight dtype. The defaults are the
+    ``xeon-amx`` profile (see ``MACHINE_PROFILES``): measured on a 2-vCPU Xeon with AVX512_BF16/AMX by
+    ``benchmarks/sim_calibration.py`` from the engine's own kernels (BENCHMARKS.md): bf16 projection GEMM (AMX
+    tiles) ~1.8 TFLOP/s at a 256-row batch, KV read by the paged decode kernel ~16.9 GB/s, weights streamed at
+    ~25 GB/s. The two overheads (per-step Python work and the small per-layer ops: slot writes, norms, rotary;
+    per-sequence sampling and outputs) are fitted by the same script (``fit_roofline_overheads``) on a real
+    run there with those rates."""
+
+    gemm_flops: float = _XEON["gemm_tflops"]["bfloat16"] * 1e12
+    mem_bandwidth: float = _XEON["kv_read_gb_s"] * 1e9  # KV reads in attention
+    copy_bandwidth: float = _XEON["read_gb_s"] * 1e9  # weight streaming, swap and copy-on-write copies
+    step_overhead: float = _XEON["step_overhead_ms"] * 1e-3  # per step: scheduling, batch preparation, small ops
+    seq_overhead: float = _XEON["seq_overhead_ms"] * 1e-3  # per sequence: metadata, sampling, detokenizing
+    name: str = "xeon-amx"
 
 
 def _gemm_key(dtype_bytes: float) -> str:
@@ -324,16 +327,20 @@ def load_calibration(path: str | Path) -> LinearCost:
         return LinearCost({k: float(v) for k, v in data["coefficients"].items()}, str(path))
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
         raise ValueError(f"{path}: expected {{'steps': [...]}} (a step log) or {{'coefficients': {{...}}}}")
-    names = set(StepFeatures.__dataclass_fields__)
     samples = []
     for i, row in enumerate(data["steps"]):
         if not isinstance(row, dict) or "seconds" not in row:
             raise ValueError(f"{path}: step {i} needs 'seconds' and step features")
-        feats = StepFeatures(**{k: int(v) for k, v in row.items() if k in names})
-        samples.append((feats, float(row["seconds"])))
+        samples.append(step_log_sample(row))
     coef, err = fit_linear(samples)
     return LinearCost(coef, str(path), err)
 
 
 def step_log_entry(f: StepFeatures, seconds: float) -> dict[str, float]:
     return {**asdict(f), "seconds": seconds}
+
+
+def step_log_sample(row: dict[str, Any]) -> tuple[StepFeatures, float]:
+    """A step log entry back as (features, seconds): the inverse of ``step_log_entry``."""
+    names = StepFeatures.__dataclass_fields__
+    return StepFeatures(**{k: int(v) for k, v in row.items() if k in names}), float(row["seconds"])
