@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 OutputKind = Literal["cumulative", "delta", "final_only"]
 MAX_LOGPROBS = 20
+# A temperature below this is greedy: dividing logits by it would overflow float32 (vLLM's threshold too).
+SAMPLING_EPS = 1e-5
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 
 @dataclass
@@ -29,6 +33,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: OutputKind = "cumulative"
+    logit_bias: dict[int, float] | None = None  # added to the token's logit before any filter
+    allowed_token_ids: list[int] | None = None  # only these may be drawn
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -36,6 +42,11 @@ class SamplingParams:
             if not ok:
                 raise ValueError(what)
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            need(isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
+                 f"{name} must be a finite number, got {value!r}")
         need(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         need(self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -61,10 +72,34 @@ class SamplingParams:
         ids = list(self.stop_token_ids or [])
         need(all(isinstance(t, int) and t >= 0 for t in ids), f"stop_token_ids must be token ids >= 0, got {ids!r}")
         self.stop_token_ids = ids
+        if self.logit_bias is not None:
+            bias = dict(self.logit_bias)
+            need(all(isinstance(t, int) and t >= 0 for t in bias),
+                 f"logit_bias keys must be token ids >= 0, got {sorted(map(repr, bias))[:5]}")
+            need(all(isinstance(v, int | float) and math.isfinite(v) and abs(v) <= MAX_LOGIT_BIAS
+                     for v in bias.values()),
+                 f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            self.logit_bias = {t: float(v) for t, v in bias.items()} or None
+        if self.allowed_token_ids is not None:
+            allowed = list(self.allowed_token_ids)
+            need(bool(allowed) and all(isinstance(t, int) and t >= 0 for t in allowed),
+                 f"allowed_token_ids must be a non-empty list of token ids >= 0, got {allowed[:5]!r}")
+            self.allowed_token_ids = allowed
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one too small to divide by: both mean the most likely token."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def token_ids_in_params(self) -> list[int]:
+        """Every token id the settings name (checked against the vocabulary when the request is added)."""
+        return [*(self.stop_token_ids or []), *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Anything besides temperature and the filters that changes the logits before a draw."""
+        return self.uses_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def uses_penalties(self) -> bool:

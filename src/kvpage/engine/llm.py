@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpage.engine.arg_utils import EngineArgs
+from kvpage.engine.errors import EngineDeadError
 from kvpage.engine.llm_engine import LLMEngine, PromptInput
 from kvpage.model.registry import DEFAULT_MODEL
 from kvpage.outputs import RequestOutput
@@ -102,4 +103,6 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
+        if self.engine.fatal_error is not None:
+            raise EngineDeadError(self.engine.fatal_error)
         return [final[i] for i in ids]

@@ -13,12 +13,13 @@ import torch
 from kvpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpage.core.sequence import Request, Sequence, SequenceStatus
 from kvpage.engine.arg_utils import EngineArgs
+from kvpage.engine.errors import EngineDeadError
 from kvpage.engine.output_processor import append_sample, blocked_ids, make_request_output, new_state
 from kvpage.outputs import RequestMetrics, RequestOutput
 from kvpage.sampling_params import SamplingParams
 from kvpage.sim.cost import StepFeatures, step_log_entry
 from kvpage.worker.model_runner import BlockOps, ScheduledSeq
-from kvpage.worker.sampler import SampleRequest, argmax_suffices, sample, seeded_generator
+from kvpage.worker.sampler import SampleRequest, argmax_suffices, sample_isolated, seeded_generator
 from kvpage.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class LLMEngine:
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
         self.num_steps = 0
         self.num_generated_tokens = 0
+        # Set when a step failed as a whole (the model or a bug): every request was failed, nothing more is taken.
+        self.fatal_error: str | None = None
         # When a list: one entry per step (its scheduled shape and wall seconds), for calibrating the simulator.
         self.step_log: list[dict[str, float]] | None = None
 
@@ -72,14 +75,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+        if self.fatal_error is not None:
+            raise EngineDeadError(self.fatal_error)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         text, ids = self._prompt_ids(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens)
-        bad_stop = [t for t in params.stop_token_ids or [] if t >= self.worker.lm.config.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids outside the vocabulary: {bad_stop}")
+        vocab = self.worker.lm.config.vocab_size
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            bad = sorted({t for t in getattr(params, name) or () if t >= vocab})
+            if bad:
+                raise ValueError(f"{name} outside the vocabulary (size {vocab}): {bad[:5]}")
         req = Request(request_id, text, ids, params, next(self._arrivals),
                       RequestMetrics(arrival_time or time.time()), priority, cache_salt,
                       use_priority=self.scheduler.config.policy == "priority")
@@ -107,7 +114,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report every request that changed."""
+        """Schedule, run the model once, sample, and report every request that changed.
+
+        A failure that belongs to one request (its sampling settings, its detokenization, its output) fails
+        that request alone. A failed model step fails every request and leaves the engine dead
+        (``fatal_error``): the cache may hold what the failed step half wrote."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         touched: dict[str, Request] = self._pending_outputs
@@ -118,7 +129,13 @@ class LLMEngine:
             self._run(out, touched)
         results = []
         for req in touched.values():
-            ro = make_request_output(req)
+            try:
+                ro = make_request_output(req)
+            except Exception as e:
+                logger.exception("output of request %s failed", req.request_id)
+                self._fail_request(req, f"output failed: {type(e).__name__}: {e}", {})
+                ro = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [], True,
+                                   req.num_cached_tokens, req.metrics, req.error)
             if ro is not None:
                 results.append(ro)
             if req.finished:
@@ -147,6 +164,7 @@ class LLMEngine:
         except Exception as e:  # a failed step must not leak blocks or wedge the queue
             logger.exception("model step failed")
             self._fail_step(out, f"{type(e).__name__}: {e}", touched)
+            self.fail_requests(f"model step failed: {type(e).__name__}: {e}", touched, fatal=True)
             return
         self.scheduler.mark_computed(out)
         rows: list[int] = []
@@ -165,22 +183,58 @@ class LLMEngine:
             works.append(w)
         if not rows:
             return
-        samples = sample(logits.logits, reqs, logits.argmax_rows, logits.lse_rows, rows)
+        samples = self._sample(logits, reqs, rows)
         now = time.time()
         for w, sreq, draws in zip(works, reqs, samples, strict=True):
             seq, req = w.seq, w.seq.request
-            if req.params.n > 1 and not req.forked:
-                # The prompt was computed once; the other samples share its blocks from here on.
-                req.forked = True
-                for i in range(1, req.params.n):
-                    child, ok = self.scheduler.fork(seq, i)
-                    child.state = new_state(self.tokenizer, child, sreq.generators[i])
-                    if not ok:  # no room to copy (static policy only)
-                        req.error = "no KV room for the extra samples of n > 1 under this KV policy"
-                        continue
-                    self._append(child, draws[i], now)
-            self._append(seq, draws[0], now)
             touched[req.request_id] = req
+            if seq.finished:  # an earlier sample of its request failed this step
+                continue
+            if isinstance(draws, Exception):
+                logger.error("sampling for request %s failed: %r", req.request_id, draws)
+                self._fail_request(req, f"sampling failed: {type(draws).__name__}: {draws}", touched)
+                continue
+            try:
+                self._accept(seq, sreq, draws, now)
+            except Exception as e:
+                logger.exception("output processing for request %s failed", req.request_id)
+                self._fail_request(req, f"output processing failed: {type(e).__name__}: {e}", touched)
+
+    def _sample(self, logits, reqs: list[SampleRequest], rows: list[int]):
+        """Draws per request, or the exception that request's settings raised (it fails alone)."""
+        return sample_isolated(logits.logits, reqs, logits.argmax_rows, logits.lse_rows, rows)
+
+    def _accept(self, seq: Sequence, sreq: SampleRequest, draws, now: float) -> None:
+        req = seq.request
+        if req.params.n > 1 and not req.forked:
+            # The prompt was computed once; the other samples share its blocks from here on.
+            req.forked = True
+            for i in range(1, req.params.n):
+                child, ok = self.scheduler.fork(seq, i)
+                child.state = new_state(self.tokenizer, child, sreq.generators[i])
+                if not ok:  # no room to copy (static policy only)
+                    req.error = "no KV room for the extra samples of n > 1 under this KV policy"
+                    continue
+                self._append(child, draws[i], now)
+        self._append(seq, draws[0], now)
+
+    def _fail_request(self, req: Request, error: str, touched: dict[str, Request]) -> None:
+        """End one request with an error; its blocks return at once."""
+        req.error = error
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "error")
+        touched[req.request_id] = req
+
+    def fail_requests(self, error: str, touched: dict[str, Request] | None = None, fatal: bool = False) -> None:
+        """End every open request with ``error`` (reported by the next ``step``); ``fatal``: the engine cannot
+        go on and refuses new requests from now on."""
+        if fatal:
+            self.fatal_error = error
+        pending = self._pending_outputs if touched is None else touched
+        for req in list(self.requests.values()):
+            if not req.finished:
+                self._fail_request(req, req.error or error, pending)
 
     def _append(self, seq: Sequence, draw, now: float) -> None:
         req = seq.request

@@ -21,6 +21,7 @@ class SeqOutputState:
     logprobs: list[dict[int, Logprob]] | None = None
     sent_chars: int = 0  # for delta outputs
     sent_tokens: int = 0
+    sent_finish: bool = False  # delta outputs: the finish was reported; the sample is left out from then on
 
 
 def new_state(tokenizer: KVTokenizer, seq: Sequence, generator: torch.Generator | None) -> SeqOutputState:
@@ -118,6 +119,9 @@ def make_request_output(req: Request) -> RequestOutput | None:
         token_ids = seq.output_token_ids
         logprobs = st.logprobs
         if kind == "delta":
+            if st.sent_finish:
+                continue
+            st.sent_finish = seq.finished
             new_text, new_tokens = text[st.sent_chars:], token_ids[st.sent_tokens:]
             new_logprobs = logprobs[st.sent_tokens:] if logprobs is not None else None
             st.sent_chars, st.sent_tokens = len(text), len(token_ids)

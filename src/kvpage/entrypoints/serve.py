@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from kvpage.engine.arg_utils import EngineArgs
 
@@ -20,7 +22,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and "
+                                     "/openapi.json (also from $KVPAGE_API_KEY or --api-key-file, which keep it "
+                                     "out of the process list)")
+    p.add_argument("--api-key-file", type=Path, help="read the API key from this file (its first line)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds open requests may run before they are failed (default 30)")
+    p.add_argument("--http-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's headers, and then its body (default 30)")
+    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
+                   help="largest request body accepted, refused with 413 while it is read (default 16 MiB)")
+    p.add_argument("--no-openapi", action="store_true", help="do not serve /openapi.json")
     p.add_argument("--max-queue", type=int, help="answer 429 once this many requests wait to be scheduled")
     p.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
@@ -30,6 +42,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key, --api-key-file or $KVPAGE_API_KEY (at most one of the first two)."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            key = args.api_key_file.read_text().splitlines()[0].strip() if args.api_key_file.stat().st_size else ""
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {args.api_key_file} holds no key on its first line")
+        return key
+    key = args.api_key if args.api_key is not None else os.environ.get("KVPAGE_API_KEY") or None
+    if key is not None and not key.strip():
+        raise ValueError("the API key is empty")
+    return key
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_queue is not None and args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
@@ -37,25 +67,55 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    for flag in ("shutdown_timeout", "http_timeout"):
+        if not getattr(args, flag) >= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    key = api_key(args)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
-        from kvpage.entrypoints.openai.api_server import ServerConfig, build_app
-        from kvpage.entrypoints.openai.engine_client import AsyncEngine
-        from kvpage.entrypoints.openai.metrics import ServerMetrics
+        from kvpage.entrypoints.openai.api_server import ServerConfig
+        from kvpage.entrypoints.openai.http_input import InputLimits
     except ImportError as e:
         raise RuntimeError(f"the server needs its extras: pip install 'kvpage[serve]' ({e})") from None
     from kvpage.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     name = args.served_model_name or engine.worker.lm.config.name
-    metrics = ServerMetrics(name)
-    client = AsyncEngine(engine, args.max_queue, metrics.on_step)
-    app = build_app(client, ServerConfig(name, args.api_key, args.max_n), metrics)
-    print(f"kvpage: serving {name} on http://{args.host}:{args.port} (max_model_len {engine.max_model_len}, "
+    config = ServerConfig(name, key, args.max_n, InputLimits(args.max_body_bytes, args.http_timeout),
+                          openapi=not args.no_openapi)
+    return serve_engine(engine, config, args.host, args.port, max_queue=args.max_queue,
+                        shutdown_timeout=args.shutdown_timeout, http_timeout=args.http_timeout,
+                        log_level=args.uvicorn_log_level)
+
+
+def serve_engine(engine, config, host: str, port: int, max_queue: int | None = None,
+                 shutdown_timeout: float = 30.0, http_timeout: float = 30.0, log_level: str = "warning") -> int:
+    """Serve ``engine`` over HTTP until a signal (exit code 0) or the engine's death (1)."""
+    import uvicorn
+
+    from kvpage.entrypoints.openai.api_server import build_app
+    from kvpage.entrypoints.openai.engine_client import AsyncEngine
+    from kvpage.entrypoints.openai.lifecycle import InflightCounter, KVServer, header_timeout_protocol
+    from kvpage.entrypoints.openai.metrics import ServerMetrics
+
+    metrics = ServerMetrics(config.model_name)
+    client = AsyncEngine(engine, max_queue, metrics.on_step)
+    inflight = InflightCounter(build_app(client, config, metrics))
+    uv_config = uvicorn.Config(inflight, host=host, port=port, log_level=log_level,
+                               http=header_timeout_protocol(http_timeout) if http_timeout > 0 else "h11",
+                               lifespan="off")
+    server = KVServer(uv_config, client, inflight, shutdown_timeout)
+    print(f"kvpage: serving {config.model_name} on http://{host}:{port} (max_model_len {engine.max_model_len}, "
           f"{engine.kv.num_blocks} KV blocks of {engine.kv.block_size} tokens)", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        server.run()
     finally:
         client.shutdown()
-    return 0
+    if server.exit_code:
+        print(f"kvpage: exiting with {server.exit_code}: {client.error}", file=sys.stderr, flush=True)
+    else:
+        print(f"kvpage: stopped; {engine.kv.stats().used_blocks} KV blocks in use", file=sys.stderr, flush=True)
+    return server.exit_code

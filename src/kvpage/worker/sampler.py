@@ -1,5 +1,12 @@
-"""Next-token choice from logits: penalties, min_tokens, temperature, top-k / top-p / min-p, seeded draws,
-and logprobs of the raw model distribution."""
+"""Next-token choice for a whole step at once: penalties, logit bias, allowed and blocked ids, temperature,
+top-k / top-p / min-p and seeded draws as batched tensor operations over every sampling row, and logprobs of
+the raw model distribution for the requests that ask for them.
+
+Degenerate settings behave as the limits they approach, never as NaN: a temperature below ``SAMPLING_EPS`` is
+greedy, a top-p or min-p that rounds to zero in float32 keeps the most likely token, and logits that a
+penalty pushes past float32's range are clamped to it. ``sample_isolated`` reruns a failing step request by
+request, so one request's bad settings fail that request alone.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +17,13 @@ import torch
 
 from kvpage.sampling_params import SamplingParams
 
+_NEG_INF = float("-inf")
+_F32_MAX = torch.finfo(torch.float32).max
+
 
 @dataclass
 class SampleRequest:
-    """One row of logits and everything needed to draw ``num_samples`` tokens from it."""
+    """One row of logits and everything needed to draw ``len(generators)`` tokens from it."""
 
     params: SamplingParams
     prompt_ids: Sequence[int]
@@ -25,13 +35,13 @@ class SampleRequest:
 @dataclass
 class Sample:
     token_id: int
-    logprob: float  # under the raw model distribution
-    rank: int  # 1 = the model's most likely token
+    logprob: float  # under the raw model distribution (NaN where no logprobs were asked for)
+    rank: int  # 1 = the model's most likely token (0 where not computed)
     top_logprobs: list[tuple[int, float]] | None  # (token, logprob) best first, when asked for
 
 
 def seeded_generator(seed: int | None, index: int) -> torch.Generator | None:
-    """Per-sample generator: a seeded request reproduces; its samples differ from each other."""
+    """Per-sample generator: a seeded request reproduces whatever else is in the batch; its samples differ."""
     if seed is None:
         return None
     g = torch.Generator()
@@ -39,42 +49,9 @@ def seeded_generator(seed: int | None, index: int) -> torch.Generator | None:
     return g
 
 
-def _apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
-                     output_ids: Sequence[int]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({t for t in (*prompt_ids, *output_ids) if t < vocab}), dtype=torch.long)
-        if seen.numel():
-            vals = logits[seen]
-            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and output_ids:
-        counts = torch.bincount(torch.tensor([t for t in output_ids if t < vocab], dtype=torch.long),
-                                minlength=vocab).to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
-
-
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits with everything outside top-k / top-p / min-p at -inf."""
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    if p.min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    return logits
-
-
 def plain_greedy(params: SamplingParams, blocked_ids: Sequence[int] = ()) -> bool:
-    """The model's argmax is the answer: greedy, no penalties, nothing masked."""
-    return params.greedy and not params.uses_penalties and not blocked_ids
+    """The model's argmax is the answer: greedy, nothing that reshapes the logits, nothing masked."""
+    return params.greedy and not params.shapes_logits and not blocked_ids
 
 
 def argmax_suffices(params: SamplingParams, blocked_ids: Sequence[int] = ()) -> bool:
@@ -87,9 +64,8 @@ def sample(logits: torch.Tensor | None, requests: Sequence[SampleRequest], argma
     """Samples for each request from its row of float32 ``logits`` (row i, or ``rows[i]``).
 
     With each row's precomputed ``argmax`` and log-sum-exp ``lse`` (indexed like ``logits``), plain greedy
-    rows (no penalties, nothing blocked) take no further pass over the vocabulary. ``logits`` may be None
-    when every request is plain greedy without logprobs (``argmax_suffices``): the argmax is the sample and
-    its logprob is not computed (NaN; it is reported nowhere for such requests).
+    rows take no further pass over the vocabulary. ``logits`` may be None when every request is plain greedy
+    without logprobs (``argmax_suffices``): the argmax is the sample and its logprob is not computed.
     """
     rows = list(range(len(requests))) if rows is None else list(rows)
     if logits is None:
@@ -100,36 +76,180 @@ def sample(logits: torch.Tensor | None, requests: Sequence[SampleRequest], argma
                 for row, req in zip(rows, requests, strict=True)]
     if len(rows) != len(requests) or (rows and max(rows) >= logits.shape[0]):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} sample requests")
-    results: list[list[Sample]] = []
-    amax = argmax.tolist() if argmax is not None else None
-    lses = lse.tolist() if lse is not None else None
-    for row, req in zip(rows, requests, strict=True):
-        p = req.params
-        if amax is not None and lses is not None and plain_greedy(p, req.blocked_ids):
-            t = amax[row]
-            lp_t = float(logits[row, t]) - lses[row]
-            top = None
-            if p.logprobs:
-                values, ids = torch.topk(logits[row], p.logprobs)
-                top = [(i, v - lses[row]) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
-            results.append([Sample(t, lp_t, 1, top)] * len(req.generators))
-            continue
-        x = logits[row].clone()
-        if p.uses_penalties:
-            x = _apply_penalties(x, p, req.prompt_ids, req.output_ids)
-        if req.blocked_ids:
-            x[torch.tensor(list(req.blocked_ids), dtype=torch.long)] = float("-inf")
-        draws: list[int] = []
-        if p.greedy:
-            draws = [int(torch.argmax(x))] * len(req.generators)
-        else:
-            probs = torch.softmax(_filter(x, p), dim=-1)
-            for g in req.generators:
-                draws.append(int(torch.multinomial(probs, 1, generator=g)))
-        lp = torch.log_softmax(logits[row], dim=-1)
+    results: list[list[Sample] | None] = [None] * len(requests)
+    fast = argmax is not None and lse is not None
+    slow = [i for i, r in enumerate(requests) if not (fast and plain_greedy(r.params, r.blocked_ids))]
+    if fast:
+        slow_set = set(slow)
+        _greedy_rows(logits, requests, rows, argmax, lse, [i for i in range(len(requests)) if i not in slow_set],
+                     results)
+    if slow:
+        _drawn_rows(logits, [requests[i] for i in slow], [rows[i] for i in slow], slow, results)
+    return results  # type: ignore[return-value]
+
+
+def sample_isolated(logits: torch.Tensor | None, requests: Sequence[SampleRequest],
+                    argmax: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                    rows: Sequence[int] | None = None) -> list[list[Sample] | Exception]:
+    """``sample`` for the whole step; if it raises, each request alone, so that only those that fail on their
+    own get their exception back (the others keep their draws)."""
+    try:
+        return list(sample(logits, requests, argmax, lse, rows))
+    except Exception:
+        if len(requests) == 1:
+            raise
+    rows = list(range(len(requests))) if rows is None else list(rows)
+    out: list[list[Sample] | Exception] = []
+    for req, row in zip(requests, rows, strict=True):
+        try:
+            out.append(sample(logits, [req], argmax, lse, [row])[0])
+        except Exception as e:
+            out.append(e)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- internals
+def _greedy_rows(logits: torch.Tensor, requests: Sequence[SampleRequest], rows: Sequence[int],
+                 argmax: torch.Tensor, lse: torch.Tensor, which: list[int], results: list) -> None:
+    """Plain greedy rows: the precomputed argmax, its logprob from the log-sum-exp, top-N only if asked."""
+    if not which:
+        return
+    amax, lses = argmax.tolist(), lse.tolist()
+    picked = logits[torch.tensor([rows[i] for i in which]), torch.tensor([amax[rows[i]] for i in which])].tolist()
+    for i, value in zip(which, picked, strict=True):
+        req, row = requests[i], rows[i]
         top = None
-        if p.logprobs:
-            values, ids = torch.topk(lp, p.logprobs)
+        if req.params.logprobs:
+            values, ids = torch.topk(logits[row], req.params.logprobs)
+            top = [(t, v - lses[row]) for t, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        results[i] = [Sample(amax[row], value - lses[row], 1, top)] * len(req.generators)
+
+
+def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest]) -> None:
+    """In place: penalties, logit bias, allowed ids and blocked ids, row by row only where a request asks."""
+    vocab = x.shape[1]
+    for i, req in enumerate(requests):
+        p = req.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor([*req.prompt_ids, *req.output_ids], dtype=torch.long)
+            seen = seen[seen < vocab]
+            if seen.numel():
+                mask = torch.zeros(vocab, dtype=torch.bool)
+                mask[seen] = True
+                row = x[i]
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                x[i] = torch.where(mask, penalized, row)
+        if (p.presence_penalty or p.frequency_penalty) and req.output_ids:
+            out = torch.tensor(list(req.output_ids), dtype=torch.long)
+            counts = torch.bincount(out[out < vocab], minlength=vocab).to(x.dtype)
+            x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+        if p.logit_bias:
+            ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
+            x[i].index_add_(0, ids, torch.tensor([p.logit_bias[t] for t in ids.tolist()], dtype=x.dtype))
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(vocab, dtype=torch.bool)
+            keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)] = True
+            x[i].masked_fill_(~keep, _NEG_INF)
+    # A penalty may have pushed values past float32's range (or made inf - inf): clamp, NaN never survives.
+    torch.nan_to_num_(x, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
+    for i, req in enumerate(requests):
+        if req.blocked_ids:
+            blocked = torch.tensor(list(req.blocked_ids), dtype=torch.long)
+            x[i, blocked[blocked < vocab]] = _NEG_INF
+
+
+def _filter_rows(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """In place, on temperature-scaled logits: everything outside top-k / top-p / min-p goes to -inf. The most
+    likely token always stays, so a filter that rounds to nothing keeps one candidate."""
+    vocab = x.shape[1]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        k = torch.tensor(ks)
+        kmax = int(k.max())
+        kth = torch.topk(x, kmax, dim=1).values.gather(1, (k.clamp(min=1) - 1)[:, None])
+        kth[k == 0] = _NEG_INF
+        x.masked_fill_(x < kth, _NEG_INF)
+    p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if p_rows:
+        idx = torch.tensor(p_rows)
+        sub = x.index_select(0, idx)
+        ordered, order = torch.sort(sub, dim=1, descending=True)
+        probs = torch.softmax(ordered, dim=1)
+        top_p = torch.tensor([params[i].top_p for i in p_rows], dtype=x.dtype)[:, None]
+        drop = (probs.cumsum(1) - probs) >= top_p  # keep the smallest prefix whose mass reaches top_p
+        drop[:, 0] = False
+        x.index_copy_(0, idx, sub.scatter(1, order, ordered.masked_fill(drop, _NEG_INF)))
+    m_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if m_rows:
+        idx = torch.tensor(m_rows)
+        sub = x.index_select(0, idx)
+        probs = torch.softmax(sub, dim=1)
+        min_p = torch.tensor([params[i].min_p for i in m_rows], dtype=x.dtype)[:, None]
+        cut = probs < min_p * probs.max(dim=1, keepdim=True).values
+        cut.scatter_(1, probs.argmax(dim=1, keepdim=True), False)
+        x.index_copy_(0, idx, sub.masked_fill(cut, _NEG_INF))
+
+
+def _uniforms(requests: Sequence[SampleRequest], width: int) -> torch.Tensor:
+    """[rows, width] uniforms in [0, 1): a seeded sample draws from its own generator, one value per step, so
+    its tokens do not depend on the rest of the batch; unseeded samples share one draw of the global one."""
+    u = torch.rand(len(requests), width)
+    for i, req in enumerate(requests):
+        for j, g in enumerate(req.generators):
+            if g is not None:
+                u[i, j] = torch.rand(1, generator=g)
+    return u
+
+
+def _drawn_rows(logits: torch.Tensor, requests: Sequence[SampleRequest], rows: Sequence[int], slots: list[int],
+                results: list) -> None:
+    """Every request that is not plain greedy, as one [rows, vocab] batch."""
+    raw = logits.index_select(0, torch.tensor(rows, dtype=torch.long))
+    x = raw.clone()
+    if any(r.params.shapes_logits or r.blocked_ids for r in requests):
+        _shape_logits(x, requests)
+    # A row with every candidate masked (allowed ids all blocked, say) falls back to the model's argmax.
+    empty = x.max(dim=1).values == _NEG_INF
+    if bool(empty.any()):
+        x[empty] = raw[empty]
+    greedy = [r.params.greedy for r in requests]
+    drawn = [i for i, g in enumerate(greedy) if not g]
+    width = max(len(r.generators) for r in requests)
+    tokens = torch.zeros(len(requests), width, dtype=torch.long)
+    if any(greedy):
+        g_idx = torch.tensor([i for i, g in enumerate(greedy) if g])
+        tokens[g_idx] = x.index_select(0, g_idx).argmax(dim=1, keepdim=True)
+    if drawn:
+        d_idx = torch.tensor(drawn)
+        xs = x.index_select(0, d_idx) if len(drawn) < len(requests) else x
+        temps = torch.tensor([requests[i].params.temperature for i in drawn], dtype=x.dtype)[:, None]
+        xs = torch.nan_to_num_(xs / temps, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
+        _filter_rows(xs, [requests[i].params for i in drawn])
+        probs = torch.softmax(xs, dim=1)
+        cdf = probs.cumsum_(dim=1)
+        total = cdf[:, -1:]
+        u = _uniforms([requests[i] for i in drawn], width)
+        # inverse CDF; the target stays below the total, so the pick is a token of nonzero probability
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        tokens[d_idx] = torch.searchsorted(cdf, target.contiguous(), right=True).clamp_(max=x.shape[1] - 1)
+    want_lp = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    lp_rows: dict[int, torch.Tensor] = {}
+    if want_lp:
+        lps = torch.log_softmax(raw.index_select(0, torch.tensor(want_lp)), dim=1)
+        lp_rows = {i: lps[j] for j, i in enumerate(want_lp)}
+    toks = tokens.tolist()
+    for i, req in enumerate(requests):
+        n = len(req.generators)
+        if i not in lp_rows:
+            results[slots[i]] = [Sample(t, float("nan"), 0, None) for t in toks[i][:n]]
+            continue
+        lp = lp_rows[i]
+        top = None
+        if req.params.logprobs:
+            values, ids = torch.topk(lp, req.params.logprobs)
             top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        results.append([Sample(t, float(lp[t]), int((lp > lp[t]).sum()) + 1, top) for t in draws])
-    return results
+        chosen = torch.tensor(toks[i][:n])
+        chosen_lp = lp[chosen]
+        ranks = (lp[None, :] > chosen_lp[:, None]).sum(dim=1) + 1
+        results[slots[i]] = [Sample(t, v, r, top) for t, v, r in
+                             zip(toks[i][:n], chosen_lp.tolist(), ranks.tolist(), strict=True)]

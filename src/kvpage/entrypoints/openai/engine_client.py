@@ -3,12 +3,17 @@ through a command queue and receive RequestOutputs on per-request asyncio queues
 
 Only the engine thread touches the engine (and therefore the scheduler and the KV manager), so no lock is
 needed around them; handlers see a snapshot of the engine's stats published after every step.
+
+Every submission resolves: accepted, refused (queue full, draining, engine dead, bad request), or, once
+accepted, finished, failed or aborted. If the engine dies, every open and queued request gets an
+EngineDeadError at once and ``on_fatal`` tells the server to exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -17,19 +22,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpage.engine.errors import EngineDeadError
 from kvpage.engine.llm_engine import LLMEngine
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "ShuttingDownError"]
+
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than --max-queue allows."""
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped; the server cannot serve."""
+class ShuttingDownError(RuntimeError):
+    """The server is draining for shutdown and takes no new requests."""
+
+
+Item = RequestOutput | BaseException
 
 
 @dataclass
@@ -38,7 +49,8 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
-    sink: Callable[[RequestOutput | BaseException], None]
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -47,24 +59,37 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _AbortAll:
+    reason: str
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Item]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class AsyncEngine:
     """Thread-stepped LLMEngine with an asyncio face: ``submit`` hands a request over; outputs arrive on a queue."""
 
     def __init__(self, engine: LLMEngine, max_queue: int | None = None,
-                 on_step: Callable[[AsyncEngine, list[RequestOutput], float], None] | None = None) -> None:
+                 on_step: Callable[[AsyncEngine, list[RequestOutput], float], None] | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.on_step = on_step  # called in the engine thread after every step (metrics)
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+        self.on_fatal = on_fatal  # called once, in the engine thread, when the engine dies
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | None] = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # Requests submitted, and applied by the engine thread as of the last published stats: the difference
         # is what the published "waiting" count does not include yet.
         self._submitted = 0
         self._applied = 0
         self._applied_at_publish = 0
-        self._lock = threading.Lock()  # guards the counters and the published stats
+        self._lock = threading.Lock()  # guards the counters, the published stats and the admission state
         self.stats: dict[str, Any] = engine.stats()
         self.error: str | None = None
+        self.draining: str | None = None  # why new requests are refused (set by ``drain``)
         self._thread = threading.Thread(target=self._loop, name="kvpage-engine", daemon=True)
         self._stopping = False
         self._thread.start()
@@ -74,25 +99,30 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def num_open(self) -> int:
+        """Requests accepted and not yet finished, plus submissions the engine has not applied."""
+        with self._lock:
+            return int(self.stats["running"]) + int(self.stats["waiting"]) + int(self.stats["swapped"]) + \
+                self._submitted - self._applied_at_publish
+
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      outputs: asyncio.Queue, cache_salt: str | None = None) -> None:
         """Hand a request to the engine; returns once the engine accepted it (or raises why it did not:
-        QueueFullError, EngineDeadError, ValueError). Its RequestOutputs, and an EngineDeadError if the engine
-        dies, then arrive on ``outputs``, which several requests may share. The caller aborts what it leaves."""
-        if not self.alive:
-            raise EngineDeadError(self.error or "the engine thread is not running")
-        loop = asyncio.get_running_loop()
-
-        def sink(item: RequestOutput | BaseException) -> None:  # engine thread -> event loop
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-
-        with self._lock:
+        QueueFullError, ShuttingDownError, EngineDeadError, ValueError). Its RequestOutputs, and an
+        EngineDeadError if the engine dies, then arrive on ``outputs``, which several requests may share.
+        The caller aborts what it leaves."""
+        cmd = _Add(request_id, prompt_ids, params, cache_salt, asyncio.get_running_loop(), outputs)
+        with self._lock:  # the engine thread fails queued commands under the same lock when it dies
+            if self.error is not None or not self._thread.is_alive():
+                raise EngineDeadError(self.error or "the engine thread is not running")
+            if self.draining is not None:
+                raise ShuttingDownError(self.draining)
             waiting = int(self.stats["waiting"]) + self._submitted - self._applied_at_publish
             if self.max_queue is not None and waiting >= self.max_queue:
                 raise QueueFullError(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
             self._submitted += 1
-        cmd = _Add(request_id, prompt_ids, params, cache_salt, sink)
-        self._commands.put(cmd)
+            self._commands.put(cmd)
         try:
             await asyncio.wrap_future(cmd.done)
         except asyncio.CancelledError:
@@ -102,17 +132,36 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def drain(self, reason: str) -> None:
+        """Refuse new requests from now on (open ones go on)."""
+        with self._lock:
+            self.draining = reason
+
+    def abort_all(self, reason: str) -> None:
+        """Fail every open request with ``reason`` (their blocks return at the engine's next iteration)."""
+        self._commands.put(_AbortAll(reason))
+
     def shutdown(self) -> None:
+        self.drain("the server is shutting down")
         self._stopping = True
         self._commands.put(None)
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------- engine side
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _AbortAll) -> None:
         eng = self.engine
         if isinstance(cmd, _Abort):
             if cmd.request_id in eng.requests:
                 eng.abort_request(cmd.request_id)
+            return
+        if isinstance(cmd, _AbortAll):  # each handler hears why; the engine frees the blocks
+            error = ShuttingDownError(cmd.reason)
+            batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Item]]] = {}
+            for loop, q in self._sinks.values():
+                batches.setdefault(loop, []).append((q, error))
+            self._sinks.clear()
+            eng.abort_request(list(eng.requests))
+            self._post(batches)
             return
         self._applied += 1
         try:
@@ -121,7 +170,7 @@ class AsyncEngine:
         except Exception as e:  # refused: nothing was allocated
             cmd.done.set_exception(e)
             return
-        self._sinks[cmd.request_id] = cmd.sink
+        self._sinks[cmd.request_id] = (cmd.loop, cmd.outputs)
         cmd.done.set_result(None)
 
     def _loop(self) -> None:
@@ -144,19 +193,66 @@ class AsyncEngine:
                 t0 = time.perf_counter()
                 outs = eng.step()
                 self._publish(outs, time.perf_counter() - t0)
-                for out in outs:
-                    sink = self._sinks.get(out.request_id)
-                    if sink is None:
-                        continue
-                    sink(out)
-                    if out.finished:
-                        del self._sinks[out.request_id]
-        except Exception as e:  # a bug: fail every open request loudly rather than hang them
+                self._send(outs)
+                if eng.fatal_error is not None:
+                    self._die(eng.fatal_error)
+                    return
+        except Exception as e:  # a bug in a step: nothing about the engine's state can be trusted
             logger.exception("engine thread failed")
-            self.error = f"engine thread failed: {type(e).__name__}: {e}"
-            for sink in self._sinks.values():
-                sink(EngineDeadError(self.error))
-            self._sinks.clear()
+            self._die(f"engine thread failed: {type(e).__name__}: {e}")
+        finally:
+            self._close()
+
+    def _send(self, outs: list[RequestOutput]) -> None:
+        """Hand the step's outputs to their handlers: one thread hop per event loop, not per request."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Item]]] = {}
+        for out in outs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            batches.setdefault(sink[0], []).append((sink[1], out))
+            if out.finished:
+                del self._sinks[out.request_id]
+        self._post(batches)
+
+    @staticmethod
+    def _post(batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Item]]]) -> None:
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is listening any more
+                loop.call_soon_threadsafe(_deliver, items)
+
+    def _die(self, error: str) -> None:
+        """Fail everything open and queued, at once, and tell the server."""
+        logger.error("engine dead: %s", error)
+        with self._lock:
+            self.error = error
+        self._close()
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(error)
+            except Exception:
+                logger.exception("on_fatal failed")
+
+    def _close(self) -> None:
+        """Resolve every submission still open: queued commands and accepted requests get EngineDeadError."""
+        error = EngineDeadError(self.error or "the engine stopped")
+        with self._lock:
+            if self.error is None:
+                self.error = str(error)
+            pending = []
+            while True:
+                try:
+                    pending.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+        for cmd in pending:
+            if isinstance(cmd, _Add) and not cmd.done.done():
+                cmd.done.set_exception(error)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Item]]] = {}
+        for loop, q in self._sinks.values():
+            batches.setdefault(loop, []).append((q, error))
+        self._sinks.clear()
+        self._post(batches)
 
     def _publish(self, outs: list[RequestOutput], step_seconds: float) -> None:
         stats = self.engine.stats()
@@ -164,4 +260,7 @@ class AsyncEngine:
             self.stats = stats
             self._applied_at_publish = self._applied
         if self.on_step is not None and (outs or step_seconds):
-            self.on_step(self, outs, step_seconds)
+            try:
+                self.on_step(self, outs, step_seconds)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("metrics update failed")

@@ -1,7 +1,8 @@
 """OpenAI request bodies (plus vLLM's extras) and their translation into SamplingParams.
 
 Unknown fields are ignored, as the OpenAI clients send some this server has no use for; known fields with the
-wrong type or an impossible value become a 400 naming the field.
+wrong type or an impossible value become a 400 naming the field, and so do the API's fields that kvpage
+cannot honour (tools, JSON mode, beam search, ...), unless they carry their neutral value.
 """
 
 from __future__ import annotations
@@ -17,13 +18,51 @@ class APIError(Exception):
     """An OpenAI-style error: HTTP status, message, type, and the offending parameter if there is one."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code or self.status}}
+
+
+def _set(value: Any) -> bool:
+    return value not in (None, False, [], {}, "")
+
+
+# Field -> is the value one kvpage cannot honour? (A client sending the neutral value is served as usual.)
+_UNSUPPORTED: dict[str, Any] = {
+    "tools": _set,
+    "tool_choice": lambda v: v not in (None, "none", "auto"),
+    "functions": _set,
+    "function_call": lambda v: v not in (None, "none", "auto"),
+    "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
+    "guided_json": _set,
+    "guided_regex": _set,
+    "guided_choice": _set,
+    "guided_grammar": _set,
+    "guided_whitespace_pattern": _set,
+    "structured_outputs": _set,
+    "prompt_logprobs": lambda v: v is not None,
+    "bad_words": _set,
+    "use_beam_search": _set,
+    "audio": _set,
+    "modalities": lambda v: v is not None and v != ["text"],
+    "prediction": _set,
+    "web_search_options": _set,
+    "return_tokens_as_token_ids": _set,
+    "logits_processors": _set,
+}
+
+
+def refuse_unsupported(data: dict[str, Any]) -> None:
+    """400 naming the first field whose value kvpage would otherwise have to ignore."""
+    for name, unsupported in _UNSUPPORTED.items():
+        if name in data and unsupported(data[name]):
+            raise APIError(400, f"{name} is not supported by this server (kvpage generates free text only); "
+                                f"remove it or send its neutral value", param=name, code="unsupported_parameter")
 
 
 class StreamOptions(BaseModel):
@@ -54,6 +93,19 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: up to max_model_len)
+
+    def token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isdigit() and len(key) < 20):
+                raise APIError(400, f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
         try:
@@ -76,6 +128,8 @@ class SamplingFields(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 output_kind="delta" if stream else "final_only",
+                logit_bias=self.token_bias(),
+                allowed_token_ids=self.allowed_token_ids,
             )
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None

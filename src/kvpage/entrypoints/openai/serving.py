@@ -1,0 +1,197 @@
+"""One HTTP request's life on the engine: submit its jobs, follow their outputs, and turn them into JSON bodies
+or server-sent events, with every failure (refusal, engine error, shutdown, disconnect) mapped to an OpenAI
+error. A stream always ends with ``data: [DONE]``, after an error event if something failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from kvpage.entrypoints.openai.engine_client import AsyncEngine, EngineDeadError, QueueFullError, ShuttingDownError
+from kvpage.entrypoints.openai.metrics import ServerMetrics
+from kvpage.entrypoints.openai.protocol import APIError
+from kvpage.outputs import CompletionOutput, RequestOutput
+from kvpage.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass
+class Job:
+    """One engine request of an HTTP request: prompt index, its token ids, and its engine request id."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+
+
+def engine_failure(item: BaseException) -> APIError:
+    """The APIError for an exception the engine client delivered in place of an output."""
+    if isinstance(item, ShuttingDownError | EngineDeadError):
+        return APIError(503, str(item), "server_error")
+    return APIError(500, f"{type(item).__name__}: {item}", "server_error")
+
+
+class RequestRunner:
+    """Submits jobs and follows their outputs for the route handlers."""
+
+    def __init__(self, client: AsyncEngine, metrics: ServerMetrics) -> None:
+        self.client = client
+        self.metrics = metrics
+
+    async def start(self, jobs: list[Job], params: list[SamplingParams], cache_salt: str | None,
+                    outputs: asyncio.Queue) -> None:
+        """Submit every job; on any refusal abort those already accepted and raise the matching APIError."""
+        accepted: list[str] = []
+        try:
+            for job, p in zip(jobs, params, strict=True):
+                await self.client.submit(job.request_id, job.prompt_ids, p, outputs, cache_salt)
+                accepted.append(job.request_id)
+        except BaseException as e:
+            for rid in accepted:
+                self.client.abort(rid)
+            if isinstance(e, QueueFullError):
+                raise APIError(429, str(e), "rate_limit_error",
+                               headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+            if isinstance(e, ShuttingDownError | EngineDeadError):
+                raise APIError(503, str(e), "server_error") from None
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e)) from None
+            raise
+        for job in jobs:
+            self.metrics.add_prompt_tokens(len(job.prompt_ids))
+
+    async def outputs(self, request: Request, jobs: list[Job],
+                      queue: asyncio.Queue) -> AsyncIterator[tuple[Job, RequestOutput]]:
+        """(job, output) until every job finished. A client disconnect, or the consumer stopping early, aborts
+        the unfinished jobs at once (the engine frees their blocks at its next iteration). A job that failed in
+        the engine raises its APIError."""
+        by_id = {j.request_id: j for j in jobs}
+        open_ids = set(by_id)
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            while open_ids:
+                get = asyncio.ensure_future(queue.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    raise APIError(499, "client disconnected")
+                item = get.result()
+                if isinstance(item, BaseException):
+                    open_ids.clear()  # the engine client already dropped every request of this queue
+                    raise engine_failure(item)
+                if item.request_id not in open_ids:
+                    continue
+                if item.finished:
+                    open_ids.discard(item.request_id)
+                if item.error:
+                    raise APIError(500, f"the request failed in the engine: {item.error}", "server_error")
+                yield by_id[item.request_id], item
+        finally:
+            gone.cancel()
+            for rid in open_ids:
+                self.client.abort(rid)
+
+    async def collect(self, request: Request, jobs: list[Job], queue: asyncio.Queue) -> dict[str, RequestOutput]:
+        """Final outputs of every job (aborted, with a 499, if the client disconnects first)."""
+        final: dict[str, RequestOutput] = {}
+        async with aclosing(self.outputs(request, jobs, queue)) as it:
+            async for job, out in it:
+                if out.finished:
+                    final[job.request_id] = out
+        return final
+
+    async def changes(self, request: Request, jobs: list[Job],
+                      queue: asyncio.Queue) -> AsyncIterator[tuple[Job, RequestOutput, CompletionOutput]]:
+        """Each completion that has something new (text, tokens or its finish) in a delta output."""
+        async with aclosing(self.outputs(request, jobs, queue)) as it:
+            async for job, out in it:
+                for c in out.outputs:
+                    if c.text or c.token_ids or c.finish_reason is not None:
+                        yield job, out, c
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_response(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """Server-sent events ending in [DONE]; any failure mid-stream becomes an error event first (a client that
+    disconnected reads nothing, and its jobs are already aborted)."""
+    async def body() -> AsyncIterator[str]:
+        try:
+            async with aclosing(events) as it:
+                async for obj in it:
+                    yield sse(obj)
+        except APIError as e:
+            if e.status == 499:
+                return
+            yield sse(e.body())
+        except Exception as e:  # a bug while rendering: this stream ends with an error, the server goes on
+            logger.exception("stream failed")
+            yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error").body())
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def usage(jobs: list[Job], completion_tokens: int, cached: int) -> dict[str, Any]:
+    prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _lp(value: float) -> float:
+    """A logprob JSON can carry (-inf, from a token of zero probability, becomes -9999 as in vLLM)."""
+    return value if value > -9999.0 else -9999.0
+
+
+def completion_logprobs(c: CompletionOutput, top_n: int, offset: int) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tok, entry in zip(c.token_ids, c.logprobs, strict=False):
+        chosen = entry[tok]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_lps.append(_lp(chosen.logprob))
+        tops.append({(lp.decoded_token or ""): _lp(lp.logprob)
+                     for _, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if lp.rank <= top_n}
+                    if top_n else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(c: CompletionOutput, top_n: int) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for tok, entry in zip(c.token_ids, c.logprobs, strict=False):
+        chosen = entry[tok]
+        text = chosen.decoded_token or ""
+        top = [{"token": lp.decoded_token or "", "logprob": _lp(lp.logprob),
+                "bytes": list((lp.decoded_token or "").encode("utf-8", "replace"))}
+               for _, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if lp.rank <= top_n]
+        content.append({"token": text, "logprob": _lp(chosen.logprob), "bytes": list(text.encode("utf-8", "replace")),
+                        "top_logprobs": top})
+    return {"content": content}
