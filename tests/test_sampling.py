@@ -87,3 +87,126 @@ def test_argmax_only_steps_need_plain_greedy_requests():
                 SampleRequest(SamplingParams(temperature=0), [1], [], [None], blocked_ids=[2])):
         with pytest.raises(ValueError, match="plain greedy"):
             sample(None, [bad], argmax=torch.tensor([0]))
+
+
+# ------------------------------------------------------------------ degenerate settings and isolation
+def test_degenerate_settings_are_the_limits_they_approach():
+    assert draw(SamplingParams(temperature=1e-300)) == {0}  # too small to divide by: greedy
+    assert draw(SamplingParams(temperature=1e-6)) == {0}
+    assert draw(SamplingParams(top_p=1e-300)) == {0}  # rounds to 0 in float32: the top token stays
+    assert draw(SamplingParams(min_p=1e-300)) == {0, 1, 2, 3, 4}
+    assert draw(SamplingParams(top_k=1, top_p=1e-45, min_p=1.0)) == {0}
+    # a tiny repetition penalty divides a seen positive logit into overflow: clamped, the seen token wins
+    assert draw(SamplingParams(repetition_penalty=1e-300), output_ids=[1]) == {1}
+    assert draw(SamplingParams(temperature=0, repetition_penalty=1e-300), output_ids=[1]) == {1}
+    # a huge one sends every seen negative logit to -inf; the unseen tokens remain
+    assert draw(SamplingParams(repetition_penalty=1e300), output_ids=[0, 1, 2, 4]) <= {0, 1, 2, 3}
+    assert draw(SamplingParams(temperature=1e30)) == {0, 1, 2, 3, 4}  # flat
+
+
+def test_logit_bias_and_allowed_ids():
+    assert draw(SamplingParams(temperature=0, logit_bias={4: 100.0})) == {4}
+    assert draw(SamplingParams(logit_bias={0: -100.0, 1: -100.0})) <= {2, 3, 4}
+    assert draw(SamplingParams(allowed_token_ids=[2, 3])) == {2, 3}
+    assert draw(SamplingParams(temperature=0, allowed_token_ids=[3, 4])) == {3}
+    # every allowed token blocked: the model's own argmax rather than NaN
+    assert draw(SamplingParams(allowed_token_ids=[4]), blocked=[4]) == {0}
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=float("inf"))
+    with pytest.raises(ValueError, match="top_p must be a finite number"):
+        SamplingParams(top_p=float("nan"))
+
+
+def test_one_bad_request_fails_alone_and_seeds_ignore_the_batch():
+    import copy
+
+    from kvpage.worker.sampler import sample_isolated
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=0.9, top_k=20, seed=5)
+
+    def req(params, index=0):
+        return SampleRequest(params, (1, 2), (3,), [seeded_generator(params.seed, index)])
+
+    alone = sample(logits, [req(p)], rows=[2])[0][0].token_id
+    bad = copy.copy(SamplingParams(top_p=0.5))
+    bad.top_k = "x"  # type: ignore[assignment]  # what no validation lets through
+    out = sample_isolated(logits, [req(SamplingParams(temperature=0)), req(bad), req(p),
+                                   req(SamplingParams(min_p=0.1, presence_penalty=1.0))], rows=[0, 1, 2, 3])
+    assert isinstance(out[1], TypeError)
+    assert out[0][0].token_id == int(logits[0].argmax())
+    assert out[2][0].token_id == alone  # the same seed draws the same token whatever shares the step
+    assert isinstance(out[3][0].token_id, int)
+    def many():  # fresh generators each time
+        return [req(SamplingParams(temperature=1.3, top_p=0.95, seed=s)) for s in range(20)]
+
+    batched = [r[0].token_id for r in sample(logits, many(), rows=[i % 4 for i in range(20)])]
+    single = [sample(logits, [r], rows=[i % 4])[0][0].token_id for i, r in enumerate(many())]
+    assert batched == single
+
+
+# ------------------------------------------------------------------ distributions against the definitions
+VOCAB_LOGITS = torch.tensor([[3.0, 2.2, 2.0, 1.1, 0.5, 0.0, -0.7, -2.0]])
+
+
+def reference(params: SamplingParams, prompt=(), output=()) -> list[float]:
+    """The textbook definitions, written out in plain Python."""
+    import math
+
+    x = VOCAB_LOGITS[0].tolist()
+    seen = set(prompt) | set(output)
+    for t in seen:
+        x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t in set(output):
+        x[t] -= params.frequency_penalty * list(output).count(t) + params.presence_penalty
+    x = [v / params.temperature for v in x]
+    order = sorted(range(len(x)), key=lambda i: -x[i])
+    keep = set(order[: params.top_k] if params.top_k > 0 else order)
+
+    def softmax(ids):
+        m = max(x[i] for i in ids)
+        z = sum(math.exp(x[i] - m) for i in ids)
+        return {i: math.exp(x[i] - m) / z for i in ids}
+
+    probs = softmax(keep)
+    if params.top_p < 1:
+        mass, kept = 0.0, set()
+        for i in sorted(keep, key=lambda i: -probs[i]):
+            kept.add(i)
+            mass += probs[i]
+            if mass >= params.top_p:
+                break
+        keep, probs = kept, softmax(kept)
+    if params.min_p > 0:
+        top = max(probs.values())
+        keep = {i for i in keep if probs[i] >= params.min_p * top}
+        probs = softmax(keep)
+    return [probs.get(i, 0.0) for i in range(len(x))]
+
+
+@pytest.mark.parametrize(("params", "prompt", "output"), [
+    (SamplingParams(temperature=1.0), (), ()),
+    (SamplingParams(temperature=0.6), (), ()),
+    (SamplingParams(temperature=1.7), (), ()),
+    (SamplingParams(top_k=3), (), ()),
+    (SamplingParams(top_p=0.8), (), ()),
+    (SamplingParams(temperature=1.4, top_p=0.6), (), ()),
+    (SamplingParams(min_p=0.2), (), ()),
+    (SamplingParams(temperature=1.2, top_k=5, top_p=0.9, min_p=0.05), (), ()),
+    (SamplingParams(repetition_penalty=1.8), (0, 5), (6,)),
+    (SamplingParams(presence_penalty=1.0, frequency_penalty=0.5), (), (0, 0, 1, 3)),
+])
+def test_draws_follow_the_reference_distribution(params, prompt, output):
+    n = 6000
+    req = SampleRequest(params, prompt, output, [seeded_generator(17, 0)] * n)
+    counts = torch.bincount(torch.tensor([s.token_id for s in sample(VOCAB_LOGITS.clone(), [req])[0]]),
+                            minlength=8).double() / n
+    expect = torch.tensor(reference(params, prompt, output), dtype=torch.float64)
+    assert torch.all(counts[expect == 0] == 0), (counts, expect)
+    # 4.5 standard deviations of a binomial frequency, per token
+    tol = 4.5 * torch.sqrt(expect * (1 - expect) / n) + 1e-3
+    assert torch.all((counts - expect).abs() <= tol), (counts, expect)

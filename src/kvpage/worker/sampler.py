@@ -209,10 +209,10 @@ def _drawn_rows(logits: torch.Tensor, requests: Sequence[SampleRequest], rows: S
     if any(r.params.shapes_logits or r.blocked_ids for r in requests):
         _shape_logits(x, requests)
     # A row with every candidate masked (allowed ids all blocked, say) falls back to the model's argmax.
-    empty = x.max(dim=1).values == _NEG_INF
-    if bool(empty.any()):
-        x[empty] = raw[empty]
-    greedy = [r.params.greedy for r in requests]
+    empty = (x.max(dim=1).values == _NEG_INF).tolist()
+    if any(empty):
+        x[torch.tensor(empty)] = raw[torch.tensor(empty)]
+    greedy = [r.params.greedy or e for r, e in zip(requests, empty, strict=True)]
     drawn = [i for i, g in enumerate(greedy) if not g]
     width = max(len(r.generators) for r in requests)
     tokens = torch.zeros(len(requests), width, dtype=torch.long)

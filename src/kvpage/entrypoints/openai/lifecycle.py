@@ -128,8 +128,9 @@ class KVServer(uvicorn.Server):
     def _begin(self, reason: str, grace: float, exit_code: int) -> None:
         self.exit_code = max(self.exit_code, exit_code)
         self.client.drain(reason)
-        for server in self.servers:  # no new connections
-            server.close()
+        if not exit_code:  # a drain takes no new connections; a dead engine still answers /health with why
+            for server in self.servers:
+                server.close()
         if self._ending is None:
             self._ending = asyncio.ensure_future(self._finish(reason, grace))
 

@@ -24,8 +24,14 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+        return {"error": {"message": _printable(self.message), "type": self.type,
+                          "param": None if self.param is None else _printable(self.param),
                           "code": self.code or self.status}}
+
+
+def _printable(text: str) -> str:
+    """Client text quoted in an error may hold lone surrogates, which no JSON encoder writes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _set(value: Any) -> bool:

@@ -1,0 +1,262 @@
+"""Soak test of `kvpage serve`: minutes of mixed traffic from careful and careless clients at a bounded rate.
+
+    python benchmarks/soak.py [--duration 300] [--rate 4] [--concurrency 48] [--url http://127.0.0.1:8000]
+                              [--serve-args "--max-queue 64"] [--json-out soak.json]
+
+Without --url it starts its own server (default model, --kv-cache-memory 256MiB, --max-model-len 1024). The
+traffic: streamed and plain completions and chats, sampled and greedy, n > 1, clients that disconnect
+mid-stream, malformed and hostile bodies, prompts over the context length, degenerate sampling settings, and
+/tokenize calls, as Poisson arrivals. It reports requests by kind and outcome (a 5xx, a timeout or a broken
+stream is a failure), the KV blocks still in use once the server is idle (must be 0), and the server's
+memory growth (resident set size after warm-up vs at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_model
+
+TIMEOUT = 120.0
+WORDS = ["paged", "memory", "block", "table", "cache", "prefix", "request", "token", "decode", "schedule", "pool",
+         "share", "fork", "copy", "write", "river", "mountain", "story", "lighthouse", "winter", "market", "garden",
+         "kernel", "vector"]
+
+
+def text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+BAD_BODIES = [
+    '{"prompt": ' + "[" * 3000 + "]" * 3000 + "}",
+    '{"prompt": "hi", "max_tokens": ' + "9" * 3000 + "}",
+    '{"prompt": "hi", "temperature": NaN}',
+    '{"prompt": "hi", "top_p": Infinity}',
+    '{"prompt": "\\ud800 lone surrogate"}',
+    '{"messages": [{"role": "user", "content": "\\udfff"}]}',
+    '{"prompt": "hi", "response_format": {"type": "json_object"}}',
+    '{"prompt": "hi", "tools": [{"type": "function"}]}',
+    '{"prompt": "hi", "max_tokens": "many"}',
+    '{"prompt": [1, 2, -5]}',
+    '{"prompt": "hi", "n": 1000}',
+    '{"prompt": "hi", "logit_bias": {"abc": 1}}',
+    "{not json",
+    "[1, 2, 3]",
+    '{"messages": []}',
+]
+
+
+class Soak:
+    def __init__(self, host: str, port: int, key: str | None, rng: random.Random, max_len: int) -> None:
+        self.host, self.port, self.key, self.rng, self.max_len = host, port, key, rng, max_len
+        self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.failures: list[str] = []
+
+    async def http(self, path: str, body: str | bytes, read_limit: int | None = None) -> tuple[int, bytes]:
+        """POST with Connection: close; the status and the whole body (or its first ``read_limit`` bytes, then
+        the connection is dropped, as a client that goes away)."""
+        data = body.encode() if isinstance(body, str) else body
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        auth = f"Authorization: Bearer {self.key}\r\n" if self.key else ""
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n{auth}"
+                     f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        await writer.drain()
+        got = b""
+        try:
+            while chunk := await reader.read(65536):
+                got += chunk
+                if read_limit is not None and got.count(b"data: ") >= read_limit:
+                    break
+        finally:
+            writer.close()
+        status = int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else 0
+        return status, got
+
+    async def one(self) -> None:
+        rng = self.rng
+        kind = rng.choices(["stream", "chat", "n>1", "disconnect", "bad", "too-long", "degenerate", "tokenize"],
+                           [25, 20, 10, 10, 15, 5, 10, 5])[0]
+        sampled = rng.random() < 0.7
+        sampling = {} if sampled else {"temperature": 0}
+        path, body, expect, limit = "/v1/completions", None, {200}, None
+        if kind == "stream":
+            body = {"prompt": text(rng, rng.randint(5, 200)), "max_tokens": rng.randint(8, 128), "stream": True,
+                    **sampling}
+        elif kind == "chat":
+            path = "/v1/chat/completions"
+            body = {"messages": [{"role": "user", "content": text(rng, rng.randint(3, 60))}],
+                    "max_tokens": rng.randint(8, 96), "stream": rng.random() < 0.5, **sampling}
+        elif kind == "n>1":
+            body = {"prompt": text(rng, rng.randint(5, 80)), "max_tokens": rng.randint(8, 48), "stream": True,
+                    "n": rng.randint(2, 4), "seed": rng.randint(0, 1000)}
+        elif kind == "disconnect":
+            body = {"prompt": text(rng, rng.randint(5, 120)), "max_tokens": 400, "ignore_eos": True,
+                    "stream": True, **sampling}
+            limit = rng.randint(1, 30)
+        elif kind == "bad":
+            path = rng.choice(["/v1/completions", "/v1/chat/completions", "/tokenize"])
+            body, expect = rng.choice(BAD_BODIES), {400, 404, 413, 422}
+        elif kind == "too-long":
+            body, expect = {"prompt": text(rng, self.max_len + 50), "max_tokens": 8}, {413}
+        elif kind == "degenerate":
+            body = {"prompt": text(rng, rng.randint(3, 40)), "max_tokens": rng.randint(4, 32),
+                    **rng.choice([{"top_p": 1e-300}, {"temperature": 1e-300}, {"repetition_penalty": 1e-300},
+                                  {"repetition_penalty": 1e300}, {"min_p": 1.0}, {"temperature": 1e30},
+                                  {"presence_penalty": -2, "frequency_penalty": 2, "temperature": 3e-5},
+                                  {"logit_bias": {"2": 100}, "min_tokens": 4}])}
+        else:
+            path, body = "/tokenize", {"prompt": text(rng, rng.randint(1, 300))}
+        raw = body if isinstance(body, str) else json.dumps(body)
+        try:
+            status, got = await asyncio.wait_for(self.http(path, raw, limit), TIMEOUT)
+        except TimeoutError:
+            self.record(kind, "timeout", f"{kind}: no answer in {TIMEOUT:g} s: {raw[:120]}")
+            return
+        except OSError as e:
+            self.record(kind, "connection error", f"{kind}: {e}")
+            return
+        if kind == "disconnect":
+            self.record(kind, "dropped" if status == 200 else f"http {status}",
+                        None if status == 200 else got[-300:].decode("utf-8", "replace"))
+            return
+        outcome = f"http {status}"
+        problem = None
+        if status >= 500 or status not in expect:
+            problem = f"{kind}: {status} for {raw[:120]}: {got[-300:].decode('utf-8', 'replace')}"
+        elif status == 200 and b"text/event-stream" in got[:400]:
+            if b"data: [DONE]" not in got:
+                outcome, problem = "stream without [DONE]", f"{kind}: {got[-300:]!r}"
+            elif b'"error"' in got:
+                outcome, problem = "stream error event", f"{kind}: {got[-300:]!r}"
+        self.record(kind, outcome, problem)
+
+    def record(self, kind: str, outcome: str, problem: str | None) -> None:
+        self.outcomes[(kind, outcome)] += 1
+        if problem is not None:
+            self.failures.append(problem)
+
+    async def run(self, duration: float, rate: float, concurrency: int) -> None:
+        gate = asyncio.Semaphore(concurrency)
+        tasks: set[asyncio.Task] = set()
+
+        async def guarded() -> None:
+            async with gate:
+                await self.one()
+
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            task = asyncio.ensure_future(guarded())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            await asyncio.sleep(self.rng.expovariate(rate))
+        if tasks:
+            await asyncio.gather(*tasks)
+
+
+def get(host: str, port: int, path: str) -> str:
+    import http.client
+
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn.request("GET", path)
+    return conn.getresponse().read().decode()
+
+
+def gauge(host: str, port: int, name: str) -> float:
+    m = re.search(rf"^kvpage:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", get(host, port, "/metrics"), re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
+def rss_mib(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=300.0, help="seconds of traffic (default 300)")
+    ap.add_argument("--rate", type=float, default=4.0, help="mean requests per second (default 4)")
+    ap.add_argument("--concurrency", type=int, default=48, help="most requests in flight (default 48)")
+    ap.add_argument("--url", help="an already running server (default: start one)")
+    ap.add_argument("--api-key")
+    ap.add_argument("--serve-args", default="--max-queue 64", help="extra `kvpage serve` arguments")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args()
+    proc = None
+    if args.url:
+        m = re.match(r"https?://([^:/]+):(\d+)", args.url)
+        if not m:
+            raise SystemExit(f"--url: cannot read host and port from {args.url!r}")
+        host, port = m.group(1), int(m.group(2))
+    else:
+        host, port = "127.0.0.1", 8517
+        cmd = [sys.executable, "-m", "kvpage.entrypoints.cli", "serve", "--port", str(port), "--kv-cache-memory",
+               "256MiB", "--max-model-len", str(args.max_model_len), *shlex.split(args.serve_args)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while True:
+            try:
+                get(host, port, "/health")
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    why = proc.stderr.read() if proc.stderr else ""
+                    raise SystemExit(f"the server did not start: {why}") from None
+                time.sleep(0.5)
+    pid = proc.pid if proc else None
+    soak = Soak(host, port, args.api_key, random.Random(args.seed), args.max_model_len)
+    asyncio.run(soak.run(10.0, args.rate, args.concurrency))  # warm-up: allocator and caches settle
+    rss0 = rss_mib(pid)
+    soak.outcomes.clear()
+    t0 = time.time()
+    asyncio.run(soak.run(args.duration, args.rate, args.concurrency))
+    wall = time.time() - t0
+    deadline = time.time() + 60
+    while time.time() < deadline and (gauge(host, port, "num_requests_running") or gauge(host, port,
+                                                                                         "kv_cache_blocks_used")):
+        time.sleep(0.5)
+    leaked = gauge(host, port, "kv_cache_blocks_used")
+    rss1 = rss_mib(pid)
+    healthy = '"error"' not in get(host, port, "/health")
+    total = sum(soak.outcomes.values())
+    print(f"machine: {cpu_model()}; kvpage serve, SmolLM2-135M-Instruct; {wall:.0f} s of traffic at "
+          f"{args.rate:g} req/s (concurrency cap {args.concurrency}); {total} requests")
+    for (kind, outcome), n in sorted(soak.outcomes.items()):
+        print(f"  {kind:<11} {outcome:<22} {n}")
+    print(f"failures (5xx, timeouts, unexpected statuses, broken streams): {len(soak.failures)}")
+    for f in soak.failures[:10]:
+        print(f"  {f}")
+    print(f"KV blocks in use once idle: {leaked:g} (must be 0); server healthy after: {healthy}")
+    if rss0 is not None and rss1 is not None:
+        print(f"server resident memory: {rss0:.0f} MiB after warm-up, {rss1:.0f} MiB at the end "
+              f"({rss1 - rss0:+.0f} MiB)")
+    if args.json_out:
+        args.json_out.write_text(json.dumps({
+            "machine": cpu_model(), "seconds": wall, "rate": args.rate, "requests": total,
+            "outcomes": {f"{k} / {o}": n for (k, o), n in sorted(soak.outcomes.items())},
+            "failures": soak.failures, "leaked_blocks": leaked, "rss_mib": [rss0, rss1], "healthy": healthy},
+            indent=1))
+    if proc is not None:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return 0 if not soak.failures and leaked == 0 and healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

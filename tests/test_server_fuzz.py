@@ -1,0 +1,124 @@
+"""Request bodies drawn from the OpenAI schema, with valid, extreme and invalid values, against a live server:
+never a 5xx, never a hang, a stream always ends in [DONE], and no block stays in use afterwards."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from tests.server_util import KEY, metric, request, server, wait_idle
+
+pytest.importorskip("fastapi")
+
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    with server("--api-key", KEY, "--max-model-len", str(MAX_LEN), "--max-n", "3", "--http-timeout", "5") as p:
+        yield p
+
+
+odd_text = st.sampled_from(["", " ", "\ud800", "a\udfffb", "\x00", "\u202e", "🙂" * 3, "<|im_end|>", "\\u0000",
+                            "é" * 50, "\n" * 20])
+text = st.one_of(st.text(max_size=40), odd_text)
+junk = st.one_of(st.none(), st.booleans(), text, st.sampled_from([float("nan"), float("inf"), -1, 0, 10**30, 1.5]),
+                 st.lists(st.integers(), max_size=2), st.dictionaries(text, text, max_size=2))
+token_id = st.integers(0, 49151)
+some_ids = st.lists(token_id, min_size=1, max_size=5)
+
+
+def field(valid: st.SearchStrategy, extreme: list | None = None) -> st.SearchStrategy:
+    """Mostly valid values (7 in 10), then the range's extremes (2 in 10), then anything at all."""
+    edge = st.sampled_from(extreme) if extreme else valid
+    return st.integers(0, 9).flatmap(lambda i: valid if i < 7 else edge if i < 9 else junk)
+
+
+TINY = [5e-324, 1e-300, 1e-45, 1e-38, 1e-6, 1e-5]
+SAMPLING = {
+    "model": field(st.sampled_from(["SmolLM2-135M-Instruct", None]), ["gpt-4", ""]),
+    "n": field(st.integers(1, 3), [0, 4, -1]),
+    "max_tokens": field(st.integers(1, 12), [None, 1, MAX_LEN, 0, -1, 10**6, 2**63]),
+    "temperature": field(st.floats(0, 2), [*TINY, 0.0, 1e38, 1e300, -1e-300]),
+    "top_p": field(st.floats(1e-3, 1), [*TINY, 1.0, 0.0, 1.0000001]),
+    "top_k": field(st.integers(-1, 100), [1, 2**31, 2**63, 49152, -2]),
+    "min_p": field(st.floats(0, 1), [*TINY, 1.0, 1.0000001]),
+    "seed": field(st.integers(-(2**63), 2**64), [0, -1, 2**64 - 1]),
+    "presence_penalty": field(st.floats(-2, 2), [-2.0, 2.0, *TINY, 2.5]),
+    "frequency_penalty": field(st.floats(-2, 2), [-2.0, 2.0, *TINY, -2.5]),
+    "repetition_penalty": field(st.floats(0.05, 3), [*TINY, 1e300, 1e38, 0.0]),
+    "stop": field(st.one_of(text, st.lists(text, max_size=3)), ["e", " ", "\ud800"]),
+    "stop_token_ids": field(st.lists(token_id, max_size=3), [[2], [-1], [10**6]]),
+    "ignore_eos": field(st.booleans()),
+    "min_tokens": field(st.integers(0, 8), [MAX_LEN, -1]),
+    "skip_special_tokens": field(st.booleans()),
+    "include_stop_str_in_output": field(st.booleans()),
+    "cache_salt": field(text),
+    "stream": st.booleans(),
+    "stream_options": field(st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                                "continuous_usage_stats": st.booleans()})),
+    "logit_bias": field(st.dictionaries(token_id.map(str), st.floats(-100, 100), max_size=3),
+                        [{"2": 100}, {"0": -100}, {"49151": 100.0}, {"1": 100.5}, {"-1": 1}, {"x": 1}]),
+    "allowed_token_ids": field(some_ids, [[2], [], [49152]]),
+    "truncate_prompt_tokens": field(st.integers(1, MAX_LEN), [-1, 0, 2**63]),
+    "response_format": field(st.sampled_from([{"type": "text"}, None]), [{"type": "json_object"}]),
+    "tools": field(st.sampled_from([[], None]), [[{"type": "function", "function": {"name": "f"}}]]),
+}
+
+
+def body(required: dict[str, st.SearchStrategy], extra: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
+    """The required fields and up to four others."""
+    if not extra:
+        return st.fixed_dictionaries(required)
+    keys = st.lists(st.sampled_from(sorted(extra)), max_size=4, unique=True)
+    return st.tuples(st.fixed_dictionaries(required), keys.flatmap(
+        lambda ks: st.fixed_dictionaries({k: extra[k] for k in ks}))).map(lambda t: {**t[0], **t[1]})
+
+
+prompt = field(st.one_of(text, st.lists(token_id, min_size=1, max_size=30), st.lists(text, min_size=1, max_size=3)),
+               [[], [[]], [-1], [10**6], "x" * 2000, [[1, 2], "mixed"]])
+message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer", "user"]),
+                                 "content": field(text, [None, [{"type": "text", "text": "hi"}],
+                                                         [{"type": "image_url", "image_url": {"url": "x"}}]])})
+messages = field(st.lists(message, min_size=1, max_size=3), [[], [{"role": "wizard", "content": "x"}]])
+completion = body({"prompt": prompt}, {**SAMPLING, "logprobs": field(st.integers(0, 20), [21, -1]),
+                                       "echo": field(st.just(False), [True]), "best_of": field(st.just(1), [2])})
+chat = body({"messages": messages}, {
+    **SAMPLING, "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 20), [21]),
+    "max_completion_tokens": field(st.integers(1, 12), [0, 10**6]),
+    "add_generation_prompt": field(st.booleans()), "chat_template_kwargs": field(st.dictionaries(text, text))})
+tokenize = st.one_of(body({"prompt": text}, {"add_special_tokens": field(st.booleans())}),
+                     body({"messages": messages}, {"add_generation_prompt": field(st.booleans())}))
+detokenize = body({"tokens": field(st.lists(token_id, max_size=20), [[-1], [10**6], []])}, {})
+calls = st.one_of(st.tuples(st.just("/v1/completions"), completion), st.tuples(st.just("/v1/chat/completions"), chat),
+                  st.tuples(st.just("/tokenize"), tokenize), st.tuples(st.just("/detokenize"), detokenize))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(call=calls)
+def test_no_body_gets_a_5xx_or_hangs(port, call):
+    path, body = call
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # a hang fails the test by timing out
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json",
+                                                                "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    raw = resp.read().decode("utf-8", "replace")
+    conn.close()
+    event(f"{path} {resp.status}")
+    assert resp.status < 500, (resp.status, raw[:500], body)
+    if resp.status != 200:
+        assert "error" in json.loads(raw), raw
+    elif resp.getheader("content-type", "").startswith("text/event-stream"):
+        assert raw.endswith("data: [DONE]\n\n"), raw[-300:]
+        assert '"error"' not in raw, raw[-300:]
+
+
+def test_fuzzing_left_nothing_behind(port):
+    wait_idle(port)
+    assert metric(port, "kvpage:kv_cache_blocks_used") == 0
+    assert request(port, "GET", "/health")[0] == 200
