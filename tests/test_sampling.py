@@ -43,10 +43,17 @@ def test_defaults_follow_vllm():
 LOGITS = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0]])
 
 
-def draw(params: SamplingParams, times: int = 200, output_ids=(), prompt_ids=(), blocked=()) -> set[int]:
-    g = seeded_generator(5, 0)
-    req = SampleRequest(params, prompt_ids, output_ids, [g] * times, blocked)
-    return {s.token_id for s in sample(LOGITS.clone(), [req])[0]}
+def draw(params: SamplingParams, times: int = 200, output_ids=(), prompt_ids=(), blocked=(), ops=None) -> set[int]:
+    """Tokens drawn on both paths (torch, and the compiled kernel when built); they must agree as sets."""
+    from kvpage.attention.backends.cpu_kernels import load_kernels
+
+    found = []
+    for path in ({None, load_kernels()} if ops is None else {ops}):
+        g = seeded_generator(5, 0)
+        req = SampleRequest(params, prompt_ids, output_ids, [g] * times, blocked)
+        found.append({s.token_id for s in sample(LOGITS.clone(), [req], ops=path)[0]})
+    assert all(f == found[0] for f in found), found
+    return found[0]
 
 
 def test_filters_restrict_the_candidates():
@@ -188,6 +195,16 @@ def reference(params: SamplingParams, prompt=(), output=()) -> list[float]:
     return [probs.get(i, 0.0) for i in range(len(x))]
 
 
+def sampler_paths():
+    """The compiled kernel (when this machine builds it) and the torch path."""
+    from kvpage.attention.backends.cpu_kernels import load_kernels
+
+    ops = load_kernels()
+    return [pytest.param(ops, id="kernel", marks=pytest.mark.skipif(ops is None, reason="no compiled kernels")),
+            pytest.param(None, id="torch")]
+
+
+@pytest.mark.parametrize("ops", sampler_paths())
 @pytest.mark.parametrize(("params", "prompt", "output"), [
     (SamplingParams(temperature=1.0), (), ()),
     (SamplingParams(temperature=0.6), (), ()),
@@ -200,10 +217,10 @@ def reference(params: SamplingParams, prompt=(), output=()) -> list[float]:
     (SamplingParams(repetition_penalty=1.8), (0, 5), (6,)),
     (SamplingParams(presence_penalty=1.0, frequency_penalty=0.5), (), (0, 0, 1, 3)),
 ])
-def test_draws_follow_the_reference_distribution(params, prompt, output):
+def test_draws_follow_the_reference_distribution(params, prompt, output, ops):
     n = 6000
     req = SampleRequest(params, prompt, output, [seeded_generator(17, 0)] * n)
-    counts = torch.bincount(torch.tensor([s.token_id for s in sample(VOCAB_LOGITS.clone(), [req])[0]]),
+    counts = torch.bincount(torch.tensor([s.token_id for s in sample(VOCAB_LOGITS.clone(), [req], ops=ops)[0]]),
                             minlength=8).double() / n
     expect = torch.tensor(reference(params, prompt, output), dtype=torch.float64)
     assert torch.all(counts[expect == 0] == 0), (counts, expect)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -19,6 +20,14 @@ from kvpage.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 _F32_MAX = torch.finfo(torch.float32).max
+_AUTO = object()  # sample(ops=...): the compiled kernels if they are built
+
+
+def _kernels() -> ModuleType | None:
+    from kvpage.attention.backends.cpu_kernels import load_kernels
+
+    ops = load_kernels()
+    return ops if ops is not None and hasattr(ops, "sample_rows") else None
 
 
 @dataclass
@@ -30,6 +39,15 @@ class SampleRequest:
     output_ids: Sequence[int]
     generators: Sequence[torch.Generator | None]  # one per sample (independent draws for n > 1 forks)
     blocked_ids: Sequence[int] = ()  # EOS / stop ids masked while min_tokens is not reached
+    _uniforms: list[float] | None = None
+
+    def uniforms(self) -> list[float]:
+        """This step's uniform per sample, drawn once: a retry after a failed batch draws the same tokens."""
+        if self._uniforms is None:
+            shared = torch.rand(len(self.generators), dtype=torch.float64)
+            self._uniforms = [float(torch.rand(1, generator=g, dtype=torch.float64)) if g is not None
+                              else float(shared[j]) for j, g in enumerate(self.generators)]
+        return self._uniforms
 
 
 @dataclass
@@ -60,12 +78,15 @@ def argmax_suffices(params: SamplingParams, blocked_ids: Sequence[int] = ()) -> 
 
 
 def sample(logits: torch.Tensor | None, requests: Sequence[SampleRequest], argmax: torch.Tensor | None = None,
-           lse: torch.Tensor | None = None, rows: Sequence[int] | None = None) -> list[list[Sample]]:
+           lse: torch.Tensor | None = None, rows: Sequence[int] | None = None,
+           ops: ModuleType | object | None = _AUTO) -> list[list[Sample]]:
     """Samples for each request from its row of float32 ``logits`` (row i, or ``rows[i]``).
 
     With each row's precomputed ``argmax`` and log-sum-exp ``lse`` (indexed like ``logits``), plain greedy
     rows take no further pass over the vocabulary. ``logits`` may be None when every request is plain greedy
     without logprobs (``argmax_suffices``): the argmax is the sample and its logprob is not computed.
+    Draws run in the compiled kernel (``ops.sample_rows``) when it is built, else in torch; ``ops=None``
+    forces torch (the tests compare the two).
     """
     rows = list(range(len(requests))) if rows is None else list(rows)
     if logits is None:
@@ -84,17 +105,19 @@ def sample(logits: torch.Tensor | None, requests: Sequence[SampleRequest], argma
         _greedy_rows(logits, requests, rows, argmax, lse, [i for i in range(len(requests)) if i not in slow_set],
                      results)
     if slow:
-        _drawn_rows(logits, [requests[i] for i in slow], [rows[i] for i in slow], slow, results)
+        _drawn_rows(logits, [requests[i] for i in slow], [rows[i] for i in slow], slow, results,
+                    _kernels() if ops is _AUTO else ops)
     return results  # type: ignore[return-value]
 
 
 def sample_isolated(logits: torch.Tensor | None, requests: Sequence[SampleRequest],
                     argmax: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                    rows: Sequence[int] | None = None) -> list[list[Sample] | Exception]:
+                    rows: Sequence[int] | None = None, ops: ModuleType | object | None = _AUTO,
+                    ) -> list[list[Sample] | Exception]:
     """``sample`` for the whole step; if it raises, each request alone, so that only those that fail on their
     own get their exception back (the others keep their draws)."""
     try:
-        return list(sample(logits, requests, argmax, lse, rows))
+        return list(sample(logits, requests, argmax, lse, rows, ops))
     except Exception:
         if len(requests) == 1:
             raise
@@ -102,7 +125,7 @@ def sample_isolated(logits: torch.Tensor | None, requests: Sequence[SampleReques
     out: list[list[Sample] | Exception] = []
     for req, row in zip(requests, rows, strict=True):
         try:
-            out.append(sample(logits, [req], argmax, lse, [row])[0])
+            out.append(sample(logits, [req], argmax, lse, [row], ops)[0])
         except Exception as e:
             out.append(e)
     return out
@@ -191,51 +214,66 @@ def _filter_rows(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
 
 
 def _uniforms(requests: Sequence[SampleRequest], width: int) -> torch.Tensor:
-    """[rows, width] uniforms in [0, 1): a seeded sample draws from its own generator, one value per step, so
-    its tokens do not depend on the rest of the batch; unseeded samples share one draw of the global one."""
-    u = torch.rand(len(requests), width)
-    for i, req in enumerate(requests):
-        for j, g in enumerate(req.generators):
-            if g is not None:
-                u[i, j] = torch.rand(1, generator=g)
-    return u
+    """[rows, width] float64 uniforms in [0, 1): a seeded sample draws from its own generator, one value per
+    step, so its tokens do not depend on the rest of the batch; unseeded samples from the global generator."""
+    return torch.tensor([(u := r.uniforms()) + u[-1:] * (width - len(u)) for r in requests], dtype=torch.float64)
+
+
+def _draw(source: torch.Tensor, idx: list[int], requests: Sequence[SampleRequest], width: int,
+          ops: ModuleType | None) -> torch.Tensor:
+    """[len(idx), width] draws from rows ``idx`` of ``source`` (temperature > 0 on each)."""
+    params = [r.params for r in requests]
+    u = _uniforms(requests, width)
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    if ops is not None and source.dtype == torch.float32 and source.is_contiguous():
+        vocab = source.shape[1]
+        return ops.sample_rows(source, torch.tensor(idx, dtype=torch.long), temps,
+                               torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params]),
+                               torch.tensor([p.top_p for p in params], dtype=torch.float32),
+                               torch.tensor([p.min_p for p in params], dtype=torch.float32), u)
+    xs = source.index_select(0, torch.tensor(idx, dtype=torch.long)) / temps[:, None]
+    torch.nan_to_num_(xs, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
+    _filter_rows(xs, params)
+    cdf = torch.softmax(xs, dim=1).double().cumsum_(dim=1)
+    total = cdf[:, -1:]
+    # inverse CDF; the target stays below the total, so the pick is a token of nonzero probability
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.contiguous(), right=True).clamp_(max=source.shape[1] - 1)
 
 
 def _drawn_rows(logits: torch.Tensor, requests: Sequence[SampleRequest], rows: Sequence[int], slots: list[int],
-                results: list) -> None:
-    """Every request that is not plain greedy, as one [rows, vocab] batch."""
-    raw = logits.index_select(0, torch.tensor(rows, dtype=torch.long))
-    x = raw.clone()
-    if any(r.params.shapes_logits or r.blocked_ids for r in requests):
-        _shape_logits(x, requests)
-    # A row with every candidate masked (allowed ids all blocked, say) falls back to the model's argmax.
-    empty = (x.max(dim=1).values == _NEG_INF).tolist()
-    if any(empty):
-        x[torch.tensor(empty)] = raw[torch.tensor(empty)]
-    greedy = [r.params.greedy or e for r, e in zip(requests, empty, strict=True)]
-    drawn = [i for i, g in enumerate(greedy) if not g]
+                results: list, ops: ModuleType | None) -> None:
+    """Every request that is not plain greedy. Rows whose logits nothing reshapes are drawn from the step's
+    logits in place; the others from a copy with their penalties, bias and masks applied."""
     width = max(len(r.generators) for r in requests)
     tokens = torch.zeros(len(requests), width, dtype=torch.long)
-    if any(greedy):
-        g_idx = torch.tensor([i for i, g in enumerate(greedy) if g])
-        tokens[g_idx] = x.index_select(0, g_idx).argmax(dim=1, keepdim=True)
-    if drawn:
-        d_idx = torch.tensor(drawn)
-        xs = x.index_select(0, d_idx) if len(drawn) < len(requests) else x
-        temps = torch.tensor([requests[i].params.temperature for i in drawn], dtype=x.dtype)[:, None]
-        xs = torch.nan_to_num_(xs / temps, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
-        _filter_rows(xs, [requests[i].params for i in drawn])
-        probs = torch.softmax(xs, dim=1)
-        cdf = probs.cumsum_(dim=1)
-        total = cdf[:, -1:]
-        u = _uniforms([requests[i] for i in drawn], width)
-        # inverse CDF; the target stays below the total, so the pick is a token of nonzero probability
-        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        tokens[d_idx] = torch.searchsorted(cdf, target.contiguous(), right=True).clamp_(max=x.shape[1] - 1)
+    shaped_ix = [i for i, r in enumerate(requests) if r.params.shapes_logits or r.blocked_ids]
+    shaped_pos = {i: j for j, i in enumerate(shaped_ix)}
+    greedy = [r.params.greedy for r in requests]
+    shaped = None
+    if shaped_ix:
+        shaped = logits.index_select(0, torch.tensor([rows[i] for i in shaped_ix], dtype=torch.long))
+        _shape_logits(shaped, [requests[i] for i in shaped_ix])
+        # A row with every candidate masked (allowed ids all blocked, say) falls back to the model's argmax.
+        empty = (shaped.max(dim=1).values == _NEG_INF).tolist()
+        for j, i in enumerate(shaped_ix):
+            if empty[j]:
+                shaped[j] = logits[rows[i]]
+                greedy[i] = True
+    for i, g in enumerate(greedy):
+        if g:
+            tokens[i] = int((shaped[shaped_pos[i]] if i in shaped_pos else logits[rows[i]]).argmax())
+    plain = [i for i, g in enumerate(greedy) if not g and i not in shaped_pos]
+    if plain:
+        tokens[torch.tensor(plain)] = _draw(logits, [rows[i] for i in plain], [requests[i] for i in plain], width, ops)
+    reshaped = [i for i, g in enumerate(greedy) if not g and i in shaped_pos]
+    if reshaped and shaped is not None:
+        tokens[torch.tensor(reshaped)] = _draw(shaped, [shaped_pos[i] for i in reshaped],
+                                               [requests[i] for i in reshaped], width, ops)
     want_lp = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     lp_rows: dict[int, torch.Tensor] = {}
     if want_lp:
-        lps = torch.log_softmax(raw.index_select(0, torch.tensor(want_lp)), dim=1)
+        lps = torch.log_softmax(logits.index_select(0, torch.tensor([rows[i] for i in want_lp])), dim=1)
         lp_rows = {i: lps[j] for j, i in enumerate(want_lp)}
     toks = tokens.tolist()
     for i, req in enumerate(requests):

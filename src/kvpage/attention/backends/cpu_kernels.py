@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "quant_linear.cpp",
             _CSRC / "linear_amx.cpp", _CSRC / "prefill_amx.cpp", _CSRC / "decode_layers.cpp",
-            _CSRC / "gemm_f32.cpp"]
+            _CSRC / "gemm_f32.cpp", _CSRC / "sampler.cpp"]
 _module: ModuleType | None = None
 _error: str | None = None
 PARTITION_SIZE = 512  # tokens per context partition: long contexts split into this many keys per task

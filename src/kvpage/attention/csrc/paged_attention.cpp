@@ -1091,6 +1091,7 @@ void register_linear_ops(pybind11::module& m);  // linear_amx.cpp
 void register_prefill_ops(pybind11::module& m);  // prefill_amx.cpp
 void register_decode_ops(pybind11::module& m);  // decode_layers.cpp
 void register_gemm_ops(pybind11::module& m);  // gemm_f32.cpp
+void register_sampler_ops(pybind11::module& m);  // sampler.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
@@ -1098,6 +1099,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_linear_ops(m);
   register_prefill_ops(m);
   register_decode_ops(m);
+  register_sampler_ops(m);
   register_gemm_ops(m);
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", pybind11::arg("key"),
         pybind11::arg("value"), pybind11::arg("kv_cache"), pybind11::arg("slot_mapping"),
