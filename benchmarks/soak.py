@@ -62,6 +62,7 @@ class Soak:
         self.host, self.port, self.key, self.rng, self.max_len = host, port, key, rng, max_len
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.failures: list[str] = []
+        self.rss: list[tuple[float, float | None]] = []  # (seconds into the run, server RSS in MiB)
 
     async def http(self, path: str, body: str | bytes, read_limit: int | None = None) -> tuple[int, bytes]:
         """POST with Connection: close; the status and the whole body (or its first ``read_limit`` bytes, then
@@ -105,7 +106,7 @@ class Soak:
                     "stream": True, **sampling}
             limit = rng.randint(1, 30)
         elif kind == "bad":
-            path = rng.choice(["/v1/completions", "/v1/chat/completions", "/tokenize"])
+            path = rng.choice(["/v1/completions", "/v1/chat/completions"])
             body, expect = rng.choice(BAD_BODIES), {400, 404, 413, 422}
         elif kind == "too-long":
             body, expect = {"prompt": text(rng, self.max_len + 50), "max_tokens": 8}, {413}
@@ -137,7 +138,7 @@ class Soak:
         elif status == 200 and b"text/event-stream" in got[:400]:
             if b"data: [DONE]" not in got:
                 outcome, problem = "stream without [DONE]", f"{kind}: {got[-300:]!r}"
-            elif b'"error"' in got:
+            elif b'data: {"error"' in got:
                 outcome, problem = "stream error event", f"{kind}: {got[-300:]!r}"
         self.record(kind, outcome, problem)
 
@@ -146,8 +147,10 @@ class Soak:
         if problem is not None:
             self.failures.append(problem)
 
-    async def run(self, duration: float, rate: float, concurrency: int) -> None:
+    async def run(self, duration: float, rate: float, concurrency: int, pid: int | None = None) -> None:
         gate = asyncio.Semaphore(concurrency)
+        start = time.monotonic()
+        next_sample = start
         tasks: set[asyncio.Task] = set()
 
         async def guarded() -> None:
@@ -160,6 +163,9 @@ class Soak:
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             await asyncio.sleep(self.rng.expovariate(rate))
+            if pid is not None and time.monotonic() >= next_sample:
+                self.rss.append((time.monotonic() - start, rss_mib(pid)))
+                next_sample += 30.0
         if tasks:
             await asyncio.gather(*tasks)
 
@@ -225,7 +231,7 @@ def main() -> int:
     rss0 = rss_mib(pid)
     soak.outcomes.clear()
     t0 = time.time()
-    asyncio.run(soak.run(args.duration, args.rate, args.concurrency))
+    asyncio.run(soak.run(args.duration, args.rate, args.concurrency, pid))
     wall = time.time() - t0
     deadline = time.time() + 60
     while time.time() < deadline and (gauge(host, port, "num_requests_running") or gauge(host, port,
@@ -245,12 +251,13 @@ def main() -> int:
     print(f"KV blocks in use once idle: {leaked:g} (must be 0); server healthy after: {healthy}")
     if rss0 is not None and rss1 is not None:
         print(f"server resident memory: {rss0:.0f} MiB after warm-up, {rss1:.0f} MiB at the end "
-              f"({rss1 - rss0:+.0f} MiB)")
+              f"({rss1 - rss0:+.0f} MiB); every 30 s: " + ", ".join(f"{r:.0f}" for _, r in soak.rss if r))
     if args.json_out:
         args.json_out.write_text(json.dumps({
             "machine": cpu_model(), "seconds": wall, "rate": args.rate, "requests": total,
             "outcomes": {f"{k} / {o}": n for (k, o), n in sorted(soak.outcomes.items())},
-            "failures": soak.failures, "leaked_blocks": leaked, "rss_mib": [rss0, rss1], "healthy": healthy},
+            "failures": soak.failures, "leaked_blocks": leaked, "rss_mib": [rss0, rss1], "rss_every_30s": soak.rss,
+            "healthy": healthy},
             indent=1))
     if proc is not None:
         proc.terminate()

@@ -227,3 +227,24 @@ def test_draws_follow_the_reference_distribution(params, prompt, output, ops):
     # 4.5 standard deviations of a binomial frequency, per token
     tol = 4.5 * torch.sqrt(expect * (1 - expect) / n) + 1e-3
     assert torch.all((counts - expect).abs() <= tol), (counts, expect)
+
+
+def test_compiled_penalties_equal_the_torch_ones():
+    from kvpage.attention.backends.cpu_kernels import load_kernels
+    from kvpage.worker.sampler import _shape_logits
+
+    ops = load_kernels()
+    if ops is None:
+        pytest.skip("no compiled kernels")
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 300, generator=g) * 4
+    reqs = [SampleRequest(SamplingParams(repetition_penalty=1.3), [1, 2, 2, 299, 7], [7, 7, 8], [None]),
+            SampleRequest(SamplingParams(presence_penalty=0.7, frequency_penalty=-0.4), [5], [3, 3, 3, 9], [None]),
+            SampleRequest(SamplingParams(repetition_penalty=0.6, presence_penalty=-1.5, frequency_penalty=2.0),
+                          list(range(0, 300, 3)), [4, 4, 299, 0], [None]),
+            SampleRequest(SamplingParams(), [1], [1], [None]),
+            SampleRequest(SamplingParams(repetition_penalty=1e-30), [10, 11], [], [None])]
+    a, b = logits.clone(), logits.clone()
+    _shape_logits(a, reqs, ops)
+    _shape_logits(b, reqs, None)
+    assert torch.equal(a, b)

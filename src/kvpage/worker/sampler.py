@@ -148,14 +148,33 @@ def _greedy_rows(logits: torch.Tensor, requests: Sequence[SampleRequest], rows: 
         results[i] = [Sample(amax[row], value - lses[row], 1, top)] * len(req.generators)
 
 
-def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest]) -> None:
-    """In place: penalties, logit bias, allowed ids and blocked ids, row by row only where a request asks."""
+def _flat_ids(lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenated ids and their [len + 1] offsets."""
+    lengths = [len(ids) for ids in lists]
+    offsets = torch.zeros(len(lists) + 1, dtype=torch.long)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.long).cumsum(0)
+    flat = torch.tensor([t for ids in lists for t in ids], dtype=torch.long)
+    return flat, offsets
+
+
+def _penalize(x: torch.Tensor, requests: Sequence[SampleRequest], which: list[int], ops: ModuleType | None) -> None:
+    """Repetition, presence and frequency penalties on rows ``which`` of ``x``, in place."""
     vocab = x.shape[1]
-    for i, req in enumerate(requests):
-        p = req.params
+    if ops is not None and hasattr(ops, "apply_penalties_"):
+        params = [requests[i].params for i in which]
+        prompt, prompt_off = _flat_ids([requests[i].prompt_ids if p.repetition_penalty != 1.0 else ()
+                                        for i, p in zip(which, params, strict=True)])
+        output, output_off = _flat_ids([requests[i].output_ids for i in which])
+        ops.apply_penalties_(x, torch.tensor(which, dtype=torch.long), prompt, prompt_off, output, output_off,
+                             torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+                             torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+                             torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32))
+        return
+    for i in which:
+        req, p = requests[i], requests[i].params
         if p.repetition_penalty != 1.0:
             seen = torch.tensor([*req.prompt_ids, *req.output_ids], dtype=torch.long)
-            seen = seen[seen < vocab]
+            seen = seen[(seen >= 0) & (seen < vocab)]
             if seen.numel():
                 mask = torch.zeros(vocab, dtype=torch.bool)
                 mask[seen] = True
@@ -164,8 +183,18 @@ def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest]) -> None:
                 x[i] = torch.where(mask, penalized, row)
         if (p.presence_penalty or p.frequency_penalty) and req.output_ids:
             out = torch.tensor(list(req.output_ids), dtype=torch.long)
-            counts = torch.bincount(out[out < vocab], minlength=vocab).to(x.dtype)
+            counts = torch.bincount(out[(out >= 0) & (out < vocab)], minlength=vocab).to(x.dtype)
             x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest], ops: ModuleType | None = None) -> None:
+    """In place: penalties, logit bias, allowed ids and blocked ids, row by row only where a request asks."""
+    vocab = x.shape[1]
+    penalized = [i for i, r in enumerate(requests) if r.params.uses_penalties]
+    if penalized:
+        _penalize(x, requests, penalized, ops)
+    for i, req in enumerate(requests):
+        p = req.params
         if p.logit_bias:
             ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
             x[i].index_add_(0, ids, torch.tensor([p.logit_bias[t] for t in ids.tolist()], dtype=x.dtype))
@@ -253,7 +282,7 @@ def _drawn_rows(logits: torch.Tensor, requests: Sequence[SampleRequest], rows: S
     shaped = None
     if shaped_ix:
         shaped = logits.index_select(0, torch.tensor([rows[i] for i in shaped_ix], dtype=torch.long))
-        _shape_logits(shaped, [requests[i] for i in shaped_ix])
+        _shape_logits(shaped, [requests[i] for i in shaped_ix], ops)
         # A row with every candidate masked (allowed ids all blocked, say) falls back to the model's argmax.
         empty = (shaped.max(dim=1).values == _NEG_INF).tolist()
         for j, i in enumerate(shaped_ix):

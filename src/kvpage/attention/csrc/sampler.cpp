@@ -274,7 +274,71 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor rows, torch::Tenso
   return out;
 }
 
+// In place on logits rows: the repetition penalty on every token seen in the prompt or the output (once per
+// distinct token), then presence and frequency penalties from the output's counts. Ids are flat with
+// offsets [R + 1] per row; ids outside [0, vocab) are ignored. O(ids) per row, no pass over the vocabulary.
+void apply_penalties_(torch::Tensor logits, torch::Tensor rows, torch::Tensor prompt_ids, torch::Tensor prompt_offsets,
+                      torch::Tensor output_ids, torch::Tensor output_offsets, torch::Tensor repetition,
+                      torch::Tensor presence, torch::Tensor frequency) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "logits must be a contiguous [rows, vocab] float32 tensor");
+  const int64_t R = rows.size(0), V = logits.size(1);
+  for (const auto& t : {rows, prompt_ids, prompt_offsets, output_ids, output_offsets})
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "ids, offsets and rows must be contiguous int64");
+  for (const auto& t : {repetition, presence, frequency})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.size(0) == R, "one float32 penalty per row");
+  TORCH_CHECK(prompt_offsets.size(0) == R + 1 && output_offsets.size(0) == R + 1, "offsets need rows + 1 entries");
+  float* x = logits.data_ptr<float>();
+  const int64_t *row = rows.data_ptr<int64_t>(), *pi = prompt_ids.data_ptr<int64_t>(),
+                *po = prompt_offsets.data_ptr<int64_t>(), *oi = output_ids.data_ptr<int64_t>(),
+                *oo = output_offsets.data_ptr<int64_t>();
+  const float *rep = repetition.data_ptr<float>(), *pres = presence.data_ptr<float>(),
+              *freq = frequency.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(row[r] >= 0 && row[r] < logits.size(0), "row index out of range");
+#pragma omp parallel if (R > 1)
+  {
+    std::vector<uint32_t> stamp(V, 0);  // stamp[t] == tag: t seen in this row (no clearing between rows)
+    std::vector<int32_t> count(V, 0);
+    uint32_t tag = 0;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t r = 0; r < R; ++r) {
+      float* xr = x + row[r] * V;
+      ++tag;
+      if (rep[r] != 1.f) {
+        auto penalize = [&](const int64_t* ids, int64_t a, int64_t b) {
+          for (int64_t j = a; j < b; ++j) {
+            const int64_t t = ids[j];
+            if (t < 0 || t >= V || stamp[t] == tag) continue;
+            stamp[t] = tag;
+            xr[t] = xr[t] > 0.f ? xr[t] / rep[r] : xr[t] * rep[r];
+          }
+        };
+        penalize(pi, po[r], po[r + 1]);
+        penalize(oi, oo[r], oo[r + 1]);
+        ++tag;
+      }
+      if (pres[r] != 0.f || freq[r] != 0.f) {
+        for (int64_t j = oo[r]; j < oo[r + 1]; ++j) {
+          const int64_t t = oi[j];
+          if (t < 0 || t >= V) continue;
+          if (stamp[t] != tag) { stamp[t] = tag; count[t] = 0; }
+          ++count[t];
+        }
+        for (int64_t j = oo[r]; j < oo[r + 1]; ++j) {
+          const int64_t t = oi[j];
+          if (t < 0 || t >= V || count[t] == 0) continue;
+          xr[t] -= freq[r] * static_cast<float>(count[t]) + pres[r];
+          count[t] = 0;  // once per distinct token
+        }
+      }
+    }
+  }
+}
+
 void register_sampler_ops(pybind11::module& m) {
+  m.def("apply_penalties_", &apply_penalties_, "repetition, presence and frequency penalties in place, per row",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sample_rows", &sample_rows, "inverse-CDF draws under temperature / top-k / top-p / min-p, per row",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }
