@@ -82,18 +82,18 @@ def run(args: argparse.Namespace) -> int:
         raise RuntimeError(f"the server needs its extras: pip install 'kvpage[serve]' ({e})") from None
     from kvpage.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineArgs.from_cli_args(args))
-    name = args.served_model_name or engine.worker.lm.config.name
-    config = ServerConfig(name, key, args.max_n, InputLimits(args.max_body_bytes, args.http_timeout),
-                          openapi=not args.no_openapi)
-    return serve_engine(engine, config, args.host, args.port, max_queue=args.max_queue,
+    engine_args = EngineArgs.from_cli_args(args)
+    config = ServerConfig(args.served_model_name or "", key, args.max_n,
+                          InputLimits(args.max_body_bytes, args.http_timeout), openapi=not args.no_openapi)
+    return serve_engine(lambda: LLMEngine(engine_args), config, args.host, args.port, max_queue=args.max_queue,
                         shutdown_timeout=args.shutdown_timeout, http_timeout=args.http_timeout,
                         log_level=args.uvicorn_log_level)
 
 
 def serve_engine(engine, config, host: str, port: int, max_queue: int | None = None,
                  shutdown_timeout: float = 30.0, http_timeout: float = 30.0, log_level: str = "warning") -> int:
-    """Serve ``engine`` over HTTP until a signal (exit code 0) or the engine's death (1)."""
+    """Serve ``engine`` (an LLMEngine's factory, called on the engine thread, or an engine) over HTTP until a
+    signal (exit code 0) or the engine's death (1). An empty ``config.model_name`` takes the model's name."""
     import uvicorn
 
     from kvpage.entrypoints.openai.api_server import build_app
@@ -101,8 +101,12 @@ def serve_engine(engine, config, host: str, port: int, max_queue: int | None = N
     from kvpage.entrypoints.openai.lifecycle import InflightCounter, KVServer, header_timeout_protocol
     from kvpage.entrypoints.openai.metrics import ServerMetrics
 
+    client = AsyncEngine(engine, max_queue)
+    engine = client.engine
+    if not config.model_name:
+        config.model_name = engine.worker.lm.config.name
     metrics = ServerMetrics(config.model_name)
-    client = AsyncEngine(engine, max_queue, metrics.on_step)
+    client.on_step = metrics.on_step
     inflight = InflightCounter(build_app(client, config, metrics))
     uv_config = uvicorn.Config(inflight, host=host, port=port, log_level=log_level,
                                http=header_timeout_protocol(http_timeout) if http_timeout > 0 else "h11",

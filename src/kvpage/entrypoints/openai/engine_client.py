@@ -4,6 +4,11 @@ through a command queue and receive RequestOutputs on per-request asyncio queues
 Only the engine thread touches the engine (and therefore the scheduler and the KV manager), so no lock is
 needed around them; handlers see a snapshot of the engine's stats published after every step.
 
+Given a factory, the engine thread also builds the engine, so that every OpenMP parallel region of the
+process runs on that one thread: libgomp counts the threads of every team a thread ever opened, and once
+they outnumber the cores its workers stop spin-waiting between regions. Building the engine on the main
+thread and stepping it on another made every model step 17% slower (AMX Xeon, 2 cores; benchmarks/online.py).
+
 Every submission resolves: accepted, refused (queue full, draining, engine dead, bad request), or, once
 accepted, finished, failed or aborted. If the engine dies, every open and queued request gets an
 EngineDeadError at once and ``on_fatal`` tells the server to exit.
@@ -72,10 +77,9 @@ def _deliver(items: list[tuple[asyncio.Queue, Item]]) -> None:
 class AsyncEngine:
     """Thread-stepped LLMEngine with an asyncio face: ``submit`` hands a request over; outputs arrive on a queue."""
 
-    def __init__(self, engine: LLMEngine, max_queue: int | None = None,
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_queue: int | None = None,
                  on_step: Callable[[AsyncEngine, list[RequestOutput], float], None] | None = None,
                  on_fatal: Callable[[str], None] | None = None) -> None:
-        self.engine = engine
         self.max_queue = max_queue
         self.on_step = on_step  # called in the engine thread after every step (metrics)
         self.on_fatal = on_fatal  # called once, in the engine thread, when the engine dies
@@ -87,12 +91,14 @@ class AsyncEngine:
         self._applied = 0
         self._applied_at_publish = 0
         self._lock = threading.Lock()  # guards the counters, the published stats and the admission state
-        self.stats: dict[str, Any] = engine.stats()
         self.error: str | None = None
         self.draining: str | None = None  # why new requests are refused (set by ``drain``)
-        self._thread = threading.Thread(target=self._loop, name="kvpage-engine", daemon=True)
         self._stopping = False
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(engine, built), name="kvpage-engine", daemon=True)
         self._thread.start()
+        self.engine: LLMEngine = built.result()  # the factory's exception, if it raised
+        self.stats: dict[str, Any] = self.engine.stats()
 
     # ------------------------------------------------------------ handler side
     @property
@@ -172,6 +178,17 @@ class AsyncEngine:
             return
         self._sinks[cmd.request_id] = (cmd.loop, cmd.outputs)
         cmd.done.set_result(None)
+
+    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
+        try:
+            built.set_result(engine if hasattr(engine, "step") else engine())  # an engine, or its factory
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        self.engine = built.result()
+        with self._lock:
+            self.stats = self.engine.stats()
+        self._loop()
 
     def _loop(self) -> None:
         eng = self.engine
