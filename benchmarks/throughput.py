@@ -1,8 +1,12 @@
 """Offline generation throughput: kvpage side by side with the engines people use, same weights and dtype.
 
-Workloads (fixed seed, greedy, EOS ignored, output tokens counted as requested):
+Workloads (fixed seed, EOS ignored, output tokens counted as requested):
   chat64    64 chat-templated short questions x 128 output tokens
+  chat128   the same with 128 questions (128 sequences decoding at once)
   sharegpt  256 requests; prompt / output lengths lognormal, medians ~160 / ~200, capped at 1024 / 512
+
+Sampling (--sampling, one or both, each a separate measurement): greedy (temperature 0), or sampled
+(temperature 1.0, top-p 0.95, top-k 50: what chat clients typically send), the same settings for every engine.
 
 Engines, each in its own process, one after another in this invocation:
   kvpage                 this engine (dtype auto: bf16 where the CPU has AVX512_BF16, else float32; the
@@ -45,10 +49,10 @@ def build_workload(name: str, seed: int = 0) -> list[dict]:
     tk = load_model().tokenizer
     rng = random.Random(seed)
     reqs = []
-    if name == "chat64":
+    if name in ("chat64", "chat128"):
         topics = ["the moon", "rivers", "bread", "volcanoes", "owls", "trains", "tea", "glaciers", "chess",
                   "bees", "maps", "clocks", "salt", "wind", "paper", "copper"]
-        for i in range(64):
+        for i in range(64 if name == "chat64" else 128):
             q = f"In two sentences, what is interesting about {topics[i % len(topics)]}? (question {i})"
             ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": q}]))
             reqs.append({"prompt_token_ids": ids, "max_tokens": 128})
@@ -64,16 +68,20 @@ def build_workload(name: str, seed: int = 0) -> list[dict]:
     return reqs
 
 
-# Each runner reads the workload JSON on stdin and prints {"seconds": ..., "tokens": ...} as its last line.
+SAMPLING = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "top_p": 0.95, "top_k": 50}}
+
+# Each runner reads the workload JSON on stdin and prints {"seconds": ..., "tokens": ...} as its last line;
+# $KVPAGE_BENCH_SAMPLING holds the sampling settings as JSON.
 KVPAGE = r"""
 import json, os, sys, time
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
 reqs = json.load(sys.stdin)
+sampling = json.loads(os.environ["KVPAGE_BENCH_SAMPLING"])
 llm = LLM(kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
           kv_prefault=os.environ.get("KVPAGE_BENCH_PREFAULT", "1") != "0")
 llm.generate([reqs[0]["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+params = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, **sampling) for r in reqs]
 t = time.perf_counter()
 outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
 dt = time.perf_counter() - t
@@ -135,10 +143,11 @@ print(json.dumps({"seconds": dt, "tokens": sum(max(r["max_tokens"] for r in reqs
 VLLM = r"""
 import json, os, sys, time
 reqs = json.load(sys.stdin)
+sampling = json.loads(os.environ["KVPAGE_BENCH_SAMPLING"])
 from vllm import LLM, SamplingParams
 dtype = os.environ["KVPAGE_PEER_DTYPE"]
 llm = LLM(model=os.environ["KVPAGE_VLLM_MODEL"], dtype=dtype, max_model_len=2048, max_num_seqs=256)
-params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+params = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, **sampling) for r in reqs]
 llm.generate([{"prompt_token_ids": reqs[0]["prompt_token_ids"]}], SamplingParams(max_tokens=4), use_tqdm=False)
 t = time.perf_counter()
 outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
@@ -181,7 +190,8 @@ def run_llama_server(binary: str, reqs: list[dict], parallel: int, port: int = 8
 
         def one(r):
             body = json.dumps({"prompt": r["prompt_token_ids"], "n_predict": r["max_tokens"], "ignore_eos": True,
-                               "temperature": 0, "cache_prompt": False}).encode()
+                               "cache_prompt": False, "temperature": 0,
+                               **json.loads(os.environ["KVPAGE_BENCH_SAMPLING"])}).encode()
             req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
                                          {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=3600) as resp:
@@ -198,7 +208,8 @@ def run_llama_server(binary: str, reqs: list[dict], parallel: int, port: int = 8
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", nargs="+", default=["chat64", "sharegpt"], choices=["chat64", "sharegpt"])
+    ap.add_argument("--workloads", nargs="+", default=["chat64", "sharegpt"], choices=["chat64", "chat128", "sharegpt"])
+    ap.add_argument("--sampling", nargs="+", default=["greedy"], choices=list(SAMPLING))
     ap.add_argument("--engines", nargs="+",
                     default=["kvpage", "hf-generate", "hf-generate-batch", "vllm", "llama.cpp"])
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds; the median is reported")
@@ -212,12 +223,16 @@ def main() -> None:
     from kvpage.config import resolve_dtype
 
     results: dict[str, dict[str, dict]] = {}
-    for wl in args.workloads:
+    for wl, mode in [(w, m) for w in args.workloads for m in args.sampling]:
         reqs = build_workload(wl)
-        results[wl] = {}
+        os.environ["KVPAGE_BENCH_SAMPLING"] = json.dumps(SAMPLING[mode])
+        key = wl if args.sampling == ["greedy"] else f"{wl} {mode}"
+        results[key] = {}
         for eng in args.engines:
             runs, why = [], None
-            for _ in range(args.rounds):
+            if mode != "greedy" and eng.startswith("hf-"):
+                why = "its runner is greedy only"
+            for _ in range(args.rounds if why is None else 0):
                 try:
                     if eng == "kvpage":
                         runs.append(run_python(sys.executable, KVPAGE, reqs))
@@ -246,13 +261,14 @@ def main() -> None:
                     break
             if runs:
                 tps = [r["tokens"] / r["seconds"] for r in runs]
-                results[wl][eng] = {"tok_per_s": statistics.median(tps), "runs": runs}
+                results[key][eng] = {"tok_per_s": statistics.median(tps), "runs": runs}
             else:
-                results[wl][eng] = {"skipped": why}
-            print(f"[{wl}] {eng}: " + (f"{results[wl][eng]['tok_per_s']:.1f} tok/s" if runs else f"skipped ({why})"),
+                results[key][eng] = {"skipped": why}
+            print(f"[{key}] {eng}: " + (f"{results[key][eng]['tok_per_s']:.1f} tok/s" if runs else f"skipped ({why})"),
                   file=sys.stderr)
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model SmolLM2-135M-Instruct; greedy, EOS ignored")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model SmolLM2-135M-Instruct; EOS ignored; "
+          + "; ".join(f"{m}: {SAMPLING[m]}" for m in args.sampling))
     for wl, res in results.items():
         base = res.get("kvpage", {}).get("tok_per_s")
         print(f"\n{wl}")

@@ -59,10 +59,12 @@ class EngineArgs:
                        help=f"KV cache size, with units (a bare number is GiB; default {DEFAULT_KV_CACHE_MEMORY})")
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
         g.add_argument("--swap-space", default="0", help="host memory for swapped blocks (bare number = GiB)")
-        g.add_argument("--kv-prefault", action="store_true", default=False,
-                       help="fault the KV cache's pages in at startup (slower start, no page faults mid-run)")
+        g.add_argument("--kv-prefault", action=argparse.BooleanOptionalAction, default=False,
+                       help="fault the KV cache's pages in at startup (slower start, no page faults mid-run; "
+                            "`kvpage serve` does by default)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--max-num-seqs", type=int, default=256)
+        g.add_argument("--max-num-seqs", type=int, default=256,
+                       help="most sequences in one step (default 256; 128 for `kvpage serve`)")
         g.add_argument("--max-num-batched-tokens", type=int)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])

@@ -39,7 +39,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)
-    p.set_defaults(func=run)
+    # A server's defaults, as vLLM's CPU server chooses them: 128 sequences per step keep the time per output
+    # token down under load (measured with vLLM's client: 108 ms against 192 ms at 256 on the AMX Xeon, and
+    # more tokens per second), and the KV pages are faulted in at startup rather than during the first
+    # requests (first touch of 2 GiB took ~4 s on that VM).
+    p.set_defaults(func=run, max_num_seqs=128, kv_prefault=True)
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -244,7 +244,14 @@ def _filter_rows(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
 
 def _uniforms(requests: Sequence[SampleRequest], width: int) -> torch.Tensor:
     """[rows, width] float64 uniforms in [0, 1): a seeded sample draws from its own generator, one value per
-    step, so its tokens do not depend on the rest of the batch; unseeded samples from the global generator."""
+    step, so its tokens do not depend on the rest of the batch; unseeded samples from the global generator,
+    in one draw for the whole batch."""
+    fresh = [r for r in requests if r._uniforms is None and not any(g is not None for g in r.generators)]
+    if fresh:
+        shared = torch.rand(sum(len(r.generators) for r in fresh), dtype=torch.float64).tolist()
+        at = 0
+        for r in fresh:
+            r._uniforms, at = shared[at : at + len(r.generators)], at + len(r.generators)
     return torch.tensor([(u := r.uniforms()) + u[-1:] * (width - len(u)) for r in requests], dtype=torch.float64)
 
 

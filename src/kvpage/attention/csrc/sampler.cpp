@@ -1,12 +1,14 @@
 // Token draws for a step's sampled rows: temperature, top-k, top-p and min-p as one threshold on each row's
 // softmax weights, found without sorting the vocabulary, then an inverse-CDF draw per uniform.
 //
-// Per row (one OpenMP task each): the maximum; the weights e_i = exp((x_i - max) / T) with their sums per
-// block of 256; then, only when top-k or top-p is set, a histogram (1024 bins of log-weight) over the weights
-// that can hold the boundary (above a floor that provably lies below it) locates the one bin where the k-th
-// weight or the top-p mass boundary falls, and only that bin's entries are selected or sorted. min-p is the threshold e_i >= min_p (the maximum's weight is 1). The
-// kept weights are those at or above the largest of the three thresholds (ties at the boundary stay), so the
-// most likely token always stays. A draw walks the block sums, then one block.
+// Per row (one OpenMP task each), with top-k: counting passes find a band below the maximum logit that holds
+// at least k logits; only its entries are sorted and weighed, and top-p, min-p and the draws work on them.
+// Without top-k: the weights e_i = exp((x_i - max) / T) with their sums per block of 256; for top-p, a
+// histogram (1024 bins of log-weight) over the weights that can hold the boundary (above a floor that provably
+// lies below it) locates the one bin where the mass boundary falls, and only that bin is sorted. min-p is the
+// threshold e_i >= min_p (the maximum's weight is 1). The kept weights are those at or above the largest
+// threshold (ties at the boundary stay), so the most likely token always stays. A draw walks the block sums,
+// then one block.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -25,11 +27,11 @@ constexpr int64_t kBlock = 256;
 struct Scratch {
   std::vector<float> e;
   std::vector<double> block_sum;
-  std::vector<int32_t> count;
   std::vector<double> mass;
   std::vector<float> pick;
   std::vector<int32_t> idx;  // entries that can hold a filter's boundary, and their bins
   std::vector<int32_t> bin;
+  std::vector<std::pair<float, int32_t>> cand;  // top-k: (logit, token) in the band below the maximum
 };
 
 // The row's maximum (NaN ignored). Vector paths per instruction set: the compiler's own vectorization of
@@ -108,6 +110,93 @@ float kept_sum(const float* e, int64_t begin, int64_t end, float thr) {
   return sum;
 }
 
+// How many of x[0, V) are >= t (NaN never is).
+int64_t count_at_least(const float* x, int64_t V, float t) {
+  int64_t n = 0, i = 0;
+#if KVPAGE_AVX512
+  const __m512 vt = _mm512_set1_ps(t);
+  for (; i + 16 <= V; i += 16) n += _mm_popcnt_u32(_mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vt, _CMP_GE_OQ));
+#elif KVPAGE_AVX2
+  const __m256 vt = _mm256_set1_ps(t);
+  for (; i + 8 <= V; i += 8)
+    n += _mm_popcnt_u32(static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vt, _CMP_GE_OQ))));
+#endif
+  for (; i < V; ++i) n += x[i] >= t;
+  return n;
+}
+
+// top-k (with top-p and min-p inside it) without touching the rest of the vocabulary: a band below the
+// maximum that holds at least k logits (widened or narrowed by counting passes), its entries sorted, their
+// weights, then the draws among the kept ones.
+void sample_top_k(const float* x, int64_t V, float m, float inv, int64_t k, float top_p, float min_p,
+                  const double* u, int64_t W, int64_t* out, Scratch& s) {
+  float lo = 0.f, hi = std::numeric_limits<float>::infinity(), delta = 8.f;
+  for (int it = 0; it < 40; ++it) {  // find delta with k <= count(x >= m - delta) <= 64 k, if there is one
+    const int64_t n = count_at_least(x, V, m - delta);
+    if (n < k) {
+      lo = delta;
+      if (!std::isfinite(hi) && delta > 1e30f) break;
+      delta = std::isfinite(hi) ? 0.5f * (lo + hi) : delta * 4.f;
+    } else if (n > 64 * k && delta > 1e-30f) {
+      hi = delta;
+      delta = 0.5f * (lo + hi);
+    } else {
+      break;
+    }
+  }
+  const float band = m - delta;
+  s.cand.clear();
+  for (int64_t i = 0; i < V; ++i)
+    if (x[i] >= band) s.cand.emplace_back(x[i], static_cast<int32_t>(i));
+  auto by_logit = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  int64_t keep = std::min<int64_t>(k, static_cast<int64_t>(s.cand.size()));
+  std::partial_sort(s.cand.begin(), s.cand.begin() + keep, s.cand.end(), by_logit);
+  while (keep < static_cast<int64_t>(s.cand.size()) && s.cand[keep].first == s.cand[keep - 1].first) {
+    // ties with the k-th logit stay, as in the full-vocabulary path
+    auto tie = std::find_if(s.cand.begin() + keep, s.cand.end(),
+                            [&](const auto& c) { return c.first == s.cand[keep - 1].first; });
+    if (tie == s.cand.end()) break;
+    std::iter_swap(s.cand.begin() + keep, tie);
+    ++keep;
+  }
+  s.pick.resize(keep);
+  double total = 0.0;
+  for (int64_t j = 0; j < keep; ++j) {
+    const float z = (s.cand[j].first - m) * inv;
+    s.pick[j] = z > -87.f ? kvpage::exp_neg(z) : 0.f;
+    total += s.pick[j];
+  }
+  int64_t kept = keep;
+  if (top_p < 1.f) {  // the smallest prefix (by weight) whose mass reaches top_p of the top k
+    const double target = static_cast<double>(top_p) * total;
+    double cum = 0.0;
+    for (int64_t j = 0; j < keep; ++j) {
+      cum += s.pick[j];
+      if (cum >= target) { kept = j + 1; break; }
+    }
+    while (kept < keep && s.pick[kept] == s.pick[kept - 1]) ++kept;
+  }
+  double mass = 0.0;
+  int64_t last = 0;
+  for (int64_t j = 0; j < kept; ++j) {
+    if (s.pick[j] < min_p) s.pick[j] = 0.f;  // p_i / p_max = e_i; the first entry has e = 1
+    mass += s.pick[j];
+    if (s.pick[j] > 0.f) last = j;
+  }
+  for (int64_t w = 0; w < W; ++w) {
+    const double target = u[w] * mass;
+    double cum = 0.0;
+    int64_t pick = last;
+    for (int64_t j = 0; j < kept; ++j) {
+      cum += s.pick[j];
+      if (cum > target && s.pick[j] > 0.f) { pick = j; break; }
+    }
+    out[w] = s.cand[pick].second;
+  }
+}
+
 // Index of the first weight (>= thr) where the running sum passes `target`; the last kept index otherwise.
 int64_t draw(const float* e, int64_t V, const std::vector<double>& block_sum, float thr, double target) {
   const int64_t nblk = static_cast<int64_t>(block_sum.size());
@@ -143,6 +232,10 @@ void sample_row(const float* x, int64_t V, float T, int64_t k, float top_p, floa
     return;
   }
   const float inv = 1.f / T;
+  if (k > 0 && k < V) {
+    sample_top_k(x, V, m, inv, k, top_p, min_p, u, W, out, s);
+    return;
+  }
   float* e = s.e.data();
   const int64_t nblk = (V + kBlock - 1) / kBlock;
   double total = 0.0;
@@ -151,73 +244,44 @@ void sample_row(const float* x, int64_t V, float T, int64_t k, float top_p, floa
     total += s.block_sum[b];
   }
   float thr = 0.f;
-  const bool use_k = k > 0 && k < V, use_p = top_p < 1.f;
-  if (use_k || use_p) {
-    // Only weights at or above a floor can hold the top-k or top-p boundary. For top-p: the weights below
-    // c sum to less than V c <= (1 - p) Z / 2, so the boundary is above c. For top-k: a floor with at least
-    // k weights above it (1e-4, else none).
-    float floor = 0.f;
-    if (use_k) {
-      int64_t above = 0;
-      for (int64_t i = 0; i < V; ++i) above += e[i] >= 1e-4f;
-      floor = above >= k ? 1e-4f : 0.f;
-    } else {
-      floor = static_cast<float>(0.5 * (1.0 - top_p) * total / static_cast<double>(V));
+  if (top_p < 1.f) {
+    // Only weights at or above a floor can hold the top-p boundary: the weights below c sum to less than
+    // V c = (1 - p) Z / 2, so the kept mass p Z is reached above c.
+    const float floor = std::max(static_cast<float>(0.5 * (1.0 - top_p) * total / static_cast<double>(V)),
+                                 std::numeric_limits<float>::min());
+    s.idx.resize(V);
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; ++i) {  // branch-free: most entries fail
+      s.idx[n] = static_cast<int32_t>(i);
+      n += e[i] >= floor;
     }
-    s.idx.clear();
-    for (int64_t i = 0; i < V; ++i)
-      if (e[i] > 0.f && e[i] >= floor) s.idx.push_back(static_cast<int32_t>(i));
+    s.idx.resize(n);
     // Bins of log-weight over [log(lowest survivor), 0]; bin 0 holds the largest weights.
     float z_lo = 0.f;
     for (int32_t i : s.idx) z_lo = std::min(z_lo, (x[i] - m) * inv);
     const float scale = z_lo < 0.f ? static_cast<float>(kBins) / -z_lo : 0.f;
     s.bin.resize(s.idx.size());
-    std::fill(s.count.begin(), s.count.end(), 0);
     std::fill(s.mass.begin(), s.mass.end(), 0.0);
     for (size_t j = 0; j < s.idx.size(); ++j) {
       const int32_t i = s.idx[j];
       const float f = -((x[i] - m) * inv) * scale;  // clamped before the cast: it may be huge
       const int32_t b = f < 1.f ? 0 : (f < static_cast<float>(kBins - 1) ? static_cast<int32_t>(f) : kBins - 1);
       s.bin[j] = b;
-      s.count[b] += 1;
       s.mass[b] += e[i];
     }
-    auto gather = [&](int32_t bin, float at_least) {
+    const double target = static_cast<double>(top_p) * total;
+    double cum = 0.0;
+    int32_t b = 0;
+    for (; b < kBins && cum + s.mass[b] < target; ++b) cum += s.mass[b];
+    if (b < kBins) {  // else rounding left the mass short of the target: keep everything
       s.pick.clear();
       for (size_t j = 0; j < s.idx.size(); ++j)
-        if (s.bin[j] == bin && e[s.idx[j]] >= at_least) s.pick.push_back(e[s.idx[j]]);
-    };
-    int32_t kbin = kBins;  // bins before kbin are wholly inside the top k
-    if (use_k) {
-      int64_t seen = 0;
-      int32_t b = 0;
-      for (; b < kBins && seen + s.count[b] < k; ++b) seen += s.count[b];
-      if (b < kBins) {
-        gather(b, 0.f);
-        const int64_t need = k - seen;  // the need-th largest weight of this bin is the k-th overall
-        std::nth_element(s.pick.begin(), s.pick.begin() + (need - 1), s.pick.end(), std::greater<float>());
-        thr = s.pick[need - 1];
-        kbin = b;
-        total = 0.0;
-        for (int32_t j = 0; j < b; ++j) total += s.mass[j];
-        for (float w : s.pick)
-          if (w >= thr) total += w;
-      }
-    }
-    if (use_p) {
-      const double target = static_cast<double>(top_p) * total;
-      double cum = 0.0;
-      int32_t b = 0;
-      for (; b < kbin && cum + s.mass[b] < target; ++b) cum += s.mass[b];
-      if (b < kBins) {
-        gather(b, b == kbin ? thr : 0.f);
-        std::sort(s.pick.begin(), s.pick.end(), std::greater<float>());
-        float t_p = s.pick.empty() ? thr : s.pick.back();
-        for (float w : s.pick) {  // the token that brings the mass to top_p is the last one kept
-          cum += w;
-          if (cum >= target) { t_p = w; break; }
-        }
-        thr = std::max(thr, t_p);
+        if (s.bin[j] == b) s.pick.push_back(e[s.idx[j]]);
+      std::sort(s.pick.begin(), s.pick.end(), std::greater<float>());
+      thr = s.pick.empty() ? 0.f : s.pick.back();
+      for (float w : s.pick) {  // the token that brings the mass to top_p is the last one kept
+        cum += w;
+        if (cum >= target) { thr = w; break; }
       }
     }
   }
@@ -265,7 +329,6 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor rows, torch::Tenso
     Scratch s;
     s.e.resize(V);
     s.block_sum.resize((V + kBlock - 1) / kBlock);
-    s.count.resize(kBins);
     s.mass.resize(kBins);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < R; ++r)
