@@ -38,3 +38,13 @@ def test_readme_python_examples_run():
 
     for block in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
         exec(compile(block, "README.md", "exec"), {})
+
+
+def test_public_names_import_from_the_package_and_kv_stays_torch_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvpage.kv, kvpage.core.scheduler; assert 'torch' not in sys.modules, 'torch imported'; "
+            "from kvpage import LLM, SamplingParams, RequestOutput, CompletionOutput, LLMEngine, EngineArgs; "
+            "assert SamplingParams().n == 1 and LLM.__name__ == 'LLM'")
+    subprocess.run([sys.executable, "-c", code], check=True)
