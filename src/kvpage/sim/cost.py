@@ -99,10 +99,10 @@ MACHINE_KIND = "kvpage-machine"
 # A profile: GEMM rate per weight dtype class ("bfloat16" stands for every 2-byte-or-smaller dtype), KV and
 # streaming bandwidths, and the two overheads, as benchmarks/sim_calibration.py --machine-out writes them.
 MACHINE_PROFILES: dict[str, dict[str, Any]] = {
-    # 2-vCPU Xeon, AVX512_BF16 + AMX (sessions 4-12): bf16 through the AMX tile GEMM; float32 through oneDNN.
+    # 2-vCPU Xeon, AVX512_BF16 + AMX (measured 2026-11-22/23): bf16 through the AMX tile GEMM; float32 through oneDNN.
     "xeon-amx": {"gemm_tflops": {"bfloat16": 1.8, "float32": 0.3}, "kv_read_gb_s": 16.9, "read_gb_s": 25.0,
                  "step_overhead_ms": 9.4, "seq_overhead_ms": 0.195},
-    # 2-vCPU AMD EPYC Zen 3, AVX2 + FMA only (session 19): float32 through kvpage's panel GEMM; no bf16 rate,
+    # 2-vCPU AMD EPYC Zen 3, AVX2 + FMA only (measured 2026-11-24): float32 through kvpage's panel GEMM; no bf16 rate,
     # as the CPU has no bf16 instructions and the engine runs float32 there. Out of sample: +4.6% makespan.
     "zen3-avx2": {"gemm_tflops": {"float32": 0.18}, "kv_read_gb_s": 20.7, "read_gb_s": 30.2,
                   "step_overhead_ms": 10.8, "seq_overhead_ms": 0.48},

@@ -2,7 +2,7 @@
 //
 // At one token per step each layer is ~10 kernel calls of 10-100 us, and from Python every call costs a few
 // microseconds of dispatch plus the slicing and views around it: one stream ran at 100 tok/s through the
-// Python loop and 119 tok/s through this call, side by side on a 2-core Zen 3 (BENCHMARKS.md, session 18).
+// Python loop and 119 tok/s through this call, side by side on a 2-core Zen 3 (docs/benchmarks/history.md, 2026-11-23).
 // DecodeLayers holds every layer's quantized weights and norms (registered once at load) and runs
 //
 //   h = rms_norm(residual)                                   (first layer's input norm)
