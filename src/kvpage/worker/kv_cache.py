@@ -5,9 +5,10 @@ Layout, per layer: one tensor ``[2, num_blocks, block_size, num_kv_heads, head_d
 tensor is a view of block-major storage ``[num_blocks, 2, block_size, ...]``: a block's K and V are one
 contiguous stretch (12 KiB per layer for SmolLM2 at 16 tokens): where a sequence's blocks are scattered
 over the pool, the decode kernel streams that up to ~1.35x faster from memory than two stretches of half the
-size (docs/benchmarks/history.md, 2026-11-23). The compiled backend stores bf16 caches in its packed layout instead (same
-shape, a block's interior rearranged for the dot-product instructions; docs/model.md): only whole blocks are
-moved here, so this module works for both. The host (swap) tier has the same layout with its own block count.
+size (docs/benchmarks/history.md, 2026-11-23). The compiled backend stores bf16 caches in its packed layout
+instead (same shape, a block's interior rearranged for the dot-product instructions; docs/model.md): only
+whole blocks are moved here, so this module works for both. The host (swap) tier has the same layout with its
+own block count.
 """
 
 from __future__ import annotations
