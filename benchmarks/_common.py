@@ -69,12 +69,12 @@ def engine_gemm_tflops(dtype: str, rows: int = 256) -> float:
     shape (576 -> 1536) at ``rows`` rows, the weight in cache: the best rate a step's products can reach."""
     import torch
 
-    from kvpage.attention.backends.cpu_kernels import load_kernels
-    from kvpage.model.llama import PackedLinear
+    from kvpage.model.layers.linear import PackedLinear
+    from kvpage.ops import kernels
 
     dt = getattr(torch, dtype)
     a = torch.randn(rows, 576).to(dt)
-    lin = PackedLinear(torch.randn(1536, 576).to(dt), None, ops=load_kernels())
+    lin = PackedLinear(torch.randn(1536, 576).to(dt), None, ops=kernels())
     with torch.inference_mode():
         seconds = median_seconds(lambda: lin(a), 15)
     return 2 * rows * 576 * 1536 / seconds / 1e12

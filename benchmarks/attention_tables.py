@@ -23,8 +23,9 @@ import statistics
 import torch
 
 from _common import median_seconds
-from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, CpuPagedAttention, load_kernels, pack_kv_rows
+from kvpage.attention.backends.cpu import CpuPagedAttention
 from kvpage.engine.llm import LLM
+from kvpage.ops import PARTITION_SIZE, kernels, load_kernels, pack_kv_rows
 from kvpage.sampling_params import SamplingParams
 from kvpage.worker.kv_cache import as_block_major
 from throughput import build_workload
@@ -85,7 +86,7 @@ def main() -> None:
     for sn in snaps:
         nb = sn["num_blocks"]
         rows = torch.randn(2, nb, bs, hkv, d, generator=gen).bfloat16()
-        packed = CpuPagedAttention().packed_layout(rows, torch.bfloat16)
+        packed = CpuPagedAttention(kernels()).packed_layout(rows, torch.bfloat16)
         renumber = torch.randperm(nb, generator=gen)
         moved = torch.empty_like(rows)
         moved[:, renumber] = rows  # block i's data now lives at block renumber[i]: same attention, other places

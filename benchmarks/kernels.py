@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from _common import median_seconds
-from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, CpuPagedAttention, load_kernels, pack_kv_rows
+from kvpage.attention.backends.cpu import CpuPagedAttention
 from kvpage.config import resolve_dtype
+from kvpage.ops import PARTITION_SIZE, kernels, load_kernels, pack_kv_rows
 from kvpage.worker.kv_cache import as_block_major
 
 
@@ -87,7 +88,7 @@ def main() -> None:
     kv_dtype = dtype if args.kv_dtype == "same" else getattr(torch, args.kv_dtype)
     esize, dense_esize = torch.finfo(kv_dtype).bits // 8, torch.finfo(dtype).bits // 8
     probe = torch.zeros(2, 1, bs, hkv, d, dtype=kv_dtype)
-    packed = CpuPagedAttention().packed_layout(probe, dtype) if args.layout == "engine" else (
+    packed = CpuPagedAttention(kernels()).packed_layout(probe, dtype) if args.layout == "engine" else (
         args.layout == "packed")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
           f"copy bandwidth {copy_bandwidth_gbs():.1f} GB/s (read+write), "

@@ -29,8 +29,8 @@ import time
 import torch
 
 from _common import alternating_medians
-from kvpage.attention.backends.cpu_kernels import load_kernels
 from kvpage.model.loader import load_model
+from kvpage.ops import load_kernels
 
 
 def dense_weights(model) -> list[torch.Tensor]:

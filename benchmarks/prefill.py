@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import alternating_medians
-from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, load_kernels, pack_kv_rows
+from kvpage.ops import PARTITION_SIZE, load_kernels, pack_kv_rows
 from kvpage.worker.kv_cache import as_block_major
 
 HEADS, KV_HEADS, D = 9, 3, 64

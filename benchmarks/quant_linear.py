@@ -3,7 +3,8 @@
 Uses the default model's real weights (Q4_1 layers, Q8_0 output matrix): for each token count M, the 120
 layer projections of one forward pass (every layer's q|k|v, o, gate|up and down, so the weights stream from
 memory as in a real step) plus the output (lm head) projection, timed with each path, side by side in one
-process. The crossover sets kvpage.model.quant.QUANT_MAX_TOKENS.
+process (two loads of the model: KernelConfig.quant_max_tokens above every M, and 0). The crossover sets
+the default of KernelConfig.quant_max_tokens (KVPAGE_QUANT_MAX_TOKENS).
 
     python benchmarks/quant_linear.py [--tokens 1 2 3 4 6 8 16] [--rounds 7]
 """
@@ -18,7 +19,7 @@ import time
 import torch
 
 from _common import alternating_medians
-from kvpage.model import quant as quant_config
+from kvpage.envs import KernelConfig
 from kvpage.model.loader import load_model
 
 
@@ -33,8 +34,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    lm = load_model(dtype="bfloat16")
+    lm = load_model(dtype="bfloat16", kernel_config=KernelConfig(quant_max_tokens=max(args.tokens)))
     model = lm.model
+    dense = load_model(dtype="bfloat16", kernel_config=KernelConfig(quant_max_tokens=0)).model
     if model.fast_ops is None or model.lm_quant is None:
         raise SystemExit("needs the compiled kernels, AVX512_BF16 and a GGUF model with Q4/Q8 blocks")
     layers = list(projections(model))
@@ -47,30 +49,27 @@ def main() -> None:
     print(f"bytes read per pass: quantized {weight_bytes / 1e6:.1f} MB, bf16 {dense_bytes / 1e6:.1f} MB")
     print("| tokens | quantized (ms) | bf16 GEMM (ms) | bf16 / quantized |")
     print("|---:|---:|---:|---:|")
-    saved = quant_config.QUANT_MAX_TOKENS
-    try:
-        for m in args.tokens:
-            g = torch.Generator().manual_seed(m)
-            inputs = {}
-            for p in layers:
-                k = p.quant.shape[1]
-                if k not in inputs:
-                    inputs[k] = torch.randn(m, k, generator=g).bfloat16()
-            h = torch.randn(m, hidden, generator=g)
+    dense_layers = list(projections(dense))
+    for m in args.tokens:
+        g = torch.Generator().manual_seed(m)
+        inputs = {}
+        for p in layers:
+            k = p.quant.shape[1]
+            if k not in inputs:
+                inputs[k] = torch.randn(m, k, generator=g).bfloat16()
+        h = torch.randn(m, hidden, generator=g)
 
-            def one_pass(limit: int, inputs=inputs, h=h) -> float:
-                quant_config.QUANT_MAX_TOKENS = limit
-                t = time.perf_counter()
-                with torch.inference_mode():
-                    for p in layers:
-                        p(inputs[p.quant.shape[1]])
-                    model.compute_logits_ex(h)
-                return time.perf_counter() - t
+        def one_pass(net, linears, inputs=inputs, h=h) -> float:
+            t = time.perf_counter()
+            with torch.inference_mode():
+                for p in linears:
+                    p(inputs[p.quant.shape[1]])
+                net.compute_logits_ex(h)
+            return time.perf_counter() - t
 
-            q, d = (x * 1e3 for x in alternating_medians(lambda m=m: one_pass(m), lambda: one_pass(0), args.rounds))
-            print(f"| {m} | {q:.2f} | {d:.2f} | {d / q:.2f}x |")
-    finally:
-        quant_config.QUANT_MAX_TOKENS = saved
+        q, d = (x * 1e3 for x in alternating_medians(lambda: one_pass(model, layers),
+                                                     lambda: one_pass(dense, dense_layers), args.rounds))
+        print(f"| {m} | {q:.2f} | {d:.2f} | {d / q:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def main() -> None:
           f"{args.logits} logits, vocab {args.vocab if pool is None else pool.shape[1]}; ms per step, median of "
           f"{args.reps} alternating runs")
     print(f"{'setting':<20} {'batch':>5} {'kernel':>9} {'torch':>9} {'per-request':>12} {'kernel speed-up':>16}")
-    from kvpage.attention.backends.cpu_kernels import load_kernels
+    from kvpage.ops import load_kernels
 
     ops = load_kernels()
     gen = torch.Generator().manual_seed(1)

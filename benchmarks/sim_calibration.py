@@ -45,14 +45,15 @@ def machine_numbers(dtype: str) -> dict[str, float]:
     import torch
 
     from kernels import run_case
-    from kvpage.attention.backends.cpu_kernels import CpuPagedAttention, load_kernels
+    from kvpage.attention.backends.cpu import CpuPagedAttention
+    from kvpage.ops import kernels, load_kernels
 
     out = {"gemm_tflops": engine_gemm_tflops(dtype)}
     ops = load_kernels()
     dt = getattr(torch, dtype)
     if ops is not None:  # 256 sequences x 1024 tokens of SmolLM2's KV heads, read from memory
         b, ctx, hq, hkv, d = 256, 1024, 9, 3, 64
-        packed = CpuPagedAttention().packed_layout(torch.zeros(2, 1, 16, hkv, d, dtype=dt), dt)  # the engine's
+        packed = CpuPagedAttention(kernels()).packed_layout(torch.zeros(2, 1, 16, hkv, d, dtype=dt), dt)  # the engine's
         paged_ms, _ = run_case(ops, b, ctx, hq, hkv, d, 16, 5, packed=packed, dtype=dt)
         out["kv_read_gb_s"] = 2 * b * ctx * hkv * d * dt.itemsize / (paged_ms * 1e-3) / 1e9
     x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)

@@ -114,7 +114,7 @@ def amx_ops(available: str):
     otherwise (no compiler, or a CPU/OS without AMX tiles)."""
     if not have_cxx():
         pytest.skip("no C++ compiler: kernels cannot be built")
-    from kvpage.attention.backends.cpu_kernels import load_kernels
+    from kvpage.ops import load_kernels
 
     ops = load_kernels()
     if ops is None or not getattr(ops, available)():

@@ -196,11 +196,11 @@ def test_prefix_cache_hit_is_reported(llm):
 
 def test_default_engine_is_on_the_fast_path():
     from kvpage.config import cpu_has_bf16
-    from kvpage.model.llama import packing_available
+    from kvpage.model.layers.linear import packing_available
 
     llm = LLM(kv_cache_memory="64MiB", max_model_len=512)
     model = llm.engine.worker.lm.model
-    from kvpage.attention.backends.cpu_kernels import load_kernels
+    from kvpage.ops import load_kernels
 
     # bf16 where the CPU has AVX512_BF16, float32 elsewhere; the fast path either way (given the kernels)
     assert llm.engine.worker.lm.dtype.itemsize == (2 if cpu_has_bf16() else 4)

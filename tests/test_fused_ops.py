@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpage.attention.backends.cpu_kernels import kernels_error, load_kernels
+from kvpage.ops import kernels_error, load_kernels
 from tests.conftest import have_cxx
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")

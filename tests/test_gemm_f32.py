@@ -1,4 +1,4 @@
-"""kvpage's float32 panel GEMM (csrc/gemm_f32.cpp), the float32 fast path's projections on AVX2 builds: it
+"""kvpage's float32 panel GEMM (ops/csrc/linear/gemm_f32.cpp), the float32 fast path's projections on AVX2 builds: it
 computes x . W^T (+ bias) in float32 for any row count, width and depth, and refuses mismatched operands."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpage.attention.backends.cpu_kernels import load_kernels
+from kvpage.ops import load_kernels
 from tests.conftest import have_cxx
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")

@@ -8,16 +8,11 @@ import random
 import pytest
 import torch
 
-from kvpage.attention.backends.cpu_kernels import (
-    PARTITION_SIZE,
-    CpuPagedAttention,
-    kernels_error,
-    load_kernels,
-    pack_kv_rows,
-    unpack_kv_rows,
-)
+from kvpage.attention.backends.cpu import CpuPagedAttention
 from kvpage.attention.backends.reference import ReferenceAttention
 from kvpage.attention.metadata import AttentionMetadata
+from kvpage.envs import KernelConfig
+from kvpage.ops import PARTITION_SIZE, kernels, kernels_error, load_kernels, pack_kv_rows, unpack_kv_rows
 from kvpage.worker.kv_cache import as_block_major
 from tests.conftest import have_cxx
 
@@ -171,12 +166,10 @@ def test_one_stream_splits_its_context_over_the_threads(threads, block_size, dty
             tables, lens = table[None].clone(), torch.tensor([ctx])
             ref = dense_reference(q, cache, tables, lens, 0.125)
             tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-            for split in (True, False):  # KVPAGE_SPLIT_SHORT's switch: both ways give the reference
-                ops.set_split_short(split)
-                out = ops.paged_attention(q, cache, tables, torch.arange(2), lens, 0.125, PARTITION_SIZE)
+            for split in (True, False):  # KernelConfig.split_short: both ways give the reference
+                out = ops.paged_attention(q, cache, tables, torch.arange(2), lens, 0.125, PARTITION_SIZE, False, split)
                 torch.testing.assert_close(out.float(), ref, **tol)
     finally:
-        ops.set_split_short(True)
         torch.set_num_threads(before)
 
 
@@ -255,24 +248,20 @@ def test_amx_decode_matches_reference_and_the_avx512_kernel(block_size, heads, k
     keys (not a multiple of 16: the AVX-512 kernel), and a batch of 12 sequences (contexts not split: the
     AVX-512 kernel, which streams many sequences' KV from memory faster)."""
     ops = load_kernels()
-    if not ops.set_amx_decode(True):
+    if not ops.amx_decode_available():
         pytest.skip("AMX tile products unavailable on this CPU/OS")
     rng = random.Random(block_size + heads + dim)
     differs = False
-    try:
-        for num_seqs in (1, 4, 12):
-            q, cache, tables, qsl, lens = make_decode_case(rng, block_size, heads, kv_heads, dim, num_seqs)
-            ref = dense_reference(q, cache, tables, lens, dim**-0.5)
-            for part in (PARTITION_SIZE, 64, 17):
-                ops.set_amx_decode(True)
-                amx = ops.paged_attention(q, cache, tables, qsl, lens, dim**-0.5, part)
-                ops.set_amx_decode(False)
-                avx = ops.paged_attention(q, cache, tables, qsl, lens, dim**-0.5, part)
-                torch.testing.assert_close(amx.float(), ref, rtol=1e-2, atol=1e-2)
-                torch.testing.assert_close(avx.float(), ref, rtol=1e-2, atol=1e-2)
-                differs |= not torch.equal(amx, avx)
-    finally:
-        ops.set_amx_decode(True)
+    for num_seqs in (1, 4, 12):
+        q, cache, tables, qsl, lens = make_decode_case(rng, block_size, heads, kv_heads, dim, num_seqs)
+        ref = dense_reference(q, cache, tables, lens, dim**-0.5)
+        for part in (PARTITION_SIZE, 64, 17):
+            # the last argument: KernelConfig.amx_decode
+            amx = ops.paged_attention(q, cache, tables, qsl, lens, dim**-0.5, part, False, True, True)
+            avx = ops.paged_attention(q, cache, tables, qsl, lens, dim**-0.5, part, False, True, False)
+            torch.testing.assert_close(amx.float(), ref, rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(avx.float(), ref, rtol=1e-2, atol=1e-2)
+            differs |= not torch.equal(amx, avx)
     assert differs, "the AMX path was never taken (its results equal the AVX-512 kernel's bit for bit)"
 
 
@@ -315,18 +304,14 @@ def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long,
         written = unpack_kv_rows(packed).reshape(2, -1, kv_heads, dim)[:, meta.slot_mapping]
         assert torch.equal(written, ref_cache.view(2, -1, kv_heads, dim)[:, meta.slot_mapping])
         for part in (PARTITION_SIZE, 64) if long else (PARTITION_SIZE,):
-            try:
-                for amx in (False, True):  # decode tasks: AVX-512, then AMX where the CPU and OS grant it
-                    amx_ok = ops.set_amx_decode(amx)
-                    out = ops.paged_attention(q, packed, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                              dim**-0.5, part, True)
-                    expect = ("avx512-packed" if not (amx and amx_ok and heads // kv_heads <= 16)
-                              else "amx-pairs" if dim == 64 and heads <= 16 else "amx-packed")
-                    assert ops.last_decode_kernel() == expect
-                    assert not out.isnan().any()
-                    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
-            finally:
-                ops.set_amx_decode(True)
+            for amx in (False, True):  # decode tasks: AVX-512, then AMX where the CPU and OS grant it
+                out = ops.paged_attention(q, packed, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                          dim**-0.5, part, True, True, amx)
+                expect = ("avx512-packed" if not (amx and ops.amx_decode_available() and heads // kv_heads <= 16)
+                          else "amx-pairs" if dim == 64 and heads <= 16 else "amx-packed")
+                assert ops.last_decode_kernel() == expect
+                assert not out.isnan().any()
+                torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 
 def test_decode_rescales_when_scores_climb():
@@ -351,7 +336,7 @@ def test_decode_rescales_when_scores_climb():
     ref = dense_reference(q, cache, tables, lens, dim**-0.5)
     for part in (PARTITION_SIZE, 64):
         out = ops.paged_attention(q, pack_kv_rows(cache), tables, qsl, lens, dim**-0.5, part, True)
-        if ops.set_amx_decode(True):
+        if ops.amx_decode_available():
             assert ops.last_decode_kernel() == "amx-pairs"
         assert not out.isnan().any()
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
@@ -383,9 +368,9 @@ def test_packed_layout_rejects_what_it_cannot_hold():
         ops.paged_attention(torch.zeros(1, 4, 64).bfloat16(), *args, 17, True)
 
 
-def test_backend_packs_bf16_caches_and_keeps_rows_otherwise(monkeypatch):
-    backend = CpuPagedAttention()
-    if not backend.ops.has_packed_layout():
+def test_backend_packs_bf16_caches_and_keeps_rows_otherwise():
+    backend = CpuPagedAttention(kernels(KernelConfig()))
+    if not load_kernels().has_packed_layout():
         pytest.skip("this build has no packed layout (no AVX512-BF16)")
     bf16 = torch.zeros(2, 4, 16, 3, 64, dtype=torch.bfloat16)
     assert backend.packed_layout(bf16, torch.bfloat16)
@@ -393,8 +378,7 @@ def test_backend_packs_bf16_caches_and_keeps_rows_otherwise(monkeypatch):
     assert not backend.packed_layout(bf16.float(), torch.float32)
     assert not backend.packed_layout(torch.zeros(2, 4, 8, 3, 64, dtype=torch.bfloat16), torch.bfloat16)
     assert not backend.packed_layout(torch.zeros(2, 4, 16, 3, 32, dtype=torch.bfloat16), torch.bfloat16)
-    monkeypatch.setenv("KVPAGE_KV_LAYOUT", "rows")
-    assert not CpuPagedAttention().packed_layout(bf16, torch.bfloat16)
+    assert not CpuPagedAttention(kernels(KernelConfig(kv_layout="rows"))).packed_layout(bf16, torch.bfloat16)
 
 
 def test_stale_build_lock_is_removed_and_a_fresh_one_reported(tmp_path, monkeypatch, caplog):
@@ -404,16 +388,16 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_reported(tmp_path, monkeypa
 
     import torch.utils.cpp_extension as cpp
 
-    from kvpage.attention.backends import cpu_kernels
+    from kvpage.ops import build
 
     monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
     lock = tmp_path / "lock"
     lock.touch()
-    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 60
+    old = time.time() - build.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
-    cpu_kernels._check_build_lock("x")
+    build._check_build_lock("x")
     assert not lock.exists() and "stale kernel build lock" in caplog.text
     lock.touch()
-    cpu_kernels._check_build_lock("x")
+    build._check_build_lock("x")
     assert lock.exists() and "waiting for another process's kernel build" in caplog.text
-    cpu_kernels._check_build_lock("x")  # no lock: nothing to do
+    build._check_build_lock("x")  # no lock: nothing to do

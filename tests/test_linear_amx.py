@@ -1,4 +1,4 @@
-"""The AMX tile GEMM for bf16 projections (csrc/linear_amx.cpp): matches a float32 product on ragged row
+"""The AMX tile GEMM for bf16 projections (ops/csrc/linear/linear_amx.cpp): matches a float32 product on ragged row
 counts (partial row tiles, odd numbers of row tiles, more rows than one activation chunk), adds the bias, gives
 every row the same bits whatever batch it is in, refuses shapes it cannot take, and PackedLinear routes to it
 only in its row range."""
@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpage.model import llama
+from kvpage.envs import KernelConfig
+from kvpage.model.layers.linear import PackedLinear
+from kvpage.ops import kernels
 from tests.conftest import amx_ops
 
 
@@ -79,10 +81,11 @@ def test_bad_shapes_are_refused():
         ops.amx_linear(_rand(4, 64, seed=2), wp, torch.zeros(3))
 
 
-def test_packed_linear_routes_by_rows(monkeypatch):
-    ops = _ops()
+def test_packed_linear_routes_by_rows():
+    _ops()
+    ops = kernels(KernelConfig())
     w = _rand(96, 64, seed=5)
-    lin = llama.PackedLinear(w, None, ops=ops, amx_max_rows=40)
+    lin = PackedLinear(w, None, ops=ops, amx_max_rows=40)
     assert lin.amx is not None
     calls = []
     real = ops.amx_linear
@@ -102,14 +105,13 @@ def test_packed_linear_routes_by_rows(monkeypatch):
         y = lin(x[:rows])
         assert ((y.float() - ref[:rows]).abs() <= 2 ** -8 * ref[:rows].abs() + 0.01).all()
     assert calls == [40]  # 41 rows went to oneDNN
-    everywhere = llama.PackedLinear(w, None, ops=ops)  # default: AMX at every row count, no oneDNN copy
+    everywhere = PackedLinear(w, None, ops=ops)  # default: AMX at every row count, no oneDNN copy
     assert everywhere.packed is None and everywhere.amx_max_rows >= 1 << 40
-    assert llama.PackedLinear(_rand(80, 64, seed=1), None, ops=ops).amx is None  # 80 % 32 != 0: oneDNN only
-    gated = llama.PackedLinear(w, None, ops=ops, amx_max_rows=40, gated=True)  # [gate; up], 48 each
+    assert PackedLinear(_rand(80, 64, seed=1), None, ops=ops).amx is None  # 80 % 32 != 0: oneDNN only
+    gated = PackedLinear(w, None, ops=ops, amx_max_rows=40, gated=True)  # [gate; up], 48 each
     assert gated.out_features == 48
     for rows in (3, 40, 41):  # quantized path absent: AMX up to 40 rows, oneDNN + silu_mul above
         y = gated(x[:rows])
         g, u = ref[:rows, :48].bfloat16().float(), ref[:rows, 48:].bfloat16().float()
         assert torch.allclose(y.float(), (g * torch.sigmoid(g) * u), rtol=0.02, atol=0.02)
-    monkeypatch.setenv("KVPAGE_AMX_LINEAR", "0")
-    assert llama.PackedLinear(w, None, ops=ops).amx is None
+    assert PackedLinear(w, None, ops=kernels(KernelConfig(amx_linear=False))).amx is None

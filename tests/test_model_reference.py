@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from kvpage.envs import KernelConfig
 from kvpage.kv import KVSequence
 from kvpage.worker.model_runner import ScheduledSeq
 from tests.conftest import MAX_NEW, amx_ops
@@ -143,32 +144,44 @@ def teacher_forced_decode(lm, seq: list[int], start: int) -> torch.Tensor:
 
 
 @pytest.fixture()
-def smol_fp32_fast():
-    """float32 on the fast path (what dtype auto runs on a CPU without AVX512_BF16), loaded for one test."""
+def load_fast():
+    """Loads the model for one test under a kernel configuration: float32 on the fast path (what dtype auto runs
+    on a CPU without AVX512_BF16) unless a dtype is given."""
     from kvpage.model import loader
 
     before = set(loader._LOADED)
-    lm = loader.load_model("SmolLM2-135M-Instruct", dtype="float32", fast=True)
-    try:
+
+    def load(config: KernelConfig | None = None, dtype: str = "float32"):
+        lm = loader.load_model("SmolLM2-135M-Instruct", dtype=dtype, fast=True, kernel_config=config)
         if lm.model.fast_ops is None:
-            pytest.skip("no compiled kernels or oneDNN float32 packing here")
-        yield lm
+            pytest.skip("no compiled kernels or oneDNN packing here")
+        return lm
+
+    try:
+        yield load
     finally:
         for key in set(loader._LOADED) - before:
             loader._LOADED.pop(key)
 
 
-def test_int16_decode_agrees_with_fp32(smol_fp32, smol_fp32_fast, prompts, hf_greedy, record_property,
-                                      monkeypatch):
-    """One-token decode steps with 16-bit integer activation codes (QUANT_INT16, the default where the build
-    has the kernel), teacher-forced over prompt + transformers' continuation: the argmax equals the exact
-    float32 path's at every position and no logit moves by more than 0.05 (measured: 0.007; llama.cpp-style
-    8-bit codes moved them by up to 3.5 and agreed at 93%)."""
-    from kvpage.model import quant
+@pytest.fixture()
+def smol_fp32_fast(load_fast):
+    return load_fast()
 
+
+def int16_forms(lm) -> tuple[bool, ...]:
+    """Both activation forms of few-token steps where the build has 16-bit codes; elsewhere the flag does nothing."""
+    return (False, True) if lm.model.fast_ops.quant_int16_available() else (True,)
+
+
+def test_int16_decode_agrees_with_fp32(smol_fp32, smol_fp32_fast, prompts, hf_greedy, record_property):
+    """One-token decode steps with 16-bit integer activation codes (KernelConfig.quant_int16, the default where
+    the build has the kernel), teacher-forced over prompt + transformers' continuation: the argmax equals the
+    exact float32 path's at every position and no logit moves by more than 0.05 (measured: 0.007;
+    llama.cpp-style 8-bit codes moved them by up to 3.5 and agreed at 93%)."""
     if not smol_fp32_fast.model.fast_ops.quant_int16_available():
         pytest.skip("this build has no 16-bit integer quantized product (AVX2 builds only)")
-    monkeypatch.setattr(quant, "QUANT_INT16", True)
+    assert smol_fp32_fast.model.fast_ops.config.quant_int16
     agree = total = 0
     worst = 0.0
     for ids, cont in ((prompts[n], hf_greedy[n]) for n in prompts):
@@ -185,25 +198,22 @@ def test_int16_decode_agrees_with_fp32(smol_fp32, smol_fp32_fast, prompts, hf_gr
     assert worst < 0.05
 
 
-def test_compiled_decode_layers_equal_the_python_loop(smol_fp32_fast, prompts, hf_greedy, monkeypatch):
-    """Decode-only few-token steps run the layer stack in one compiled call (csrc/decode_layers.cpp) with the
-    same kernels in the same order as the Python layer loop: the logits are bit-identical, one stream
-    (teacher-forced) and a batch of streams (greedy), both activation forms."""
-    from kvpage.model import quant
-
-    lm = smol_fp32_fast
-    stack = lm.model._decode_layers
-    assert stack is not None and stack.num_layers() == len(lm.model.layers)
+def test_compiled_decode_layers_equal_the_python_loop(smol_fp32_fast, load_fast, prompts, hf_greedy):
+    """Decode-only few-token steps run the layer stack in one compiled call (ops/csrc/decode_layers.cpp) with the
+    same kernels in the same order as the Python layer loop (KernelConfig.decode_layers="python"): the logits
+    are bit-identical, one stream (teacher-forced) and a batch of streams (greedy), both activation forms."""
     names = sorted(prompts)
-    for int16 in (False, True):
-        monkeypatch.setattr(quant, "QUANT_INT16", int16)
-        seq = prompts[names[0]] + hf_greedy[names[0]]
+    seq = prompts[names[0]] + hf_greedy[names[0]]
+    for int16 in int16_forms(smol_fp32_fast):
+        lm = load_fast(KernelConfig(quant_int16=int16))
+        stack = lm.model._decode_layers
+        assert stack is not None and stack.num_layers() == len(lm.model.layers)
         compiled = teacher_forced_decode(lm, seq, len(prompts[names[0]]))
         batch_compiled = generate(lm, [prompts[n] for n in names[:3]], 12)
-        monkeypatch.setattr(lm.model, "_decode_layers", None)
-        assert torch.equal(compiled, teacher_forced_decode(lm, seq, len(prompts[names[0]]))), int16
-        assert batch_compiled == generate(lm, [prompts[n] for n in names[:3]], 12), int16
-        monkeypatch.setattr(lm.model, "_decode_layers", stack)
+        loop = load_fast(KernelConfig(quant_int16=int16, decode_layers="python"))
+        assert loop.model._decode_layers is None
+        assert torch.equal(compiled, teacher_forced_decode(loop, seq, len(prompts[names[0]]))), int16
+        assert batch_compiled == generate(loop, [prompts[n] for n in names[:3]], 12), int16
 
 
 def test_compiled_decode_layers_reject_bad_input(smol_fp32_fast):
@@ -216,20 +226,16 @@ def test_compiled_decode_layers_reject_bad_input(smol_fp32_fast):
                   torch.ones(1, dtype=torch.int32), False, False)
 
 
-def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast, prompts, hf_greedy,
-                                                      monkeypatch):
+def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast, load_fast, prompts, hf_greedy):
     """float32 on the fast path, as dtype auto runs it without AVX512_BF16: decode steps from the checkpoint's
     quantized blocks (the exact weights; float32 sums in another order, or 16-bit activation codes where the
     build has them), prompts through oneDNN's packed float32 product, fused norms / RoPE / SiLU. Greedy tokens
     equal transformers' float32 ones; one prompt at a time, so every decode step is a one-token step on the
     quantized blocks. Both activation forms."""
-    from kvpage.model import quant
-
-    lm = smol_fp32_fast
-    assert lm is not smol_fp32 and smol_fp32.model.fast_ops is None  # the exact path stays as it was
-    assert lm.model.layers[0].mlp.gate_up.quant is not None and lm.model.lm_quant is not None
-    for int16 in (False, True):
-        monkeypatch.setattr(quant, "QUANT_INT16", int16)
+    assert smol_fp32_fast is not smol_fp32 and smol_fp32.model.fast_ops is None  # the exact path stays as it was
+    for int16 in int16_forms(smol_fp32_fast):
+        lm = load_fast(KernelConfig(quant_int16=int16))
+        assert lm.model.layers[0].mlp.gate_up.quant is not None and lm.model.lm_quant is not None
         for name, ids in prompts.items():
             assert generate(lm, [ids], MAX_NEW)[0] == hf_greedy[name], (name, int16)
 
@@ -255,17 +261,16 @@ def test_fp32_weights_with_a_half_size_cache_on_the_fast_path(smol_fp32, smol_fp
     record_property(f"{kv_dtype}_cache_token_agreement", same / sum(len(hf_greedy[n]) for n in names))
 
 
-def test_bf16_paths_without_amx_compute_the_same_function(smol_fp32, smol_bf16, prompts, hf_greedy, monkeypatch):
+def test_bf16_paths_without_amx_compute_the_same_function(smol_fp32, smol_bf16, prompts, hf_greedy):
     """The fallbacks where a CPU has no AMX (oneDNN projections + silu_mul, SDPA for prompts) and the AMX
     kernels (tile GEMM with the gated epilogue, prefill_attention) differ only in bf16 rounding: teacher-forced
     argmax agreement >= 99% and logits within a small distance."""
     from kvpage.model import loader
 
     amx_ops("amx_linear_available")  # without AMX, smol_bf16 already is the fallback: nothing to compare
-    monkeypatch.setenv("KVPAGE_AMX_LINEAR", "0")
-    monkeypatch.setenv("KVPAGE_AMX_PREFILL", "0")
     before = set(loader._LOADED)
-    plain = loader.load_model("SmolLM2-135M-Instruct", dtype="bfloat16", attention_backend="cpu")
+    plain = loader.load_model("SmolLM2-135M-Instruct", dtype="bfloat16", attention_backend="cpu",
+                              kernel_config=KernelConfig(amx_linear=False, amx_prefill=False))
     try:
         assert plain is not smol_bf16 and plain.model.layers[0].mlp.gate_up.amx is None
         agree = total = 0
@@ -343,14 +348,14 @@ def test_bf16_step_mixing_decode_cached_chunk_and_fresh_prompt(smol_bf16, prompt
     assert got["b"].argmax() == alone.argmax() and (got["b"] - alone).abs().max() < 1.0
 
 
-def test_bf16_mixed_step_without_the_prompt_kernel(smol_bf16, prompts, monkeypatch):
+def test_bf16_mixed_step_without_the_prompt_kernel(load_fast, prompts):
     """Without the prompt kernel the chunk after cached keys goes to the paged kernel over its own slice of the
     batch (rows after the decode's): the same logits as that chunk computed in a step of its own."""
-    backend = smol_bf16.model.layers[0].self_attn.backend
+    lm = load_fast(KernelConfig(amx_prefill=False, prefill_cached=False), dtype="bfloat16")
+    backend = lm.model.layers[0].self_attn.backend
     if not hasattr(backend, "prefill_cached"):
         pytest.skip("needs the compiled CPU attention backend")
-    monkeypatch.setattr(backend, "amx_prefill", False)
-    monkeypatch.setattr(backend, "prefill_cached", False)
-    got, a, _, c = _mixed_step(smol_bf16, prompts)
-    assert torch.equal(got["a"], _last_logits(smol_bf16, a, (100,)))
-    assert torch.equal(got["c"], _last_logits(smol_bf16, c, ()))
+    assert not backend.amx_prefill and not backend.prefill_cached
+    got, a, _, c = _mixed_step(lm, prompts)
+    assert torch.equal(got["a"], _last_logits(lm, a, (100,)))
+    assert torch.equal(got["c"], _last_logits(lm, c, ()))

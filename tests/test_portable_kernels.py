@@ -8,8 +8,9 @@ import platform
 import pytest
 import torch
 
-from kvpage.attention.backends.cpu_kernels import _CSRC, _SOURCES, PARTITION_SIZE, load_kernels
 from kvpage.model.quant import QuantWeight
+from kvpage.ops import PARTITION_SIZE, load_kernels
+from kvpage.ops.build import _CSRC, _SOURCES
 from tests.conftest import have_cxx
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""Causal attention of whole fresh prompts with AMX tiles (csrc/prefill_amx.cpp): matches a float32 reference
+"""Causal attention of whole fresh prompts with AMX tiles (ops/csrc/attention/prefill_amx.cpp): matches a float32 reference
 for ragged prompt lengths (partial 16-row and 32-key blocks), GQA ratios and prompts packed at any offset of a
 step's batch read through strided views of one qkv tensor; leaves rows outside the prompts alone; refuses what
 it cannot take."""
@@ -75,7 +75,7 @@ def _paged_case(heads, kv_heads, chunks, seed, block_size=16, block_major=True):
     """A packed bf16 cache holding, per sequence, `cached + n` keys in randomly placed blocks, every other slot
     NaN; queries for its last n positions at scattered rows of one step's batch. Block-major storage as the
     engine allocates it, or a plain contiguous tensor."""
-    from kvpage.attention.backends.cpu_kernels import pack_kv_rows
+    from kvpage.ops import pack_kv_rows
     from kvpage.worker.kv_cache import as_block_major
 
     g = torch.Generator().manual_seed(seed)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kvpage.attention.backends.cpu_kernels import load_kernels
-from kvpage.model import quant as quant_config
+from kvpage.envs import KernelConfig
 from kvpage.model.dequant import dequantize
 from kvpage.model.quant import QuantWeight, concat, from_gguf
+from kvpage.ops import load_kernels
 from tests.conftest import have_cxx
 
 needs_kernels = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
@@ -162,12 +162,9 @@ def test_default_model_keeps_its_gguf_blocks_for_few_token_steps(smol_bf16):
     # the fused q|k|v blocks decode to the (unpermuted) dense weights the bf16 GEMM uses, up to bf16 rounding
     dense = layer.self_attn.qkv.quant.dequantize()
     packed_in = torch.eye(dense.shape[1], dtype=torch.bfloat16)
+    assert packed_in.shape[0] > layer.self_attn.qkv.quant_max_tokens  # a GEMM-sized step, not the blocks
     with torch.no_grad():
-        old, quant_config.QUANT_MAX_TOKENS = quant_config.QUANT_MAX_TOKENS, 0
-        try:
-            via_gemm = layer.self_attn.qkv(packed_in).float().T
-        finally:
-            quant_config.QUANT_MAX_TOKENS = old
+        via_gemm = layer.self_attn.qkv(packed_in).float().T
     assert torch.allclose(via_gemm, dense, rtol=1 / 128, atol=1e-6)
 
 
@@ -181,6 +178,7 @@ def test_few_token_steps_agree_with_float32_and_the_dense_bf16_path(smol_bf16):
     """Teacher-forced one token per step (the decode shape): the quantized kernels (exact weights) pick the
     float32 model's next token nearly everywhere, and their logits are closer to float32's than the bf16 GEMM's
     (bf16-rounded weights) are. Both round activations to bf16, so near-ties may still flip either way."""
+    from kvpage.model import loader
     from kvpage.model.loader import load_model
     from kvpage.worker.kv_cache import KVCache
     from kvpage.worker.model_runner import ModelRunner, ScheduledSeq
@@ -193,14 +191,16 @@ def test_few_token_steps_agree_with_float32_and_the_dense_bf16_path(smol_bf16):
     ref = ModelRunner(fp32.model, KVCache(fp32.config, 8, 16, torch.float32)).execute(
         [ScheduledSeq("s", ids, 0, table, all_logits=True)])["s"]
     logits = {}
-    for max_tokens in (0, 4):
-        old, quant_config.QUANT_MAX_TOKENS = quant_config.QUANT_MAX_TOKENS, max_tokens
-        try:
-            runner = ModelRunner(smol_bf16.model, KVCache(smol_bf16.config, 8, 16, torch.bfloat16))
+    before = set(loader._LOADED)
+    try:
+        for max_tokens in (0, 4):
+            lm = load_model(dtype="bfloat16", kernel_config=KernelConfig(quant_max_tokens=max_tokens))
+            runner = ModelRunner(lm.model, KVCache(lm.config, 8, 16, torch.bfloat16))
             logits[max_tokens] = torch.stack(
                 [runner.execute([ScheduledSeq("s", [tok], pos, table)])["s"] for pos, tok in enumerate(ids)])
-        finally:
-            quant_config.QUANT_MAX_TOKENS = old
+    finally:
+        for key in set(loader._LOADED) - before:
+            loader._LOADED.pop(key)
     top = ref.argmax(-1)
     dense, quant = (logits[0].argmax(-1) == top).float().mean(), (logits[4].argmax(-1) == top).float().mean()
     print(f"top-1 agreement with float32 over {len(ids)} steps: quantized {quant:.2%}, dense bf16 {dense:.2%}")

@@ -45,7 +45,7 @@ LOGITS = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0]])
 
 def draw(params: SamplingParams, times: int = 200, output_ids=(), prompt_ids=(), blocked=(), ops=None) -> set[int]:
     """Tokens drawn on both paths (torch, and the compiled kernel when built); they must agree as sets."""
-    from kvpage.attention.backends.cpu_kernels import load_kernels
+    from kvpage.ops import load_kernels
 
     found = []
     for path in ({None, load_kernels()} if ops is None else {ops}):
@@ -197,7 +197,7 @@ def reference(params: SamplingParams, prompt=(), output=()) -> list[float]:
 
 def sampler_paths():
     """The compiled kernel (when this machine builds it) and the torch path."""
-    from kvpage.attention.backends.cpu_kernels import load_kernels
+    from kvpage.ops import load_kernels
 
     ops = load_kernels()
     return [pytest.param(ops, id="kernel", marks=pytest.mark.skipif(ops is None, reason="no compiled kernels")),
@@ -230,7 +230,7 @@ def test_draws_follow_the_reference_distribution(params, prompt, output, ops):
 
 
 def test_compiled_penalties_equal_the_torch_ones():
-    from kvpage.attention.backends.cpu_kernels import load_kernels
+    from kvpage.ops import load_kernels
     from kvpage.worker.sampler import _shape_logits
 
     ops = load_kernels()

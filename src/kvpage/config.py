@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpage.envs import KernelConfig
 from kvpage.units import parse_size
 
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
@@ -68,6 +69,7 @@ class ModelRunConfig:
     dtype: str = "auto"  # bfloat16 where the CPU has AVX512_BF16, else float32; both on the fast path
     max_model_len: int | None = None  # default: the model's context length
     attention_backend: str = "auto"
+    kernels: KernelConfig | None = None  # the kernel paths; None = the environment's (kvpage.envs)
 
     def __post_init__(self) -> None:
         if self.dtype not in RUN_DTYPES:

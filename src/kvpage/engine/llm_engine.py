@@ -12,12 +12,12 @@ import torch
 
 from kvpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpage.core.sequence import Request, Sequence, SequenceStatus
+from kvpage.core.step import StepFeatures, step_log_entry
 from kvpage.engine.arg_utils import EngineArgs
 from kvpage.engine.errors import EngineDeadError
 from kvpage.engine.output_processor import append_sample, blocked_ids, make_request_output, new_state
 from kvpage.outputs import RequestMetrics, RequestOutput
 from kvpage.sampling_params import SamplingParams
-from kvpage.sim.cost import StepFeatures, step_log_entry
 from kvpage.worker.model_runner import BlockOps, ScheduledSeq
 from kvpage.worker.sampler import SampleRequest, argmax_suffices, sample_isolated, seeded_generator
 from kvpage.worker.worker import Worker

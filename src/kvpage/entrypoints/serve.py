@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
+from kvpage import envs
 from kvpage.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def api_key(args: argparse.Namespace) -> str | None:
         if not key:
             raise ValueError(f"--api-key-file: {args.api_key_file} holds no key on its first line")
         return key
-    key = args.api_key if args.api_key is not None else os.environ.get("KVPAGE_API_KEY") or None
+    key = args.api_key if args.api_key is not None else envs.read("KVPAGE_API_KEY") or None
     if key is not None and not key.strip():
         raise ValueError("the API key is empty")
     return key

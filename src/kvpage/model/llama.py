@@ -7,7 +7,6 @@ as they are and GGUF tensors are renamed to them. The arithmetic follows transfo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -16,98 +15,15 @@ from torch import nn
 
 from kvpage.attention.backends.base import AttentionBackend
 from kvpage.attention.metadata import AttentionMetadata
-from kvpage.model import quant as quant_config
 from kvpage.model.config import ModelConfig
+from kvpage.model.layers.linear import PackedLinear
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from kvpage.ops import Kernels
 
-# kvpage's AMX tile GEMM (csrc/linear_amx.cpp) runs the layer projections at every row count (1.2-1.6x
-# oneDNN's packed GEMM for 1-1024 rows, 0.97x at 2048, on this CPU: benchmarks/linear.py, BENCHMARKS.md); the
-# wide output projection keeps oneDNN above this many rows, where oneDNN measured faster (0.8-0.9x at 128-256).
-# KVPAGE_AMX_LINEAR=0 turns the kernel off (side-by-side runs).
+# The wide output projection keeps oneDNN above this many rows, where oneDNN measured faster than kvpage's AMX
+# tile GEMM (0.8-0.9x at 128-256 rows on the AMX Xeon: benchmarks/linear.py, BENCHMARKS.md).
 AMX_LOGITS_MAX_ROWS = 64
-# Decode-only steps of at most QUANT_MAX_TOKENS tokens run the whole layer stack in one compiled call
-# (csrc/decode_layers.cpp) where every layer has quantized weights; KVPAGE_DECODE_LAYERS=python keeps the
-# Python layer loop (side-by-side runs; both give the same bits).
-DECODE_LAYERS_COMPILED = os.environ.get("KVPAGE_DECODE_LAYERS", "compiled") != "python"
-
-
-def amx_linear_enabled(ops) -> bool:
-    return ops is not None and os.environ.get("KVPAGE_AMX_LINEAR", "1") != "0" and ops.amx_linear_available()
-
-
-def f32_gemm_enabled(ops) -> bool:
-    """kvpage's float32 panel GEMM for float32 projections (AVX2 builds); KVPAGE_F32_GEMM=0 keeps oneDNN's."""
-    return (ops is not None and os.environ.get("KVPAGE_F32_GEMM", "1") != "0"
-            and getattr(ops, "f32_gemm_available", lambda: False)())
-
-
-class PackedLinear(nn.Module):
-    """Inference-only linear layer on pre-packed bf16 (or float32) weights: same results as F.linear up to float32
-    summation order, about twice as fast on this CPU, because the weight is laid out for the product once
-    instead of at every call. Paths by row count: the checkpoint's quantized blocks (a few rows, where reading
-    fewer bytes wins), then the AMX tile GEMM where the CPU has it (bf16), kvpage's panel GEMM for float32 on
-    AVX2 builds, oneDNN otherwise (and above amx_max_rows)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
-                 ops=None, amx_max_rows: int | None = None, gated: bool = False) -> None:
-        super().__init__()
-        # gated: weight = [gate; up] and the layer returns silu(x Wg^T) * (x Wu^T), the MLP's input half; the
-        # AMX path computes it in its epilogue instead of writing both halves out for silu_mul to read back.
-        self.gated = gated
-        if gated and ops is None:
-            raise ValueError("a gated PackedLinear needs the compiled kernels (silu_mul)")
-        self.out_features = weight.shape[0] // 2 if gated else weight.shape[0]
-        self.bias = bias
-        # The checkpoint's own quantized blocks, used for steps of at most quant.QUANT_MAX_TOKENS tokens.
-        self.quant = quant if ops is not None else None
-        self.ops = ops
-        # AMX operand order for up to amx_max_rows rows (None: all); oneDNN's packing only where it is used.
-        self.amx: torch.Tensor | None = None
-        self.amx_bias: torch.Tensor | None = None
-        self.amx_max_rows = -1
-        self.packed: torch.Tensor | None = None
-        n, k = weight.shape
-        if (weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and not (gated and bias is not None)
-                and amx_linear_enabled(ops)):
-            self.amx = ops.amx_pack_gate_up(weight) if gated else ops.amx_pack_weight(weight)
-            self.amx_max_rows = amx_max_rows if amx_max_rows is not None else 1 << 62
-            if bias is not None:
-                self.amx_bias = bias.float()  # the kernel adds float32: converted once, not per call
-        # float32 weights on AVX2 builds: kvpage's panel GEMM (csrc/gemm_f32.cpp; 1.1-1.65x oneDNN's packed
-        # product on a pass of this model's layers at 1-2048 rows: benchmarks/linear.py --dtype float32),
-        # oneDNN's packing otherwise.
-        self.f32: torch.Tensor | None = None
-        self.n = n
-        if weight.dtype == torch.float32 and f32_gemm_enabled(ops):
-            self.f32 = ops.f32_pack_weight(weight.contiguous())
-        elif self.amx is None or amx_max_rows is not None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.quant
-        rows = x.shape[0]
-        if rows <= self.amx_max_rows and (q is None or rows > quant_config.QUANT_MAX_TOKENS):
-            return self.ops.amx_linear(x, self.amx, self.amx_bias, self.gated)
-        if q is not None and rows <= quant_config.QUANT_MAX_TOKENS:
-            if self.bias is None:  # the gated activation in the kernel's epilogue
-                return self.ops.quant_linear(x, q.qs, q.d, q.m, False, quant_config.QUANT_INT16, self.gated)
-            out = self.ops.quant_linear(x, q.qs, q.d, q.m, False, quant_config.QUANT_INT16) + self.bias.to(x.dtype)
-        elif self.f32 is not None:
-            out = self.ops.f32_linear(x, self.f32, self.n, self.bias)
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return self.ops.silu_mul(out) if self.gated else out
-
-
-def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """oneDNN's packed linear runs for this dtype here (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
-    try:
-        w = torch.ones(4, 4, dtype=dtype)
-        PackedLinear(w, None)(torch.ones(1, 4, dtype=dtype))
-        return True
-    except Exception:
-        return False
 
 
 class RMSNorm(nn.Module):
@@ -199,12 +115,13 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors))
-        self.fast_ops = None  # set by enable_fast_path()
+        self.ops: Kernels | None = None  # the compiled kernels, where they build (set by the loader)
+        self.fast_ops: Kernels | None = None  # set by enable_fast_path()
         self._decode_layers = None  # the compiled layer stack for decode-only few-token steps (ditto)
         self._decode_backend = None  # its attention backend (decides the KV layout flag per call)
         self.lm_quant: QuantWeight | None = None
 
-    def enable_fast_path(self, ops, quant: dict[str, QuantWeight] | None = None) -> None:
+    def enable_fast_path(self, ops: Kernels, quant: dict[str, QuantWeight] | None = None) -> None:
         """The fast path (bf16, or float32 where the CPU has no native bf16): packed fused projections and fused
         norm / RoPE / SiLU kernels (``ops``); with ``quant`` (parameter name -> the checkpoint's quantized
         blocks) few-token steps compute from those."""
@@ -222,20 +139,18 @@ class LlamaForCausalLM(nn.Module):
             self._fast_plan.append(_FastLayer(layer, nxt.weight if nxt else self.final_norm_f32,
                                               nxt.eps if nxt else self.norm.eps))
         self.fast_ops = ops
-        self._decode_layers = self._compiled_decode_layers(ops) if DECODE_LAYERS_COMPILED else None
+        self._decode_layers = self._compiled_decode_layers(ops) if ops.config.decode_layers == "compiled" else None
 
-    def _compiled_decode_layers(self, ops):
+    def _compiled_decode_layers(self, ops: Kernels):
         """The layer stack for decode-only few-token steps as one compiled object, or None where a layer lacks
         quantized weights, the backend is not the compiled one, or the build predates it."""
-        from kvpage.attention.backends.cpu_kernels import PARTITION_SIZE, CpuPagedAttention
-
         attn = self.layers[0].self_attn
-        if (not hasattr(ops, "DecodeLayers") or any(p.decode is None for p in self._fast_plan)
-                or not all(isinstance(layer.self_attn.backend, CpuPagedAttention) for layer in self.layers)):
+        if (any(p.decode is None for p in self._fast_plan)
+                or not all(layer.self_attn.backend.name == "cpu" for layer in self.layers)):
             return None
         first = self._fast_plan[0]
-        stack = ops.DecodeLayers(first.in_norm, first.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                 attn.scale, PARTITION_SIZE)
+        stack = ops.decode_layers(first.in_norm, first.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                  attn.scale)
         for layer, p in zip(self.layers, self._fast_plan, strict=True):
             a, mlp = layer.self_attn, layer.mlp
             mats = [t for w in (a.qkv.quant, a.o_packed.quant, mlp.gate_up.quant, mlp.down.quant)
@@ -268,13 +183,13 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, torch.float32)
         t = residual.shape[0]
         first = self._fast_plan[0]
-        # steps of at most QUANT_MAX_TOKENS tokens: products straight from the quantized blocks where a layer
+        # steps of at most quant_max_tokens tokens: products straight from the quantized blocks where a layer
         # has them all (a GGUF may mix formats layer by layer; PackedLinear.forward sorts out the rest)
-        few = t <= quant_config.QUANT_MAX_TOKENS
+        few = t <= ops.config.quant_max_tokens
         if few and self._decode_layers is not None and not meta.fresh_prefills and not meta.cached_prefills:
             packed = self._decode_backend.packed_layout(kv_caches[0], first.in_norm.dtype)
             return self._decode_layers.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
-                                           meta.query_start_loc, meta.seq_lens, quant_config.QUANT_INT16, packed)
+                                           meta.query_start_loc, meta.seq_lens, ops.quant_int16, packed)
         h = ops.rms_norm(residual, first.in_norm, first.eps)
         for p, kv_cache in zip(self._fast_plan, kv_caches, strict=True):
             qkv_proj, o_proj, gate_up, down = p.decode if few and p.decode is not None else p.full
@@ -301,12 +216,12 @@ class LlamaForCausalLM(nn.Module):
         in float32 from the float32 hidden state, so greedy choices and top logprobs do not depend on it.
         """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        ops = self.fast_ops or _kernels()
+        ops = self.fast_ops or self.ops
         lm_quant = self.lm_quant
-        if lm_quant is not None and 0 < hidden.shape[0] <= quant_config.QUANT_MAX_TOKENS:
+        if lm_quant is not None and 0 < hidden.shape[0] <= ops.config.quant_max_tokens:
             # float32 logits from the exact quantized weights (one row: 16-bit activation codes, ~2e-5 relative):
             # nothing near the maximum needs recomputing
-            raw = ops.quant_linear(hidden, lm_quant.qs, lm_quant.d, lm_quant.m, True, quant_config.QUANT_INT16)
+            raw = ops.quant_linear(hidden, lm_quant.qs, lm_quant.d, lm_quant.m, True)
             return _result(*ops.logits_postprocess(raw, hidden, weight, not argmax_only), argmax_only)
         if self.fast_ops is not None:
             raw = self.lm_packed(hidden.to(weight.dtype))
@@ -353,10 +268,10 @@ class _FastLayer:
         self.scale = attn.scale
 
 
-def _quant_projection(ops, w: QuantWeight, gated: bool):
-    """x -> the quantized kernel's product (QUANT_INT16 read per call, so it can be switched at run time)."""
+def _quant_projection(ops: Kernels, w: QuantWeight, gated: bool):
+    """x -> the quantized kernel's product."""
     ql, qs, d, m = ops.quant_linear, w.qs, w.d, w.m
-    return lambda x: ql(x, qs, d, m, False, quant_config.QUANT_INT16, gated)
+    return lambda x: ql(x, qs, d, m, False, gated)
 
 
 @dataclass
@@ -368,12 +283,3 @@ class LogitsResult:
 
 def _result(logits: torch.Tensor, argmax: torch.Tensor, lse: torch.Tensor, argmax_only: bool) -> LogitsResult:
     return LogitsResult(None, argmax, None) if argmax_only else LogitsResult(logits, argmax, lse)
-
-
-def _kernels():
-    try:
-        from kvpage.attention.backends.cpu_kernels import load_kernels
-
-        return load_kernels()
-    except Exception:  # pragma: no cover - import problems fall back to torch
-        return None

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
+from kvpage import envs
 from kvpage.attention.backends import get_attention_backend
+from kvpage.envs import KernelConfig
 from kvpage.model.config import ModelConfig, config_from_gguf, config_from_hf_dir, gguf_fields, open_gguf
 from kvpage.model.llama import LlamaForCausalLM
 from kvpage.model.quant import QuantWeight
@@ -17,6 +19,7 @@ from kvpage.model.registry import DEFAULT_MODEL, resolve_model_path
 from kvpage.model.rope import rope_inv_freq
 from kvpage.model.tokenizer import KVTokenizer
 from kvpage.model.weights import check_architecture, iter_gguf_tensors, iter_safetensors
+from kvpage.ops import Kernels, kernels
 
 logger = logging.getLogger(__name__)
 
@@ -25,16 +28,14 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def _maybe_enable_fast_path(net: LlamaForCausalLM, run_dtype: torch.dtype, backend: str,
-                            quant: dict[str, QuantWeight], fast: bool) -> None:
+                            quant: dict[str, QuantWeight], fast: bool, ops: Kernels | None) -> None:
     """With the compiled backend: packed fused projections + fused elementwise kernels, and the GGUF's own
     quantized blocks for few-token steps. Without ``fast`` (float32 by default) the model keeps the
     step-by-step transformers arithmetic (the exactness reference)."""
     if not fast or backend == "reference":
         return
-    from kvpage.attention.backends.cpu_kernels import load_kernels
-    from kvpage.model.llama import packing_available
+    from kvpage.model.layers.linear import packing_available
 
-    ops = load_kernels()
     if ops is None or not packing_available(run_dtype):
         logger.info("%s fast path unavailable (kernels or oneDNN packing missing here): plain path", run_dtype)
         return
@@ -65,24 +66,28 @@ _MAX_CACHED = 3
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-               attention_backend: str = "auto", fast: bool | None = None) -> LoadedModel:
+               attention_backend: str = "auto", fast: bool | None = None,
+               kernel_config: KernelConfig | None = None) -> LoadedModel:
     """Everything from local files; never the network. Engines in one process share a loaded model
     (weights are read-only; each engine owns its KV cache). ``fast``: the fast path (config.fast_path);
-    None = bfloat16 yes, float32 no."""
+    None = bfloat16 yes, float32 no. ``kernel_config``: the kernel paths (default: the environment's)."""
     run_dtype = parse_dtype(dtype)
+    kernel_config = kernel_config or envs.kernel_config()
     fast = run_dtype == torch.bfloat16 if fast is None else fast
     path = resolve_model_path(model)
     if path is None:
         raise ValueError(f"{model!r} is a preset (architecture numbers only, no weights): it can be planned, not run")
-    key = (str(path.resolve()), path.stat().st_mtime_ns, run_dtype, attention_backend, model.lower(), fast)
+    key = (str(path.resolve()), path.stat().st_mtime_ns, run_dtype, attention_backend, model.lower(), fast,
+           kernel_config)
     if key not in _LOADED:
         if len(_LOADED) >= _MAX_CACHED:
             _LOADED.pop(next(iter(_LOADED)))
-        _LOADED[key] = _load(model, path, run_dtype, attention_backend, fast)
+        _LOADED[key] = _load(model, path, run_dtype, attention_backend, fast, kernel_config)
     return _LOADED[key]
 
 
-def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str, fast: bool) -> LoadedModel:
+def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str, fast: bool,
+          kernel_config: KernelConfig) -> LoadedModel:
     t0 = time.perf_counter()
     freq_factors = None
     quant: dict[str, QuantWeight] = {}
@@ -120,7 +125,7 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
     if "lm_head.weight" in state and cfg.tie_word_embeddings:
         cfg = cfg.with_overrides(tie_word_embeddings=False)
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg, get_attention_backend(attention_backend))
+        net = LlamaForCausalLM(cfg, get_attention_backend(attention_backend, kernel_config))
     expected = set(net.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
@@ -135,7 +140,8 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
     )
     net.requires_grad_(False)
     net.eval()
-    _maybe_enable_fast_path(net, run_dtype, attention_backend, quant, fast)
+    net.ops = kernels(kernel_config)  # the logits post-processing uses them on every path
+    _maybe_enable_fast_path(net, run_dtype, attention_backend, quant, fast, net.ops)
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %d layers) from %s in %.1f s", cfg.name, run_dtype, cfg.num_layers, path, seconds)
     return LoadedModel(cfg, net, tokenizer, run_dtype, path, seconds)

@@ -13,7 +13,6 @@ Layout (repacked once at load so the kernel reads aligned, homogeneous rows):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,14 +21,11 @@ from gguf import GGMLQuantizationType as Q
 
 from kvpage.model.dequant import nibbles
 
-# Steps with at most this many tokens use the quantized kernels (measured crossover on this CPU: see
-# BENCHMARKS.md); 0 turns them off.
-QUANT_MAX_TOKENS = int(os.environ.get("KVPAGE_QUANT_MAX_TOKENS", "4"))
+# Steps with at most KernelConfig.quant_max_tokens tokens use the quantized kernels (the measured crossover:
+# benchmarks/quant_linear.py); their activations go in as 16-bit integer blocks where the build has that
+# kernel (AVX2: one integer product per pair of weights instead of a float conversion and FMA per weight;
+# rounding <= 1.5e-5 of each 32-block's largest value), unless KernelConfig.quant_int16 is off.
 QUANT_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q8_0}
-# Those steps' activations as 16-bit integer blocks where the build has the kernel (AVX2): one integer
-# product per pair of weights instead of a float conversion and FMA per weight; rounding <= 1.5e-5 of each
-# 32-block's largest value. KVPAGE_QUANT_INT16=0 keeps them float32 (the exact-sum reference).
-QUANT_INT16 = os.environ.get("KVPAGE_QUANT_INT16", "1") != "0"
 
 
 @dataclass

@@ -12,22 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvpage.ops import Kernels
 
 _NEG_INF = float("-inf")
 _F32_MAX = torch.finfo(torch.float32).max
 _AUTO = object()  # sample(ops=...): the compiled kernels if they are built
 
 
-def _kernels() -> ModuleType | None:
-    from kvpage.attention.backends.cpu_kernels import load_kernels
+def _kernels() -> Kernels | None:
+    from kvpage.ops import kernels
 
-    ops = load_kernels()
-    return ops if ops is not None and hasattr(ops, "sample_rows") else None
+    return kernels()
 
 
 @dataclass
@@ -79,7 +81,7 @@ def argmax_suffices(params: SamplingParams, blocked_ids: Sequence[int] = ()) -> 
 
 def sample(logits: torch.Tensor | None, requests: Sequence[SampleRequest], argmax: torch.Tensor | None = None,
            lse: torch.Tensor | None = None, rows: Sequence[int] | None = None,
-           ops: ModuleType | object | None = _AUTO) -> list[list[Sample]]:
+           ops: Kernels | object | None = _AUTO) -> list[list[Sample]]:
     """Samples for each request from its row of float32 ``logits`` (row i, or ``rows[i]``).
 
     With each row's precomputed ``argmax`` and log-sum-exp ``lse`` (indexed like ``logits``), plain greedy
@@ -112,7 +114,7 @@ def sample(logits: torch.Tensor | None, requests: Sequence[SampleRequest], argma
 
 def sample_isolated(logits: torch.Tensor | None, requests: Sequence[SampleRequest],
                     argmax: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                    rows: Sequence[int] | None = None, ops: ModuleType | object | None = _AUTO,
+                    rows: Sequence[int] | None = None, ops: Kernels | object | None = _AUTO,
                     ) -> list[list[Sample] | Exception]:
     """``sample`` for the whole step; if it raises, each request alone, so that only those that fail on their
     own get their exception back (the others keep their draws)."""
@@ -157,10 +159,10 @@ def _flat_ids(lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tenso
     return flat, offsets
 
 
-def _penalize(x: torch.Tensor, requests: Sequence[SampleRequest], which: list[int], ops: ModuleType | None) -> None:
+def _penalize(x: torch.Tensor, requests: Sequence[SampleRequest], which: list[int], ops: Kernels | None) -> None:
     """Repetition, presence and frequency penalties on rows ``which`` of ``x``, in place."""
     vocab = x.shape[1]
-    if ops is not None and hasattr(ops, "apply_penalties_"):
+    if ops is not None:
         params = [requests[i].params for i in which]
         prompt, prompt_off = _flat_ids([requests[i].prompt_ids if p.repetition_penalty != 1.0 else ()
                                         for i, p in zip(which, params, strict=True)])
@@ -187,7 +189,7 @@ def _penalize(x: torch.Tensor, requests: Sequence[SampleRequest], which: list[in
             x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
 
 
-def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest], ops: ModuleType | None = None) -> None:
+def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest], ops: Kernels | None = None) -> None:
     """In place: penalties, logit bias, allowed ids and blocked ids, row by row only where a request asks."""
     vocab = x.shape[1]
     penalized = [i for i, r in enumerate(requests) if r.params.uses_penalties]
@@ -256,7 +258,7 @@ def _uniforms(requests: Sequence[SampleRequest], width: int) -> torch.Tensor:
 
 
 def _draw(source: torch.Tensor, idx: list[int], requests: Sequence[SampleRequest], width: int,
-          ops: ModuleType | None) -> torch.Tensor:
+          ops: Kernels | None) -> torch.Tensor:
     """[len(idx), width] draws from rows ``idx`` of ``source`` (temperature > 0 on each)."""
     params = [r.params for r in requests]
     u = _uniforms(requests, width)
@@ -278,7 +280,7 @@ def _draw(source: torch.Tensor, idx: list[int], requests: Sequence[SampleRequest
 
 
 def _drawn_rows(logits: torch.Tensor, requests: Sequence[SampleRequest], rows: Sequence[int], slots: list[int],
-                results: list, ops: ModuleType | None) -> None:
+                results: list, ops: Kernels | None) -> None:
     """Every request that is not plain greedy. Rows whose logits nothing reshapes are drawn from the step's
     logits in place; the others from a copy with their penalties, bias and masks applied."""
     width = max(len(r.generators) for r in requests)

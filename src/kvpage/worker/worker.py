@@ -6,6 +6,7 @@ import logging
 import math
 
 from kvpage.config import CacheConfig, ModelRunConfig, fast_path, resolve_dtype
+from kvpage.envs import kernel_config
 from kvpage.kv import KVCacheManager, make_kv_manager
 from kvpage.model.loader import load_model, parse_dtype
 from kvpage.units import format_bytes
@@ -19,7 +20,10 @@ class Worker:
     def __init__(self, model_config: ModelRunConfig | None = None, cache_config: CacheConfig | None = None) -> None:
         self.model_config = mc = model_config or ModelRunConfig()
         self.cache_config = cc = cache_config or CacheConfig()
-        self.lm = load_model(mc.model, resolve_dtype(mc.dtype), mc.attention_backend, fast=fast_path(mc.dtype))
+        # The kernel configuration, resolved once here and handed down to the model, backend and kernels.
+        self.kernel_config = mc.kernels or kernel_config()
+        self.lm = load_model(mc.model, resolve_dtype(mc.dtype), mc.attention_backend, fast=fast_path(mc.dtype),
+                             kernel_config=self.kernel_config)
         cfg = self.lm.config
         limit = cfg.max_position_embeddings or mc.max_model_len
         if not limit:

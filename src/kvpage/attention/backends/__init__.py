@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from kvpage.attention.backends.base import AttentionBackend
 from kvpage.attention.backends.reference import ReferenceAttention
+from kvpage.envs import KernelConfig
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {"reference": ReferenceAttention}
 
 
-def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """``auto``: the compiled CPU kernels when they build here, else the reference backend (logged)."""
+def get_attention_backend(name: str = "auto", config: KernelConfig | None = None) -> AttentionBackend:
+    """``auto``: the compiled CPU kernels (under ``config``) when they build here, else the reference backend
+    (logged)."""
     if name in ("auto", "cpu"):
-        from kvpage.attention.backends.cpu_kernels import CpuPagedAttention, load_kernels
+        from kvpage.ops import kernels, kernels_error
 
-        if load_kernels() is not None:
-            return CpuPagedAttention()
+        ops = kernels(config)
+        if ops is not None:
+            from kvpage.attention.backends.cpu import CpuPagedAttention
+
+            return CpuPagedAttention(ops)
         if name == "cpu":
-            from kvpage.attention.backends.cpu_kernels import kernels_error
-
             raise RuntimeError(f"the compiled CPU backend is unavailable: {kernels_error()}")
         return ReferenceAttention()
     try:

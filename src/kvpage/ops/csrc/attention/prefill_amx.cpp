@@ -16,11 +16,13 @@
 // whose 16-key groups already hold K in the scratch's order, and a chunk of n queries after c cached keys
 // sees keys 0 .. c + r for its query r.
 #include <torch/extension.h>
+
+#include "ops.h"
 #include <ATen/Parallel.h>
 
 #include "common.h"  // kv_geometry
-#include "decode_amx.h"  // TileConfig, amx_permitted, exp16, KVPAGE_AMX
-#include "packed_kv.h"  // packed_group_offset, stage_value_group
+#include "attention/amx_rows.h"  // TileConfig, amx_permitted, exp16, KVPAGE_ISA_AMX
+#include "attention/packed_kv.h"  // packed_group_offset, stage_value_group
 
 #include <algorithm>
 #include <atomic>
@@ -30,9 +32,9 @@
 #include <memory>
 #include <vector>
 
-namespace {
+namespace kvpage::prefill {
 
-#ifdef KVPAGE_AMX
+#if KVPAGE_ISA_AMX
 constexpr int64_t kD = 64;
 
 // Tiles (all full, amx_configure_full): 0-3 = scores of four 16-key blocks (16 x 16 float32), then the output
@@ -136,14 +138,14 @@ inline void score_blocks(const at::BFloat16* k0, float* dst, int64_t span) {
 #endif
 
 bool prefill_amx_available() {
-#ifdef KVPAGE_AMX
+#if KVPAGE_ISA_AMX
   return kvpage::amx_permitted();
 #else
   return false;
 #endif
 }
 
-#ifdef KVPAGE_AMX
+#if KVPAGE_ISA_AMX
 // The attention of every prompt (its packed K/V in kpack / vpack, KV head h at k_off + h * k_slots(keys)) into
 // out: tasks of (prompt, query head, 16 query rows), taken costliest first from a shared counter.
 void attend_prompts(const std::vector<Prompt>& prompts, const at::BFloat16* kpack, const at::BFloat16* vpack,
@@ -289,7 +291,7 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, con
   TORCH_CHECK(key.size(0) == T && KVH > 0 && H % KVH == 0, "query heads must be a multiple of KV heads");
   for (const torch::Tensor* t : {&key, &value}) TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == 64, "rows of heads must be dense");
   TORCH_CHECK(starts.size() == lengths.size(), "starts and lengths differ in length");
-#ifdef KVPAGE_AMX
+#if KVPAGE_ISA_AMX
   std::vector<Prompt> prompts;
   for (size_t i = 0; i < starts.size(); ++i) {
     TORCH_CHECK(starts[i] >= 0 && lengths[i] >= 0 && starts[i] + lengths[i] <= T, "prompt ", i, " outside the batch");
@@ -341,7 +343,7 @@ void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv
               "starts, lengths, seq_lens and seqs differ in length");
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-#ifdef KVPAGE_AMX
+#if KVPAGE_ISA_AMX
   std::vector<Prompt> prompts;
   for (size_t i = 0; i < starts.size(); ++i) {
     TORCH_CHECK(starts[i] >= 0 && lengths[i] >= 0 && starts[i] + lengths[i] <= T, "prompt ", i, " outside the batch");
@@ -388,18 +390,4 @@ void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv
 #endif
 }
 
-}  // namespace
-
-void register_prefill_ops(pybind11::module& m) {
-  m.def("prefill_amx_available", &prefill_amx_available, "whether prefill_attention can run on this CPU/OS");
-  m.def("prefill_attention", &prefill_attention,
-        "causal attention of whole fresh prompts (bf16, head size 64) with AMX tiles, written into out",
-        pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("out"),
-        pybind11::arg("starts"), pybind11::arg("lengths"), pybind11::arg("scale"));
-  m.def("prefill_attention_paged", &prefill_attention_paged,
-        "causal attention of prompts or prompt chunks whose keys (a cached prefix and their own) are in the packed "
-        "bf16 cache (head size 64) with AMX tiles, written into out",
-        pybind11::arg("query"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"), pybind11::arg("out"),
-        pybind11::arg("starts"), pybind11::arg("lengths"), pybind11::arg("seq_lens"), pybind11::arg("seqs"),
-        pybind11::arg("scale"), pybind11::arg("max_scratch_bytes") = int64_t{64} << 20);
-}
+}  // namespace kvpage::prefill

@@ -121,7 +121,7 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
 
 // Row passes of logits_postprocess, 16 lanes at a time where the CPU has AVX-512 (a plain loop otherwise):
 // widen to float32 while taking the max; visit entries >= a threshold; max; sum of exp(x - mx).
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
 using kvpage::tail_mask;
 inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
 inline __m512 load16(const at::BFloat16* p, __mmask16 k) {
@@ -139,7 +139,7 @@ inline void store16(at::BFloat16* p, __m512 v, __mmask16 k) {  // round to neare
 
 template <typename L>
 float widen_max(const L* x, float* o, int64_t V) {
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t v = 0; v < V; v += 16) {
     const __mmask16 k = tail_mask(V - v);
@@ -159,7 +159,7 @@ float widen_max(const L* x, float* o, int64_t V) {
 }
 
 inline float max_of(const float* o, int64_t V) {
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t v = 0; v < V; v += 16) {
     const __mmask16 k = tail_mask(V - v);
@@ -175,7 +175,7 @@ inline float max_of(const float* o, int64_t V) {
 
 template <typename F>
 void for_each_at_least(const float* o, int64_t V, float threshold, F&& fn) {
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
   const __m512 t = _mm512_set1_ps(threshold);
   for (int64_t v = 0; v < V; v += 16) {
     const __mmask16 k = tail_mask(V - v);
@@ -192,7 +192,7 @@ void for_each_at_least(const float* o, int64_t V, float threshold, F&& fn) {
 }
 
 inline float exp_sum(const float* o, int64_t V, float mx) {
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
   const __m512 m = _mm512_set1_ps(mx);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t v = 0; v < V; v += 16) {
@@ -276,13 +276,13 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t str
       const T* u = g + inter;
       T* o = out + r * inter;
       int64_t i = 0;
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
       for (; i < inter; i += 16) {
         const __mmask16 k = tail_mask(inter - i);
         store16(o + i, kvpage::silu_mul16(load16(g + i, k), load16(u + i, k), k), k);
       }
 #else
-#if KVPAGE_AVX2
+#if KVPAGE_ISA_AVX2_ONLY
       if constexpr (std::is_same_v<T, float>)
         for (; i + 8 <= inter; i += 8)
           _mm256_storeu_ps(o + i, kvpage::silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
@@ -307,13 +307,4 @@ torch::Tensor silu_mul(torch::Tensor gu) {
     silu_mul_rows(gu.data_ptr<float>(), out.data_ptr<float>(), rows, inter, gu.stride(0));
   }
   return out;
-}
-
-void register_fused_ops(pybind11::module& m) {
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; return rms_norm(residual) * weight");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows");
-  m.def("rms_norm", &rms_norm, "rms_norm(residual) * weight");
-  m.def("rotary_", &rotary_, "in-place rotate-half RoPE on q and k");
-  m.def("logits_postprocess", &logits_postprocess, "float32 logits with exact near-max entries, argmax, logsumexp",
-        pybind11::arg("logits"), pybind11::arg("hidden"), pybind11::arg("weight"), pybind11::arg("with_logits") = true);
 }

@@ -11,6 +11,8 @@
 // then one block.
 #include <torch/extension.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -39,11 +41,11 @@ struct Scratch {
 float row_max(const float* x, int64_t V) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
   __m512 acc = _mm512_set1_ps(m);
   for (; i + 16 <= V; i += 16) acc = _mm512_max_ps(_mm512_loadu_ps(x + i), acc);  // NaN lane: keeps acc
   m = _mm512_reduce_max_ps(acc);
-#elif KVPAGE_AVX2
+#elif KVPAGE_ISA_AVX2
   __m256 acc = _mm256_set1_ps(m);
   for (; i + 8 <= V; i += 8) acc = _mm256_max_ps(_mm256_loadu_ps(x + i), acc);
   m = kvpage::hmax8(acc);
@@ -56,7 +58,7 @@ float row_max(const float* x, int64_t V) {
 float weights(const float* x, float* e, int64_t begin, int64_t end, float m, float inv) {
   int64_t i = begin;
   float sum = 0.f;
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
   const __m512 vm = _mm512_set1_ps(m), vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-87.f);
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= end; i += 16) {
@@ -66,7 +68,7 @@ float weights(const float* x, float* e, int64_t begin, int64_t end, float m, flo
     acc = _mm512_add_ps(acc, w);
   }
   sum = _mm512_reduce_add_ps(acc);
-#elif KVPAGE_AVX2
+#elif KVPAGE_ISA_AVX2
   const __m256 vm = _mm256_set1_ps(m), vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-87.f);
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= end; i += 8) {
@@ -89,7 +91,7 @@ float weights(const float* x, float* e, int64_t begin, int64_t end, float m, flo
 float kept_sum(const float* e, int64_t begin, int64_t end, float thr) {
   int64_t i = begin;
   float sum = 0.f;
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
   const __m512 t = _mm512_set1_ps(thr);
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= end; i += 16) {
@@ -97,7 +99,7 @@ float kept_sum(const float* e, int64_t begin, int64_t end, float thr) {
     acc = _mm512_mask_add_ps(acc, _mm512_cmp_ps_mask(w, t, _CMP_GE_OQ), acc, w);
   }
   sum = _mm512_reduce_add_ps(acc);
-#elif KVPAGE_AVX2
+#elif KVPAGE_ISA_AVX2
   const __m256 t = _mm256_set1_ps(thr);
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= end; i += 8) {
@@ -113,10 +115,10 @@ float kept_sum(const float* e, int64_t begin, int64_t end, float thr) {
 // How many of x[0, V) are >= t (NaN never is).
 int64_t count_at_least(const float* x, int64_t V, float t) {
   int64_t n = 0, i = 0;
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
   const __m512 vt = _mm512_set1_ps(t);
   for (; i + 16 <= V; i += 16) n += _mm_popcnt_u32(_mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vt, _CMP_GE_OQ));
-#elif KVPAGE_AVX2
+#elif KVPAGE_ISA_AVX2
   const __m256 vt = _mm256_set1_ps(t);
   for (; i + 8 <= V; i += 8)
     n += _mm_popcnt_u32(static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vt, _CMP_GE_OQ))));
@@ -397,11 +399,4 @@ void apply_penalties_(torch::Tensor logits, torch::Tensor rows, torch::Tensor pr
       }
     }
   }
-}
-
-void register_sampler_ops(pybind11::module& m) {
-  m.def("apply_penalties_", &apply_penalties_, "repetition, presence and frequency penalties in place, per row",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("sample_rows", &sample_rows, "inverse-CDF draws under temperature / top-k / top-p / min-p, per row",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

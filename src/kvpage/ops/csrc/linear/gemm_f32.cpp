@@ -10,6 +10,8 @@
 // SmolLM2's layer projections at 1-2048 rows on a Zen 3 (benchmarks/linear.py --dtype float32).
 
 #include <torch/extension.h>
+
+#include "ops.h"
 #include <ATen/Parallel.h>
 
 #include "common.h"
@@ -17,12 +19,12 @@
 #include <algorithm>
 #include <cstdint>
 
-namespace {
+namespace kvpage::gemm {
 
 constexpr int64_t kNR = 16;  // panel width (two 8-lane vectors)
 constexpr int64_t kMR = 6;   // rows per register tile
 
-#if KVPAGE_AVX2
+#if KVPAGE_ISA_AVX2_ONLY
 // Rows [0, R) of x (row stride lda) times one panel (K x 16), written to c (row stride ldc): `cols` <= 16 of
 // the panel's columns are real (the last panel of an N that is not a multiple of 16). The accumulators are
 // named variables, not an array: GCC kept an array's copy on the stack in sync every iteration (12 stores per
@@ -85,7 +87,7 @@ void rows_times_panel(int64_t rows, const float* a, int64_t lda, const float* b,
 }
 #endif
 
-bool f32_gemm_available() { return KVPAGE_AVX2 == 1; }
+bool f32_gemm_available() { return KVPAGE_ISA_AVX2_ONLY == 1; }
 
 torch::Tensor f32_pack_weight(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "weight must be float32 [out_features, in_features]");
@@ -115,7 +117,7 @@ torch::Tensor f32_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N
   x = x.contiguous();
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-#if KVPAGE_AVX2
+#if KVPAGE_ISA_AVX2_ONLY
   const float* a = x.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* c = out.data_ptr<float>();
@@ -139,11 +141,4 @@ torch::Tensor f32_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N
   return out;
 }
 
-}  // namespace
-
-void register_gemm_ops(pybind11::module& m) {
-  m.def("f32_gemm_available", &f32_gemm_available, "whether f32_linear runs in this build (AVX2 + FMA, no AVX-512)");
-  m.def("f32_pack_weight", &f32_pack_weight, "a float32 [N, K] weight in 16-column panels for f32_linear");
-  m.def("f32_linear", &f32_linear, "float32 x . W^T (+ bias) from a panel-packed weight", pybind11::arg("x"),
-        pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
-}
+}  // namespace kvpage::gemm

@@ -9,24 +9,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-// Masked 16-bit loads need BW and VL on top of the foundation set.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define KVPAGE_AVX512 1
-#else
-#define KVPAGE_AVX512 0
-#endif
-
-// AVX2 + FMA without AVX-512 (Zen 3 and older, many cloud VMs): 8-lane paths where a kernel has one.
-#if !KVPAGE_AVX512 && defined(__AVX2__) && defined(__FMA__)
-#define KVPAGE_AVX2 1
-#include <immintrin.h>
-#else
-#define KVPAGE_AVX2 0
-#endif
+#include "isa.h"
 
 namespace kvpage {
 
@@ -70,7 +53,7 @@ inline void reset_partials(float* acc, float* m, float* l, int64_t R, int64_t D)
   std::fill(acc, acc + R * D, 0.f);
 }
 
-#if defined(__AVX512F__)
+#if KVPAGE_ISA_AVX512
 // The first min(left, 16) lanes.
 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
@@ -95,7 +78,7 @@ inline __m512 silu_mul16(__m512 g, __m512 u, __mmask16 keep) {
 }
 #endif
 
-#if KVPAGE_AVX2
+#if KVPAGE_ISA_AVX2_ONLY
 // Sum and maximum of 8 lanes.
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -131,7 +114,7 @@ inline __m256 silu_mul8(__m256 g, __m256 u) {
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if KVPAGE_ISA_AVX512BF16
 // Values of keys 2p and 2p+1 interleaved per element, the operand layout of dpbf16: vpairs holds, per pair
 // p and 512-bit chunk c, the unpacklo and unpackhi halves (64 bf16). Rows at or past `valid` become zero
 // (they may hold anything, NaN included).

@@ -16,8 +16,9 @@
 // write_cache_packed, reads through this kernel). Needs block_size % 16 == 0 and D % 32 == 0.
 #pragma once
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define KVPAGE_PACKED 1
+#include "isa.h"
+
+#if KVPAGE_PACKED
 
 #include <immintrin.h>
 
@@ -29,7 +30,7 @@
 #include <vector>
 
 #include "common.h"
-#include "decode_amx.h"
+#include "attention/amx_rows.h"
 
 namespace kvpage {
 
@@ -288,7 +289,7 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
 }
 
 
-#ifdef KVPAGE_AMX
+#if KVPAGE_ISA_AMX
 // AMX tiles for decode over the packed layout: 0 = Q (G rows x 32 dims), 1 = K (16 dim pairs x 16 keys),
 // 2 = scores (G x 16 keys), 3 = P (G x 16 keys, bf16), 4 = V (8 key pairs x 16 dims), 5 = output (G x 16 dims).
 inline void amx_configure_packed(int64_t G) {

@@ -31,7 +31,7 @@ constexpr int64_t kAhead = 4;  // rows prefetched ahead
 inline void store_out(float* o, float v) { *o = v; }
 inline void store_out(at::BFloat16* o, float v) { *o = at::BFloat16(v); }
 
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
 inline __m512 half16(const at::Half* src, int64_t left) {
   const __mmask16 k = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, reinterpret_cast<const void*>(src)));
@@ -45,7 +45,7 @@ inline void half_row(const at::Half* src, float* dst, int64_t n) {
 #else
 inline void half_row(const at::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if KVPAGE_AVX2 && defined(__F16C__)
+#if KVPAGE_ISA_AVX2_ONLY && defined(__F16C__)
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
   // the tail too (K = 576 leaves 2 of 18 scales per row): at::Half's software conversion is ~10x the cost
@@ -55,7 +55,7 @@ inline void half_row(const at::Half* src, float* dst, int64_t n) {
 }
 #endif
 
-#if KVPAGE_AVX512 || KVPAGE_AVX2
+#if KVPAGE_ISA_AVX512 || KVPAGE_ISA_AVX2
 // Row n's codes and scales into L1 ahead of use: the hardware prefetcher alone leaves the weight stream
 // latency-bound (measured: half the bandwidth). m may be null (Q8).
 inline void prefetch_row(const void* qs, int64_t row_bytes, const at::Half* d, const at::Half* m, int64_t nb,
@@ -67,7 +67,7 @@ inline void prefetch_row(const void* qs, int64_t row_bytes, const at::Half* d, c
 }
 #endif
 
-#if KVPAGE_AVX512 && defined(__AVX512BF16__)
+#if KVPAGE_ISA_AVX512BF16
 #define KVPAGE_Q4_DPBF16 1
 // Q4 rows for bf16 activations with AVX512_BF16: the nibbles of two blocks become 32 exact bf16 integers by a
 // table lookup (vpermw reads the low 5 index bits, so the table maps i -> bf16(i & 15)), and vdpbf16ps sums
@@ -115,7 +115,7 @@ void q4_rows_bf16(const at::BFloat16* xp, const float* xsum, const uint8_t* qs, 
 #define KVPAGE_Q4_DPBF16 0
 #endif
 
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
 // acc[t] += d * (w . x_t) for one block of 32 weights (lo = elements 0..15, hi = 16..31) and M token rows.
 template <int M>
 inline void add_block(__m512 lo, __m512 hi, float d, const float* xb, int64_t K, __m512* acc) {
@@ -128,7 +128,7 @@ inline void add_block(__m512 lo, __m512 hi, float d, const float* xb, int64_t K,
 }
 #endif
 
-#if KVPAGE_AVX2
+#if KVPAGE_ISA_AVX2_ONLY
 // acc[t] += d * (w . x_t) for one block of 32 weights as four 8-lane vectors and M token rows.
 template <int M>
 inline void add_block8(const __m256 (&w)[4], float d, const float* xb, int64_t K, __m256* acc) {
@@ -164,7 +164,7 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
   std::vector<float> dbuf(nb), mbuf(Q4 ? nb : 0);
   [[maybe_unused]] const int64_t row_bytes = Q4 ? K / 2 : K;
   for (int64_t n = n0; n < n1; ++n) {
-#if KVPAGE_AVX512 || KVPAGE_AVX2
+#if KVPAGE_ISA_AVX512 || KVPAGE_ISA_AVX2
     if (n + kAhead < n1) prefetch_row(qs_v, row_bytes, d, m, nb, n + kAhead);
 #endif
     half_row(d + n * nb, dbuf.data(), nb);
@@ -180,7 +180,7 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
         mterm[t] = s;
       }
     }
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
     __m512 acc[M];
     for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
     if constexpr (Q4) {
@@ -202,7 +202,7 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
       }
     }
     for (int t = 0; t < M; ++t) store_out(out + t * N + n, _mm512_reduce_add_ps(acc[t]) + mterm[t]);
-#elif KVPAGE_AVX2
+#elif KVPAGE_ISA_AVX2
     // 8 lanes, two accumulator chains per token row (even and odd blocks). A Q4 block's 16 bytes are
     // broadcast to both 128-bit lanes and one byte shuffle spreads 8 of them over 8 dword lanes: their low
     // nibbles are elements 0-7 (or 8-15), their high nibbles 16-23 (or 24-31), in GGUF order.
@@ -266,7 +266,7 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
   }
 }
 
-#if KVPAGE_AVX2
+#if KVPAGE_ISA_AVX2_ONLY
 // Token rows as 16-bit integer blocks: per block of 32, scale = max|x| / 32767 and codes round(x / scale)
 // (nearest even, the default rounding mode). The rounding error, at most 1.5e-5 of the block's largest
 // value, is far below bf16's; llama.cpp's 8-bit codes were measured here at 93% top-1 agreement with the
@@ -386,13 +386,13 @@ void over_rows(int64_t M, int64_t N, int64_t grain, bool gated, OUT* out, F&& ro
       const float* u = g + inter;
       OUT* o = out + t * inter;
       int64_t i = n0;
-#if KVPAGE_AVX512
+#if KVPAGE_ISA_AVX512
       for (; i + 16 <= n1; i += 16) {  // the formula silu_mul uses (same bits for float32 output)
         alignas(64) float r[16];
         _mm512_store_ps(r, kvpage::silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i), 0xFFFF));
         for (int j = 0; j < 16; ++j) store_out(o + i + j, r[j]);
       }
-#elif KVPAGE_AVX2
+#elif KVPAGE_ISA_AVX2
       for (; i + 8 <= n1; i += 8) {
         alignas(32) float r[8];
         _mm256_store_ps(r, kvpage::silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
@@ -419,7 +419,7 @@ void run_quant(const IN* x, int64_t M, int64_t K, int64_t N, bool q4, const void
     for (int64_t j = 0; j < kQK; ++j) s += xf[i * kQK + j];
     xsum[i] = s;
   }
-#if KVPAGE_AVX2
+#if KVPAGE_ISA_AVX2_ONLY
   // One token row only: from two rows up the float path's shared weight conversion pays for itself (measured
   // at par or faster at 2-4 rows), so those steps keep it.
   if (int16 && M == 1) {
@@ -504,12 +504,4 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c
   return out;
 }
 
-void register_quant_ops(pybind11::module& m) {
-  m.def("quant_linear", &quant_linear,
-        "x . W^T from Q4 / Q8 block-quantized weights (few-token steps); gated: silu(x . Wg^T) * (x . Wu^T) for "
-        "W = [Wg; Wu]",
-        pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("d"), pybind11::arg("m") = pybind11::none(),
-        pybind11::arg("float_out") = false, pybind11::arg("int16") = false, pybind11::arg("gated") = false);
-  m.def("quant_int16_available", []() { return KVPAGE_AVX2 == 1; },
-        "quant_linear(..., int16=True) has 16-bit integer dot products here (AVX2 builds); elsewhere ignored");
-}
+bool quant_int16_available() { return KVPAGE_ISA_AVX2_ONLY == 1; }

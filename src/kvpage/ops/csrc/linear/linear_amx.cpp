@@ -16,18 +16,20 @@
 // Every output element is one float32 sum over K in a fixed order whatever the number of rows (the result of a
 // row does not depend on the batch it came in), rounded once to bf16.
 #include <torch/extension.h>
+
+#include "ops.h"
 #include <ATen/Parallel.h>
 
-#include "decode_amx.h"  // TileConfig, amx_permitted, KVPAGE_AMX
+#include "attention/amx_rows.h"  // TileConfig, amx_permitted, KVPAGE_ISA_AMX
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-namespace {
+namespace kvpage::amx {
 
-#ifdef KVPAGE_AMX
+#if KVPAGE_ISA_AMX
 // Tiles (all full, amx_configure_full): 0-3 = output [2 row tiles][2 column tiles] (16 x 16 float32), 4/5 =
 // activation rows (16 x 32 bf16), 6/7 = weight (16 k pairs x 16 columns x 2).
 
@@ -78,7 +80,7 @@ inline void block_product(const at::BFloat16* a0, const at::BFloat16* a1, int64_
 #endif
 
 bool amx_linear_available() {
-#ifdef KVPAGE_AMX
+#if KVPAGE_ISA_AMX
   return kvpage::amx_permitted();
 #else
   return false;
@@ -116,7 +118,7 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   const int64_t out_cols = silu_gate ? N / 2 : N;
   auto y = torch::empty({M, out_cols}, x_in.options());
   if (M == 0) return y;
-#ifdef KVPAGE_AMX
+#if KVPAGE_ISA_AMX
   torch::Tensor bias;
   if (has_bias) {
     bias = bias_in->to(at::kFloat).contiguous();
@@ -200,13 +202,4 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   return y;
 }
 
-}  // namespace
-
-void register_linear_ops(pybind11::module& m) {
-  m.def("amx_linear_available", &amx_linear_available, "whether amx_linear can run on this CPU/OS");
-  m.def("amx_pack_weight", &amx_pack_weight, "a bf16 [N, K] weight in amx_linear's operand order");
-  m.def("amx_linear", &amx_linear, "x . W^T (+ bias) with AMX tile products from a packed bf16 weight",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("silu_gate") = false);
-  m.def("amx_pack_gate_up", &amx_pack_gate_up, "a bf16 [gate; up] weight packed for amx_linear(silu_gate=True)");
-}
+}  // namespace kvpage::amx

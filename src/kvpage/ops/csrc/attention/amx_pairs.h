@@ -23,10 +23,9 @@
 // Needs D == 64, R <= 16 (tile rows), block_size % 16 == 0; tiles configured by amx_configure_pairs(R).
 #pragma once
 
-#include "packed_kv.h"
+#include "attention/packed_kv.h"
 
-#if defined(KVPAGE_PACKED) && defined(KVPAGE_AMX)
-#define KVPAGE_AMX_PAIRS 1
+#if KVPAGE_ISA_AMX
 
 namespace kvpage {
 

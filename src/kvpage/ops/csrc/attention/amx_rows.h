@@ -17,8 +17,9 @@
 // distance or prefetching V during phase 1 did not change it), so the caller uses it only for small batches.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
-#define KVPAGE_AMX 1
+#include "isa.h"
+
+#if KVPAGE_ISA_AMX
 
 #include <immintrin.h>
 #include <sys/syscall.h>

@@ -1,0 +1,115 @@
+"""Every environment variable kvpage reads: named, typed, documented and parsed here, nowhere else.
+
+The kernel switches are read once, into a frozen ``KernelConfig`` (``kernel_config()``), which the worker
+passes down to the model, the attention backend and the kernels; code below it never looks at the
+environment. Tests and benchmarks build a ``KernelConfig`` themselves instead of setting variables.
+docs/envs.md lists the same table for users (a test keeps the two in step).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    kind: type  # bool, int or str
+    default: object
+    doc: str
+    field: str | None = None  # the KernelConfig field it sets; None for variables read elsewhere
+    choices: tuple[str, ...] | None = None
+
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar("KVPAGE_QUANT_MAX_TOKENS", int, 4, "steps with at most this many tokens multiply the checkpoint's "
+           "quantized blocks directly (reading fewer bytes); 0 turns that off", "quant_max_tokens"),
+    EnvVar("KVPAGE_QUANT_INT16", bool, True, "those steps' activations as 16-bit integer blocks on AVX2 builds; "
+           "0 keeps float32 (the exact-sum reference)", "quant_int16"),
+    EnvVar("KVPAGE_DECODE_LAYERS", str, "compiled", "decode-only few-token steps run the whole layer stack in one "
+           "compiled call; 'python' keeps the Python layer loop (same bits)", "decode_layers", ("compiled", "python")),
+    EnvVar("KVPAGE_AMX_LINEAR", bool, True, "the AMX tile GEMM for bf16 projections where the CPU has AMX; 0 keeps "
+           "oneDNN's packed GEMM", "amx_linear"),
+    EnvVar("KVPAGE_F32_GEMM", bool, True, "kvpage's float32 panel GEMM for float32 projections on AVX2 builds; 0 keeps "
+           "oneDNN's", "f32_gemm"),
+    EnvVar("KVPAGE_AMX_DECODE", bool, True, "AMX tile products for decode attention where the CPU and OS allow them; "
+           "0 keeps the AVX-512 loops", "amx_decode"),
+    EnvVar("KVPAGE_SPLIT_SHORT", bool, True, "one stream's short contexts are cut over the threads; 0 keeps one task "
+           "per sequence", "split_short"),
+    EnvVar("KVPAGE_KV_LAYOUT", str, "packed", "bf16 KV blocks in the packed operand order of the dot-product "
+           "instructions; 'rows' keeps the row layout", "kv_layout", ("packed", "rows")),
+    EnvVar("KVPAGE_AMX_PREFILL", bool, True, "fresh prompts' attention with AMX tiles where the CPU has them; 0 keeps "
+           "torch's SDPA", "amx_prefill"),
+    EnvVar("KVPAGE_PREFILL_CACHED", bool, True, "prompt chunks after cached keys on the AMX prompt kernel, reading the "
+           "packed cache; 0 sends them to the paged kernel", "prefill_cached"),
+    EnvVar("KVPAGE_API_KEY", str, None, "the key `kvpage serve` requires (as --api-key; read by the serve command)"),
+)
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def _parse(var: EnvVar, raw: str) -> object:
+    if var.kind is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{var.name}={raw!r}: expected 1 or 0")
+    if var.kind is int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{var.name}={raw!r}: expected an integer") from None
+        if value < 0:
+            raise ValueError(f"{var.name}={raw!r}: expected an integer >= 0")
+        return value
+    if var.choices is not None and raw not in var.choices:
+        raise ValueError(f"{var.name}={raw!r}: expected one of {', '.join(var.choices)}")
+    return raw
+
+
+def read(name: str, environ: Mapping[str, str] | None = None) -> object:
+    """One variable's value (its default when unset or empty); a bad value is an error that names it."""
+    var = _BY_NAME[name]
+    raw = (os.environ if environ is None else environ).get(name, "")
+    return var.default if raw == "" else _parse(var, raw)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernel paths the model, the attention backend and the kernels take (defaults: the fastest that
+    the machine has). Frozen: resolved once and handed down, never flipped while an engine runs."""
+
+    quant_max_tokens: int = 4
+    quant_int16: bool = True
+    decode_layers: str = "compiled"
+    amx_linear: bool = True
+    f32_gemm: bool = True
+    amx_decode: bool = True
+    split_short: bool = True
+    kv_layout: str = "packed"
+    amx_prefill: bool = True
+    prefill_cached: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            var = next(v for v in VARIABLES if v.field == f.name)
+            value = getattr(self, f.name)
+            if not isinstance(value, var.kind) or (var.kind is int and isinstance(value, bool)):
+                raise ValueError(f"KernelConfig.{f.name} must be {var.kind.__name__}, got {value!r}")
+            if var.choices is not None and value not in var.choices:
+                raise ValueError(f"KernelConfig.{f.name} must be one of {', '.join(var.choices)}, got {value!r}")
+            if var.kind is int and value < 0:
+                raise ValueError(f"KernelConfig.{f.name} must be >= 0, got {value}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelConfig:
+        return cls(**{v.field: read(v.name, environ) for v in VARIABLES if v.field is not None})
+
+
+@lru_cache(maxsize=1)
+def kernel_config() -> KernelConfig:
+    """The process's kernel configuration from its environment, read on first use."""
+    return KernelConfig.from_env()

@@ -1,0 +1,83 @@
+"""The inference linear layer of the fast path: pre-packed weights, the path chosen by row count.
+
+kvpage's AMX tile GEMM (csrc/linear/linear_amx.cpp) runs the layer projections at every row count (1.2-1.6x
+oneDNN's packed GEMM for 1-1024 rows, 0.97x at 2048, on the AMX Xeon: benchmarks/linear.py, BENCHMARKS.md);
+the kernel configuration's amx_linear=False turns it off (side-by-side runs).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvpage.model.quant import QuantWeight
+from kvpage.ops import Kernels
+
+
+class PackedLinear(nn.Module):
+    """Inference-only linear layer on pre-packed bf16 (or float32) weights: same results as F.linear up to float32
+    summation order, about twice as fast on this CPU, because the weight is laid out for the product once
+    instead of at every call. Paths by row count: the checkpoint's quantized blocks (a few rows, where reading
+    fewer bytes wins), then the AMX tile GEMM where the CPU has it (bf16), kvpage's panel GEMM for float32 on
+    AVX2 builds, oneDNN otherwise (and above amx_max_rows)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
+                 ops: Kernels | None = None, amx_max_rows: int | None = None, gated: bool = False) -> None:
+        super().__init__()
+        # gated: weight = [gate; up] and the layer returns silu(x Wg^T) * (x Wu^T), the MLP's input half; the
+        # AMX path computes it in its epilogue instead of writing both halves out for silu_mul to read back.
+        self.gated = gated
+        if gated and ops is None:
+            raise ValueError("a gated PackedLinear needs the compiled kernels (silu_mul)")
+        self.out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+        self.bias = bias
+        # The checkpoint's own quantized blocks, used for steps of at most config.quant_max_tokens tokens.
+        self.quant = quant if ops is not None else None
+        self.quant_max_tokens = ops.config.quant_max_tokens if ops is not None else 0
+        self.ops = ops
+        # AMX operand order for up to amx_max_rows rows (None: all); oneDNN's packing only where it is used.
+        self.amx: torch.Tensor | None = None
+        self.amx_bias: torch.Tensor | None = None
+        self.amx_max_rows = -1
+        self.packed: torch.Tensor | None = None
+        n, k = weight.shape
+        if (weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and not (gated and bias is not None)
+                and ops is not None and ops.amx_linear_ok):
+            self.amx = ops.amx_pack_gate_up(weight) if gated else ops.amx_pack_weight(weight)
+            self.amx_max_rows = amx_max_rows if amx_max_rows is not None else 1 << 62
+            if bias is not None:
+                self.amx_bias = bias.float()  # the kernel adds float32: converted once, not per call
+        # float32 weights on AVX2 builds: kvpage's panel GEMM (ops/csrc/linear/gemm_f32.cpp; 1.1-1.65x oneDNN's packed
+        # product on a pass of this model's layers at 1-2048 rows: benchmarks/linear.py --dtype float32),
+        # oneDNN's packing otherwise.
+        self.f32: torch.Tensor | None = None
+        self.n = n
+        if weight.dtype == torch.float32 and ops is not None and ops.f32_gemm_ok:
+            self.f32 = ops.f32_pack_weight(weight.contiguous())
+        elif self.amx is None or amx_max_rows is not None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quant
+        rows = x.shape[0]
+        if rows <= self.amx_max_rows and (q is None or rows > self.quant_max_tokens):
+            return self.ops.amx_linear(x, self.amx, self.amx_bias, self.gated)
+        if q is not None and rows <= self.quant_max_tokens:
+            if self.bias is None:  # the gated activation in the kernel's epilogue
+                return self.ops.quant_linear(x, q.qs, q.d, q.m, False, self.gated)
+            out = self.ops.quant_linear(x, q.qs, q.d, q.m, False) + self.bias.to(x.dtype)
+        elif self.f32 is not None:
+            out = self.ops.f32_linear(x, self.f32, self.n, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.ops.silu_mul(out) if self.gated else out
+
+
+def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """oneDNN's packed linear runs for this dtype here (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
+    try:
+        w = torch.ones(4, 4, dtype=dtype)
+        PackedLinear(w, None)(torch.ones(1, 4, dtype=dtype))
+        return True
+    except Exception:
+        return False

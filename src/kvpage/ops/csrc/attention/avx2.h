@@ -1,0 +1,226 @@
+// The AVX2 + FMA main loop for machines without AVX-512: 8-lane float32 arithmetic over float32, float16
+// and bf16 caches in the row layout.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+#include "attention/loop.h"
+
+namespace kvpage::attn {
+
+#if KVPAGE_ISA_AVX2_ONLY
+// Eight KV elements as float32: float32 rows load as they are; float16 widens exactly in one F16C conversion
+// (every AVX2 CPU has F16C; the scalar path otherwise). bf16 rows go through load16 below.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
+
+// Sixteen KV elements as two float32 vectors. float32 and float16 rows keep their order (lo = elements 0-7, hi
+// = 8-15). A bf16 value is the high half of its float32, so a bf16 row is read as eight 32-bit words of two
+// values each: shifting a word left by 16 gives the even element as a float32, masking off its low half the odd
+// one (both exact), so lo = elements 0, 2, .., 14 and hi = 1, 3, .., 15: one load and two cheap operations
+// instead of two widening loads and two shifts.
+// The query and output rows a bf16 cache meets are kept in that even/odd order (kPairOrder).
+template <typename KV>
+constexpr bool kPairOrder = std::is_same_v<KV, at::BFloat16>;
+
+template <typename KV>
+inline void load16(const KV* p, __m256& lo, __m256& hi) {
+  if constexpr (kPairOrder<KV>) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    hi = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    lo = load8(p);
+    hi = load8(p + 8);
+  }
+}
+
+// Rows of D values between natural order and the even/odd order of load16 for bf16, within each 16 values.
+inline void to_pair_order(const float* src, float* dst, int64_t D) {
+  for (int64_t c = 0; c < D; c += 16)
+    for (int64_t j = 0; j < 8; ++j) {
+      dst[c + j] = src[c + 2 * j];
+      dst[c + 8 + j] = src[c + 2 * j + 1];
+    }
+}
+inline void from_pair_order(float* row, int64_t D) {
+  float tmp[16];
+  for (int64_t c = 0; c < D; c += 16) {
+    for (int64_t j = 0; j < 8; ++j) {
+      tmp[2 * j] = row[c + j];
+      tmp[2 * j + 1] = row[c + 8 + j];
+    }
+    std::memcpy(row + c, tmp, sizeof(tmp));
+  }
+}
+
+// One dot product q . k over D values, q in load16's order for KV.
+template <typename KV, int64_t D>
+inline float dot1(const float* q, const KV* k) {
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16) {
+    __m256 lo, hi;
+    load16(k + c, lo, hi);
+    a = _mm256_fmadd_ps(lo, _mm256_loadu_ps(q + c), a);
+    a = _mm256_fmadd_ps(hi, _mm256_loadu_ps(q + c + 8), a);
+  }
+  return kvpage::hsum8(a);
+}
+
+// Eight dot products q . k_i (k_i = k + i * stride, D values each) as one vector, lane i = key i: eight
+// accumulators over the dims, then a horizontal-add tree (no per-key horizontal reduction). q is in load16's
+// order for KV.
+template <typename KV, int64_t D>
+inline __m256 dot8(const float* q, const KV* k, int64_t stride) {
+  __m256 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16) {
+    const __m256 qlo = _mm256_loadu_ps(q + c), qhi = _mm256_loadu_ps(q + c + 8);
+    for (int i = 0; i < 8; ++i) {
+      __m256 lo, hi;
+      load16(k + i * stride + c, lo, hi);
+      a[i] = _mm256_fmadd_ps(lo, qlo, a[i]);
+      a[i] = _mm256_fmadd_ps(hi, qhi, a[i]);
+    }
+  }
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// attend_tile for float32, bf16 or float16 KV and head size D on AVX2 + FMA (same contract: q pre-scaled, rows
+// r = j * H + head, row r sees keys <= pos0 + r / H). K and V rows are read where they lie in the cache (no
+// copy; 16-bit values widened to float32 in registers, so every cache computes the same float32 arithmetic
+// on its stored values); scores come eight keys
+// at a time (dot8), the weights through exp8, and P.V keeps each row's output in registers 64 dims at a time
+// while the block's values stream past.
+template <typename KV, int64_t D>
+void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kcache, const KV* vcache,
+                      const int64_t* table, int64_t block_size, int64_t block_stride, int64_t kv_heads, int64_t pos0,
+                      int64_t k_begin, int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch) {
+  static_assert(D % 64 == 0, "head size must be a multiple of 64");
+  const int64_t R = nq * H;
+  const int64_t row_stride = kv_heads * D;
+  scratch.resize(static_cast<size_t>(R * block_size + 8 + (kPairOrder<KV> ? R * D : 0)));
+  float* sc = scratch.data();  // this block's weights, [r][i]
+  if constexpr (kPairOrder<KV>) {  // queries in load16's order; the outputs accumulate in it too
+    float* qp = scratch.data() + R * block_size + 8;
+    for (int64_t r = 0; r < R; ++r) to_pair_order(q + r * D, qp + r * D, D);
+    q = qp;
+  }
+  reset_partials(acc, m, l, R, D);
+  int64_t t = k_begin;
+  while (t < k_end) {
+    const int64_t off = t % block_size;
+    const int64_t n = std::min(block_size - off, k_end - t);
+    const int64_t phys = table[t / block_size];
+    const BlockPrefetch<KV> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin,
+                                     k_end);
+    // The block kPrefetchAhead ahead is fetched in small parts spread over this block's work: one part per
+    // eight keys of each query row's scores, as many during P.V (side by side on random 16-token blocks,
+    // 16-64 sequences x 256-4096 keys: 1.35-1.45x the bandwidth of fetching a head's share at once, which
+    // queues more misses than the core can track and stalls it).
+    const int64_t groups = (n + 7) / 8, parts = 2 * kv_heads * G * groups;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const KV* kbase = kcache + phys * block_stride + off * row_stride + h * D;
+      const KV* vbase = vcache + phys * block_stride + off * row_stride + h * D;
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = j * H + h * G + g;
+          float* s = sc + r * block_size;
+          if (visible <= 0) {
+            std::fill(s, s + n, 0.f);
+            continue;
+          }
+          const float* qr = q + r * D;
+          __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+          int64_t i = 0;
+          for (; i + 8 <= visible; i += 8) {
+            if (j == 0) prefetch.part((h * G + g) * groups + i / 8, parts);
+            const __m256 d8 = dot8<KV, D>(qr, kbase + i * row_stride, row_stride);
+            _mm256_storeu_ps(s + i, d8);
+            vmax = _mm256_max_ps(vmax, d8);
+          }
+          float bmax = kvpage::hmax8(vmax);
+          for (; i < visible; ++i) {  // the block's last < 8 visible keys, one by one
+            s[i] = dot1<KV, D>(qr, kbase + i * row_stride);
+            bmax = std::max(bmax, s[i]);
+          }
+          const float new_m = std::max(m[r], bmax);
+          const float corr = exp_neg(m[r] - new_m);
+          const __m256 vm = _mm256_set1_ps(new_m);
+          __m256 vsum = _mm256_setzero_ps();
+          i = 0;
+          for (; i + 8 <= visible; i += 8) {
+            const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+            _mm256_storeu_ps(s + i, w);
+            vsum = _mm256_add_ps(vsum, w);
+          }
+          float sum = kvpage::hsum8(vsum);
+          for (; i < visible; ++i) {
+            s[i] = exp_neg(s[i] - new_m);
+            sum += s[i];
+          }
+          for (i = visible; i < n; ++i) s[i] = 0.f;
+          l[r] = l[r] * corr + sum;
+          m[r] = new_m;
+          if (corr != 1.f) {
+            const __m256 vc = _mm256_set1_ps(corr);
+            float* a = acc + r * D;
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), vc));
+          }
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t visible = std::min(n, pos0 + j + 1 - t);
+        if (visible <= 0) continue;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = j * H + h * G + g;
+          const float* w = sc + r * block_size;
+          if (j == 0)
+            for (int64_t gi = 0; gi < groups; ++gi) prefetch.part(parts / 2 + (h * G + g) * groups + gi, parts);
+          for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            float* a = acc + r * D + d0;
+            __m256 o[8];
+            for (int c = 0; c < 8; ++c) o[c] = _mm256_loadu_ps(a + 8 * c);
+            for (int64_t i = 0; i < visible; ++i) {
+              const __m256 wv = _mm256_set1_ps(w[i]);
+              const KV* v = vbase + i * row_stride + d0;
+              for (int c = 0; c < 4; ++c) {
+                __m256 lo, hi;
+                load16(v + 16 * c, lo, hi);
+                o[2 * c] = _mm256_fmadd_ps(wv, lo, o[2 * c]);
+                o[2 * c + 1] = _mm256_fmadd_ps(wv, hi, o[2 * c + 1]);
+              }
+            }
+            for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * c, o[c]);
+          }
+        }
+      }
+    }
+    t += n;
+  }
+  if constexpr (kPairOrder<KV>)
+    for (int64_t r = 0; r < R; ++r) from_pair_order(acc + r * D, D);
+}
+#endif
+
+}  // namespace kvpage::attn

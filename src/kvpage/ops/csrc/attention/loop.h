@@ -1,0 +1,116 @@
+// The pieces every paged-attention main loop shares (attention/paged_attention.cpp picks the loop): the
+// task geometry constants, row loads, float32 dot products, the exponent-and-sum of a score block, and
+// the prefetch of blocks ahead that the row-layout loops issue.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+
+namespace kvpage::attn {
+
+using kvpage::exp_neg;
+using kvpage::reset_partials;
+#if KVPAGE_ISA_AVX512
+using kvpage::exp16;
+#endif
+#if KVPAGE_ISA_AVX2_ONLY
+using kvpage::exp8;
+#endif
+using kvpage::to_float;
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+constexpr int64_t kMaxGroup = 64;
+
+constexpr int64_t kTile = 16;  // query tokens per task (prompt chunks); decode tasks hold one
+constexpr int64_t kMinPartition = 64;  // keys: below this, merging partitions costs more than a second thread saves
+
+#if KVPAGE_ISA_AVX512BF16
+// q . k for bf16 vectors of length D (a multiple of 32): products are exact in float32, summed in float32.
+inline float dot_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512i qv = _mm512_loadu_si512(reinterpret_cast<const void*>(q + d));
+    const __m512i kv = _mm512_loadu_si512(reinterpret_cast<const void*>(k + d));
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)qv, (__m512bh)kv);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+#endif
+
+// w[i] = exp(s[i] - mx) for i < n (every s[i] <= mx); returns the sum of the w[i].
+inline float exp_shift_sum(float* s, int64_t n, float mx) {
+#if KVPAGE_ISA_AVX512
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 w = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vmx), k);
+    _mm512_mask_storeu_ps(s + i, k, w);
+    vsum = _mm512_add_ps(vsum, w);
+  }
+  return _mm512_reduce_add_ps(vsum);
+#else
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = exp_neg(s[i] - mx);
+    sum += s[i];
+  }
+  return sum;
+#endif
+}
+
+constexpr int64_t kPrefetchAhead = 2;  // blocks (the row-layout kernels' prefetch distance)
+
+#if KVPAGE_ISA_AVX512 || KVPAGE_ISA_AVX2
+// Blocks are scattered, so the hardware prefetcher cannot run ahead across a block boundary. Made where a row
+// kernel starts a block (key t), this picks the block kPrefetchAhead blocks later and fetches its K and V rows
+// into L2 in parts, so the requests do not queue up behind each other: part(i, parts) fetches the i-th of
+// `parts` equal shares (the AVX-512 kernel takes one share per KV head, the AVX2 kernel finer ones spread
+// over its work).
+template <typename KV>
+struct BlockPrefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t lines = 0;
+
+  BlockPrefetch(const KV* kcache, const KV* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
+                int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end) {
+    if (t % block_size != 0 && t != k_begin) return;  // not the start of a block
+    const int64_t ahead = (t / block_size + kPrefetchAhead) * block_size;
+    if (ahead >= k_end) return;
+    const int64_t nb = table[ahead / block_size];
+    k = reinterpret_cast<const char*>(kcache + nb * block_stride);
+    v = reinterpret_cast<const char*>(vcache + nb * block_stride);
+    lines = (std::min<int64_t>(block_size, k_end - ahead) * row_stride * static_cast<int64_t>(sizeof(KV)) + 63) / 64;
+  }
+
+  void part(int64_t idx, int64_t parts) const {
+    for (int64_t i = idx * lines / parts; i < (idx + 1) * lines / parts; ++i) {
+      _mm_prefetch(k + 64 * i, _MM_HINT_T1);
+      _mm_prefetch(v + 64 * i, _MM_HINT_T1);
+    }
+  }
+};
+#endif
+
+}  // namespace kvpage::attn

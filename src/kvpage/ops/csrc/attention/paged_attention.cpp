@@ -1,0 +1,577 @@
+// Paged attention on CPU for kvpage.
+//
+// KV layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim], float32, bfloat16 or float16,
+// contiguous or block-major (common.h kv_geometry: the engine keeps a block's K and V adjacent).
+// A flat batch holds, for sequence s, query rows query_start_loc[s] .. query_start_loc[s+1]-1; they are the
+// last q_len tokens of a context of seq_lens[s] tokens, so query j sits at position seq_len - q_len + j and
+// attends to keys 0..that position (causal, with any cached prefix in front).
+//
+// One task = (sequence, query token, KV head, context partition). A task reads each key/value row of its
+// partition once and uses it for every query head of the KV head's group (GQA), keeping a block-wise online
+// softmax in float32. Long contexts are split into partitions whose partial results are merged afterwards,
+// so a single long sequence still keeps every core busy.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "common.h"
+#include "ops.h"
+#include "attention/amx_rows.h"
+#include "attention/packed_kv.h"
+#include "attention/amx_pairs.h"
+#include "attention/avx2.h"
+#include "attention/avx512_bf16.h"
+#include "attention/loop.h"
+#include "attention/portable.h"
+
+#if KVPAGE_ISA_AVX512
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace kvpage::attn;
+
+
+#if KVPAGE_ISA_AMX
+// The AMX decode kernel for a head size and a group size (<= 8, checked by the caller) known at compile time.
+template <int64_t D>
+void dispatch_decode_amx(int64_t G, const at::BFloat16* q, int64_t kv_heads, const at::BFloat16* kc,
+                         const at::BFloat16* vc, const int64_t* table, int64_t block_size, int64_t block_stride,
+                         int64_t k_begin,
+                         int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch, float scale) {
+  switch (G) {
+#define KVPAGE_AMX_CASE(g)                                                                                     \
+  case g:                                                                                                      \
+    return kvpage::attend_decode_amx<D, g>(q, kv_heads, kc, vc, table, block_size, block_stride, k_begin,      \
+                                           k_end, acc, m, l, scratch, scale);
+    KVPAGE_AMX_CASE(1) KVPAGE_AMX_CASE(2) KVPAGE_AMX_CASE(3) KVPAGE_AMX_CASE(4)
+    KVPAGE_AMX_CASE(5) KVPAGE_AMX_CASE(6) KVPAGE_AMX_CASE(7) KVPAGE_AMX_CASE(8)
+#undef KVPAGE_AMX_CASE
+    default:
+      TORCH_CHECK(false, "AMX decode: group size ", G, " has no instance");
+  }
+}
+#endif
+
+// The kernel configuration's attention switches (kvpage.envs: KVPAGE_SPLIT_SHORT, KVPAGE_AMX_DECODE), passed
+// with every call rather than held in globals.
+struct AttentionOptions {
+  bool split_short;  // one stream's short contexts cut over the threads
+  bool amx_decode;   // AMX tile products for decode tasks where the CPU and OS allow them
+};
+
+// Which kernel served the last call's decode tasks (diagnostics and tests).
+const char* g_decode_kernel = "none";
+
+struct Task {
+  int64_t seq, row0, nq, part;  // query rows row0 .. row0+nq-1 of the flat batch, every head
+  int64_t pos0;                 // absolute position of the first query of the tile
+
+  // The keys [begin, end) this task attends to: its partition, up to its last query's position.
+  std::pair<int64_t, int64_t> keys(int64_t partition_size) const {
+    const int64_t begin = part * partition_size;
+    return {begin, std::min(pos0 + nq, begin + partition_size)};
+  }
+};
+
+
+template <typename KV>
+constexpr const char* avx2_kernel_name() {
+  return std::is_same_v<KV, float> ? "avx2-f32" : std::is_same_v<KV, at::Half> ? "avx2-f16" : "avx2-bf16";
+}
+
+template <typename KV, typename Q>
+void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                   const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, double scale,
+                   int64_t partition_size, bool packed, const AttentionOptions& opt, torch::Tensor& out) {
+  // partition_size: keys per task, at most
+  const int64_t H = query.size(1), D = query.size(2);
+  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);
+  const int64_t block_stride = geo.block_stride;
+  const int64_t G = H / kv_heads;
+  const int64_t S = seq_lens.size(0);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const Q* qptr = query.data_ptr<Q>();
+  Q* optr = out.data_ptr<Q>();
+  const KV* kcache = kv_cache.data_ptr<KV>();
+  const KV* vcache = kcache + geo.v_offset;
+
+  // Tasks: (sequence, tile of up to kTile query tokens, context partition), all heads. Contexts are split
+  // into partitions only when there are too few tiles to keep every core busy.
+  int64_t base_tasks = 0;
+  for (int64_t s = 0; s < S; ++s) base_tasks += (qsl[s + 1] - qsl[s] + kTile - 1) / kTile;
+  const int64_t threads = at::get_num_threads();
+  const bool few_tasks = base_tasks < 4 * threads;
+  if (!few_tasks) partition_size = std::numeric_limits<int64_t>::max() / 4 / 16 * 16;  // no split (a multiple of 16)
+  if (opt.split_short && base_tasks > 0 && base_tasks < threads) {
+    // Fewer tiles than threads (one stream's decode): contexts shorter than a partition would leave threads
+    // idle, so cut them into one part per idle thread, in multiples of 16 keys and at least kMinPartition.
+    int64_t longest = 0;
+    for (int64_t s = 0; s < S; ++s) longest = std::max(longest, lens[s]);
+    const int64_t ways = (threads + base_tasks - 1) / base_tasks;
+    const int64_t part = ((longest + ways - 1) / ways + 15) / 16 * 16;
+    partition_size = std::min(partition_size, std::max(kMinPartition, part));
+  }
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    for (int64_t j0 = 0; j0 < q_len; j0 += kTile) {
+      const int64_t nq = std::min(kTile, q_len - j0);
+      const int64_t pos0 = lens[s] - q_len + j0;
+      const int64_t parts = (pos0 + nq + partition_size - 1) / partition_size;
+      for (int64_t p = 0; p < parts; ++p) tasks.push_back({s, qsl[s] + j0, nq, p, pos0});
+    }
+  }
+  const int64_t T = static_cast<int64_t>(tasks.size());
+  std::vector<int64_t> offset(static_cast<size_t>(T + 1), 0);  // first partial row of each task
+  for (int64_t ti = 0; ti < T; ++ti) offset[ti + 1] = offset[ti] + tasks[ti].nq * H;
+  std::vector<float> part_acc(static_cast<size_t>(offset[T] * D));
+  std::vector<float> part_m(static_cast<size_t>(offset[T])), part_l(static_cast<size_t>(offset[T]));
+  bool use_dp = false;
+#if KVPAGE_ISA_AVX512BF16
+  use_dp = std::is_same_v<KV, at::BFloat16> && std::is_same_v<Q, at::BFloat16> && D % 32 == 0;
+#endif
+
+  bool use_amx = false;
+#if KVPAGE_ISA_AMX
+  // Only for small batches (few tasks, contexts split into partitions): there the KV tends to sit in cache and
+  // the AMX kernel is twice as fast; with many sequences streaming from memory the AVX-512 kernel is faster.
+  use_amx = !packed && few_tasks && use_dp && opt.amx_decode && (D == 64 || D == 128) && G <= 8 && block_size % 16 == 0 &&
+            partition_size % 16 == 0 && kvpage::amx_permitted();
+#endif
+
+  bool use_amx_packed = false;
+#if KVPAGE_ISA_AMX
+  // Decode tasks over the packed layout: AMX products straight from the cache (any batch size: nothing is
+  // rearranged on the way, unlike the row-layout AMX kernel above).
+  use_amx_packed = packed && opt.amx_decode && G <= 16 && kvpage::amx_permitted();
+#endif
+  bool use_amx_pairs = false;
+#if KVPAGE_ISA_AMX
+  use_amx_pairs = use_amx_packed && D == 64 && H <= 16;
+#endif
+  g_decode_kernel = use_amx_pairs ? "amx-pairs" : use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
+                  : (use_dp && (D == 64 || D == 128)) ? "avx512-rows"
+                  : (KVPAGE_ISA_AVX2_ONLY && (D == 64 || D == 128)) ? avx2_kernel_name<KV>()
+                  : "generic";
+  auto work = [&](int64_t begin, int64_t end) {
+#if KVPAGE_ISA_AMX
+    if (use_amx) kvpage::amx_configure(G);
+#if KVPAGE_PACKED
+    if (use_amx_pairs) kvpage::amx_configure_pairs(H);
+    else if (use_amx_packed) kvpage::amx_configure_packed(G);
+#endif
+#endif
+    std::vector<float> qbuf(static_cast<size_t>(kTile * H * D));
+    std::vector<const at::BFloat16*> qptrs(static_cast<size_t>(kTile * H));
+    std::vector<float> scratch;
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Task& tk = tasks[ti];
+      const Q* qrows = qptr + tk.row0 * H * D;
+      const at::BFloat16* const* qb = nullptr;
+      if (use_dp) {
+        for (int64_t r = 0; r < tk.nq * H; ++r) qptrs[r] = reinterpret_cast<const at::BFloat16*>(qrows + r * D);
+        qb = qptrs.data();
+      } else {
+        for (int64_t i = 0; i < tk.nq * H * D; ++i) qbuf[i] = to_float(qrows[i]) * static_cast<float>(scale);
+      }
+      const auto [k_begin, k_end] = tk.keys(partition_size);
+      const int64_t* table = tables + tk.seq * max_blocks;
+      float* pa = part_acc.data() + offset[ti] * D;
+      float* pm = part_m.data() + offset[ti];
+      float* pl = part_l.data() + offset[ti];
+      const float sc = static_cast<float>(scale);
+#if KVPAGE_PACKED
+      if constexpr (std::is_same_v<KV, at::BFloat16>) {
+        if (packed) {
+          // The prefetch runs on into the thread's next task.
+          kvpage::NextKeys next;
+          if (ti + 1 < end) {
+            const Task& nt = tasks[ti + 1];
+            next.table = tables + nt.seq * max_blocks;
+            std::tie(next.begin, next.end) = nt.keys(partition_size);
+          }
+#if KVPAGE_ISA_AMX
+          if (use_amx_pairs && tk.nq == 1) {
+#if KVPAGE_ISA_AMX
+            kvpage::attend_decode_amx_pairs(qb[0], G, kv_heads, kcache, vcache, table, block_size, block_stride,
+                                            k_begin, k_end, pa,
+                                            pm, pl, scratch, sc, next);
+#endif
+            continue;
+          }
+          if (use_amx_packed && tk.nq == 1) {
+            if (D == 64)
+              kvpage::attend_decode_amx_packed<64>(qb[0], G, kv_heads, kcache, vcache, table, block_size,
+                                                   block_stride, k_begin,
+                                                   k_end, pa, pm, pl, scratch, sc, next);
+            else
+              kvpage::attend_decode_amx_packed<128>(qb[0], G, kv_heads, kcache, vcache, table, block_size,
+                                                    block_stride, k_begin,
+                                                    k_end, pa, pm, pl, scratch, sc, next);
+            continue;
+          }
+#endif
+          if (D == 64)
+            kvpage::attend_tile_packed<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads,
+                                           tk.pos0,
+                                           k_begin, k_end, pa, pm, pl, scratch, sc, next);
+          else
+            kvpage::attend_tile_packed<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                            kv_heads, tk.pos0,
+                                            k_begin, k_end, pa, pm, pl, scratch, sc, next);
+          continue;
+        }
+      }
+#endif
+#if KVPAGE_ISA_AVX512BF16
+      if constexpr (std::is_same_v<KV, at::BFloat16>) {
+#if KVPAGE_ISA_AMX
+        if (use_amx && tk.nq == 1) {
+          if (D == 64)
+            dispatch_decode_amx<64>(G, qb[0], kv_heads, kcache, vcache, table, block_size, block_stride, k_begin,
+                                    k_end, pa, pm, pl,
+                                    scratch, sc);
+          else
+            dispatch_decode_amx<128>(G, qb[0], kv_heads, kcache, vcache, table, block_size, block_stride, k_begin,
+                                     k_end, pa, pm,
+                                     pl, scratch, sc);
+          continue;
+        }
+#endif
+        if (use_dp && (D == 64 || D == 128)) {
+          if (D == 64)
+            attend_tile_bf16<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, tk.pos0,
+                                 k_begin,
+                                 k_end, pa, pm, pl, scratch, sc);
+          else
+            attend_tile_bf16<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, tk.pos0,
+                                  k_begin,
+                                  k_end, pa, pm, pl, scratch, sc);
+          continue;
+        }
+      }
+#endif
+#if KVPAGE_ISA_AVX2_ONLY
+      if (D == 64) {
+        attend_tile_avx2<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads,
+                                 tk.pos0, k_begin, k_end, pa, pm, pl, scratch);
+        continue;
+      }
+      if (D == 128) {
+        attend_tile_avx2<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                  kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch);
+        continue;
+      }
+#endif
+      if (D == 64)
+        attend_tile<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, D,
+                            tk.pos0,
+                            k_begin, k_end, pa, pm, pl, scratch, qb, sc);
+      else if (D == 128)
+        attend_tile<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, D,
+                             tk.pos0,
+                             k_begin, k_end, pa, pm, pl, scratch, qb, sc);
+      else
+        attend_tile<KV, 0>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, D,
+                           tk.pos0,
+                           k_begin, k_end, pa, pm, pl, scratch, qb, sc);
+    }
+#if KVPAGE_ISA_AMX
+    if (use_amx || use_amx_packed) kvpage::amx_release();
+#endif
+  };
+  // Each thread takes one contiguous run of tasks (so the prefetch can run on into its next task), the runs cut
+  // at equal estimated cost rather than equal task counts: contexts vary several-fold within a batch, and a
+  // prompt tile (up to kTile queries) costs several decode tasks per key.
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), T);
+  std::vector<double> cost(static_cast<size_t>(T + 1), 0.0);  // running sum
+  for (int64_t ti = 0; ti < T; ++ti) {
+    const auto [kb, ke] = tasks[ti].keys(partition_size);
+    cost[ti + 1] = cost[ti] + static_cast<double>(ke - kb + 32) * (1.0 + 0.6 * static_cast<double>(tasks[ti].nq - 1));
+  }
+  std::vector<int64_t> cut(static_cast<size_t>(nt + 1), T);
+  cut[0] = 0;
+  for (int64_t c = 1; c < nt; ++c) cut[c] = std::lower_bound(cost.begin(), cost.end(), cost[T] * c / nt) - cost.begin();
+  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c)
+      if (cut[c] < cut[c + 1]) work(cut[c], cut[c + 1]);
+  });
+
+  // Merge each tile's partitions and write normalized outputs (row r of a task = query r / H, head r % H).
+  std::vector<int64_t> starts;
+  for (int64_t ti = 0; ti < T; ++ti)
+    if (tasks[ti].part == 0) starts.push_back(ti);
+  const int64_t NS = static_cast<int64_t>(starts.size());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, NS, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(D));
+    for (int64_t si = begin; si < end; ++si) {
+      const int64_t t0 = starts[si];
+      int64_t t1 = t0 + 1;
+      while (t1 < T && tasks[t1].part != 0) ++t1;
+      const Task& tk = tasks[t0];
+      for (int64_t r = 0; r < tk.nq * H; ++r) {
+        Q* o = optr + (tk.row0 * H + r) * D;
+        if (t1 == t0 + 1) {  // one partition: normalize directly
+          const float inv = 1.f / part_l[offset[t0] + r];
+          const float* a = part_acc.data() + (offset[t0] + r) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<Q>(a[d] * inv);
+          continue;
+        }
+        float M = neg_inf;
+        for (int64_t ti = t0; ti < t1; ++ti) M = std::max(M, part_m[offset[ti] + r]);
+        float L = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t ti = t0; ti < t1; ++ti) {
+          const float pm = part_m[offset[ti] + r];
+          if (pm == neg_inf) continue;  // this partition lies entirely after the row's position
+          const float c = exp_neg(pm - M);
+          L += c * part_l[offset[ti] + r];
+          const float* a = part_acc.data() + (offset[ti] + r) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] += c * a[d];
+        }
+        const float inv = 1.f / L;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<Q>(acc[d] * inv);
+      }
+    }
+  });
+}
+
+template <typename KV, typename IN>
+void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+                 const torch::Tensor& slot_mapping) {
+  const int64_t N = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t block_size = kv_cache.size(2), num_slots = kv_cache.size(1) * block_size;
+  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);
+  KV* kdst = kv_cache.data_ptr<KV>();
+  KV* vdst = kdst + geo.v_offset;
+  const IN* ksrc = key.data_ptr<IN>();
+  const IN* vsrc = value.data_ptr<IN>();
+  const int64_t ks = key.stride(0), vs = value.stride(0);  // token rows may be views into a wider qkv output
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = slots[i];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
+      const int64_t at = (slot / block_size) * geo.block_stride + (slot % block_size) * row;
+      if constexpr (std::is_same_v<KV, IN>) {
+        std::memcpy(kdst + at, ksrc + i * ks, sizeof(KV) * row);
+        std::memcpy(vdst + at, vsrc + i * vs, sizeof(KV) * row);
+      } else {
+        for (int64_t e = 0; e < row; ++e) {
+          kdst[at + e] = static_cast<KV>(to_float(ksrc[i * ks + e]));
+          vdst[at + e] = static_cast<KV>(to_float(vsrc[i * vs + e]));
+        }
+      }
+    }
+  });
+}
+
+#if KVPAGE_PACKED
+// Token rows into the packed layout (packed_kv.h); bf16 cache.
+template <typename IN>
+void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+                        const torch::Tensor& slot_mapping) {
+  const int64_t N = key.size(0), kv_heads = key.size(1), D = key.size(2);
+  const int64_t block_size = kv_cache.size(2), num_slots = kv_cache.size(1) * block_size;
+  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);
+  at::BFloat16* kdst = kv_cache.data_ptr<at::BFloat16>();
+  at::BFloat16* vdst = kdst + geo.v_offset;
+  const IN* ksrc = key.data_ptr<IN>();
+  const IN* vsrc = value.data_ptr<IN>();
+  const int64_t ks = key.stride(0), vs = value.stride(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+#if KVPAGE_ISA_AVX512
+  // word offsets of one dim pair of 16 consecutive keys: one 16-key row (16 words) apart
+  const __m512i rows16 = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+#endif
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    std::vector<at::BFloat16> krow(static_cast<size_t>(D)), vrow(static_cast<size_t>(D));
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = slots[i];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
+      const int64_t off = slot % block_size;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t d = 0; d < D; ++d) {
+          krow[d] = static_cast<at::BFloat16>(ksrc[i * ks + h * D + d]);
+          vrow[d] = static_cast<at::BFloat16>(vsrc[i * vs + h * D + d]);
+        }
+        // K: the token's dim pairs are 32-bit words one 16-key row (64 bytes) apart; V: its elements every
+        // other bf16 of its key pair's row (packed_kv.h).
+        const int64_t base = kvpage::packed_group_offset(slot / block_size, off, geo.block_stride, kv_heads,
+                                                         D) + h * 16 * D;
+        auto* k32 = reinterpret_cast<uint32_t*>(kdst + base + (off % 16) * 2);
+        const auto* kw = reinterpret_cast<const uint32_t*>(krow.data());
+        at::BFloat16* vpair = vdst + base + ((off % 16) / 2) * 2 * D;
+#if KVPAGE_ISA_AVX512
+        // 16 dim pairs per scatter; 16 values per masked store into the low or high halves of a pair row
+        for (int64_t p = 0; p < D / 2; p += 16)
+          _mm512_i32scatter_epi32(k32 + p * 16, rows16, _mm512_loadu_si512(kw + p), 4);
+        const __mmask32 half = off % 2 ? 0xAAAAAAAAu : 0x55555555u;
+        for (int64_t d = 0; d < D; d += 16) {
+          __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow.data() + d)));
+          if (off % 2) w = _mm512_slli_epi32(w, 16);
+          _mm512_mask_storeu_epi16(vpair + 2 * d, half, w);
+        }
+#else
+        for (int64_t p = 0; p < D / 2; ++p) k32[p * 16] = kw[p];
+        for (int64_t d = 0; d < D; ++d) vpair[2 * d + off % 2] = vrow[d];
+#endif
+      }
+    }
+  });
+}
+#endif
+
+// Whether this build and cache can use the packed layout (packed_kv.h).
+void check_packed(const torch::Tensor& kv_cache) {
+#if KVPAGE_PACKED
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "the packed KV layout is bfloat16 only");
+  TORCH_CHECK(kv_cache.size(2) % 16 == 0, "the packed KV layout needs a block size that is a multiple of 16");
+  TORCH_CHECK(kv_cache.size(4) == 64 || kv_cache.size(4) == 128, "the packed KV layout needs head size 64 or 128");
+#else
+  (void)kv_cache;
+  TORCH_CHECK(false, "this build has no packed KV layout (needs AVX512-BF16)");
+#endif
+}
+
+void check_common(const torch::Tensor& kv_cache) {
+  kvpage::kv_geometry(kv_cache);  // shape and strides
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16 ||
+                  kv_cache.scalar_type() == at::kHalf,
+              "kv_cache must be float32, bfloat16 or float16");
+}
+
+// The batch description must fit the query and the cache: the kernels index with these numbers unchecked, so a
+// bad offset or block id would read outside the tensors. O(sequences + blocks), against the kernel's
+// O(keys x heads x head_dim). block_tables must already be contiguous (the caller makes it so).
+void check_batch(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                 const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) {
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
+              "seq_lens must be a contiguous int64 [seqs] tensor");
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kLong &&
+                  query_start_loc.is_contiguous() && query_start_loc.size(0) == S + 1,
+              "query_start_loc must be a contiguous int64 tensor of seqs + 1 = ", S + 1, " offsets");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.size(0) >= S,
+              "block_tables must be an int64 [seqs, max_blocks] tensor with a row per sequence");
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t bs = kv_cache.size(2), num_blocks = kv_cache.size(1), max_blocks = block_tables.size(1);
+  TORCH_CHECK(qsl[0] == 0 && qsl[S] == query.size(0), "query_start_loc must run from 0 to the ", query.size(0),
+              " query rows, got ", qsl[0], " .. ", qsl[S]);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    TORCH_CHECK(q_len >= 0, "query_start_loc decreases at sequence ", s);
+    TORCH_CHECK(lens[s] >= q_len, "sequence ", s, " has fewer keys (", lens[s], ") than queries (", q_len, ")");
+    kvpage::check_table_row(tables + s * max_blocks, max_blocks, lens[s], bs, num_blocks, "sequence", s);
+  }
+}
+
+}  // namespace
+
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
+                       bool packed) {
+  check_common(kv_cache);
+  if (packed) check_packed(kv_cache);
+  TORCH_CHECK(key.sizes() == value.sizes() && key.dim() == 3, "key/value must be [tokens, kv_heads, dim]");
+  TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4), "key shape does not match the cache");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0), "bad slot_mapping");
+  // Each token's heads must be one dense row; the rows themselves may be strided (no copy of a qkv view).
+  const auto dense_rows = [](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); };
+  if (!dense_rows(key)) key = key.contiguous();
+  if (!dense_rows(value)) value = value.contiguous();
+  TORCH_CHECK(key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16, "key must be float32/bfloat16");
+#if KVPAGE_PACKED
+  if (packed) {
+    if (key.scalar_type() == at::kFloat) write_cache_packed<float>(key, value, kv_cache, slot_mapping);
+    else write_cache_packed<at::BFloat16>(key, value, kv_cache, slot_mapping);
+    return;
+  }
+#endif
+  if (kv_cache.scalar_type() == at::kFloat) {
+    if (key.scalar_type() == at::kFloat) write_cache<float, float>(key, value, kv_cache, slot_mapping);
+    else write_cache<float, at::BFloat16>(key, value, kv_cache, slot_mapping);
+  } else if (kv_cache.scalar_type() == at::kHalf) {
+    if (key.scalar_type() == at::kFloat) write_cache<at::Half, float>(key, value, kv_cache, slot_mapping);
+    else write_cache<at::Half, at::BFloat16>(key, value, kv_cache, slot_mapping);
+  } else {
+    if (key.scalar_type() == at::kFloat) write_cache<at::BFloat16, float>(key, value, kv_cache, slot_mapping);
+    else write_cache<at::BFloat16, at::BFloat16>(key, value, kv_cache, slot_mapping);
+  }
+}
+
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                              torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
+                              int64_t partition_size, bool packed, bool split_short, bool amx_decode) {
+  const AttentionOptions opt{split_short, amx_decode};
+  check_common(kv_cache);
+  if (packed) {
+    check_packed(kv_cache);
+    TORCH_CHECK(query.scalar_type() == at::kBFloat16, "the packed KV layout needs bfloat16 queries");
+    TORCH_CHECK(partition_size % 16 == 0, "the packed KV layout needs partitions of a multiple of 16 keys");
+  }
+  TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, dim]");
+  TORCH_CHECK(query.size(2) == kv_cache.size(4), "head_dim of query and cache differ");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kMaxGroup, "query group too large");
+  TORCH_CHECK(partition_size > 0, "partition_size must be positive");
+  query = query.contiguous();
+  block_tables = block_tables.contiguous();
+  check_batch(query, kv_cache, block_tables, query_start_loc, seq_lens);
+  auto out = torch::empty_like(query);
+  const bool kv_bf16 = kv_cache.scalar_type() == at::kBFloat16;
+  if (kv_cache.scalar_type() == at::kHalf) {
+    if (query.scalar_type() == at::kFloat)
+      run_attention<at::Half, float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, partition_size,
+                                     packed, opt, out);
+    else {
+      TORCH_CHECK(query.scalar_type() == at::kBFloat16, "query must be float32 or bfloat16");
+      run_attention<at::Half, at::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                                            partition_size, packed, opt, out);
+    }
+  } else if (query.scalar_type() == at::kFloat) {
+    if (kv_bf16) run_attention<at::BFloat16, float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                                                    partition_size, packed, opt, out);
+    else run_attention<float, float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                                     partition_size, packed, opt, out);
+  } else {
+    TORCH_CHECK(query.scalar_type() == at::kBFloat16, "query must be float32 or bfloat16");
+    if (kv_bf16) run_attention<at::BFloat16, at::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens,
+                                                           scale, partition_size, packed, opt, out);
+    else run_attention<float, at::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                                            partition_size, packed, opt, out);
+  }
+  return out;
+}
+
+std::string last_decode_kernel() { return g_decode_kernel; }
+
+bool has_packed_layout() { return KVPAGE_PACKED == 1; }
+
+bool amx_decode_available() {
+#if KVPAGE_ISA_AMX
+  return kvpage::amx_permitted();
+#else
+  return false;
+#endif
+}

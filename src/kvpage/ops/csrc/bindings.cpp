@@ -1,0 +1,91 @@
+// The Python module of kvpage's kernels: every binding in one place (the kernels are declared in ops.h).
+// kvpage/ops/__init__.py wraps these in typed functions; nothing else in the package calls them directly.
+
+#include <torch/extension.h>
+
+#include "decode_layers.h"
+#include "ops.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // fused_ops.cpp
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; return rms_norm(residual) * weight");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows");
+  m.def("rms_norm", &rms_norm, "rms_norm(residual) * weight");
+  m.def("rotary_", &rotary_, "in-place rotate-half RoPE on q and k");
+  m.def("logits_postprocess", &logits_postprocess, "float32 logits with exact near-max entries, argmax, logsumexp",
+        py::arg("logits"), py::arg("hidden"), py::arg("weight"), py::arg("with_logits") = true);
+
+  // attention/paged_attention.cpp
+  m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", py::arg("key"),
+        py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("packed") = false);
+  m.def("paged_attention", &paged_attention, "varlen causal attention over a paged KV cache", py::arg("query"),
+        py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("partition_size"), py::arg("packed") = false, py::arg("split_short") = true,
+        py::arg("amx_decode") = true);
+  m.def("last_decode_kernel", &last_decode_kernel, "the kernel that served the last paged_attention call's decode tasks");
+  m.def("has_packed_layout", &has_packed_layout, "whether this build has the packed bf16 KV layout (packed_kv.h)");
+  m.def("amx_decode_available", &amx_decode_available, "whether decode tasks can use AMX tiles on this build and OS");
+
+  // attention/prefill_amx.cpp
+  m.def("prefill_amx_available", &kvpage::prefill::prefill_amx_available,
+        "whether prefill_attention can run on this CPU/OS");
+  m.def("prefill_attention", &kvpage::prefill::prefill_attention,
+        "causal attention of whole fresh prompts (bf16, head size 64) with AMX tiles, written into out",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"), py::arg("starts"), py::arg("lengths"),
+        py::arg("scale"));
+  m.def("prefill_attention_paged", &kvpage::prefill::prefill_attention_paged,
+        "causal attention of prompts or prompt chunks whose keys (a cached prefix and their own) are in the packed "
+        "bf16 cache (head size 64) with AMX tiles, written into out",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("out"), py::arg("starts"),
+        py::arg("lengths"), py::arg("seq_lens"), py::arg("seqs"), py::arg("scale"),
+        py::arg("max_scratch_bytes") = int64_t{64} << 20);
+
+  // linear/quant_linear.cpp
+  m.def("quant_linear", &quant_linear,
+        "x . W^T from Q4 / Q8 block-quantized weights (few-token steps); gated: silu(x . Wg^T) * (x . Wu^T) for "
+        "W = [Wg; Wu]",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m") = py::none(), py::arg("float_out") = false,
+        py::arg("int16") = false, py::arg("gated") = false);
+  m.def("quant_int16_available", &quant_int16_available,
+        "quant_linear(..., int16=True) has 16-bit integer dot products here (AVX2 builds); elsewhere ignored");
+
+  // linear/linear_amx.cpp
+  m.def("amx_linear_available", &kvpage::amx::amx_linear_available, "whether amx_linear can run on this CPU/OS");
+  m.def("amx_pack_weight", &kvpage::amx::amx_pack_weight, "a bf16 [N, K] weight in amx_linear's operand order");
+  m.def("amx_linear", &kvpage::amx::amx_linear, "x . W^T (+ bias) with AMX tile products from a packed bf16 weight",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("silu_gate") = false);
+  m.def("amx_pack_gate_up", &kvpage::amx::amx_pack_gate_up,
+        "a bf16 [gate; up] weight packed for amx_linear(silu_gate=True)");
+
+  // linear/gemm_f32.cpp
+  m.def("f32_gemm_available", &kvpage::gemm::f32_gemm_available,
+        "whether f32_linear runs in this build (AVX2 + FMA, no AVX-512)");
+  m.def("f32_pack_weight", &kvpage::gemm::f32_pack_weight, "a float32 [N, K] weight in 16-column panels for f32_linear");
+  m.def("f32_linear", &kvpage::gemm::f32_linear, "float32 x . W^T (+ bias) from a panel-packed weight", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+
+  // sampler.cpp
+  m.def("apply_penalties_", &apply_penalties_, "repetition, presence and frequency penalties in place, per row",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sample_rows", &sample_rows, "inverse-CDF draws under temperature / top-k / top-p / min-p, per row",
+        py::call_guard<py::gil_scoped_release>());
+
+  // decode_layers.cpp
+  // module_local: a second build of these kernels (the portable one the tests load beside the native one)
+  // registers its own DecodeLayers type.
+  py::class_<kvpage::DecodeLayers>(m, "DecodeLayers",
+                                   "a decode-only few-token step's decoder layers in one call (quantized weights)",
+                                   py::module_local())
+      .def(py::init<torch::Tensor, double, int64_t, int64_t, int64_t, double, int64_t, bool, bool>(),
+           py::arg("first_norm"), py::arg("first_eps"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("scale"), py::arg("partition_size"), py::arg("split_short") = true,
+           py::arg("amx_decode") = true)
+      .def("add_layer", &kvpage::DecodeLayers::add_layer, py::arg("mats"), py::arg("post_norm"), py::arg("eps"),
+           py::arg("next_norm"), py::arg("next_eps"))
+      .def("num_layers", &kvpage::DecodeLayers::num_layers)
+      .def("run", &kvpage::DecodeLayers::run, py::arg("residual"), py::arg("cos"), py::arg("sin"),
+           py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("query_start_loc"),
+           py::arg("seq_lens"), py::arg("int16"), py::arg("packed"));
+}

@@ -1,0 +1,62 @@
+// DecodeLayers (decode_layers.h): the decoder layer stack of a decode-only few-token step in one call.
+
+#include "decode_layers.h"
+
+#include "ops.h"
+
+namespace kvpage {
+
+torch::Tensor QuantMat::operator()(const torch::Tensor& x, bool int16, bool gated) const {
+  return quant_linear(x, qs, d, m, false, int16, gated);
+}
+
+DecodeLayers::DecodeLayers(torch::Tensor first_norm, double first_eps, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, double scale, int64_t partition_size, bool split_short, bool amx_decode)
+    : first_norm_(std::move(first_norm)), first_eps_(first_eps), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
+      head_dim_(head_dim), scale_(scale), partition_size_(partition_size), split_short_(split_short),
+      amx_decode_(amx_decode) {
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && num_heads % num_kv_heads == 0,
+              "bad head counts");
+}
+
+void DecodeLayers::add_layer(const std::vector<c10::optional<torch::Tensor>>& mats, torch::Tensor post_norm, double eps,
+                             torch::Tensor next_norm, double next_eps) {
+  TORCH_CHECK(mats.size() == 12, "add_layer needs qs, d, m for qkv, o, gate_up and down (12 entries)");
+  QuantMat q[4];
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK(mats[3 * i].has_value() && mats[3 * i + 1].has_value(), "matrix ", i, " lacks qs or d");
+    q[i] = QuantMat{*mats[3 * i], *mats[3 * i + 1], mats[3 * i + 2]};
+  }
+  const int64_t q_out = num_heads_ * head_dim_, kv_out = num_kv_heads_ * head_dim_;
+  TORCH_CHECK(q[0].qs.size(0) == q_out + 2 * kv_out, "qkv has ", q[0].qs.size(0), " rows, expected ",
+              q_out + 2 * kv_out);
+  TORCH_CHECK(q[1].qs.size(0) == post_norm.size(0), "o's rows differ from the hidden size");
+  layers_.push_back(DecodeLayer{q[0], q[1], q[2], q[3], std::move(post_norm), std::move(next_norm), eps, next_eps});
+}
+
+torch::Tensor DecodeLayers::run(torch::Tensor residual, const torch::Tensor& cos, const torch::Tensor& sin,
+                                const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& slot_mapping,
+                                const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
+                                const torch::Tensor& seq_lens, bool int16, bool packed) const {
+  TORCH_CHECK(kv_caches.size() == layers_.size(), "got ", kv_caches.size(), " KV caches for ", layers_.size(),
+              " layers");
+  const int64_t T = residual.size(0);
+  const int64_t q_out = num_heads_ * head_dim_, kv_out = num_kv_heads_ * head_dim_;
+  torch::Tensor h = rms_norm(residual, first_norm_, first_eps_);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const DecodeLayer& L = layers_[i];
+    const torch::Tensor qkv = L.qkv(h, int16);
+    const torch::Tensor q = qkv.narrow(1, 0, q_out).view({T, num_heads_, head_dim_});
+    const torch::Tensor k = qkv.narrow(1, q_out, kv_out).view({T, num_kv_heads_, head_dim_});
+    const torch::Tensor v = qkv.narrow(1, q_out + kv_out, kv_out).view({T, num_kv_heads_, head_dim_});
+    rotary_(q, k, cos, sin);
+    reshape_and_cache(k, v, kv_caches[i], slot_mapping, packed);
+    const torch::Tensor a = paged_attention(q, kv_caches[i], block_tables, query_start_loc, seq_lens, scale_,
+                                            partition_size_, packed, split_short_, amx_decode_);
+    h = add_rms_norm(L.o(a.view({T, q_out}), int16), residual, L.post_norm, L.eps);
+    h = add_rms_norm(L.down(L.gate_up(h, int16, true), int16), residual, L.next_norm, L.next_eps);
+  }
+  return h;
+}
+
+}  // namespace kvpage

@@ -1,0 +1,66 @@
+// The decoder layer stack of a decode-only few-token step (one stream, small batches), in one call.
+//
+// At one token per step each layer is ~10 kernel calls of 10-100 us, and from Python every call costs a few
+// microseconds of dispatch plus the slicing and views around it: one stream ran at 100 tok/s through the
+// Python loop and 119 tok/s through this call, side by side on a 2-core Zen 3 (docs/benchmarks/history.md, 2026-11-23).
+// DecodeLayers holds every layer's quantized weights and norms (registered once at load) and runs
+//
+//   h = rms_norm(residual)                                   (first layer's input norm)
+//   per layer: qkv = h . Wqkv^T; RoPE(q, k); write k, v to the cache; a = paged attention(q)
+//              h = add_rms_norm(a . Wo^T, residual); h = add_rms_norm(down(silu(gate) * up), residual)
+//
+// with the same kernels, in the same order, as the Python layer loop (LlamaForCausalLM._fast_forward), so its
+// results are bit-identical to that loop's.
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace kvpage {
+
+struct QuantMat {
+  torch::Tensor qs, d;
+  c10::optional<torch::Tensor> m;
+
+  torch::Tensor operator()(const torch::Tensor& x, bool int16, bool gated = false) const;
+};
+
+struct DecodeLayer {
+  QuantMat qkv, o, gate_up, down;
+  torch::Tensor post_norm, next_norm;
+  double eps, next_eps;
+};
+
+class DecodeLayers {
+ public:
+  // split_short, amx_decode: the attention options of the kernel configuration (paged_attention's arguments).
+  DecodeLayers(torch::Tensor first_norm, double first_eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               double scale, int64_t partition_size, bool split_short, bool amx_decode);
+
+  // mats: qs, d, m of qkv, o, gate_up, down in that order (m None for Q8).
+  void add_layer(const std::vector<c10::optional<torch::Tensor>>& mats, torch::Tensor post_norm, double eps,
+                 torch::Tensor next_norm, double next_eps);
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // residual [T, H] float32 (updated in place); cos/sin [T, head_dim]; returns the last layer's output after
+  // the final norm (next_norm of the last layer).
+  torch::Tensor run(torch::Tensor residual, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& slot_mapping,
+                    const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
+                    const torch::Tensor& seq_lens, bool int16, bool packed) const;
+
+ private:
+  torch::Tensor first_norm_;
+  double first_eps_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scale_;
+  int64_t partition_size_;
+  bool split_short_, amx_decode_;
+  std::vector<DecodeLayer> layers_;
+};
+
+}  // namespace kvpage

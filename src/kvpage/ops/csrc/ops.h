@@ -1,0 +1,65 @@
+// The C++ surface of kvpage's kernels: every function the Python package calls (bindings.cpp binds exactly
+// these) and the ones other translation units chain (decode_layers.cpp runs a decode step's layers without
+// returning to Python). Grouped by concern; each group's source file is named beside it.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+// Norms, RoPE, the gated activation, logits (fused_ops.cpp).
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor rms_norm(torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul(torch::Tensor gu);
+std::vector<torch::Tensor> logits_postprocess(torch::Tensor logits, torch::Tensor hidden, torch::Tensor weight,
+                                              bool with_logits);
+
+// Paged attention over the KV cache (attention/paged_attention.cpp).
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
+                       bool packed);
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                              torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
+                              int64_t partition_size, bool packed, bool split_short, bool amx_decode);
+std::string last_decode_kernel();
+bool has_packed_layout();
+bool amx_decode_available();
+
+// Prompt attention with AMX tiles (attention/prefill_amx.cpp).
+namespace kvpage::prefill {
+bool prefill_amx_available();
+void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                       torch::Tensor& out, const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths,
+                       double scale);
+void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv_cache,
+                             const torch::Tensor& block_tables, torch::Tensor& out, const std::vector<int64_t>& starts,
+                             const std::vector<int64_t>& lengths, const std::vector<int64_t>& seq_lens,
+                             const std::vector<int64_t>& seqs, double scale, int64_t max_scratch_bytes);
+}  // namespace kvpage::prefill
+
+// Linear layers: quantized GGUF blocks (linear/quant_linear.cpp), AMX tiles (linear/linear_amx.cpp), the
+// float32 panel GEMM (linear/gemm_f32.cpp).
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
+                           bool float_out, bool int16, bool gated);
+bool quant_int16_available();
+namespace kvpage::amx {
+bool amx_linear_available();
+torch::Tensor amx_pack_weight(const torch::Tensor& w);
+torch::Tensor amx_pack_gate_up(const torch::Tensor& w);
+torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp, const c10::optional<torch::Tensor>& bias_in,
+                         bool silu_gate);
+}  // namespace kvpage::amx
+namespace kvpage::gemm {
+bool f32_gemm_available();
+torch::Tensor f32_pack_weight(const torch::Tensor& w);
+torch::Tensor f32_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N, c10::optional<torch::Tensor> bias);
+}  // namespace kvpage::gemm
+
+// Sampling (sampler.cpp).
+void apply_penalties_(torch::Tensor logits, torch::Tensor rows, torch::Tensor prompt_ids, torch::Tensor prompt_offsets,
+                      torch::Tensor output_ids, torch::Tensor output_offsets, torch::Tensor repetition,
+                      torch::Tensor presence, torch::Tensor frequency);
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor rows, torch::Tensor temperature, torch::Tensor top_k,
+                          torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniforms);

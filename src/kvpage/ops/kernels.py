@@ -1,0 +1,143 @@
+"""Typed wrappers over the compiled kernels, bound to one ``KernelConfig``.
+
+The model, the attention backend and the sampler call the kernels only through a ``Kernels`` object, which
+the worker builds once (``kernels(config)``): the configuration's switches reach the C++ as arguments of
+every call, never as globals. Tests of single kernels may call the raw module (``build.load_kernels()``).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from kvpage.envs import KernelConfig, kernel_config
+from kvpage.ops.build import load_kernels
+
+Tensor = torch.Tensor
+PARTITION_SIZE = 512  # keys per context partition: long contexts split into this many keys per task
+
+
+class Kernels:
+    """The compiled kernels under one configuration (each method says what it computes; ops/csrc/ops.h has the C++)."""
+
+    def __init__(self, module: ModuleType, config: KernelConfig) -> None:
+        self._c = module
+        self.config = config
+        # What this build and machine can run, asked once.
+        self.packed_layout = module.has_packed_layout() and config.kv_layout == "packed"
+        self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
+        self.f32_gemm_ok = config.f32_gemm and module.f32_gemm_available()
+        self.amx_prefill_ok = config.amx_prefill and module.prefill_amx_available()
+        self.quant_int16 = config.quant_int16
+
+    # what the build has (diagnostics and tests)
+    def last_decode_kernel(self) -> str:
+        """The main loop that served the last paged_attention call's decode tasks."""
+        return self._c.last_decode_kernel()
+
+    def quant_int16_available(self) -> bool:
+        return self._c.quant_int16_available()
+
+    def f32_gemm_available(self) -> bool:
+        return self._c.f32_gemm_available()
+
+    def amx_decode_available(self) -> bool:
+        return self._c.amx_decode_available()
+
+    # attention (csrc/attention/)
+    def reshape_and_cache(self, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                          packed: bool) -> None:
+        """Scatter new K/V rows to their slots (row or packed layout)."""
+        self._c.reshape_and_cache(key, value, kv_cache, slot_mapping, packed)
+
+    def paged_attention(self, query: Tensor, kv_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,
+                        seq_lens: Tensor, scale: float, packed: bool) -> Tensor:
+        """Varlen causal attention of a flat batch over the paged cache."""
+        c = self.config
+        return self._c.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                                       PARTITION_SIZE, packed, c.split_short, c.amx_decode)
+
+    def prefill_attention(self, query: Tensor, key: Tensor, value: Tensor, out: Tensor, starts: list[int],
+                          lengths: list[int], scale: float) -> None:
+        """Whole fresh prompts (bf16, head size 64) with AMX tiles, into ``out``."""
+        self._c.prefill_attention(query, key, value, out, starts, lengths, scale)
+
+    def prefill_attention_paged(self, query: Tensor, kv_cache: Tensor, block_tables: Tensor, out: Tensor,
+                                starts: list[int], lengths: list[int], seq_lens: list[int], seqs: list[int],
+                                scale: float) -> None:
+        """Prompt chunks whose keys (cached prefix and their own) are in the packed cache, with AMX tiles."""
+        self._c.prefill_attention_paged(query, kv_cache, block_tables, out, starts, lengths, seq_lens, seqs, scale)
+
+    def decode_layers(self, first_norm: Tensor, first_eps: float, num_heads: int, num_kv_heads: int,
+                      head_dim: int, scale: float):
+        """An empty compiled decode layer stack (csrc/decode_layers.h); layers are added with add_layer."""
+        c = self.config
+        return self._c.DecodeLayers(first_norm, first_eps, num_heads, num_kv_heads, head_dim, scale, PARTITION_SIZE,
+                                    c.split_short, c.amx_decode)
+
+    # linear layers (csrc/linear/)
+    def quant_linear(self, x: Tensor, qs: Tensor, d: Tensor, m: Tensor | None, float_out: bool = False,
+                     gated: bool = False) -> Tensor:
+        """x . W^T from Q4 / Q8 blocks; gated: silu(x . Wg^T) * (x . Wu^T)."""
+        return self._c.quant_linear(x, qs, d, m, float_out, self.quant_int16, gated)
+
+    def amx_pack_weight(self, w: Tensor) -> Tensor:
+        return self._c.amx_pack_weight(w)
+
+    def amx_pack_gate_up(self, w: Tensor) -> Tensor:
+        return self._c.amx_pack_gate_up(w)
+
+    def amx_linear(self, x: Tensor, packed: Tensor, bias: Tensor | None, silu_gate: bool) -> Tensor:
+        """x . W^T (+ bias) with AMX tile products; silu_gate: the gated MLP half in the epilogue."""
+        return self._c.amx_linear(x, packed, bias, silu_gate)
+
+    def f32_pack_weight(self, w: Tensor) -> Tensor:
+        return self._c.f32_pack_weight(w)
+
+    def f32_linear(self, x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
+        return self._c.f32_linear(x, packed, n, bias)
+
+    # norms, RoPE, activation, logits (ops/csrc/fused_ops.cpp)
+    def rms_norm(self, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self._c.rms_norm(residual, weight, eps)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """residual += x, then its RMS norm times weight."""
+        return self._c.add_rms_norm(x, residual, weight, eps)
+
+    def rotary_(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
+        self._c.rotary_(q, k, cos, sin)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        return self._c.silu_mul(gate_up)
+
+    def logits_postprocess(self, logits: Tensor, hidden: Tensor, weight: Tensor,
+                           with_logits: bool) -> list[Tensor]:
+        """float32 logits with exact near-max entries, the argmax and the log-sum-exp."""
+        return self._c.logits_postprocess(logits, hidden, weight, with_logits)
+
+    # sampling (ops/csrc/sampler.cpp)
+    def sample_rows(self, logits: Tensor, rows: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                    min_p: Tensor, uniforms: Tensor) -> Tensor:
+        return self._c.sample_rows(logits, rows, temperature, top_k, top_p, min_p, uniforms)
+
+    def apply_penalties_(self, logits: Tensor, rows: Tensor, prompt_ids: Tensor, prompt_offsets: Tensor,
+                         output_ids: Tensor, output_offsets: Tensor, repetition: Tensor, presence: Tensor,
+                         frequency: Tensor) -> None:
+        self._c.apply_penalties_(logits, rows, prompt_ids, prompt_offsets, output_ids, output_offsets, repetition,
+                                 presence, frequency)
+
+
+_BOUND: dict[KernelConfig, Kernels] = {}
+
+
+def kernels(config: KernelConfig | None = None) -> Kernels | None:
+    """The kernels under ``config`` (default: the environment's, read once), or None where they cannot be built."""
+    module = load_kernels()
+    if module is None:
+        return None
+    config = kernel_config() if config is None else config
+    if config not in _BOUND:
+        _BOUND[config] = Kernels(module, config)
+    return _BOUND[config]

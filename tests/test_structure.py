@@ -1,0 +1,100 @@
+"""The structure of the package, as docs/architecture.md draws it, checked on the source: which package may
+import which, no import loops between packages, the engine independent of the simulator, the bookkeeping
+packages torch-free, the model reaching kernels only through kvpage.ops, and every switch in kvpage.envs."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src" / "kvpage"
+
+
+def package_of(module: str) -> str:
+    """kvpage.kv.manager -> kv; kvpage.config -> config (top-level modules count as their own package)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def imports() -> dict[str, set[str]]:
+    """Every kvpage module -> the kvpage modules it imports (at any depth in the file: lazy imports count)."""
+    out: dict[str, set[str]] = {}
+    for f in SRC.rglob("*.py"):
+        rel = f.relative_to(SRC.parent).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+        out[name] = {m for m in found if m == "kvpage" or m.startswith("kvpage.")} | {
+            m for m in found if m.split(".")[0] in ("torch", "numpy")}
+    return out
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for mod, deps in imports().items():
+        src = package_of(mod)
+        graph.setdefault(src, set())
+        graph[src] |= {package_of(d) for d in deps if d.startswith("kvpage.") and package_of(d) != src}
+    return graph
+
+
+def test_no_import_loops_between_packages():
+    graph = package_graph()
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("import loop: " + " -> ".join([*path[path.index(nxt):], nxt]))
+            if nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for pkg in sorted(graph):
+        if pkg not in state:
+            visit(pkg, [pkg])
+
+
+def test_engine_and_worker_never_import_the_simulator():
+    for mod, deps in imports().items():
+        if package_of(mod) in ("engine", "worker", "core", "kv", "model", "attention", "ops"):
+            assert not any(package_of(d) == "sim" for d in deps), f"{mod} imports the simulator"
+
+
+def test_bookkeeping_packages_are_torch_free():
+    for mod, deps in imports().items():
+        if package_of(mod) in ("kv", "core", "sim") or mod in ("kvpage.envs", "kvpage.config"):
+            assert not any(d.split(".")[0] in ("torch", "numpy") for d in deps), f"{mod} imports torch/numpy"
+
+
+def test_model_reaches_kernels_through_ops_never_a_concrete_attention_backend():
+    for mod, deps in imports().items():
+        if package_of(mod) in ("model", "worker", "engine"):
+            concrete = ("kvpage.attention.backends.cpu", "kvpage.attention.backends.reference")
+            bad = {d for d in deps if d.startswith(concrete)}
+            assert not bad, f"{mod} imports {bad}"
+    assert not (SRC / "attention" / "csrc").exists(), "kernel sources live in kvpage/ops/csrc"
+
+
+def test_environment_is_read_only_in_envs():
+    """Only kvpage/envs.py reads KVPAGE_* variables (the server's key is read by the serve command through it)."""
+    for f in SRC.rglob("*.py"):
+        if f.name == "envs.py":
+            continue
+        text = f.read_text()
+        assert not re.search(r"environ(\.get)?\s*[\[(]\s*['\"]KVPAGE_", text), f"{f} reads a KVPAGE_ variable"
+
+
+def test_every_switch_is_documented():
+    from kvpage.envs import VARIABLES
+
+    doc = (ROOT / "docs" / "envs.md").read_text()
+    for var in VARIABLES:
+        assert f"`{var.name}`" in doc, f"{var.name} is missing from docs/envs.md"
