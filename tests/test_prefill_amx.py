@@ -1,4 +1,4 @@
-"""Causal attention of whole fresh prompts with AMX tiles (ops/csrc/attention/prefill_amx.cpp): matches a float32 reference
+"""Causal attention of whole fresh prompts with AMX tiles (csrc/attention/prefill_amx.cpp): matches a float32 reference
 for ragged prompt lengths (partial 16-row and 32-key blocks), GQA ratios and prompts packed at any offset of a
 step's batch read through strided views of one qkv tensor; leaves rows outside the prompts alone; refuses what
 it cannot take."""

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvpage.core.sequence import Sequence, SequenceStatus
-from kvpage.kv import KVCacheManager
+from kvpage.kv import KVManager, cdiv
 
 logger = logging.getLogger(__name__)
 
 PreemptionMode = Literal["recompute", "swap"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -112,7 +113,7 @@ class _Queue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
         self.config = config
         self.kv = kv
         self.waiting = _Queue()
@@ -134,7 +135,7 @@ class Scheduler:
                 f"max_model_len={limit}"
             )
         longest = min(prompt_len + (max_tokens or limit), limit)
-        need = -(-longest // self.kv.block_size)
+        need = cdiv(longest, self.kv.block_size)
         if need > self.kv.num_blocks:
             raise ValueError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks but the whole "

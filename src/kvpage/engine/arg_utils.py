@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass, fields
 
 from kvpage.config import DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPES, RUN_DTYPES, CacheConfig, ModelRunConfig
+from kvpage.core.scheduler import PreemptionMode, SchedulingPolicy
+from kvpage.envs import KernelConfig
 from kvpage.model.registry import DEFAULT_MODEL
 from kvpage.units import parse_size
 
@@ -31,20 +33,23 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
     enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
-    scheduling_policy: str = "fcfs"
+    preemption_mode: PreemptionMode = "recompute"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     watermark: float = 0.01
     seed: int = 0
     attention_backend: str = "auto"
     kv_policy: str = "paged"  # or "static": max-length reservations, the baseline paging is measured against
+    kernels: KernelConfig | None = None  # the kernel paths (kvpage.envs); None = the environment's
 
     def model_config(self) -> ModelRunConfig:
-        return ModelRunConfig(self.model, self.dtype, self.max_model_len, self.attention_backend)
+        return ModelRunConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
+                              attention_backend=self.attention_backend, kernels=self.kernels)
 
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(self.block_size, size_gib_default(self.kv_cache_memory), self.kv_cache_dtype,
-                           size_gib_default(self.swap_space), self.enable_prefix_caching, self.watermark,
-                           self.kv_prefault)
+        return CacheConfig(block_size=self.block_size, kv_cache_memory=size_gib_default(self.kv_cache_memory),
+                           kv_cache_dtype=self.kv_cache_dtype, swap_space=size_gib_default(self.swap_space),
+                           enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark,
+                           kv_prefault=self.kv_prefault)
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:

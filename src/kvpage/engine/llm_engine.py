@@ -37,8 +37,9 @@ class LLMEngine:
         self.kv = self.worker.make_kv_manager(args.kv_policy)
         batched = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else self.max_model_len)
         self.scheduler = Scheduler(
-            SchedulerConfig(self.max_model_len, batched, args.max_num_seqs, args.enable_chunked_prefill,
-                            args.preemption_mode, args.scheduling_policy),  # type: ignore[arg-type]
+            SchedulerConfig(max_model_len=self.max_model_len, max_num_batched_tokens=batched,
+                            max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill,
+                            preemption_mode=args.preemption_mode, policy=args.scheduling_policy),
             self.kv,
         )
         self.requests: dict[str, Request] = {}

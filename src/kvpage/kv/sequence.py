@@ -20,6 +20,21 @@ class SequenceLike(Protocol):
         """Every token known so far (prompt, then output), including ones not yet computed."""
         ...
 
+    @property
+    def cache_salt(self) -> str | None:
+        """Isolates this sequence's prefix-cache entries from other salts (None: shared)."""
+        ...
+
+    @property
+    def adapter_id(self) -> str | None:
+        """The model adapter whose K/V this is (a prefix-cache isolation key, like the salt)."""
+        ...
+
+    @property
+    def max_total_tokens(self) -> int | None:
+        """Prompt + max_tokens, where known: what a static reservation sizes itself by."""
+        ...
+
 
 @dataclass
 class KVSequence:
@@ -29,3 +44,4 @@ class KVSequence:
     token_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None
     adapter_id: str | None = None
+    max_total_tokens: int | None = None

@@ -5,6 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative integers: blocks for ``a`` tokens of ``b`` per block."""
+    return -(-a // b)
+
+
 def token_location(block_table: Sequence[int], block_size: int, position: int) -> tuple[int, int]:
     """(physical block, offset in block) of the token at ``position``."""
     logical_block, offset = divmod(position, block_size)

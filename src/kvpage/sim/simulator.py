@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpage.core.scheduler import Scheduler, SchedulerConfig
+from kvpage.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig
 from kvpage.core.sequence import Request, Sequence, SequenceStatus
 from kvpage.kv import KVCacheManager, make_kv_manager
 from kvpage.outputs import RequestMetrics
@@ -32,7 +32,7 @@ class SimConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     watermark: float = 0.01
-    preemption_mode: str = "recompute"
+    preemption_mode: PreemptionMode = "recompute"
     num_swap_blocks: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -186,8 +186,9 @@ class Simulator:
         self.cost = cost
         self.kv = config.make_kv()
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
-                            config.enable_chunked_prefill, config.preemption_mode),  # type: ignore[arg-type]
+            SchedulerConfig(max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_num_seqs=config.max_num_seqs, enable_chunked_prefill=config.enable_chunked_prefill,
+                            preemption_mode=config.preemption_mode),
             self.kv,
         )
         self.pending = deque(sorted(requests, key=lambda r: r.arrival))

@@ -1,0 +1,429 @@
+"""The paged KV manager: per-sequence block tables over a shared block pool.
+
+The scheduler asks; the manager answers in block ids and copy instructions; the worker moves bytes.
+Within one engine step the worker must apply the instructions in this order, because a block released
+by one instruction can be handed out by the next:
+
+1. swap-out copies (device -> host), 2. swap-in copies (host -> device),
+3. copy-on-write copies (device -> device), 4. the forward pass, which writes new K/V at their slots.
+
+Prefix-cache registration happens after a step (``cache_computed_blocks``), so a cached block always
+holds K/V that was really computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpage.kv.block import KVBlock
+from kvpage.kv.block_pool import BlockPool
+from kvpage.kv.invariants import check_invariants
+from kvpage.kv.prefix_hash import BlockHash, HashFn, block_hash, root_hash, sha256_digest
+from kvpage.kv.protocol import NO_HIT, NOTHING, Allocation, PrefixHit
+from kvpage.kv.sequence import SequenceLike
+from kvpage.kv.slot_mapping import cdiv, slot_mapping
+from kvpage.kv.stats import KVCounters, KVStats
+
+
+def _sid(seq: SequenceLike | str) -> str:
+    return seq if isinstance(seq, str) else seq.seq_id
+
+
+class _SeqState:
+    __slots__ = ("hashes", "num_tokens", "root", "table")
+
+    def __init__(self, table: list[KVBlock], num_tokens: int, hashes: list[BlockHash], root: BlockHash) -> None:
+        self.table = table
+        self.num_tokens = num_tokens  # tokens that have a slot
+        self.hashes = hashes  # chained hashes of the leading full blocks
+        self.root = root
+
+
+@dataclass
+class _SwappedState:
+    host_blocks: list[int]
+    num_tokens: int
+    hashes: list[BlockHash]
+    root: BlockHash
+
+
+class KVCacheManager:
+    """Paged allocation: a sequence holds ceil(tokens / block_size) blocks, shared where possible.
+
+    ``watermark`` is a fraction of the pool kept free when *admitting* a sequence (a new one, or a
+    swapped one coming back) while others are running, so admissions cannot starve running sequences into
+    preemption; growing a running sequence may use every block.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
+        num_swap_blocks: int = 0,
+        max_model_len: int | None = None,
+        model_id: str = "",
+        hash_fn: HashFn = sha256_digest,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark}")
+        if num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks must be >= 0, got {num_swap_blocks}")
+        if max_model_len is not None and max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.num_blocks = num_blocks
+        self.watermark = watermark
+        self.watermark_blocks = int(num_blocks * watermark)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_model_len = max_model_len
+        self.model_id = model_id
+        self.hash_fn = hash_fn
+        self.num_swap_blocks = num_swap_blocks
+        self._host_free = list(range(num_swap_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._seqs: dict[str, _SeqState] = {}
+        self._swapped: dict[str, _SwappedState] = {}
+        self.counters = KVCounters()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_free_swap_blocks(self) -> int:
+        return len(self._host_free)
+
+    def has_seq(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: str) -> bool:
+        return seq_id in self._swapped
+
+    def seq_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def swapped_seq_ids(self) -> list[str]:
+        return list(self._swapped)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return [b.block_id for b in self._state(seq_id).table]
+
+    def host_block_table(self, seq_id: str) -> list[int]:
+        return list(self._swapped_state(seq_id).host_blocks)
+
+    def num_tokens(self, seq_id: str) -> int:
+        """Tokens of the sequence that have a slot (computed or being computed)."""
+        return self._state(seq_id).num_tokens
+
+    def ref_count(self, block_id: int) -> int:
+        return self.pool.blocks[block_id].ref_count
+
+    def slot_mapping(self, seq_id: str, start: int, num_tokens: int) -> list[int]:
+        """Slots of positions start .. start+num_tokens-1 (``physical_block * block_size + offset``)."""
+        state = self._state(seq_id)
+        bs, table = self.block_size, state.table
+        if start < 0 or num_tokens < 0 or start + num_tokens > state.num_tokens:
+            raise IndexError(
+                f"{seq_id}: positions {start}..{start + num_tokens - 1} outside its {state.num_tokens} slotted tokens"
+            )
+        return slot_mapping([b.block_id for b in table], bs, start, num_tokens)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` tokens occupies under this policy."""
+        if self.max_model_len is not None and num_tokens > self.max_model_len:
+            raise ValueError(f"sequence of {num_tokens} tokens exceeds max_model_len={self.max_model_len}")
+        return cdiv(num_tokens, self.block_size)
+
+    # ------------------------------------------------------------ prefix cache
+    def _root(self, seq: SequenceLike) -> BlockHash:
+        return root_hash(self.model_id, seq.adapter_id, seq.cache_salt, self.hash_fn)
+
+    def _root_key(self, seq: SequenceLike) -> tuple:
+        """The exact isolation keys a chain starts from (its hash, the root, may collide; these cannot)."""
+        return "root", self.model_id, seq.adapter_id, seq.cache_salt
+
+    def lookup_prefix(self, seq: SequenceLike) -> PrefixHit:
+        """Longest run of cached full blocks for ``seq.token_ids``, leaving >= 1 token to compute.
+
+        Pure: takes no references. Pass the result straight to ``allocate_slots``.
+        """
+        if not self.enable_prefix_caching:
+            return NO_HIT
+        tokens = seq.token_ids
+        bs = self.block_size
+        max_blocks = (len(tokens) - 1) // bs
+        parent = self._root(seq)
+        ident: object = self._root_key(seq)
+        blocks: list[KVBlock] = []
+        hashes: list[BlockHash] = []
+        for i in range(max_blocks):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk, self.hash_fn)
+            block = self.pool.lookup(h, ident, chunk)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent, ident = h, block.identity
+        return PrefixHit(tuple(blocks), tuple(hashes), len(blocks) * bs)
+
+    def cache_computed_blocks(self, seq: SequenceLike, num_computed_tokens: int | None = None) -> int:
+        """Register the sequence's newly full, computed blocks in the prefix cache; returns how many."""
+        if not self.enable_prefix_caching:
+            return 0
+        state = self._state(seq.seq_id)
+        n = state.num_tokens if num_computed_tokens is None else min(num_computed_tokens, state.num_tokens)
+        tokens = seq.token_ids
+        bs = self.block_size
+        full = min(n, len(tokens)) // bs
+        hashes = state.hashes
+        start = len(hashes)
+        if full <= start:
+            return 0
+        parent = hashes[-1] if hashes else state.root
+        pool, table, hash_fn = self.pool, state.table, self.hash_fn
+        for i in range(start, full):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk, hash_fn)
+            pool.cache_block(table[i], h, table[i - 1].identity if i else self._root_key(seq), chunk)
+            hashes.append(h)
+            parent = h
+        return full - start
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached hashes; running sequences keep their blocks. Returns the count dropped."""
+        for state in self._seqs.values():
+            state.hashes.clear()
+        for swapped in self._swapped.values():
+            swapped.hashes.clear()
+        return self.pool.reset_prefix_cache()
+
+    # -------------------------------------------------------------- allocation
+    def allocate_slots(
+        self, seq: SequenceLike, num_new_tokens: int, prefix_hit: PrefixHit | None = None
+    ) -> Allocation | None:
+        """Give ``seq`` slots for ``num_new_tokens`` more tokens, or return None ("not now").
+
+        For a sequence the manager does not hold yet, ``prefix_hit`` (from ``lookup_prefix``) supplies
+        its leading cached blocks and ``num_new_tokens`` counts the tokens after them. None leaves every
+        piece of state untouched: there is no partial allocation.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            return self._admit(seq, num_new_tokens, prefix_hit or NO_HIT)
+        if prefix_hit is not None and prefix_hit.num_tokens:
+            raise ValueError(f"sequence {seq.seq_id!r} is already running: a prefix hit only applies at admission")
+        if num_new_tokens == 0:
+            return NOTHING
+        table = state.table
+        n = state.num_tokens
+        total = n + num_new_tokens
+        need = self.blocks_needed(total) - len(table)
+        # The first new token lands in table[n // bs]; if that block exists, holds earlier tokens and is
+        # shared, it must be copied before anyone writes into it.
+        write_idx = n // self.block_size
+        cow = write_idx < len(table) and table[write_idx].ref_count > 1
+        if need + cow > self.pool.num_free_blocks:
+            return None
+        copies: tuple[tuple[int, int], ...] = ()
+        if cow:
+            src = table[write_idx]
+            if write_idx == len(table) - 1:
+                self.pool.release_ahead(seq.seq_id, src)  # what lay ahead of the replaced last block
+            (dst,) = self.pool.get_new_blocks(1, after=table[write_idx - 1] if write_idx else None)
+            self.pool.release((src,))
+            table[write_idx] = dst
+            copies = ((src.block_id, dst.block_id),)
+            self.counters.cow_copies += 1
+        state.num_tokens = total
+        if need <= 0:
+            return Allocation((), copies) if copies else NOTHING
+        new = self.pool.get_new_blocks(need, after=table[-1] if table else None, owner=seq.seq_id)
+        table.extend(new)
+        return Allocation(tuple(b.block_id for b in new), copies)
+
+    def _admit(self, seq: SequenceLike, num_new_tokens: int, hit: PrefixHit) -> Allocation | None:
+        sid = seq.seq_id
+        if sid in self._swapped:
+            raise RuntimeError(f"sequence {sid!r} is swapped out: swap_in before allocating")
+        for block, h in zip(hit.blocks, hit.hashes, strict=True):
+            if block.block_hash != h:
+                raise RuntimeError("stale prefix hit: a block was evicted between lookup and allocation")
+        total = hit.num_tokens + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(hit.blocks)
+        revived = sum(1 for b in hit.blocks if b.ref_count == 0)
+        if self.pool.num_free_blocks - num_new_blocks - revived < self._admission_reserve():
+            return None
+        self.pool.touch(hit.blocks)
+        new = self.pool.get_new_blocks(max(num_new_blocks, 0), after=hit.blocks[-1] if hit.blocks else None,
+                                       owner=sid)
+        self._seqs[sid] = _SeqState(list(hit.blocks) + new, total, list(hit.hashes), self._root(seq))
+        if self.enable_prefix_caching:
+            self.counters.prefix_query_tokens += len(seq.token_ids)
+            self.counters.prefix_hit_tokens += hit.num_tokens
+        return Allocation(tuple(b.block_id for b in new), (), hit.num_tokens)
+
+    def _admission_reserve(self) -> int:
+        """Blocks an admission must leave free. With nothing running there is nothing to protect, and
+        keeping the reserve would stop a lone long sequence from ever coming back after a preemption."""
+        return self.watermark_blocks if self._seqs else 0
+
+    def free(self, seq: SequenceLike | str) -> None:
+        """Return every block of a finished, aborted or preempted sequence (device or host)."""
+        sid = _sid(seq)
+        state = self._seqs.pop(sid, None)
+        if state is not None:
+            self._release_table(sid, state)
+            return
+        swapped = self._swapped.pop(sid, None)
+        if swapped is not None:
+            self._host_free.extend(reversed(swapped.host_blocks))
+            return
+        raise KeyError(f"unknown sequence {sid!r}: not running and not swapped out")
+
+    def _release_table(self, sid: str, state: _SeqState) -> None:
+        """Drop a departing sequence's references, deepest block first (tails are evicted before heads), and
+        give back the blocks set aside behind its last one."""
+        self.pool.release_ahead(sid, state.table[-1] if state.table else None)
+        self.pool.release(state.table[::-1])
+
+    def fork(self, parent: SequenceLike | str, child: SequenceLike | str) -> Allocation | None:
+        """Make ``child`` share every block of ``parent`` (parallel sampling, beam candidates).
+
+        Paged: no block moves now; the first write into a shared partial block copies it.
+        """
+        pstate, cid = self._fork_ids(parent, child)
+        self.pool.touch(pstate.table)
+        self._seqs[cid] = _SeqState(list(pstate.table), pstate.num_tokens, list(pstate.hashes), pstate.root)
+        return NOTHING
+
+    # -------------------------------------------------------------------- swap
+    def swap_out(self, seq: SequenceLike | str) -> list[tuple[int, int]] | None:
+        """Move a running sequence to the host pool: (device, host) copies, or None if it is full."""
+        sid = _sid(seq)
+        state = self._state(sid)
+        n = len(state.table)
+        if n > len(self._host_free):
+            return None
+        host = [self._host_free.pop() for _ in range(n)]
+        mapping = [(b.block_id, h) for b, h in zip(state.table, host, strict=True)]
+        del self._seqs[sid]
+        self._release_table(sid, state)  # shared blocks stay with their other owners
+        self._swapped[sid] = _SwappedState(host, state.num_tokens, state.hashes, state.root)
+        self.counters.blocks_swapped_out += n
+        return mapping
+
+    def swap_in(self, seq: SequenceLike) -> list[tuple[int, int]] | None:
+        """Bring a swapped sequence back: (host, device) copies, or None if the device lacks room."""
+        sid = seq.seq_id
+        swapped = self._swapped_state(sid)
+        host = swapped.host_blocks
+        # Full blocks whose cached copy is still on the device need no transfer: share them instead.
+        # Only a run from the first block can be verified (each block names its exact parent).
+        resident: dict[int, KVBlock] = {}
+        ident, bs, tokens = self._root_key(seq), self.block_size, seq.token_ids
+        for i, h in enumerate(swapped.hashes):
+            block = self.pool.lookup(h, ident, tuple(tokens[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            resident[i] = block
+            ident = block.identity
+        n_copy = len(host) - len(resident)
+        revived = sum(1 for b in resident.values() if b.ref_count == 0)
+        if self.pool.num_free_blocks - n_copy - revived < self._admission_reserve():
+            return None
+        self.pool.touch(resident.values())
+        fresh = iter(self.pool.get_new_blocks(n_copy))
+        table = [resident[i] if i in resident else next(fresh) for i in range(len(host))]
+        del self._swapped[sid]
+        self._host_free.extend(reversed(host))
+        mapping = [(h, b.block_id) for i, (h, b) in enumerate(zip(host, table, strict=True)) if i not in resident]
+        self._seqs[sid] = _SeqState(table, swapped.num_tokens, [], swapped.root)
+        # Copied full blocks become findable again (their K/V arrives before any read of this step).
+        self.cache_computed_blocks(seq, len(swapped.hashes) * self.block_size)
+        self.counters.blocks_swapped_in += n_copy
+        return mapping
+
+    # ------------------------------------------------------------------- stats
+    def stats(self) -> KVStats:
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        logical = 0
+        for state in self._seqs.values():
+            logical += state.num_tokens
+            for i, block in enumerate(state.table):
+                f = min(bs, max(0, state.num_tokens - i * bs))
+                if f > fill.get(block.block_id, -1):
+                    fill[block.block_id] = f
+        used = self.num_blocks - self.pool.num_free_blocks
+        cached_free = sum(1 for b in self.pool.cached.values() if b.ref_count == 0)
+        c = self.counters
+        return KVStats(
+            num_blocks=self.num_blocks,
+            block_size=bs,
+            used_blocks=used,
+            free_blocks=self.pool.num_free_blocks,
+            cached_free_blocks=cached_free,
+            num_seqs=len(self._seqs),
+            num_swapped_seqs=len(self._swapped),
+            live_tokens=sum(fill.values()),
+            logical_tokens=logical,
+            allocated_slots=used * bs,
+            prefix_query_tokens=c.prefix_query_tokens,
+            prefix_hit_tokens=c.prefix_hit_tokens,
+            evictions=self.pool.num_evictions,
+            cow_copies=c.cow_copies,
+            blocks_swapped_out=c.blocks_swapped_out,
+            blocks_swapped_in=c.blocks_swapped_in,
+            swap_blocks_total=self.num_swap_blocks,
+            swap_blocks_used=self.num_swap_blocks - len(self._host_free),
+            tail_waste_slots=sum(bs - f for f in fill.values() if f),
+            reserved_unused_slots=bs * sum(1 for f in fill.values() if not f),
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a bookkeeping invariant (docs/architecture.md) is broken."""
+        check_invariants(self)
+
+    def _max_waste_ok(self, waste: int) -> bool:
+        return 0 <= waste < self.block_size
+
+    def _table_len_ok(self, table_len: int, num_tokens: int) -> bool:
+        return table_len == self.blocks_needed(num_tokens)
+
+    def reservation_blocks(self, seq: SequenceLike) -> int:
+        """Blocks ``seq`` takes when admitted now, without a prefix hit."""
+        return cdiv(len(seq.token_ids), self.block_size)
+
+    def stranded_free_blocks(self, need_blocks: int) -> int:
+        """Free blocks a request needing ``need_blocks`` cannot use: none, since any block will do."""
+        return 0
+
+    def _fork_ids(self, parent: SequenceLike | str, child: SequenceLike | str) -> tuple[_SeqState, str]:
+        """The running parent's state and the child's id (which must hold nothing yet)."""
+        pstate, cid = self._state(_sid(parent)), _sid(child)
+        if cid in self._seqs or cid in self._swapped:
+            raise ValueError(f"cannot fork into {cid!r}: that sequence already holds blocks")
+        return pstate, cid
+
+    # ----------------------------------------------------------------- helpers
+    def _state(self, seq_id: str) -> _SeqState:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            where = "swapped out" if seq_id in self._swapped else "unknown"
+            raise KeyError(f"sequence {seq_id!r} is {where}, not running") from None
+
+    def _swapped_state(self, seq_id: str) -> _SwappedState:
+        try:
+            return self._swapped[seq_id]
+        except KeyError:
+            raise KeyError(f"sequence {seq_id!r} is not swapped out") from None
