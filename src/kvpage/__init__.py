@@ -18,16 +18,16 @@ _PUBLIC = {
     "SamplingParams": "kvpage.sampling_params",
     "RequestOutput": "kvpage.outputs",
     "CompletionOutput": "kvpage.outputs",
-    "EngineDeadError": "kvpage.engine.errors",
+    "EngineDeadError": "kvpage.errors",
 }
 __all__ = ["LLM", "CompletionOutput", "EngineArgs", "EngineDeadError", "LLMEngine", "RequestOutput", "SamplingParams",
            "__version__"]
 
 if TYPE_CHECKING:
     from kvpage.engine.arg_utils import EngineArgs
-    from kvpage.engine.errors import EngineDeadError
     from kvpage.engine.llm import LLM
     from kvpage.engine.llm_engine import LLMEngine
+    from kvpage.errors import EngineDeadError
     from kvpage.outputs import CompletionOutput, RequestOutput
     from kvpage.sampling_params import SamplingParams
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvpage.core.sequence import Sequence, SequenceStatus
+from kvpage.errors import InvalidRequestError, KVCapacityError, PromptTooLongError
 from kvpage.kv import KVManager, cdiv
 
 logger = logging.getLogger(__name__)
@@ -124,23 +125,29 @@ class Scheduler:
         self._pending_copies: list[tuple[int, int]] = []  # fork copies to perform before the next step
 
     # ----------------------------------------------------------------- intake
-    def check_fits(self, prompt_len: int, max_tokens: int | None) -> None:
-        """Refuse a request that could never complete, instead of letting it block the queue."""
+    def check_fits(self, prompt_len: int, max_tokens: int | None, fit_context: bool = False) -> int:
+        """Refuse a request that could never complete, instead of letting it block the queue; returns the
+        effective max_tokens (for None: the room the context leaves). ``fit_context``: max_tokens beyond that
+        room is an error (the OpenAI API's rule) rather than a limit the context cuts short."""
         limit = self.config.max_model_len
         if prompt_len < 1:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise InvalidRequestError("the prompt is empty: give at least one token", "prompt")
         if prompt_len >= limit:
-            raise ValueError(
-                f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
-                f"max_model_len={limit}"
-            )
-        longest = min(prompt_len + (max_tokens or limit), limit)
+            raise PromptTooLongError(prompt_len, limit)
+        room = limit - prompt_len
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {max_tokens}", "max_tokens")
+        if fit_context and max_tokens is not None and max_tokens > room:
+            raise InvalidRequestError(f"max_tokens={max_tokens} with a prompt of {prompt_len} tokens exceeds "
+                                      f"max_model_len={limit} (at most {room} here)", "max_tokens")
+        longest = prompt_len + min(max_tokens or room, room)
         need = cdiv(longest, self.kv.block_size)
         if need > self.kv.num_blocks:
-            raise ValueError(
+            raise KVCapacityError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks but the whole "
-                f"pool has {self.kv.num_blocks}: lower max_tokens or enlarge the KV cache"
+                f"pool has {self.kv.num_blocks}: lower max_tokens or enlarge the KV cache", "max_tokens"
             )
+        return room if max_tokens is None else max_tokens
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpage.engine.arg_utils import EngineArgs
-from kvpage.engine.errors import EngineDeadError
 from kvpage.engine.llm_engine import LLMEngine, PromptInput
+from kvpage.errors import EngineDeadError
 from kvpage.model.registry import DEFAULT_MODEL
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import SamplingParams

@@ -14,8 +14,8 @@ from kvpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpage.core.sequence import Request, Sequence, SequenceStatus
 from kvpage.core.step import StepFeatures, step_log_entry
 from kvpage.engine.arg_utils import EngineArgs
-from kvpage.engine.errors import EngineDeadError
 from kvpage.engine.output_processor import append_sample, blocked_ids, make_request_output, new_state
+from kvpage.errors import EngineDeadError, InvalidRequestError, RequestIdInUseError
 from kvpage.outputs import RequestMetrics, RequestOutput
 from kvpage.sampling_params import SamplingParams
 from kvpage.worker.model_runner import BlockOps, ScheduledSeq
@@ -33,6 +33,8 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         self.worker = Worker(args.model_config(), args.cache_config())
         self.tokenizer = self.worker.lm.tokenizer
+        # What callers may read about the model (vocabulary, architecture) without reaching into the worker.
+        self.model_config = self.worker.lm.config
         self.max_model_len = self.worker.max_model_len
         self.kv = self.worker.make_kv_manager(args.kv_policy)
         batched = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else self.max_model_len)
@@ -57,37 +59,47 @@ class LLMEngine:
     def _prompt_ids(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self._prompt_ids(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list | tuple):
-            return None, self._check_ids(prompt)
-        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+            return None, self.check_token_ids(prompt)
+        raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}",
+                                  "prompt")
 
-    def _check_ids(self, ids: Seq[int]) -> list[int]:
-        vocab = self.worker.lm.config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+    def check_token_ids(self, ids: Seq[int], param: str = "prompt") -> list[int]:
+        """``ids`` as a list, or InvalidRequestError naming the first ids outside the vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
+            raise InvalidRequestError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}", param)
         return list(ids)
+
+    def check_request(self, prompt_len: int, max_tokens: int | None, fit_context: bool = False) -> int:
+        """The checks add_request makes on lengths, for a caller that wants the answer before it builds the
+        request: returns the effective max_tokens (the room left when None) or raises the RequestRejected
+        subclass that says why not. ``fit_context``: max_tokens beyond max_model_len is refused, not cut."""
+        return self.scheduler.check_fits(prompt_len, max_tokens, fit_context)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+        """Take a request, or raise why not (a ``kvpage.errors.RequestRejected``: nothing was allocated;
+        EngineDeadError once the engine has failed)."""
         if self.fatal_error is not None:
             raise EngineDeadError(self.fatal_error)
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUseError(f"request id {request_id!r} is already in use", "request_id")
         params = params or SamplingParams()
         text, ids = self._prompt_ids(prompt)
-        self.scheduler.check_fits(len(ids), params.max_tokens)
-        vocab = self.worker.lm.config.vocab_size
+        self.check_request(len(ids), params.max_tokens)
+        vocab = self.model_config.vocab_size
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             bad = sorted({t for t in getattr(params, name) or () if t >= vocab})
             if bad:
-                raise ValueError(f"{name} outside the vocabulary (size {vocab}): {bad[:5]}")
+                raise InvalidRequestError(f"{name} outside the vocabulary (size {vocab}): {bad[:5]}", name)
         req = Request(request_id, text, ids, params, next(self._arrivals),
                       RequestMetrics(arrival_time or time.time()), priority, cache_salt,
                       use_priority=self.scheduler.config.policy == "priority")

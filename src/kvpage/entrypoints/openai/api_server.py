@@ -37,11 +37,13 @@ from kvpage.entrypoints.openai.protocol import (
 from kvpage.entrypoints.openai.serving import (
     Job,
     RequestRunner,
+    api_error,
     chat_logprobs,
     completion_logprobs,
     sse_response,
     usage,
 )
+from kvpage.errors import RequestRejected
 from kvpage.outputs import CompletionOutput
 
 logger = logging.getLogger(__name__)
@@ -64,7 +66,6 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
     engine = client.engine
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
-    vocab = engine.worker.lm.config.vocab_size
     metrics = metrics or ServerMetrics(config.model_name)
     if client.on_step is None:
         client.on_step = metrics.on_step
@@ -76,6 +77,11 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestRejected)
+    async def _rejected(_: Request, e: RequestRejected) -> JSONResponse:
+        err = api_error(e)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -95,12 +101,6 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         if name is not None and name != config.model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
                            "not_found_error", "model", "model_not_found")
-
-    def check_ids(ids: list[int]) -> list[int]:
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:5]}", param="prompt")
-        return ids
 
     async def encode(text: str, param: str, **kwargs: Any) -> list[int]:
         """Token ids of ``text``; whatever the tokenizer refuses is the client's 400, not a 500."""
@@ -132,23 +132,6 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             raise APIError(400, f"truncate_prompt_tokens must be -1 or >= 1, got {keep}",
                            param="truncate_prompt_tokens")
         return ids[-keep:]
-
-    def check_lengths(prompt_len: int, max_tokens: int | None) -> int:
-        """The effective max_tokens; 413 for a prompt that leaves no room, 400 for impossible max_tokens."""
-        if prompt_len == 0:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        if prompt_len >= max_model_len:
-            raise APIError(413, f"the prompt has {prompt_len} tokens; max_model_len is {max_model_len}, which leaves "
-                                "no room to generate", param="prompt", code="context_length_exceeded")
-        room = max_model_len - prompt_len
-        if max_tokens is None:
-            return room
-        if max_tokens < 1:
-            raise APIError(400, f"max_tokens must be an integer >= 1, got {max_tokens}", param="max_tokens")
-        if max_tokens > room:
-            raise APIError(400, f"max_tokens={max_tokens} with a prompt of {prompt_len} tokens exceeds "
-                                f"max_model_len={max_model_len} (at most {room} here)", param="max_tokens")
-        return max_tokens
 
     def common_checks(req: SamplingFields) -> None:
         check_model(req.model)
@@ -207,7 +190,8 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
     async def detokenize(request: Request) -> Response:
         req = await body(request, DetokenizeRequest)
         check_model(req.model)
-        return JSONResponse({"prompt": tokenizer.decode(check_ids(req.tokens), skip_special_tokens=False)})
+        ids = engine.check_token_ids(req.tokens, "tokens")
+        return JSONResponse({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -220,12 +204,12 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             if isinstance(prompt, str):
                 ids = await encode(prompt, "prompt")
             elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                ids = check_ids(list(prompt))
+                ids = engine.check_token_ids(prompt)
             else:
                 raise APIError(400, "prompt must be a string, a list of token ids, or a list of either",
                                param="prompt")
             ids = truncate(ids, req.truncate_prompt_tokens)
-            max_tokens = check_lengths(len(ids), req.max_tokens)
+            max_tokens = engine.check_request(len(ids), req.max_tokens, fit_context=True)
             jobs.append(Job(i, f"{base}-{i}", ids))
             params.append(req.sampling_params(max_tokens, req.logprobs, req.stream))
         top_n = req.logprobs or 0
@@ -277,7 +261,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         req.check()
         text = render_chat(req.conversation(), req.add_generation_prompt, req.chat_template_kwargs)
         ids = truncate(await encode(text, "messages", add_special_tokens=False), req.truncate_prompt_tokens)
-        max_tokens = check_lengths(len(ids), req.requested_max_tokens())
+        max_tokens = engine.check_request(len(ids), req.requested_max_tokens(), fit_context=True)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [Job(0, f"{base}-0", ids)]
         params = [req.sampling_params(max_tokens, req.requested_logprobs(), req.stream)]

@@ -27,22 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpage.engine.errors import EngineDeadError
 from kvpage.engine.llm_engine import LLMEngine
+from kvpage.errors import EngineDeadError, QueueFullError, ShuttingDownError
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "ShuttingDownError"]
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than --max-queue allows."""
-
-
-class ShuttingDownError(RuntimeError):
-    """The server is draining for shutdown and takes no new requests."""
 
 
 Item = RequestOutput | BaseException

@@ -16,9 +16,17 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvpage.entrypoints.openai.engine_client import AsyncEngine, EngineDeadError, QueueFullError, ShuttingDownError
+from kvpage.entrypoints.openai.engine_client import AsyncEngine
 from kvpage.entrypoints.openai.metrics import ServerMetrics
 from kvpage.entrypoints.openai.protocol import APIError
+from kvpage.errors import (
+    EngineDeadError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestIdInUseError,
+    RequestRejected,
+    ShuttingDownError,
+)
 from kvpage.outputs import CompletionOutput, RequestOutput
 from kvpage.sampling_params import SamplingParams
 
@@ -36,11 +44,25 @@ class Job:
     prompt_ids: list[int]
 
 
-def engine_failure(item: BaseException) -> APIError:
-    """The APIError for an exception the engine client delivered in place of an output."""
-    if isinstance(item, ShuttingDownError | EngineDeadError):
-        return APIError(503, str(item), "server_error")
-    return APIError(500, f"{type(item).__name__}: {item}", "server_error")
+def api_error(e: BaseException) -> APIError:
+    """The one map from the engine's errors (kvpage.errors) to HTTP: a refused request is the client's 4xx
+    (413 for a prompt that fills the context, 409 for an id in use, 429 with Retry-After for a full queue),
+    an engine that cannot serve is 503, anything else is the server's 500."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, PromptTooLongError):
+        return APIError(413, str(e), param=e.param, code="context_length_exceeded")
+    if isinstance(e, RequestIdInUseError):
+        return APIError(409, str(e), param=e.param)
+    if isinstance(e, RequestRejected):
+        return APIError(400, str(e), param=e.param)
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(e, ShuttingDownError | EngineDeadError):
+        return APIError(503, str(e), "server_error")
+    if isinstance(e, ValueError):  # a setting SamplingParams refused
+        return APIError(400, str(e))
+    return APIError(500, f"{type(e).__name__}: {e}", "server_error")
 
 
 class RequestRunner:
@@ -61,13 +83,8 @@ class RequestRunner:
         except BaseException as e:
             for rid in accepted:
                 self.client.abort(rid)
-            if isinstance(e, QueueFullError):
-                raise APIError(429, str(e), "rate_limit_error",
-                               headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-            if isinstance(e, ShuttingDownError | EngineDeadError):
-                raise APIError(503, str(e), "server_error") from None
-            if isinstance(e, ValueError):
-                raise APIError(400, str(e)) from None
+            if isinstance(e, Exception):
+                raise api_error(e) from None
             raise
         for job in jobs:
             self.metrics.add_prompt_tokens(len(job.prompt_ids))
@@ -90,7 +107,7 @@ class RequestRunner:
                 item = get.result()
                 if isinstance(item, BaseException):
                     open_ids.clear()  # the engine client already dropped every request of this queue
-                    raise engine_failure(item)
+                    raise api_error(item)
                 if item.request_id not in open_ids:
                     continue
                 if item.finished:
