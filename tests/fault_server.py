@@ -25,33 +25,36 @@ FATAL_SEED = 6663
 class FaultyEngine(LLMEngine):
     def __init__(self, args: EngineArgs) -> None:
         super().__init__(args)
-        execute = self.worker.runner.execute
+        execute, sample, append = self.worker.runner.execute, self.worker.sample_requests, self.core.processor.append
 
         def failing_execute(batch, *rest, **kw):
             if any(self._seed_of(s.seq_id) == FATAL_SEED for s in batch):
                 raise RuntimeError("injected kernel failure")
             return execute(batch, *rest, **kw)
 
-        self.worker.runner.execute = failing_execute  # this engine instance only
+        def poisoned_sample(logits, reqs, rows):
+            poisoned = []
+            for r in reqs:
+                if r.params.seed == SAMPLE_FAULT_SEED:
+                    r = copy.copy(r)
+                    r.params = copy.copy(r.params)
+                    r.params.top_k = "not a number"  # type: ignore[assignment]  # the batched top-k raises on it
+                poisoned.append(r)
+            return sample(logits, poisoned, rows)
+
+        def failing_append(seq, draw):
+            if seq.request.params.seed == OUTPUT_FAULT_SEED and seq.num_output_tokens >= 2:
+                raise ValueError("injected output failure")
+            return append(seq, draw)
+
+        # this engine instance only
+        self.worker.runner.execute = failing_execute
+        self.worker.sample_requests = poisoned_sample
+        self.core.processor.append = failing_append
 
     def _seed_of(self, seq_id: str) -> int | None:
         req = self.requests.get(seq_id.rsplit("#", 1)[0])
         return req.params.seed if req else None
-
-    def _sample(self, logits, reqs, rows):
-        poisoned = []
-        for r in reqs:
-            if r.params.seed == SAMPLE_FAULT_SEED:
-                r = copy.copy(r)
-                r.params = copy.copy(r.params)
-                r.params.top_k = "not a number"  # type: ignore[assignment]  # the batched top-k raises on it
-            poisoned.append(r)
-        return super()._sample(logits, poisoned, rows)
-
-    def _append(self, seq, draw, now):
-        if seq.request.params.seed == OUTPUT_FAULT_SEED and seq.num_output_tokens >= 2:
-            raise ValueError("injected output failure")
-        super()._append(seq, draw, now)
 
 
 def main() -> int:

@@ -112,3 +112,28 @@ def test_the_server_maps_each_error_class_to_one_http_code():
     assert full.headers and full.headers.get("Retry-After")
     same = APIError(418, "teapot")
     assert api_error(same) is same
+
+
+def test_a_request_whose_draw_fails_alone_in_its_step_fails_alone():
+    """The batched sampler reruns a failing step request by request, but with one request in the step there
+    is nothing to isolate: that request fails, the engine lives on and takes the next request."""
+    from kvpage.engine.llm import LLM
+    from kvpage.sampling_params import SamplingParams
+
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=128, dtype="float32")
+    eng = llm.engine
+    real = eng.worker.sample_requests
+
+    def broken(logits, reqs, rows):
+        raise RuntimeError("injected sampler failure")
+
+    eng.worker.sample_requests = broken  # this engine instance only
+    eng.add_request("alone", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=4))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert outs[-1].finished and "injected sampler failure" in (outs[-1].error or "")
+    assert eng.fatal_error is None and eng.kv.num_free_blocks == eng.kv.num_blocks
+    eng.worker.sample_requests = real
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 3

@@ -33,7 +33,7 @@ SMOL = ModelSpec("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, 2.0, 30 * 3 * 1
 
 
 def run(requests, cost=ONE_SECOND, **kw):
-    cfg = SimConfig(**{"watermark": 0.0, "check_invariants": True, **kw})
+    cfg = SimConfig.of(**{"watermark": 0.0, "check_invariants": True, **kw})
     sim = Simulator(cfg, requests, cost)
     res = sim.run()
     assert sim.kv.num_free_blocks == sim.kv.num_blocks, "blocks leaked"
@@ -157,9 +157,10 @@ def test_arrivals_leave_idle_time():
 def test_seed_results_static_20_to_40_percent_paged_over_96():
     reqs = generate(WorkloadSpec("lognormal", 512))
     cost = RooflineCost(SMOL)
-    paged = Simulator(SimConfig(num_blocks=2912), reqs, cost).run().summary()
-    static = Simulator(SimConfig(allocator="static", num_blocks=2912), reqs, cost).run().summary()
-    pow2 = Simulator(SimConfig(allocator="static", static_reserve="pow2", num_blocks=2912), reqs, cost).run().summary()
+    paged = Simulator(SimConfig.of(num_blocks=2912), reqs, cost).run().summary()
+    static = Simulator(SimConfig.of(allocator="static", num_blocks=2912), reqs, cost).run().summary()
+    pow2_cfg = SimConfig.of(allocator="static", static_reserve="pow2", num_blocks=2912)
+    pow2 = Simulator(pow2_cfg, reqs, cost).run().summary()
     assert paged["utilization"] >= 0.96
     assert 0.20 <= static["utilization"] <= 0.40 and 0.20 <= pow2["utilization"] <= 0.45
     assert paged["tail_waste_per_seq_tokens"] < 16  # under one block per sequence
@@ -422,7 +423,8 @@ def test_simulator_schedules_exactly_like_the_engine():
     while eng.has_unfinished_requests():
         eng.step()
     real = [s["num_tokens"] for s in eng.step_log]
-    cfg = SimConfig(num_blocks=eng.kv.num_blocks, max_model_len=256, max_num_batched_tokens=128, check_invariants=True)
+    cfg = SimConfig.of(num_blocks=eng.kv.num_blocks, max_model_len=256, max_num_batched_tokens=128,
+                       check_invariants=True)
     res = Simulator(cfg, reqs, ONE_SECOND).run()
     assert eng.stats()["preemptions"] > 0, "the pool should be tight enough to preempt"
     assert [s.num_tokens for s in res.steps] == real
@@ -438,3 +440,35 @@ def test_sweep_shows_samples_the_static_policy_could_not_fork(capsys):
     static = next(line for line in lines if line.strip().startswith("static"))
     paged = next(line for line in lines if line.strip().startswith("paged"))
     assert head and paged.split()[-1] == "0" and int(static.split()[-1]) > 0
+
+
+def test_the_simulator_runs_the_engines_loop_with_every_engine_knob():
+    """One step loop (core.engine_core.EngineCore) for both; the scheduling policy and chunked prefill are
+    simulator knobs as they are engine knobs."""
+    from kvpage.core.engine_core import EngineCore
+
+    reqs = [req("A", 8, 2, priority=1), req("B", 8, 2, priority=0)]
+    fcfs = Simulator(SimConfig.of(block_size=4, num_blocks=16, max_model_len=32, max_num_seqs=1), reqs, ONE_SECOND)
+    assert isinstance(fcfs.core, EngineCore)
+    by_id = {r.request_id: r for r in fcfs.run().requests}
+    assert by_id["A"].ttft < by_id["B"].ttft
+    prio = run(reqs, block_size=4, num_blocks=16, max_model_len=32, max_num_seqs=1, scheduling_policy="priority")
+    by_id = {r.request_id: r for r in prio.requests}
+    assert by_id["B"].ttft < by_id["A"].ttft
+    # without chunked prefill a 20-token prompt needs a 20-token budget in one step
+    whole = run([req("L", 20, 1)], block_size=4, num_blocks=16, max_model_len=32, max_num_batched_tokens=32,
+                enable_chunked_prefill=False)
+    assert [s.num_tokens for s in whole.steps] == [20]
+    chunked = run([req("L", 20, 1)], block_size=4, num_blocks=16, max_model_len=32, max_num_batched_tokens=8)
+    assert [s.num_tokens for s in chunked.steps] == [8, 8, 4]
+    assert SimConfig.of(scheduling_policy="priority").flat()["scheduling_policy"] == "priority"
+
+
+def test_trace_priorities_round_trip(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"arrival": 0, "prompt_len": 4, "output_len": 2, "priority": 3}\n'
+                 '{"arrival": 0, "prompt_len": 4, "output_len": 2}\n')
+    assert [r.priority for r in load_trace(f)] == [3, 0]
+    f.write_text('{"arrival": 0, "prompt_len": 4, "output_len": 2, "priority": "high"}\n')
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        load_trace(f)

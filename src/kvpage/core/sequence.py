@@ -34,6 +34,9 @@ class Sequence:
     stop_reason: int | str | None = None
     # engine-side output state (detokenizer, text, logprobs); opaque to the scheduler
     state: Any = None
+    # the worker's random state for this sample (a seeded generator; None until its first draw, and for
+    # unseeded requests); opaque to the scheduler
+    rng: Any = None
 
     @property
     def cache_salt(self) -> str | None:
@@ -83,6 +86,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     forked: bool = False  # n > 1: children created after the prompt was computed
+    num_generated_tokens: int = 0  # over all its sequences, pruned ones included
     error: str | None = None
     use_priority: bool = False
 

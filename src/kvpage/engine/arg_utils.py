@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from kvpage.config import DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPES, RUN_DTYPES, CacheConfig, ModelRunConfig
-from kvpage.core.scheduler import PreemptionMode, SchedulingPolicy
+from kvpage.core.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from kvpage.envs import KernelConfig
 from kvpage.model.registry import DEFAULT_MODEL
 from kvpage.units import parse_size
@@ -44,6 +44,14 @@ class EngineArgs:
     def model_config(self) -> ModelRunConfig:
         return ModelRunConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                               attention_backend=self.attention_backend, kernels=self.kernels)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """With the model's context length resolved (the worker knows it): without chunked prefill a step must
+        hold a whole prompt, so the token budget defaults to max_model_len."""
+        batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
+        return SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=batched,
+                               max_num_seqs=self.max_num_seqs, enable_chunked_prefill=self.enable_chunked_prefill,
+                               preemption_mode=self.preemption_mode, policy=self.scheduling_policy)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, kv_cache_memory=size_gib_default(self.kv_cache_memory),

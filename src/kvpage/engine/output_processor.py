@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from kvpage.core.engine_core import Finish, Sample, length_stop, token_stop
 from kvpage.core.sequence import Request, Sequence
 from kvpage.model.tokenizer import IncrementalDetokenizer, KVTokenizer
 from kvpage.outputs import CompletionOutput, Logprob, RequestOutput
-from kvpage.worker.sampler import Sample
 
 
 @dataclass
 class SeqOutputState:
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None
     text: str = ""
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
@@ -24,29 +21,25 @@ class SeqOutputState:
     sent_finish: bool = False  # delta outputs: the finish was reported; the sample is left out from then on
 
 
-def new_state(tokenizer: KVTokenizer, seq: Sequence, generator: torch.Generator | None) -> SeqOutputState:
-    p = seq.request.params
-    st = SeqOutputState(
-        IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.prompt_len], p.skip_special_tokens), generator
-    )
-    if p.logprobs is not None:
-        st.logprobs = []
-    return st
+class TextOutputProcessor:
+    """The engine's ``OutputProcessor``: incremental text, stop strings and logprobs per sequence."""
 
+    def __init__(self, tokenizer: KVTokenizer, eos_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
 
-def blocked_ids(seq: Sequence, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
-    """Token ids that must not be drawn yet: stop ids and EOS while min_tokens is not reached."""
-    p = seq.request.params
-    if seq.num_output_tokens >= p.min_tokens:
-        return ()
-    ids = list(p.stop_token_ids or [])
-    if not p.ignore_eos:
-        ids.extend(eos_ids)
-    return tuple(ids)
+    def init_seq(self, seq: Sequence) -> None:
+        p = seq.request.params
+        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.prompt_len], p.skip_special_tokens)
+        seq.state = SeqOutputState(detok, logprobs=[] if p.logprobs is not None else None)
+
+    def append(self, seq: Sequence, sample: Sample) -> Finish | None:
+        return append_sample(seq, sample, self.tokenizer, self.eos_ids, self.max_model_len)
 
 
 def append_sample(seq: Sequence, sample: Sample, tokenizer: KVTokenizer, eos_ids: tuple[int, ...],
-                  max_model_len: int) -> tuple[str, int | str | None] | None:
+                  max_model_len: int) -> Finish | None:
     """Add one generated token; returns (finish_reason, stop_reason) when the sequence is done."""
     st: SeqOutputState = seq.state
     p = seq.request.params
@@ -61,31 +54,24 @@ def append_sample(seq: Sequence, sample: Sample, tokenizer: KVTokenizer, eos_ids
                                              tokenizer.decode([sample.token_id], skip_special_tokens=False))
         st.logprobs.append(entry)
     tok = sample.token_id
-    n_out = seq.num_output_tokens
-    may_stop = n_out >= p.min_tokens
-    if may_stop and not p.ignore_eos and tok in eos_ids:
-        st.text += st.detok.flush()
-        return "stop", None
-    if may_stop and tok in p.stop_token_ids:
-        if p.include_stop_str_in_output:
+    done = token_stop(seq, tok, eos_ids)
+    if done is not None:
+        if done[1] is not None and p.include_stop_str_in_output:
             st.text += st.detok.add(tok)
         st.text += st.detok.flush()
-        return "stop", tok
+        return done
     delta = st.detok.add(tok)
     st.text += delta
-    if may_stop and p.stop_list and delta:
+    if p.stop_list and delta and seq.num_output_tokens >= p.min_tokens:
         hit = _find_stop(st.text, len(delta), p.stop_list)
         if hit is not None:
             pos, stop = hit
             st.text = st.text[: pos + (len(stop) if p.include_stop_str_in_output else 0)]
             return "stop", stop
-    if p.max_tokens is not None and n_out >= p.max_tokens:
+    done = length_stop(seq, max_model_len)
+    if done is not None:
         st.text += st.detok.flush()
-        return "length", None
-    if len(seq.token_ids) >= max_model_len:
-        st.text += st.detok.flush()
-        return "length", None
-    return None
+    return done
 
 
 def _find_stop(text: str, delta_len: int, stops: list[str]) -> tuple[int, str] | None:

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpage.capacity import canonical_dtype, dtype_bytes
+from kvpage.kv import ALLOCATORS
+from kvpage.kv.static import RESERVE_POLICIES
 from kvpage.model.config import ModelConfig
 from kvpage.model.registry import DEFAULT_MODEL, load_model_config
 from kvpage.sim.cost import MACHINE_PROFILES, CostModel, ModelSpec, RooflineCost, load_calibration, load_machine
@@ -25,8 +27,9 @@ SWEEPABLE = (
     "allocator", "static_reserve", "block_size", "kv_memory", "num_blocks", "max_model_len",
     "enable_prefix_caching", "watermark", "preemption", "swap_space", "max_num_seqs", "max_num_batched_tokens",
     "num_requests", "rate", "prefix_len", "num_prefixes", "n", "beam_width", "beam_prune", "sigma",
-    "prompt_median", "output_median", "seed", "kv_cache_dtype",
+    "prompt_median", "output_median", "seed", "kv_cache_dtype", "scheduling_policy", "enable_chunked_prefill",
 )
+_D = SimConfig()  # the flags' defaults are the configuration's
 
 
 def _rate(text: str) -> float:
@@ -62,24 +65,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct system prompts")
     w.add_argument("--n", type=int, default=4, help="parallel: samples per request")
     w.add_argument("--beam-width", type=int, default=4, help="beam: candidates per request")
-    w.add_argument("--beam-prune", type=float, default=0.3, help="beam: chance per step a candidate is replaced")
+    w.add_argument("--beam-prune", type=float, default=_D.beam_prune,
+                   help="beam: chance per step a candidate is replaced")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--save-trace", help="write the generated requests as a JSONL trace")
 
     k = p.add_argument_group("KV cache and scheduler")
-    k.add_argument("--allocator", default="paged", choices=["paged", "static"])
-    k.add_argument("--static-reserve", default="max", choices=["max", "pow2", "oracle"],
+    k.add_argument("--allocator", default=_D.kv.allocator, choices=ALLOCATORS)
+    k.add_argument("--static-reserve", default=_D.kv.static_reserve, choices=RESERVE_POLICIES,
                    help="static: reserve max_model_len, the next power of two of prompt+output, or exactly it")
-    k.add_argument("--block-size", type=int, default=16)
+    k.add_argument("--block-size", type=int, default=_D.block_size)
     k.add_argument("--kv-memory", default="1GiB", help="KV pool size with units (default 1GiB)")
     k.add_argument("--num-blocks", type=int, help="pool size in blocks (overrides --kv-memory)")
-    k.add_argument("--max-model-len", type=int, default=2048)
-    k.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    k.add_argument("--watermark", type=float, default=0.01)
-    k.add_argument("--preemption", default="recompute", choices=["recompute", "swap"])
+    k.add_argument("--max-model-len", type=int, default=_D.max_model_len)
+    k.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_D.kv.enable_prefix_caching)
+    k.add_argument("--watermark", type=float, default=_D.kv.watermark)
+    k.add_argument("--preemption", default=_D.scheduler.preemption_mode, choices=["recompute", "swap"])
     k.add_argument("--swap-space", default="0", help="host pool for swap preemption, with units")
-    k.add_argument("--max-num-seqs", type=int, default=256)
-    k.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    k.add_argument("--max-num-seqs", type=int, default=_D.scheduler.max_num_seqs)
+    k.add_argument("--max-num-batched-tokens", type=int, default=_D.scheduler.max_num_batched_tokens)
+    k.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=_D.scheduler.enable_chunked_prefill)
+    k.add_argument("--scheduling-policy", default=_D.scheduler.policy, choices=["fcfs", "priority"],
+                   help="priority: lower trace 'priority' values run first (as the engine's)")
 
     c = p.add_argument_group("cost model")
     c.add_argument("--model", default=DEFAULT_MODEL, help="model name, preset, .gguf or HF directory (config only)")
@@ -157,11 +166,12 @@ def build_config(args: argparse.Namespace, model: ModelSpec) -> SimConfig:
     swap = parse_size(args.swap_space) // block_bytes if str(args.swap_space) != "0" else 0
     if args.preemption == "swap" and not swap:
         raise ValueError("--preemption swap needs a host pool: give --swap-space (e.g. 1GiB)")
-    return SimConfig(
+    return SimConfig.of(
         allocator=args.allocator, static_reserve=args.static_reserve, block_size=args.block_size,
         num_blocks=num_blocks, max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         watermark=args.watermark, preemption_mode=args.preemption, num_swap_blocks=swap,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
         beam_prune=args.beam_prune, seed=args.seed,
     )
 
@@ -188,7 +198,7 @@ def simulate(args: argparse.Namespace) -> tuple[dict[str, Any], Setup]:
         "model": model.name,
         "kv_bytes_per_token": model.kv_bytes_per_token,
         "kv_memory_bytes": config.num_blocks * args.block_size * model.kv_bytes_per_token,
-        "config": {k: v for k, v in vars(config).items()},
+        "config": config.flat(),
         "cost_model": cost.describe(),
         "summary": result.summary(),
     }

@@ -5,7 +5,7 @@ Never imports torch: the same code drives the real model and the simulator.
 
 from kvpage.kv.block import FreeBlockQueue, KVBlock
 from kvpage.kv.block_pool import BlockPool
-from kvpage.kv.manager import make_kv_manager
+from kvpage.kv.manager import ALLOCATORS, DEFAULT_BLOCK_SIZE, KVPoolConfig, make_kv_manager
 from kvpage.kv.paged import KVCacheManager
 from kvpage.kv.prefix_hash import block_hash, root_hash
 from kvpage.kv.protocol import NO_HIT, Allocation, KVManager, PrefixHit
@@ -15,6 +15,8 @@ from kvpage.kv.static import StaticReservationManager
 from kvpage.kv.stats import KVStats
 
 __all__ = [
+    "ALLOCATORS",
+    "DEFAULT_BLOCK_SIZE",
     "NO_HIT",
     "Allocation",
     "BlockPool",
@@ -22,6 +24,7 @@ __all__ = [
     "KVBlock",
     "KVCacheManager",
     "KVManager",
+    "KVPoolConfig",
     "KVSequence",
     "KVStats",
     "PrefixHit",

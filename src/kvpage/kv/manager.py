@@ -5,14 +5,19 @@ The scheduler, the engine and the simulator see either only through ``kv.protoco
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvpage.kv.paged import KVCacheManager
 from kvpage.kv.protocol import NO_HIT, Allocation, KVManager, PrefixHit
-from kvpage.kv.static import StaticReservationManager
+from kvpage.kv.static import RESERVE_POLICIES, StaticReservationManager
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per block, the engine's, the simulator's and the planner's default
+ALLOCATORS = ("paged", "static")
 
 
-def make_kv_manager(policy: str, num_blocks: int, block_size: int = 16, *, max_model_len: int | None = None,
-                    watermark: float = 0.01, num_swap_blocks: int = 0, model_id: str = "",
-                    enable_prefix_caching: bool = True, reserve: str = "max") -> KVCacheManager:
+def make_kv_manager(policy: str, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, *,
+                    max_model_len: int | None = None, watermark: float = 0.01, num_swap_blocks: int = 0,
+                    model_id: str = "", enable_prefix_caching: bool = True, reserve: str = "max") -> KVCacheManager:
     """``paged`` or ``static`` by name (for the engine, the CLI, the simulator and benchmarks); the static
     baseline never shares blocks, so ``enable_prefix_caching`` applies to ``paged`` only. Both satisfy
     ``KVManager``, all the scheduler relies on; tools that inspect a pool (the tracer) may use the rest."""
@@ -28,5 +33,44 @@ def make_kv_manager(policy: str, num_blocks: int, block_size: int = 16, *, max_m
     raise ValueError(f"unknown KV policy {policy!r}: choose 'paged' or 'static'")
 
 
-__all__ = ["NO_HIT", "Allocation", "KVCacheManager", "KVManager", "PrefixHit", "StaticReservationManager",
-           "make_kv_manager"]
+@dataclass(frozen=True)
+class KVPoolConfig:
+    """What a KV manager is built from: the engine fills it from its worker's sizing of the KV memory, the
+    simulator from its flags, so both build their pool the same way."""
+
+    num_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    allocator: str = "paged"  # paged, or static: max-length reservations, the baseline paging is measured against
+    static_reserve: str = "max"  # static only: max | pow2 | oracle
+    num_swap_blocks: int = 0
+    enable_prefix_caching: bool = True  # paged only
+    watermark: float = 0.01
+    model_id: str = ""  # an isolation key of the prefix hashes
+
+    def __post_init__(self) -> None:
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be 'paged' or 'static', got {self.allocator!r}")
+        if self.static_reserve not in RESERVE_POLICIES:
+            raise ValueError(f"unknown reservation policy {self.static_reserve!r}: choose one of "
+                             f"{', '.join(RESERVE_POLICIES)}")
+
+    def build(self, max_model_len: int | None) -> KVCacheManager:
+        kw: dict = {"reserve": self.static_reserve} if self.allocator == "static" else {
+            "enable_prefix_caching": self.enable_prefix_caching}
+        return make_kv_manager(self.allocator, self.num_blocks, self.block_size, max_model_len=max_model_len,
+                               watermark=self.watermark, num_swap_blocks=self.num_swap_blocks,
+                               model_id=self.model_id, **kw)
+
+
+__all__ = [
+    "ALLOCATORS",
+    "DEFAULT_BLOCK_SIZE",
+    "NO_HIT",
+    "Allocation",
+    "KVCacheManager",
+    "KVManager",
+    "KVPoolConfig",
+    "PrefixHit",
+    "StaticReservationManager",
+    "make_kv_manager",
+]

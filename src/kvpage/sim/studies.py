@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from kvpage.sim.cost import CostModel
@@ -16,7 +15,7 @@ REQUESTS_PER_PREFIX = (1, 2, 5, 10, 25, 50, 100)
 def allocator_pair(config: SimConfig, requests: list[SimRequest], cost: CostModel) -> dict[str, SimResult]:
     """The same stream under static (config's reservation policy) and paged allocation: packing alone."""
     return {
-        alloc: Simulator(dataclasses.replace(config, allocator=alloc), requests, cost).run()
+        alloc: Simulator(config.replace(allocator=alloc), requests, cost).run()
         for alloc in ("static", "paged")
     }
 
@@ -29,7 +28,7 @@ def block_size_series(config: SimConfig, requests: list[SimRequest], cost: CostM
     for bs in sizes:
         if bs * 2 > slots or -(-config.max_model_len // bs) > slots // bs:
             continue
-        cfg = dataclasses.replace(config, allocator="paged", block_size=bs, num_blocks=slots // bs)
+        cfg = config.replace(allocator="paged", block_size=bs, num_blocks=slots // bs)
         out.append((bs, Simulator(cfg, requests, cost).run().summary()))
     return out
 
@@ -38,7 +37,7 @@ def sharing_series(config: SimConfig, cost: CostModel, num_requests: int = 100, 
                    per_prefix: tuple[int, ...] = REQUESTS_PER_PREFIX,
                    seed: int = 0) -> list[tuple[int, dict[str, Any]]]:
     """Prefix reuse alone: num_requests requests with a prefix_len system prompt shared by k requests each."""
-    cfg = dataclasses.replace(config, allocator="paged", enable_prefix_caching=True)
+    cfg = config.replace(allocator="paged", enable_prefix_caching=True)
     out = []
     for k in per_prefix:
         spec = WorkloadSpec("shared-prefix", num_requests, seed, prefix_len=prefix_len,

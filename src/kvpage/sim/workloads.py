@@ -26,6 +26,7 @@ class SimRequest:
     prefix_len: int = 0
     n: int = 1  # parallel samples forked from the prompt
     beam_width: int = 0  # > 0: beam-like candidates that get pruned and re-forked while decoding
+    priority: int = 0  # lower runs first, under the priority scheduling policy (as the engine's requests)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -120,12 +121,13 @@ def generate(spec: WorkloadSpec) -> list[SimRequest]:
     return out
 
 
-TRACE_FIELDS = ("request_id", "arrival", "prompt_len", "output_len", "prefix_id", "prefix_len", "n", "beam_width")
+TRACE_FIELDS = ("request_id", "arrival", "prompt_len", "output_len", "prefix_id", "prefix_len", "n", "beam_width",
+                "priority")
 
 
 def load_trace(path: str | Path) -> list[SimRequest]:
     """JSONL, one request per line: ``arrival`` (s), ``prompt_len``, ``output_len``, optional ``prefix_id``,
-    ``prefix_len``, ``n``, ``beam_width``, ``request_id``. A prefix_id without prefix_len shares the
+    ``prefix_len``, ``n``, ``beam_width``, ``priority``, ``request_id``. A prefix_id without prefix_len shares the
     shortest prompt among the requests carrying that id."""
     path = Path(path)
     if not path.is_file():
@@ -146,7 +148,7 @@ def load_trace(path: str | Path) -> list[SimRequest]:
         for key in ("arrival", "prompt_len", "output_len"):
             if key not in row:
                 raise ValueError(f"{path}:{lineno}: missing {key!r}")
-        for key in ("prompt_len", "output_len", "prefix_len", "n", "beam_width"):
+        for key in ("prompt_len", "output_len", "prefix_len", "n", "beam_width", "priority"):
             if key in row and (not isinstance(row[key], int) or isinstance(row[key], bool)):
                 raise ValueError(f"{path}:{lineno}: {key} must be an integer, got {row[key]!r}")
         if not isinstance(row["arrival"], int | float) or isinstance(row["arrival"], bool):
@@ -166,7 +168,7 @@ def load_trace(path: str | Path) -> list[SimRequest]:
             out.append(SimRequest(
                 str(row.get("request_id", f"line{lineno}")), float(row["arrival"]), row["prompt_len"],
                 row["output_len"], pid, row.get("prefix_len", shortest[pid] if pid else 0),
-                row.get("n", 1), row.get("beam_width", 0),
+                row.get("n", 1), row.get("beam_width", 0), row.get("priority", 0),
             ))
         except ValueError as e:
             raise ValueError(f"{path}:{lineno}: {e}") from None

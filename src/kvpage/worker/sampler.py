@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpage.core.engine_core import Sample
 from kvpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -50,14 +51,6 @@ class SampleRequest:
             self._uniforms = [float(torch.rand(1, generator=g, dtype=torch.float64)) if g is not None
                               else float(shared[j]) for j, g in enumerate(self.generators)]
         return self._uniforms
-
-
-@dataclass
-class Sample:
-    token_id: int
-    logprob: float  # under the raw model distribution (NaN where no logprobs were asked for)
-    rank: int  # 1 = the model's most likely token (0 where not computed)
-    top_logprobs: list[tuple[int, float]] | None  # (token, logprob) best first, when asked for
 
 
 def seeded_generator(seed: int | None, index: int) -> torch.Generator | None:

@@ -1,17 +1,21 @@
-"""The worker: loads the model, sizes and owns the KV tensors, runs steps."""
+"""The worker: loads the model, sizes and owns the KV tensors, runs steps (the engine loop's ``StepWorker``)."""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence as Seq
 
 from kvpage.config import CacheConfig, ModelRunConfig, fast_path, resolve_dtype
+from kvpage.core.engine_core import Sample, SampleTask, blocked_ids
+from kvpage.core.scheduler import SchedulerOutput
 from kvpage.envs import kernel_config
-from kvpage.kv import KVCacheManager, make_kv_manager
+from kvpage.kv import KVCacheManager, KVPoolConfig
 from kvpage.model.loader import load_model, parse_dtype
 from kvpage.units import format_bytes
 from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block
-from kvpage.worker.model_runner import ModelRunner
+from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq, StepLogits
+from kvpage.worker.sampler import SampleRequest, argmax_suffices, sample_isolated, seeded_generator
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,8 @@ class Worker:
         if cc.kv_prefault:
             self.kv_cache.prefault()
         self.runner = ModelRunner(self.lm.model, self.kv_cache)
+        self.eos_ids = tuple(self.lm.tokenizer.eos_token_ids)
+        self.kv: KVCacheManager | None = None  # set by make_kv_manager
         logger.info("%s", self.describe())
 
     def describe(self) -> str:
@@ -59,9 +65,42 @@ class Worker:
         )
 
     def make_kv_manager(self, policy: str = "paged") -> KVCacheManager:
-        """``paged`` (the engine) or ``static`` (contiguous max-length reservations: the baseline)."""
+        """``paged`` (the engine) or ``static`` (contiguous max-length reservations: the baseline); the worker
+        reads its block tables from it."""
         cc = self.cache_config
-        kw = dict(watermark=cc.watermark, num_swap_blocks=self.num_swap_blocks, model_id=str(self.lm.path))
-        if policy == "paged":
-            kw["enable_prefix_caching"] = cc.enable_prefix_caching
-        return make_kv_manager(policy, self.num_blocks, cc.block_size, max_model_len=self.max_model_len, **kw)
+        self.kv = KVPoolConfig(self.num_blocks, cc.block_size, policy, num_swap_blocks=self.num_swap_blocks,
+                               enable_prefix_caching=cc.enable_prefix_caching, watermark=cc.watermark,
+                               model_id=str(self.lm.path)).build(self.max_model_len)
+        return self.kv
+
+    # ------------------------------------------------------------ StepWorker
+    def execute_model(self, out: SchedulerOutput) -> StepLogits | None:
+        """The step's block operations, then its forward pass: logits for every sequence that samples. When
+        every one of them is plain greedy without logprobs, only each row's argmax is computed."""
+        ops = BlockOps(out.swap_out, out.swap_in, out.copies)
+        if not out.work:
+            self.runner.apply_block_ops(ops)
+            return None
+        table = self.kv.block_table
+        batch = [ScheduledSeq(w.seq.seq_id, w.token_ids, w.start_pos, table(w.seq.seq_id),
+                              need_logits=w.completes_prompt) for w in out.work]
+        argmax_only = all(argmax_suffices(w.seq.request.params, blocked_ids(w.seq, self.eos_ids))
+                          for w in out.work if w.completes_prompt)
+        return self.runner.execute(batch, ops, argmax_only)
+
+    def sample(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[list[Sample] | BaseException]:
+        """One batched draw for the whole step; a request whose settings fail gets its exception alone."""
+        reqs, rows = [], []
+        for t in tasks:
+            seq = t.seq
+            for s in t.targets:
+                if s.rng is None:
+                    s.rng = seeded_generator(s.request.params.seed, s.index)
+            rows.append(logits.row(seq.seq_id))
+            reqs.append(SampleRequest(seq.request.params, seq.request.prompt_token_ids, seq.output_token_ids,
+                                      [s.rng for s in t.targets], blocked_ids(seq, self.eos_ids)))
+        return self.sample_requests(logits, reqs, rows)
+
+    def sample_requests(self, logits: StepLogits, reqs: list[SampleRequest], rows: list[int],
+                        ) -> list[list[Sample] | BaseException]:
+        return sample_isolated(logits.logits, reqs, logits.argmax_rows, logits.lse_rows, rows)
