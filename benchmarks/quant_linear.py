@@ -37,12 +37,12 @@ def main() -> None:
     lm = load_model(dtype="bfloat16", kernel_config=KernelConfig(quant_max_tokens=max(args.tokens)))
     model = lm.model
     dense = load_model(dtype="bfloat16", kernel_config=KernelConfig(quant_max_tokens=0)).model
-    if model.fast_ops is None or model.lm_quant is None:
+    if model.fast is None or model.fast.lm_quant is None:
         raise SystemExit("needs the compiled kernels, AVX512_BF16 and a GGUF model with Q4/Q8 blocks")
     layers = list(projections(model))
-    weight_bytes = sum(p.quant.nbytes for p in layers) + model.lm_quant.nbytes
-    dense_bytes = sum(2 * p.quant.shape[0] * p.quant.shape[1] for p in layers) + 2 * model.lm_quant.shape[0] * \
-        model.lm_quant.shape[1]
+    weight_bytes = sum(p.quant.nbytes for p in layers) + model.fast.lm_quant.nbytes
+    dense_bytes = sum(2 * p.quant.shape[0] * p.quant.shape[1] for p in layers) + 2 * model.fast.lm_quant.shape[0] * \
+        model.fast.lm_quant.shape[1]
     hidden = lm.config.hidden_size
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; SmolLM2-135M-Instruct")
@@ -64,7 +64,7 @@ def main() -> None:
             with torch.inference_mode():
                 for p in linears:
                     p(inputs[p.quant.shape[1]])
-                net.compute_logits_ex(h)
+                net.fast.compute_logits_ex(h)
             return time.perf_counter() - t
 
         q, d = (x * 1e3 for x in alternating_medians(lambda: one_pass(model, layers),

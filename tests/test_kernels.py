@@ -401,3 +401,52 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_reported(tmp_path, monkeypa
     build._check_build_lock("x")
     assert lock.exists() and "waiting for another process's kernel build" in caplog.text
     build._check_build_lock("x")  # no lock: nothing to do
+
+
+@pytest.mark.parametrize("kv_layout", ["packed", "rows"])
+def test_cpu_metadata_is_built_once_per_step_and_serves_every_layer(kv_layout):
+    """The CPU backend's builder splits the step (decodes and short chunks for the paged kernel, long chunks
+    after cached keys, whole fresh prompts) and plans the paged kernel's tasks once; every layer's forward then
+    consumes that metadata, and equals the reference backend on each layer's own cache."""
+    ops = kernels(KernelConfig(kv_layout=kv_layout))
+    backend = CpuPagedAttention(ops)
+    heads, kv_heads, dim, bs = 8, 2, 64, 16
+    # runner order: decodes and short chunks, then long chunks after cached keys, then fresh prompts
+    q_lens, seq_lens = [1, 1, 3, 70, 80], [40, 300, 20, 100, 80]
+    blocks = [-(-c // bs) for c in seq_lens]
+    num_blocks = sum(blocks) + 2
+    tables = torch.zeros(len(q_lens), max(blocks), dtype=torch.long)
+    at = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = torch.arange(at, at + n)
+        at += n
+    slots, qsl = [], [0]
+    for i, (ql, ctx) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        slots += [int(tables[i, p // bs]) * bs + p % bs for p in range(ctx - ql, ctx)]
+        qsl.append(qsl[-1] + ql)
+    common = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(qsl), torch.tensor(seq_lens), bs, q_lens,
+                               seq_lens)
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.randn(2, num_blocks, bs, kv_heads, dim, generator=g).bfloat16() for _ in range(3)]
+    builder = backend.metadata_builder(caches[0], torch.bfloat16, heads)
+    meta = builder.build(common)
+    assert meta.paged_seqs == 3 and meta.paged_rows == 5
+    assert meta.cached_prefills == ((5, 70),) and meta.fresh_prefills == ((75, 80),) and not meta.decode_only
+    assert meta.plan.num_rows == 5 and meta.plan.num_heads == heads and meta.plan.num_tasks >= 3
+    assert meta.packed == (kv_layout == "packed" and ops.packed_layout)
+    assert (meta.cached_plan is None) == meta.prompts_read_cache
+    for cache in caches:  # one metadata, three layers
+        q = torch.randn(sum(q_lens), heads, dim, generator=g).bfloat16()
+        k = torch.randn(sum(q_lens), kv_heads, dim, generator=g).bfloat16()
+        v = torch.randn(sum(q_lens), kv_heads, dim, generator=g).bfloat16()
+        ref_cache = cache.clone()
+        ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), ref_cache, common, dim**-0.5)
+        layer_cache = pack_kv_rows(cache) if meta.packed else cache.clone()
+        out = backend.forward(q, k, v, layer_cache, meta, dim**-0.5)
+        torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
+    decode = AttentionMetadata(torch.tensor(slots[:2]), tables[:2], torch.tensor(qsl[:3]), torch.tensor(seq_lens[:2]),
+                               bs, q_lens[:2], seq_lens[:2])
+    assert builder.build(decode).decode_only
+    with pytest.raises(RuntimeError, match="the plan was checked against"):
+        ops.paged_attention(torch.zeros(2, heads, dim).bfloat16(), caches[0][:, :4].contiguous(),
+                            builder.build(decode).plan, 1.0, False)

@@ -206,24 +206,25 @@ def test_compiled_decode_layers_equal_the_python_loop(smol_fp32_fast, load_fast,
     seq = prompts[names[0]] + hf_greedy[names[0]]
     for int16 in int16_forms(smol_fp32_fast):
         lm = load_fast(KernelConfig(quant_int16=int16))
-        stack = lm.model._decode_layers
+        stack = lm.model.fast.decode_layers
         assert stack is not None and stack.num_layers() == len(lm.model.layers)
         compiled = teacher_forced_decode(lm, seq, len(prompts[names[0]]))
         batch_compiled = generate(lm, [prompts[n] for n in names[:3]], 12)
         loop = load_fast(KernelConfig(quant_int16=int16, decode_layers="python"))
-        assert loop.model._decode_layers is None
+        assert loop.model.fast.decode_layers is None
         assert torch.equal(compiled, teacher_forced_decode(loop, seq, len(prompts[names[0]]))), int16
         assert batch_compiled == generate(loop, [prompts[n] for n in names[:3]], 12), int16
 
 
 def test_compiled_decode_layers_reject_bad_input(smol_fp32_fast):
     """A call with the wrong number of caches is refused with the reason, before any cache is written."""
-    stack = smol_fp32_fast.model._decode_layers
+    fast = smol_fp32_fast.model.fast
+    stack = fast.decode_layers
     h = torch.zeros(1, smol_fp32_fast.model.norm.weight.shape[0])
+    plan = fast.ops.plan_attention(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.ones(1,
+                                   dtype=torch.long), fast.plan[0].num_heads, 4, 16)
     with pytest.raises(RuntimeError, match="KV caches for"):
-        stack.run(h, torch.ones(1, 64), torch.zeros(1, 64), [], torch.zeros(1, dtype=torch.long),
-                  torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
-                  torch.ones(1, dtype=torch.int32), False, False)
+        stack.run(h, torch.ones(1, 64), torch.zeros(1, 64), [], torch.zeros(1, dtype=torch.long), plan, False, False)
 
 
 def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast, load_fast, prompts, hf_greedy):
@@ -235,7 +236,7 @@ def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast,
     assert smol_fp32_fast is not smol_fp32 and smol_fp32.model.fast_ops is None  # the exact path stays as it was
     for int16 in int16_forms(smol_fp32_fast):
         lm = load_fast(KernelConfig(quant_int16=int16))
-        assert lm.model.layers[0].mlp.gate_up.quant is not None and lm.model.lm_quant is not None
+        assert lm.model.layers[0].mlp.gate_up.quant is not None and lm.model.fast.lm_quant is not None
         for name, ids in prompts.items():
             assert generate(lm, [ids], MAX_NEW)[0] == hf_greedy[name], (name, int16)
 

@@ -154,11 +154,11 @@ def test_default_model_keeps_its_gguf_blocks_for_few_token_steps(smol_bf16):
     model = smol_bf16.model
     if model.fast_ops is None:
         pytest.skip("bf16 fast path unavailable here")
-    plan = model._fast_plan
+    plan = model.fast.plan
     assert len(plan) == smol_bf16.config.num_layers
     layer = model.layers[0]
     assert layer.self_attn.qkv.quant.kind == "q4" and layer.mlp.down.quant.kind == "q4"  # Q4_1 in the file
-    assert model.lm_quant is not None and model.lm_quant.kind == "q8"  # token_embd is Q8_0
+    assert model.fast.lm_quant is not None and model.fast.lm_quant.kind == "q8"  # token_embd is Q8_0
     # the fused q|k|v blocks decode to the (unpermuted) dense weights the bf16 GEMM uses, up to bf16 rounding
     dense = layer.self_attn.qkv.quant.dequantize()
     packed_in = torch.eye(dense.shape[1], dtype=torch.bfloat16)

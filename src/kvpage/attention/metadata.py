@@ -1,4 +1,6 @@
-"""Per-step description of a flat, unpadded batch (shared by every layer and backend)."""
+"""Per-step description of a flat, unpadded batch: what the runner knows about it, the same for every backend
+(vLLM's common attention metadata). Each backend's ``MetadataBuilder`` turns it, once per step, into what
+that backend's layers consume (backends/base.py)."""
 
 from __future__ import annotations
 
@@ -23,15 +25,6 @@ class AttentionMetadata:
     # Python copies of the small per-sequence arrays, so CPU backends do not convert tensors every layer.
     query_lens_list: list[int]
     seq_lens_list: list[int]
-    # Split for backends that hand long prompt work to a prompt kernel: the first ``paged_seqs`` sequences
-    # (rows [0, paged_rows)) are decodes and short chunks for the paged kernel; then come ``cached_prefills``,
-    # prompt chunks after cached keys (sequences paged_seqs .. paged_seqs + len - 1, each (start row, length)),
-    # then ``fresh_prefills``, whole prompts with nothing cached before them (the sequences after those, each
-    # (start row, length)). The runner orders the batch so.
-    paged_seqs: int = -1  # -1: every sequence is paged work
-    paged_rows: int = -1
-    cached_prefills: tuple[tuple[int, int], ...] = ()
-    fresh_prefills: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_seqs(self) -> int:

@@ -39,7 +39,9 @@ def _maybe_enable_fast_path(net: LlamaForCausalLM, run_dtype: torch.dtype, backe
     if ops is None or not packing_available(run_dtype):
         logger.info("%s fast path unavailable (kernels or oneDNN packing missing here): plain path", run_dtype)
         return
-    net.enable_fast_path(ops, quant)
+    from kvpage.model.fast_path import FastPath
+
+    net.fast = FastPath(net, ops, quant)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -51,12 +51,16 @@ class Kernels:
         """Scatter new K/V rows to their slots (row or packed layout)."""
         self._c.reshape_and_cache(key, value, kv_cache, slot_mapping, packed)
 
-    def paged_attention(self, query: Tensor, kv_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,
-                        seq_lens: Tensor, scale: float, packed: bool) -> Tensor:
-        """Varlen causal attention of a flat batch over the paged cache."""
-        c = self.config
-        return self._c.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                       PARTITION_SIZE, packed, c.split_short, c.amx_decode)
+    def plan_attention(self, block_tables: Tensor, query_start_loc: Tensor, seq_lens: Tensor, num_heads: int,
+                       num_blocks: int, block_size: int):
+        """A step's paged-attention plan (csrc/attention/plan.h), checked once against caches of ``num_blocks``
+        blocks of ``block_size`` tokens; every layer's ``paged_attention`` runs it."""
+        return self._c.plan_attention(block_tables, query_start_loc, seq_lens, num_heads, num_blocks, block_size,
+                                      PARTITION_SIZE, self.config.split_short)
+
+    def paged_attention(self, query: Tensor, kv_cache: Tensor, plan, scale: float, packed: bool) -> Tensor:
+        """Varlen causal attention of a flat batch over the paged cache, under the step's plan."""
+        return self._c.paged_attention_planned(query, kv_cache, plan, scale, packed, self.config.amx_decode)
 
     def prefill_attention(self, query: Tensor, key: Tensor, value: Tensor, out: Tensor, starts: list[int],
                           lengths: list[int], scale: float) -> None:
@@ -72,9 +76,8 @@ class Kernels:
     def decode_layers(self, first_norm: Tensor, first_eps: float, num_heads: int, num_kv_heads: int,
                       head_dim: int, scale: float):
         """An empty compiled decode layer stack (csrc/decode_layers.h); layers are added with add_layer."""
-        c = self.config
-        return self._c.DecodeLayers(first_norm, first_eps, num_heads, num_kv_heads, head_dim, scale, PARTITION_SIZE,
-                                    c.split_short, c.amx_decode)
+        return self._c.DecodeLayers(first_norm, first_eps, num_heads, num_kv_heads, head_dim, scale,
+                                    self.config.amx_decode)
 
     # linear layers (csrc/linear/)
     def quant_linear(self, x: Tensor, qs: Tensor, d: Tensor, m: Tensor | None, float_out: bool = False,

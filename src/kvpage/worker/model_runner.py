@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.model.llama import LlamaForCausalLM
 from kvpage.worker.kv_cache import KVCache
-
-# Prompt chunks at least this long (fresh, or after cached keys) are grouped for a backend's prompt kernel; a
-# backend may ask for another threshold for its cache and dtype (``prefill_min``): the AMX prompt kernel over
-# the packed cache beats the paged one from ~8 query rows on (benchmarks/prefill.py).
-PREFILL_KERNEL_MIN = 64
 
 
 @dataclass
@@ -42,7 +38,8 @@ class BlockOps:
 class PreparedBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    common: AttentionMetadata  # the runner's description of the batch
+    meta: Any  # what the attention backend's builder made of it, for every layer
     logits_rows: torch.Tensor  # flat-batch rows whose logits are computed
     logits_slices: dict[str, slice]  # per sequence: its part of logits_rows
 
@@ -80,18 +77,22 @@ class StepLogits:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
         self.model = model
+        # the fast path where the loader enabled it (model/fast_path.py), else the reference model
+        self.forward = model.fast or model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
-        backend = model.layers[0].self_attn.backend
-        self.prefill_min = (backend.prefill_min(kv_cache.layers[0], model.embed_tokens.weight.dtype)
-                            if hasattr(backend, "prefill_min") else PREFILL_KERNEL_MIN)
+        attn = model.layers[0].self_attn
+        # One builder for every layer's cache (one KV group): it splits and plans each step once.
+        self.builder = attn.backend.metadata_builder(kv_cache.layers[0], model.embed_tokens.weight.dtype,
+                                                     attn.num_heads)
 
     def prepare(self, batch: Sequence[ScheduledSeq]) -> PreparedBatch:
         if not batch:
             raise ValueError("empty batch")
-        # Paged work first, then long prompt chunks after cached keys, then long fresh prompts (backends with a
-        # prompt kernel take the last two groups, see AttentionMetadata).
-        long = [s for s in batch if len(s.token_ids) >= self.prefill_min]
+        # Paged work first, then long prompt chunks after cached keys, then long fresh prompts: a backend with
+        # prompt kernels takes the last two groups (its builder's prefill_min says from how many rows).
+        minimum = self.builder.prefill_min
+        long = [] if minimum is None else [s for s in batch if len(s.token_ids) >= minimum]
         cached = [s for s in long if s.start_pos > 0]
         fresh = [s for s in long if s.start_pos == 0]
         if long:
@@ -135,9 +136,7 @@ class ModelRunner:
             row = list(s.block_table[: -(-end // bs)])
             padded.append(row + [0] * (max_blocks - len(row)))
         tables = torch.tensor(padded, dtype=torch.long).reshape(len(batch), max_blocks)
-        n_paged = len(batch) - len(long)
-        n_cached = n_paged + len(cached)
-        meta = AttentionMetadata(
+        common = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_tables=tables,
             query_start_loc=torch.tensor(qsl, dtype=torch.long),
@@ -145,13 +144,9 @@ class ModelRunner:
             block_size=bs,
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
-            paged_seqs=n_paged,
-            paged_rows=qsl[n_paged],
-            cached_prefills=tuple((qsl[i], query_lens[i]) for i in range(n_paged, n_cached)),
-            fresh_prefills=tuple((qsl[i], query_lens[i]) for i in range(n_cached, len(batch))),
         )
-        return PreparedBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                             torch.tensor(rows, dtype=torch.long), slices)
+        return PreparedBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), common,
+                             self.builder.build(common), torch.tensor(rows, dtype=torch.long), slices)
 
     def apply_block_ops(self, ops: BlockOps | None) -> None:
         """In the order the KV manager's plans require: swap out, swap in, copy-on-write."""
@@ -169,7 +164,7 @@ class ModelRunner:
         logprobs): only each row's argmax, which saves writing and scanning [rows, vocab] float32 logits."""
         self.apply_block_ops(ops)
         prepared = self.prepare(batch)
-        hidden = self.model(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
+        hidden = self.forward(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
         all_rows = {s.seq_id for s in batch if s.all_logits}
-        res = self.model.compute_logits_ex(hidden[prepared.logits_rows], argmax_only and not all_rows)
+        res = self.forward.compute_logits_ex(hidden[prepared.logits_rows], argmax_only and not all_rows)
         return StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows)

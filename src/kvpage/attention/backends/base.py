@@ -1,16 +1,37 @@
-"""Backend interface."""
+"""The backend seam.
+
+A backend is two things. Its ``MetadataBuilder``, made once per cache layout, turns the runner's common
+``AttentionMetadata`` into the backend's own metadata once per step: it splits the batch among its kernels
+and plans their work, so the layers only consume. Its ``forward(q, k, v, kv_cache, meta, scale)`` writes a
+layer's new K/V and attends, given that metadata. ``prefill_min`` tells the runner which prompt chunks the
+backend wants grouped at the end of the batch (None: any order)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from kvpage.attention.metadata import AttentionMetadata
 
 
+class MetadataBuilder(Protocol):
+    # Chunks of at least this many query rows are placed after the others, those after cached keys first, then
+    # whole fresh prompts (a backend's prompt kernels take them); None: the runner keeps the scheduler's order.
+    prefill_min: int | None
+
+    def build(self, common: AttentionMetadata) -> Any:
+        """This step's metadata for every layer's ``forward``."""
+        ...
+
+
 class AttentionBackend(Protocol):
     name: str
+
+    def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int) -> MetadataBuilder:
+        """The builder for caches shaped like ``kv_cache`` under activations of ``dtype`` and queries of
+        ``num_heads`` heads (every layer of one KV group)."""
+        ...
 
     def forward(
         self,
@@ -18,11 +39,20 @@ class AttentionBackend(Protocol):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
+        meta: Any,  # what this backend's builder built for the step
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write this step's K/V into their slots, then attend each query over its sequence's blocks."""
         ...
+
+
+class CommonMetadata:
+    """The builder of a backend that consumes the runner's metadata as it is."""
+
+    prefill_min: int | None = None
+
+    def build(self, common: AttentionMetadata) -> AttentionMetadata:
+        return common
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

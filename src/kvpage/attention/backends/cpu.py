@@ -1,16 +1,91 @@
 """The compiled CPU paged-attention backend: the kernels of kvpage.ops behind the backend seam.
 
 Decode rows go to the paged kernel; whole fresh prompts and prompt chunks after cached keys go to the AMX
-prompt kernels where the CPU has them (torch's SDPA otherwise).
+prompt kernels where the CPU has them (torch's SDPA otherwise). ``CpuMetadataBuilder`` makes those choices
+and plans the paged kernel's tasks once per step; ``forward`` only follows them, layer after layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.ops import Kernels
+
+# Without a prompt kernel that reads the cache, chunks of at least this many rows are grouped as prompt work
+# (SDPA for whole fresh prompts from here on; the paged kernel below it).
+PREFILL_KERNEL_MIN = 64
+
+
+@dataclass
+class CpuAttentionMetadata:
+    """The step as the CPU kernels take it. The runner ordered the batch: the first ``paged_seqs`` sequences
+    (rows [0, paged_rows)) are decodes and short chunks for the paged kernel; then ``cached_prefills``, prompt
+    chunks after cached keys (each (start row, length)); then ``fresh_prefills``, whole prompts with nothing
+    cached before them."""
+
+    common: AttentionMetadata
+    packed: bool  # the caches hold the packed bf16 layout (every write and read of this step agree)
+    prompts_read_cache: bool  # long prompt chunks go to the AMX prompt kernel that reads keys from the cache
+    paged_seqs: int
+    paged_rows: int
+    cached_prefills: tuple[tuple[int, int], ...]
+    fresh_prefills: tuple[tuple[int, int], ...]
+    plan: Any  # ops AttentionPlan of the paged group (None when it is empty)
+    cached_plan: Any = None  # the chunks after cached keys on the paged kernel (when no prompt kernel takes them)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence is paged-kernel work (what the compiled decode layer stack runs)."""
+        return not self.cached_prefills and not self.fresh_prefills
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.common.slot_mapping
+
+
+class CpuMetadataBuilder:
+    """Splits and plans one step for caches of one shape and dtype (every layer of a KV group)."""
+
+    def __init__(self, backend: CpuPagedAttention, kv_cache: torch.Tensor, dtype: torch.dtype,
+                 num_heads: int) -> None:
+        self.ops = backend.ops
+        self.num_heads = num_heads
+        self.num_blocks, self.block_size = kv_cache.shape[1], kv_cache.shape[2]
+        self.head_dim = kv_cache.shape[4]
+        self.packed = backend.packed_layout(kv_cache, dtype)
+        self.prompts_read_cache = backend.prompts_read_cache(kv_cache, dtype)
+        # 16 where chunks read the packed cache with AMX (1.7-3x the paged kernel at 16 rows after 500-2000
+        # cached keys, at par near 8), else 64 (the paged kernel; SDPA for longer fresh prompts).
+        self.prefill_min: int | None = 16 if self.prompts_read_cache else PREFILL_KERNEL_MIN
+
+    def _plan(self, tables: torch.Tensor, qsl: torch.Tensor, lens: torch.Tensor):
+        return self.ops.plan_attention(tables, qsl, lens, self.num_heads, self.num_blocks, self.block_size)
+
+    def build(self, common: AttentionMetadata) -> CpuAttentionMetadata:
+        qlens, qsl = common.query_lens_list, common.query_start_loc
+        n = len(qlens)
+        minimum = self.prefill_min or 0
+        ns = next((i for i, q in enumerate(qlens) if q >= minimum), n)  # the runner put long chunks last
+        starts = [0]
+        for q in qlens:
+            starts.append(starts[-1] + q)
+        nc = ns
+        while nc < n and common.seq_lens_list[nc] > qlens[nc]:  # chunks after cached keys come first
+            nc += 1
+        cached = tuple((starts[i], qlens[i]) for i in range(ns, nc))
+        fresh = tuple((starts[i], qlens[i]) for i in range(nc, n))
+        plan = self._plan(common.block_tables[:ns], qsl[: ns + 1], common.seq_lens[:ns]) if ns else None
+        cached_plan = None
+        if cached and not self.prompts_read_cache:
+            r0 = starts[ns]
+            cached_plan = self._plan(common.block_tables[ns:nc], qsl[ns : nc + 1] - r0, common.seq_lens[ns:nc])
+        return CpuAttentionMetadata(common, self.packed, self.prompts_read_cache, ns, starts[ns], cached, fresh,
+                                    plan, cached_plan)
 
 
 class CpuPagedAttention:
@@ -39,45 +114,37 @@ class CpuPagedAttention:
         that reads their keys from the packed cache (prefill_attention_paged)."""
         return self.prefill_cached and self.packed_layout(kv_cache, dtype) and kv_cache.shape[4] == 64
 
-    def prefill_min(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> int:
-        """Query rows from which the runner groups a prompt chunk for the prompt kernel: 16 where chunks read
-        the packed cache with AMX (1.7-3x the paged kernel at 16 rows after 500-2000 cached keys, at par near
-        8), else 64 (the paged kernel; SDPA, one call per prompt, for longer fresh prompts)."""
-        return 16 if self.prompts_read_cache(kv_cache, dtype) else 64
+    def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int) -> CpuMetadataBuilder:
+        return CpuMetadataBuilder(self, kv_cache, dtype, num_heads)
 
-    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        packed = self.packed_layout(kv_cache, query.dtype)
-        self.ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping, packed)
-        if not meta.fresh_prefills and not meta.cached_prefills:
-            return self.ops.paged_attention(query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                            scale, packed)
+    def forward(self, query, key, value, kv_cache, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+        ops, packed, common = self.ops, meta.packed, meta.common
+        ops.reshape_and_cache(key, value, kv_cache, common.slot_mapping, packed)
+        if meta.decode_only:
+            return ops.paged_attention(query, kv_cache, meta.plan, scale, packed)
         out = torch.empty(query.shape, dtype=query.dtype)
         ns, nr = meta.paged_seqs, meta.paged_rows
         if ns > 0:
-            out[:nr] = self.ops.paged_attention(query[:nr], kv_cache, meta.block_tables[:ns],
-                                                meta.query_start_loc[: ns + 1], meta.seq_lens[:ns], scale, packed)
+            out[:nr] = ops.paged_attention(query[:nr], kv_cache, meta.plan, scale, packed)
         prompts = meta.cached_prefills + meta.fresh_prefills
-        if self.prompts_read_cache(kv_cache, query.dtype):
+        if meta.prompts_read_cache:
             # every long prompt chunk, cached prefix or not, in one call reading its keys from the cache
             # (written just above): ops/csrc/attention/prefill_amx.cpp
             seqs = range(ns, ns + len(prompts))
-            self.ops.prefill_attention_paged(query, kv_cache, meta.block_tables, out, [s for s, _ in prompts],
-                                             [n for _, n in prompts], [meta.seq_lens_list[i] for i in seqs],
-                                             list(seqs), scale)
+            ops.prefill_attention_paged(query, kv_cache, common.block_tables, out, [s for s, _ in prompts],
+                                        [n for _, n in prompts], [common.seq_lens_list[i] for i in seqs],
+                                        list(seqs), scale)
             return out
         if meta.cached_prefills:  # chunks after cached keys: the paged kernel over their slice of the batch
-            nc = len(meta.cached_prefills)
             r0 = meta.cached_prefills[0][0]
             r1 = meta.cached_prefills[-1][0] + meta.cached_prefills[-1][1]
-            out[r0:r1] = self.ops.paged_attention(query[r0:r1], kv_cache, meta.block_tables[ns : ns + nc],
-                                                  meta.query_start_loc[ns : ns + nc + 1] - r0,
-                                                  meta.seq_lens[ns : ns + nc], scale, packed)
+            out[r0:r1] = ops.paged_attention(query[r0:r1], kv_cache, meta.cached_plan, scale, packed)
         if not meta.fresh_prefills:
             return out
         if self.amx_prefill and query.dtype == key.dtype == value.dtype == torch.bfloat16 and query.shape[2] == 64:
             # whole prompts, nothing cached: one call for all of them (ops/csrc/attention/prefill_amx.cpp)
             starts = [start for start, _ in meta.fresh_prefills]
-            self.ops.prefill_attention(query, key, value, out, starts, [n for _, n in meta.fresh_prefills], scale)
+            ops.prefill_attention(query, key, value, out, starts, [n for _, n in meta.fresh_prefills], scale)
             return out
         gqa = query.shape[1] != key.shape[1]
         for start, n in meta.fresh_prefills:  # whole prompt, nothing cached: dense causal attention

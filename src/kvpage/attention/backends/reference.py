@@ -9,12 +9,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvpage.attention.backends.base import write_kv
+from kvpage.attention.backends.base import CommonMetadata, write_kv
 from kvpage.attention.metadata import AttentionMetadata
 
 
 class ReferenceAttention:
     name = "reference"
+
+    def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int) -> CommonMetadata:
+        return CommonMetadata()
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(key, value, kv_cache, meta.slot_mapping)

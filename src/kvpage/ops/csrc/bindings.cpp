@@ -17,7 +17,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logits_postprocess", &logits_postprocess, "float32 logits with exact near-max entries, argmax, logsumexp",
         py::arg("logits"), py::arg("hidden"), py::arg("weight"), py::arg("with_logits") = true);
 
-  // attention/paged_attention.cpp
+  // attention/plan.cpp, attention/paged_attention.cpp
+  // module_local: a second build of these kernels (the portable one the tests load beside the native one)
+  // registers its own types.
+  py::class_<kvpage::attn::AttentionPlan, std::shared_ptr<kvpage::attn::AttentionPlan>>(
+      m, "AttentionPlan", "one step's paged-attention tasks, planned once and run for every layer", py::module_local())
+      .def_property_readonly("num_tasks", &kvpage::attn::AttentionPlan::num_tasks)
+      .def_readonly("partition_size", &kvpage::attn::AttentionPlan::partition_size)
+      .def_readonly("num_rows", &kvpage::attn::AttentionPlan::num_rows)
+      .def_readonly("num_heads", &kvpage::attn::AttentionPlan::num_heads);
+  m.def("plan_attention", &kvpage::attn::plan_attention, "a step's paged-attention plan, checked against the cache",
+        py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("num_heads"),
+        py::arg("num_blocks"), py::arg("block_size"), py::arg("partition_size"), py::arg("split_short") = true);
+  m.def("paged_attention_planned", &paged_attention_planned, "paged_attention of one layer under a step's plan",
+        py::arg("query"), py::arg("kv_cache"), py::arg("plan"), py::arg("scale"), py::arg("packed") = false,
+        py::arg("amx_decode") = true);
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", py::arg("key"),
         py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("packed") = false);
   m.def("paged_attention", &paged_attention, "varlen causal attention over a paged KV cache", py::arg("query"),
@@ -73,19 +87,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
 
   // decode_layers.cpp
-  // module_local: a second build of these kernels (the portable one the tests load beside the native one)
-  // registers its own DecodeLayers type.
   py::class_<kvpage::DecodeLayers>(m, "DecodeLayers",
                                    "a decode-only few-token step's decoder layers in one call (quantized weights)",
                                    py::module_local())
-      .def(py::init<torch::Tensor, double, int64_t, int64_t, int64_t, double, int64_t, bool, bool>(),
+      .def(py::init<torch::Tensor, double, int64_t, int64_t, int64_t, double, bool>(),
            py::arg("first_norm"), py::arg("first_eps"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("head_dim"), py::arg("scale"), py::arg("partition_size"), py::arg("split_short") = true,
-           py::arg("amx_decode") = true)
+           py::arg("head_dim"), py::arg("scale"), py::arg("amx_decode") = true)
       .def("add_layer", &kvpage::DecodeLayers::add_layer, py::arg("mats"), py::arg("post_norm"), py::arg("eps"),
            py::arg("next_norm"), py::arg("next_eps"))
       .def("num_layers", &kvpage::DecodeLayers::num_layers)
       .def("run", &kvpage::DecodeLayers::run, py::arg("residual"), py::arg("cos"), py::arg("sin"),
-           py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("query_start_loc"),
-           py::arg("seq_lens"), py::arg("int16"), py::arg("packed"));
+           py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("plan"), py::arg("int16"), py::arg("packed"));
 }

@@ -11,10 +11,9 @@ torch::Tensor QuantMat::operator()(const torch::Tensor& x, bool int16, bool gate
 }
 
 DecodeLayers::DecodeLayers(torch::Tensor first_norm, double first_eps, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, double scale, int64_t partition_size, bool split_short, bool amx_decode)
+                           int64_t head_dim, double scale, bool amx_decode)
     : first_norm_(std::move(first_norm)), first_eps_(first_eps), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
-      head_dim_(head_dim), scale_(scale), partition_size_(partition_size), split_short_(split_short),
-      amx_decode_(amx_decode) {
+      head_dim_(head_dim), scale_(scale), amx_decode_(amx_decode) {
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && num_heads % num_kv_heads == 0,
               "bad head counts");
 }
@@ -36,8 +35,7 @@ void DecodeLayers::add_layer(const std::vector<c10::optional<torch::Tensor>>& ma
 
 torch::Tensor DecodeLayers::run(torch::Tensor residual, const torch::Tensor& cos, const torch::Tensor& sin,
                                 const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& slot_mapping,
-                                const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                                const torch::Tensor& seq_lens, bool int16, bool packed) const {
+                                const attn::AttentionPlan& plan, bool int16, bool packed) const {
   TORCH_CHECK(kv_caches.size() == layers_.size(), "got ", kv_caches.size(), " KV caches for ", layers_.size(),
               " layers");
   const int64_t T = residual.size(0);
@@ -51,8 +49,7 @@ torch::Tensor DecodeLayers::run(torch::Tensor residual, const torch::Tensor& cos
     const torch::Tensor v = qkv.narrow(1, q_out + kv_out, kv_out).view({T, num_kv_heads_, head_dim_});
     rotary_(q, k, cos, sin);
     reshape_and_cache(k, v, kv_caches[i], slot_mapping, packed);
-    const torch::Tensor a = paged_attention(q, kv_caches[i], block_tables, query_start_loc, seq_lens, scale_,
-                                            partition_size_, packed, split_short_, amx_decode_);
+    const torch::Tensor a = paged_attention_planned(q, kv_caches[i], plan, scale_, packed, amx_decode_);
     h = add_rms_norm(L.o(a.view({T, q_out}), int16), residual, L.post_norm, L.eps);
     h = add_rms_norm(L.down(L.gate_up(h, int16, true), int16), residual, L.next_norm, L.next_eps);
   }

@@ -16,6 +16,8 @@
 
 #include <torch/extension.h>
 
+#include "attention/plan.h"
+
 #include <cstdint>
 #include <vector>
 
@@ -36,9 +38,9 @@ struct DecodeLayer {
 
 class DecodeLayers {
  public:
-  // split_short, amx_decode: the attention options of the kernel configuration (paged_attention's arguments).
+  // amx_decode: the attention option of the kernel configuration (paged_attention_planned's argument).
   DecodeLayers(torch::Tensor first_norm, double first_eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double scale, int64_t partition_size, bool split_short, bool amx_decode);
+               double scale, bool amx_decode);
 
   // mats: qs, d, m of qkv, o, gate_up, down in that order (m None for Q8).
   void add_layer(const std::vector<c10::optional<torch::Tensor>>& mats, torch::Tensor post_norm, double eps,
@@ -46,20 +48,18 @@ class DecodeLayers {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // residual [T, H] float32 (updated in place); cos/sin [T, head_dim]; returns the last layer's output after
-  // the final norm (next_norm of the last layer).
+  // residual [T, H] float32 (updated in place); cos/sin [T, head_dim]; plan: the step's attention plan (every
+  // layer runs it); returns the last layer's output after the final norm (next_norm of the last layer).
   torch::Tensor run(torch::Tensor residual, const torch::Tensor& cos, const torch::Tensor& sin,
                     const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& slot_mapping,
-                    const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                    const torch::Tensor& seq_lens, bool int16, bool packed) const;
+                    const attn::AttentionPlan& plan, bool int16, bool packed) const;
 
  private:
   torch::Tensor first_norm_;
   double first_eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
-  int64_t partition_size_;
-  bool split_short_, amx_decode_;
+  bool amx_decode_;
   std::vector<DecodeLayer> layers_;
 };
 

@@ -5,6 +5,8 @@
 
 #include <torch/extension.h>
 
+#include "attention/plan.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -17,7 +19,10 @@ torch::Tensor silu_mul(torch::Tensor gu);
 std::vector<torch::Tensor> logits_postprocess(torch::Tensor logits, torch::Tensor hidden, torch::Tensor weight,
                                               bool with_logits);
 
-// Paged attention over the KV cache (attention/paged_attention.cpp).
+// Paged attention over the KV cache (attention/paged_attention.cpp; the step's plan: attention/plan.{h,cpp}).
+torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cache,
+                                      const kvpage::attn::AttentionPlan& plan, double scale, bool packed,
+                                      bool amx_decode);
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                        bool packed);
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,

@@ -22,6 +22,7 @@
 #include "attention/avx2.h"
 #include "attention/avx512_bf16.h"
 #include "attention/loop.h"
+#include "attention/plan.h"
 #include "attention/portable.h"
 
 #if KVPAGE_ISA_AVX512
@@ -65,27 +66,14 @@ void dispatch_decode_amx(int64_t G, const at::BFloat16* q, int64_t kv_heads, con
 }
 #endif
 
-// The kernel configuration's attention switches (kvpage.envs: KVPAGE_SPLIT_SHORT, KVPAGE_AMX_DECODE), passed
-// with every call rather than held in globals.
+// The kernel configuration's run-time attention switch (kvpage.envs: KVPAGE_AMX_DECODE), passed with every call
+// rather than held in a global (KVPAGE_SPLIT_SHORT is the plan's: attention/plan.h).
 struct AttentionOptions {
-  bool split_short;  // one stream's short contexts cut over the threads
-  bool amx_decode;   // AMX tile products for decode tasks where the CPU and OS allow them
+  bool amx_decode;  // AMX tile products for decode tasks where the CPU and OS allow them
 };
 
 // Which kernel served the last call's decode tasks (diagnostics and tests).
 const char* g_decode_kernel = "none";
-
-struct Task {
-  int64_t seq, row0, nq, part;  // query rows row0 .. row0+nq-1 of the flat batch, every head
-  int64_t pos0;                 // absolute position of the first query of the tile
-
-  // The keys [begin, end) this task attends to: its partition, up to its last query's position.
-  std::pair<int64_t, int64_t> keys(int64_t partition_size) const {
-    const int64_t begin = part * partition_size;
-    return {begin, std::min(pos0 + nq, begin + partition_size)};
-  }
-};
-
 
 template <typename KV>
 constexpr const char* avx2_kernel_name() {
@@ -93,54 +81,24 @@ constexpr const char* avx2_kernel_name() {
 }
 
 template <typename KV, typename Q>
-void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
-                   const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens, double scale,
-                   int64_t partition_size, bool packed, const AttentionOptions& opt, torch::Tensor& out) {
-  // partition_size: keys per task, at most
+void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan, double scale,
+                   bool packed, const AttentionOptions& opt, torch::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);
   const int64_t block_stride = geo.block_stride;
   const int64_t G = H / kv_heads;
-  const int64_t S = seq_lens.size(0);
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t max_blocks = plan.block_tables.size(1);
+  const int64_t* tables = plan.block_tables.data_ptr<int64_t>();
   const Q* qptr = query.data_ptr<Q>();
   Q* optr = out.data_ptr<Q>();
   const KV* kcache = kv_cache.data_ptr<KV>();
   const KV* vcache = kcache + geo.v_offset;
-
-  // Tasks: (sequence, tile of up to kTile query tokens, context partition), all heads. Contexts are split
-  // into partitions only when there are too few tiles to keep every core busy.
-  int64_t base_tasks = 0;
-  for (int64_t s = 0; s < S; ++s) base_tasks += (qsl[s + 1] - qsl[s] + kTile - 1) / kTile;
-  const int64_t threads = at::get_num_threads();
-  const bool few_tasks = base_tasks < 4 * threads;
-  if (!few_tasks) partition_size = std::numeric_limits<int64_t>::max() / 4 / 16 * 16;  // no split (a multiple of 16)
-  if (opt.split_short && base_tasks > 0 && base_tasks < threads) {
-    // Fewer tiles than threads (one stream's decode): contexts shorter than a partition would leave threads
-    // idle, so cut them into one part per idle thread, in multiples of 16 keys and at least kMinPartition.
-    int64_t longest = 0;
-    for (int64_t s = 0; s < S; ++s) longest = std::max(longest, lens[s]);
-    const int64_t ways = (threads + base_tasks - 1) / base_tasks;
-    const int64_t part = ((longest + ways - 1) / ways + 15) / 16 * 16;
-    partition_size = std::min(partition_size, std::max(kMinPartition, part));
-  }
-  std::vector<Task> tasks;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t q_len = qsl[s + 1] - qsl[s];
-    for (int64_t j0 = 0; j0 < q_len; j0 += kTile) {
-      const int64_t nq = std::min(kTile, q_len - j0);
-      const int64_t pos0 = lens[s] - q_len + j0;
-      const int64_t parts = (pos0 + nq + partition_size - 1) / partition_size;
-      for (int64_t p = 0; p < parts; ++p) tasks.push_back({s, qsl[s] + j0, nq, p, pos0});
-    }
-  }
-  const int64_t T = static_cast<int64_t>(tasks.size());
-  std::vector<int64_t> offset(static_cast<size_t>(T + 1), 0);  // first partial row of each task
-  for (int64_t ti = 0; ti < T; ++ti) offset[ti + 1] = offset[ti] + tasks[ti].nq * H;
+  const std::vector<Task>& tasks = plan.tasks;
+  const std::vector<int64_t>& offset = plan.offset;
+  const int64_t partition_size = plan.partition_size;
+  const bool few_tasks = plan.few_tasks;
+  const int64_t T = plan.num_tasks();
   std::vector<float> part_acc(static_cast<size_t>(offset[T] * D));
   std::vector<float> part_m(static_cast<size_t>(offset[T])), part_l(static_cast<size_t>(offset[T]));
   bool use_dp = false;
@@ -297,27 +255,15 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
     if (use_amx || use_amx_packed) kvpage::amx_release();
 #endif
   };
-  // Each thread takes one contiguous run of tasks (so the prefetch can run on into its next task), the runs cut
-  // at equal estimated cost rather than equal task counts: contexts vary several-fold within a batch, and a
-  // prompt tile (up to kTile queries) costs several decode tasks per key.
-  const int64_t nt = std::min<int64_t>(at::get_num_threads(), T);
-  std::vector<double> cost(static_cast<size_t>(T + 1), 0.0);  // running sum
-  for (int64_t ti = 0; ti < T; ++ti) {
-    const auto [kb, ke] = tasks[ti].keys(partition_size);
-    cost[ti + 1] = cost[ti] + static_cast<double>(ke - kb + 32) * (1.0 + 0.6 * static_cast<double>(tasks[ti].nq - 1));
-  }
-  std::vector<int64_t> cut(static_cast<size_t>(nt + 1), T);
-  cut[0] = 0;
-  for (int64_t c = 1; c < nt; ++c) cut[c] = std::lower_bound(cost.begin(), cost.end(), cost[T] * c / nt) - cost.begin();
+  const std::vector<int64_t>& cut = plan.cut;
+  const int64_t nt = static_cast<int64_t>(cut.size()) - 1;
   at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c)
       if (cut[c] < cut[c + 1]) work(cut[c], cut[c + 1]);
   });
 
   // Merge each tile's partitions and write normalized outputs (row r of a task = query r / H, head r % H).
-  std::vector<int64_t> starts;
-  for (int64_t ti = 0; ti < T; ++ti)
-    if (tasks[ti].part == 0) starts.push_back(ti);
+  const std::vector<int64_t>& starts = plan.starts;
   const int64_t NS = static_cast<int64_t>(starts.size());
   const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, NS, 4, [&](int64_t begin, int64_t end) {
@@ -460,33 +406,6 @@ void check_common(const torch::Tensor& kv_cache) {
               "kv_cache must be float32, bfloat16 or float16");
 }
 
-// The batch description must fit the query and the cache: the kernels index with these numbers unchecked, so a
-// bad offset or block id would read outside the tensors. O(sequences + blocks), against the kernel's
-// O(keys x heads x head_dim). block_tables must already be contiguous (the caller makes it so).
-void check_batch(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
-                 const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) {
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
-              "seq_lens must be a contiguous int64 [seqs] tensor");
-  const int64_t S = seq_lens.size(0);
-  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kLong &&
-                  query_start_loc.is_contiguous() && query_start_loc.size(0) == S + 1,
-              "query_start_loc must be a contiguous int64 tensor of seqs + 1 = ", S + 1, " offsets");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.size(0) >= S,
-              "block_tables must be an int64 [seqs, max_blocks] tensor with a row per sequence");
-  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t bs = kv_cache.size(2), num_blocks = kv_cache.size(1), max_blocks = block_tables.size(1);
-  TORCH_CHECK(qsl[0] == 0 && qsl[S] == query.size(0), "query_start_loc must run from 0 to the ", query.size(0),
-              " query rows, got ", qsl[0], " .. ", qsl[S]);
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t q_len = qsl[s + 1] - qsl[s];
-    TORCH_CHECK(q_len >= 0, "query_start_loc decreases at sequence ", s);
-    TORCH_CHECK(lens[s] >= q_len, "sequence ", s, " has fewer keys (", lens[s], ") than queries (", q_len, ")");
-    kvpage::check_table_row(tables + s * max_blocks, max_blocks, lens[s], bs, num_blocks, "sequence", s);
-  }
-}
-
 }  // namespace
 
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
@@ -520,48 +439,55 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
   }
 }
 
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                              torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                              int64_t partition_size, bool packed, bool split_short, bool amx_decode) {
-  const AttentionOptions opt{split_short, amx_decode};
+torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cache, const AttentionPlan& plan,
+                                      double scale, bool packed, bool amx_decode) {
+  const AttentionOptions opt{amx_decode};
   check_common(kv_cache);
   if (packed) {
     check_packed(kv_cache);
     TORCH_CHECK(query.scalar_type() == at::kBFloat16, "the packed KV layout needs bfloat16 queries");
-    TORCH_CHECK(partition_size % 16 == 0, "the packed KV layout needs partitions of a multiple of 16 keys");
+    TORCH_CHECK(plan.partition_size % 16 == 0, "the packed KV layout needs partitions of a multiple of 16 keys");
   }
   TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, dim]");
   TORCH_CHECK(query.size(2) == kv_cache.size(4), "head_dim of query and cache differ");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kMaxGroup, "query group too large");
-  TORCH_CHECK(partition_size > 0, "partition_size must be positive");
+  TORCH_CHECK(query.size(0) == plan.num_rows, "query_start_loc must run from 0 to the ", query.size(0),
+              " query rows, got 0 .. ", plan.num_rows);
+  TORCH_CHECK(query.size(1) == plan.num_heads, "the plan is for queries of ", plan.num_heads, " heads, got ",
+              query.size(1));
+  TORCH_CHECK(kv_cache.size(1) == plan.num_blocks && kv_cache.size(2) == plan.block_size,
+              "the plan was checked against ", plan.num_blocks, " blocks of ", plan.block_size,
+              " tokens; this cache has ", kv_cache.size(1), " of ", kv_cache.size(2));
   query = query.contiguous();
-  block_tables = block_tables.contiguous();
-  check_batch(query, kv_cache, block_tables, query_start_loc, seq_lens);
   auto out = torch::empty_like(query);
   const bool kv_bf16 = kv_cache.scalar_type() == at::kBFloat16;
   if (kv_cache.scalar_type() == at::kHalf) {
     if (query.scalar_type() == at::kFloat)
-      run_attention<at::Half, float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, partition_size,
-                                     packed, opt, out);
+      run_attention<at::Half, float>(query, kv_cache, plan, scale, packed, opt, out);
     else {
       TORCH_CHECK(query.scalar_type() == at::kBFloat16, "query must be float32 or bfloat16");
-      run_attention<at::Half, at::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                            partition_size, packed, opt, out);
+      run_attention<at::Half, at::BFloat16>(query, kv_cache, plan, scale, packed, opt, out);
     }
   } else if (query.scalar_type() == at::kFloat) {
-    if (kv_bf16) run_attention<at::BFloat16, float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                                    partition_size, packed, opt, out);
-    else run_attention<float, float>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                     partition_size, packed, opt, out);
+    if (kv_bf16) run_attention<at::BFloat16, float>(query, kv_cache, plan, scale, packed, opt, out);
+    else run_attention<float, float>(query, kv_cache, plan, scale, packed, opt, out);
   } else {
     TORCH_CHECK(query.scalar_type() == at::kBFloat16, "query must be float32 or bfloat16");
-    if (kv_bf16) run_attention<at::BFloat16, at::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens,
-                                                           scale, partition_size, packed, opt, out);
-    else run_attention<float, at::BFloat16>(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                            partition_size, packed, opt, out);
+    if (kv_bf16) run_attention<at::BFloat16, at::BFloat16>(query, kv_cache, plan, scale, packed, opt, out);
+    else run_attention<float, at::BFloat16>(query, kv_cache, plan, scale, packed, opt, out);
   }
   return out;
+}
+
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                              torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
+                              int64_t partition_size, bool packed, bool split_short, bool amx_decode) {
+  check_common(kv_cache);
+  TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, dim]");
+  const auto plan = plan_attention(block_tables, query_start_loc, seq_lens, query.size(1), kv_cache.size(1),
+                                   kv_cache.size(2), partition_size, split_short);
+  return paged_attention_planned(query, kv_cache, *plan, scale, packed, amx_decode);
 }
 
 std::string last_decode_kernel() { return g_decode_kernel; }

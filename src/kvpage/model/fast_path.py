@@ -1,0 +1,165 @@
+"""The fast path over a loaded Llama-family model: packed fused projections (model/layers/linear.py), fused
+norm / RoPE / SiLU kernels, products straight from the checkpoint's quantized blocks for few-token steps,
+and, for decode-only few-token steps, the whole layer stack in one compiled call.
+
+``LlamaForCausalLM`` (model/llama.py) stays the readable, step-by-step reference; the loader attaches a
+``FastPath`` to it where the kernels build (``model.fast``), and the runner runs whichever the model has.
+Packing replaces the reference projections, so a model with a fast path runs only that one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvpage.model.layers.linear import PackedLinear
+from kvpage.model.logits import LogitsResult, logits_result
+from kvpage.model.quant import QuantWeight, concat
+from kvpage.ops import Kernels
+
+if TYPE_CHECKING:
+    from kvpage.model.llama import DecoderLayer, LlamaForCausalLM
+
+# The wide output projection keeps oneDNN above this many rows, where oneDNN measured faster than kvpage's AMX
+# tile GEMM (0.8-0.9x at 128-256 rows on the AMX Xeon: benchmarks/linear.py, BENCHMARKS.md).
+AMX_LOGITS_MAX_ROWS = 64
+
+
+class FastPath:
+    """The model's layers as packed products and fused kernels under ``ops``; with ``quant`` (parameter name ->
+    the checkpoint's quantized blocks), few-token steps compute from those."""
+
+    def __init__(self, model: LlamaForCausalLM, ops: Kernels, quant: dict[str, QuantWeight] | None = None) -> None:
+        quant = quant or {}
+        self.model = model
+        self.ops = ops
+        for i, layer in enumerate(model.layers):
+            _pack_attention(layer, quant, f"layers.{i}.self_attn", ops)
+            _pack_mlp(layer, quant, f"layers.{i}.mlp", ops)
+        weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        self.lm_weight = weight
+        self.lm_packed = PackedLinear(weight, None, ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS)
+        self.lm_quant = quant.get("embed_tokens.weight" if model.lm_head is None else "lm_head.weight")
+        self.final_norm_f32 = model.norm.weight.float()  # final hidden stays float32 for exact top logits
+        self.plan: list[_FastLayer] = []
+        for i, layer in enumerate(model.layers):
+            nxt = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else None
+            self.plan.append(_FastLayer(layer, nxt.weight if nxt else self.final_norm_f32,
+                                        nxt.eps if nxt else model.norm.eps))
+        self.decode_layers = self._compiled_decode_layers() if ops.config.decode_layers == "compiled" else None
+
+    def _compiled_decode_layers(self):
+        """The layer stack for decode-only few-token steps as one compiled object, or None where a layer lacks
+        quantized weights or the backend is not the compiled one."""
+        layers = self.model.layers
+        attn = layers[0].self_attn
+        if any(p.decode is None for p in self.plan) or not all(la.self_attn.backend.name == "cpu" for la in layers):
+            return None
+        first = self.plan[0]
+        stack = self.ops.decode_layers(first.in_norm, first.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                       attn.scale)
+        for layer, p in zip(layers, self.plan, strict=True):
+            a, mlp = layer.self_attn, layer.mlp
+            mats = [t for w in (a.qkv, a.o_packed, mlp.gate_up, mlp.down) for t in (w.quant.qs, w.quant.d, w.quant.m)]
+            stack.add_layer(mats, p.post_norm, p.eps, p.next_norm, p.next_eps)
+        return stack
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta) -> torch.Tensor:
+        """Hidden states after the final norm (float32), one row per token, as the reference model's forward.
+
+        Plain objects and bound methods only: at one token per step, nn.Module call machinery and submodule
+        lookups cost as much as the small projections themselves."""
+        ops, model = self.ops, self.model
+        residual = model.embed_tokens(input_ids).float()
+        cos, sin = model.rotary.cos_sin(positions, torch.float32)
+        t = residual.shape[0]
+        first = self.plan[0]
+        # steps of at most quant_max_tokens tokens: products straight from the quantized blocks where a layer
+        # has them all (a GGUF may mix formats layer by layer; PackedLinear.forward sorts out the rest)
+        few = t <= ops.config.quant_max_tokens
+        if few and self.decode_layers is not None and meta.decode_only:
+            return self.decode_layers.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.plan,
+                                          ops.quant_int16, meta.packed)
+        h = ops.rms_norm(residual, first.in_norm, first.eps)
+        for p, kv_cache in zip(self.plan, kv_caches, strict=True):
+            qkv_proj, o_proj, gate_up, down = p.decode if few and p.decode is not None else p.full
+            qkv = qkv_proj(h)
+            q = qkv[:, : p.q_end].view(t, p.num_heads, p.head_dim)
+            k = qkv[:, p.q_end : p.k_end].view(t, p.num_kv_heads, p.head_dim)
+            v = qkv[:, p.k_end :].view(t, p.num_kv_heads, p.head_dim)
+            ops.rotary_(q, k, cos, sin)
+            a = o_proj(p.attend(q, k, v, kv_cache, meta, p.scale).reshape(t, p.q_end))
+            h = ops.add_rms_norm(a, residual, p.post_norm, p.eps)
+            m = down(gate_up(h))  # silu(gate) * up
+            h = ops.add_rms_norm(m, residual, p.next_norm, p.next_eps)
+        return h
+
+    def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False) -> LogitsResult:
+        """As the reference model's, from the packed (or, for a few rows, the quantized) lm head."""
+        ops, weight = self.ops, self.lm_weight
+        lm_quant = self.lm_quant
+        if lm_quant is not None and 0 < hidden.shape[0] <= ops.config.quant_max_tokens:
+            # float32 logits from the exact quantized weights (one row: 16-bit activation codes, ~2e-5 relative):
+            # nothing near the maximum needs recomputing
+            raw = ops.quant_linear(hidden, lm_quant.qs, lm_quant.d, lm_quant.m, True)
+            return logits_result(*ops.logits_postprocess(raw, hidden, weight, not argmax_only), argmax_only)
+        raw = self.lm_packed(hidden.to(weight.dtype))
+        if raw.shape[0] == 0:
+            return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+            res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only)
+        else:
+            res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only)
+        return logits_result(*res, argmax_only)
+
+
+def _pack_attention(layer: DecoderLayer, quant: dict[str, QuantWeight], prefix: str, ops: Kernels) -> None:
+    a = layer.self_attn
+    bias = None
+    if a.q_proj.bias is not None:
+        bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+    qkv_quant = concat([quant.get(f"{prefix}.{p}_proj.weight") for p in "qkv"])
+    a.qkv = PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias, qkv_quant, ops)
+    a.o_packed = PackedLinear(a.o_proj.weight, None, quant.get(f"{prefix}.o_proj.weight"), ops)
+    del a.q_proj, a.k_proj, a.v_proj, a.o_proj
+
+
+def _pack_mlp(layer: DecoderLayer, quant: dict[str, QuantWeight], prefix: str, ops: Kernels) -> None:
+    m = layer.mlp
+    gate_up_quant = concat([quant.get(f"{prefix}.{p}_proj.weight") for p in ("gate", "up")])
+    m.gate_up = PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None, gate_up_quant, ops, gated=True)
+    m.down = PackedLinear(m.down_proj.weight, None, quant.get(f"{prefix}.down_proj.weight"), ops)
+    del m.gate_proj, m.up_proj, m.down_proj
+
+
+class _FastLayer:
+    """One decoder layer of the fast path as plain attributes and bound methods."""
+
+    __slots__ = ("attend", "decode", "eps", "full", "head_dim", "in_norm", "k_end", "next_eps", "next_norm",
+                 "num_heads", "num_kv_heads", "post_norm", "q_end", "scale")
+
+    def __init__(self, layer: DecoderLayer, next_norm: torch.Tensor, next_eps: float) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv, attn.o_packed, mlp.gate_up, mlp.down)
+        self.full = tuple(w.forward for w in linears)
+        # Few-token steps call the quantized kernel directly when all four have the checkpoint's blocks and no
+        # bias (under cProfile, PackedLinear.forward's own time was ~4% of a one-stream token); the gate_up
+        # product applies the MLP's activation in its epilogue.
+        self.decode = (tuple(_quant_projection(w.ops, w.quant, w.gated) for w in linears)
+                       if all(w.quant is not None and w.bias is None for w in linears) else None)
+        self.attend = attn.backend.forward
+        self.in_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.post_attention_layernorm.eps
+        self.next_norm, self.next_eps = next_norm, next_eps
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.q_end = attn.num_heads * attn.head_dim
+        self.k_end = self.q_end + attn.num_kv_heads * attn.head_dim
+        self.scale = attn.scale
+
+
+def _quant_projection(ops: Kernels, w: QuantWeight, gated: bool):
+    """x -> the quantized kernel's product."""
+    ql, qs, d, m = ops.quant_linear, w.qs, w.d, w.m
+    return lambda x: ql(x, qs, d, m, False, gated)

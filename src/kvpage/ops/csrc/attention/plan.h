@@ -1,0 +1,55 @@
+// One step's paged-attention work, planned once and run for every layer.
+//
+// The tasks of a step (sequence, tile of query rows, context partition), the rows their partial results
+// occupy, the runs of tasks each thread takes and the tiles whose partitions are merged depend only on the
+// batch (query_start_loc, seq_lens), the head count and the thread count, never on a layer. So the attention
+// metadata builder asks for the plan once per step (plan_attention) and every layer's call
+// (paged_attention_planned) reuses it, as do the layers of a compiled decode step. The batch description is
+// checked against the cache's geometry once, here.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+namespace kvpage::attn {
+
+struct Task {
+  int64_t seq, row0, nq, part;  // query rows row0 .. row0+nq-1 of the flat batch, every head
+  int64_t pos0;                 // absolute position of the first query of the tile
+
+  // The keys [begin, end) this task attends to: its partition, up to its last query's position.
+  std::pair<int64_t, int64_t> keys(int64_t partition_size) const {
+    const int64_t begin = part * partition_size;
+    return {begin, std::min(pos0 + nq, begin + partition_size)};
+  }
+};
+
+struct AttentionPlan {
+  // The batch, as checked (contiguous int64): sequence s owns query rows query_start_loc[s] .. [s+1]-1, the
+  // last of its seq_lens[s] positions, and its keys through block_tables[s].
+  torch::Tensor block_tables, query_start_loc, seq_lens;
+  int64_t num_heads = 0, num_rows = 0;  // of the query it runs on
+  int64_t num_blocks = 0, block_size = 0;  // of the caches it was checked against
+  int64_t partition_size = 0;  // keys per task, at most (a multiple of 16, or "no split")
+  bool few_tasks = false;  // contexts split into partitions because tiles alone would leave threads idle
+  std::vector<Task> tasks;
+  std::vector<int64_t> offset;  // first partial row of each task (num_tasks + 1)
+  std::vector<int64_t> cut;     // thread c runs tasks cut[c] .. cut[c+1]-1 (equal estimated cost)
+  std::vector<int64_t> starts;  // the first task (partition 0) of each tile, for the merge
+
+  int64_t num_tasks() const { return static_cast<int64_t>(tasks.size()); }
+};
+
+// The plan of a batch over caches of num_blocks blocks of block_size tokens, for queries of num_heads heads.
+// partition_size: keys per task when contexts are split; split_short: one stream's short contexts are cut over
+// the threads (kvpage.envs KVPAGE_SPLIT_SHORT).
+std::shared_ptr<AttentionPlan> plan_attention(torch::Tensor block_tables, torch::Tensor query_start_loc,
+                                              torch::Tensor seq_lens, int64_t num_heads, int64_t num_blocks,
+                                              int64_t block_size, int64_t partition_size, bool split_short);
+
+}  // namespace kvpage::attn
