@@ -16,6 +16,7 @@ Engines, each in its own process, one after another in this invocation:
   vllm                   vLLM's CPU build, if a Python with vllm is given (--vllm-python / $KVPAGE_VLLM_PYTHON)
                          and a converted HF directory (--vllm-model / $KVPAGE_VLLM_MODEL); see ../shared/PEERS.md
   llama.cpp              llama-server --parallel N with continuous batching, if --llama-server is given
+  kvpage-baseline        kvpage from another checkout's sources (--baseline-src), e.g. before a refactor
 A peer that is not installed is reported as skipped, never estimated.
 
 Startup is outside the timed region for every engine. kvpage faults its KV pages in at startup there
@@ -206,6 +207,34 @@ def run_llama_server(binary: str, reqs: list[dict], parallel: int, port: int = 8
         server.wait(timeout=30)
 
 
+class Skipped(Exception):
+    """The engine is not installed or not configured here: reported, never estimated."""
+
+
+def run_engine(eng: str, reqs: list[dict], args: argparse.Namespace, dtype: str) -> dict:
+    if eng == "kvpage":
+        return run_python(sys.executable, KVPAGE, reqs)
+    if eng == "kvpage-baseline":  # another checkout's sources, same Python and packages
+        if not args.baseline_src:
+            raise Skipped("no --baseline-src given")
+        return run_python(sys.executable, KVPAGE, reqs, {"PYTHONPATH": str(Path(args.baseline_src) / "src")})
+    if eng == "hf-generate":
+        return run_python(sys.executable, HF_GENERATE, reqs, {"HF_BATCH": str(args.hf_batch)})
+    if eng == "hf-generate-batch":
+        return run_python(sys.executable, HF_GENERATE_BATCH, reqs)
+    if eng == "vllm":
+        if not (args.vllm_python and args.vllm_model):
+            raise Skipped("not installed (set --vllm-python and --vllm-model)")
+        return run_python(args.vllm_python, VLLM, reqs, {
+            "KVPAGE_VLLM_MODEL": args.vllm_model, "VLLM_CPU_KVCACHE_SPACE": "4", "KVPAGE_PEER_DTYPE": dtype,
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"})
+    if eng == "llama.cpp":
+        if not args.llama_server:
+            raise Skipped("not installed (set --llama-server)")
+        return run_llama_server(args.llama_server, reqs, args.llama_parallel)
+    raise Skipped("unknown engine")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=["chat64", "sharegpt"], choices=["chat64", "chat128", "sharegpt"])
@@ -213,6 +242,8 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+",
                     default=["kvpage", "hf-generate", "hf-generate-batch", "vllm", "llama.cpp"])
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds; the median is reported")
+    ap.add_argument("--baseline-src", help="another kvpage checkout (e.g. a git worktree of an earlier commit): "
+                                           "adds the engine kvpage-baseline, run from its sources side by side")
     ap.add_argument("--hf-batch", type=int, default=32, help="static batch size for hf-generate")
     ap.add_argument("--vllm-python", default=os.environ.get("KVPAGE_VLLM_PYTHON"))
     ap.add_argument("--vllm-model", default=os.environ.get("KVPAGE_VLLM_MODEL"))
@@ -222,50 +253,38 @@ def main() -> None:
     args = ap.parse_args()
     from kvpage.config import resolve_dtype
 
+    engines = list(args.engines)
+    if args.baseline_src and "kvpage-baseline" not in engines:
+        engines.insert(engines.index("kvpage") + 1 if "kvpage" in engines else 0, "kvpage-baseline")
     results: dict[str, dict[str, dict]] = {}
     for wl, mode in [(w, m) for w in args.workloads for m in args.sampling]:
         reqs = build_workload(wl)
         os.environ["KVPAGE_BENCH_SAMPLING"] = json.dumps(SAMPLING[mode])
         key = wl if args.sampling == ["greedy"] else f"{wl} {mode}"
-        results[key] = {}
-        for eng in args.engines:
-            runs, why = [], None
-            if mode != "greedy" and eng.startswith("hf-"):
-                why = "its runner is greedy only"
-            for _ in range(args.rounds if why is None else 0):
+        runs: dict[str, list[dict]] = {eng: [] for eng in engines}
+        why: dict[str, str] = {}
+        if mode != "greedy":
+            why.update({eng: "its runner is greedy only" for eng in engines if eng.startswith("hf-")})
+        for _ in range(args.rounds):  # the engines alternate within each round (the machines drift)
+            for eng in engines:
+                if eng in why:
+                    continue
                 try:
-                    if eng == "kvpage":
-                        runs.append(run_python(sys.executable, KVPAGE, reqs))
-                    elif eng == "hf-generate":
-                        runs.append(run_python(sys.executable, HF_GENERATE, reqs, {"HF_BATCH": str(args.hf_batch)}))
-                    elif eng == "hf-generate-batch":
-                        runs.append(run_python(sys.executable, HF_GENERATE_BATCH, reqs))
-                    elif eng == "vllm":
-                        if not (args.vllm_python and args.vllm_model):
-                            why = "not installed (set --vllm-python and --vllm-model)"
-                            break
-                        runs.append(run_python(args.vllm_python, VLLM, reqs, {
-                            "KVPAGE_VLLM_MODEL": args.vllm_model, "VLLM_CPU_KVCACHE_SPACE": "4",
-                            "KVPAGE_PEER_DTYPE": resolve_dtype("auto"),
-                            "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}))
-                    elif eng == "llama.cpp":
-                        if not args.llama_server:
-                            why = "not installed (set --llama-server)"
-                            break
-                        runs.append(run_llama_server(args.llama_server, reqs, args.llama_parallel))
-                    else:
-                        why = "unknown engine"
-                        break
+                    runs[eng].append(run_engine(eng, reqs, args, resolve_dtype("auto")))
+                except Skipped as e:
+                    why[eng] = str(e)
                 except Exception as e:  # report, never fake
-                    why = f"failed: {e}"
-                    break
-            if runs:
-                tps = [r["tokens"] / r["seconds"] for r in runs]
-                results[key][eng] = {"tok_per_s": statistics.median(tps), "runs": runs}
+                    why[eng] = f"failed: {e}"
+        results[key] = {}
+        for eng in engines:
+            if runs[eng] and eng not in why:
+                tps = [r["tokens"] / r["seconds"] for r in runs[eng]]
+                results[key][eng] = {"tok_per_s": statistics.median(tps), "runs": runs[eng]}
             else:
-                results[key][eng] = {"skipped": why}
-            print(f"[{key}] {eng}: " + (f"{results[key][eng]['tok_per_s']:.1f} tok/s" if runs else f"skipped ({why})"),
-                  file=sys.stderr)
+                results[key][eng] = {"skipped": why.get(eng, "no run")}
+            r = results[key][eng]
+            shown = f"{r['tok_per_s']:.1f} tok/s" if "tok_per_s" in r else f"skipped ({r['skipped']})"
+            print(f"[{key}] {eng}: {shown}", file=sys.stderr)
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model SmolLM2-135M-Instruct; EOS ignored; "
           + "; ".join(f"{m}: {SAMPLING[m]}" for m in args.sampling))

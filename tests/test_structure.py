@@ -70,7 +70,8 @@ def test_engine_and_worker_never_import_the_simulator():
 
 def test_bookkeeping_packages_are_torch_free():
     for mod, deps in imports().items():
-        if package_of(mod) in ("kv", "core", "sim") or mod in ("kvpage.envs", "kvpage.config"):
+        if package_of(mod) in ("kv", "core", "sim") or mod in ("kvpage.envs", "kvpage.config", "kvpage.dtypes",
+                                                               "kvpage.errors", "kvpage.capacity"):
             assert not any(d.split(".")[0] in ("torch", "numpy") for d in deps), f"{mod} imports torch/numpy"
 
 
@@ -98,3 +99,21 @@ def test_every_switch_is_documented():
     doc = (ROOT / "docs" / "envs.md").read_text()
     for var in VARIABLES:
         assert f"`{var.name}`" in doc, f"{var.name} is missing from docs/envs.md"
+
+
+def test_one_step_loop_for_the_engine_and_the_simulator():
+    """Both drive core.engine_core.EngineCore; neither keeps a scheduling loop of its own."""
+    deps = imports()
+    for mod in ("kvpage.engine.llm_engine", "kvpage.sim.simulator"):
+        assert "kvpage.core.engine_core" in deps[mod], f"{mod} does not run the shared step loop"
+    for mod in ("engine/llm_engine.py", "sim/simulator.py"):
+        assert ".schedule()" not in (SRC / mod).read_text(), f"{mod} schedules steps itself"
+
+
+def test_one_table_of_dtypes_and_one_block_size_default():
+    for f in SRC.rglob("*.py"):
+        text = f.read_text()
+        if f.name != "dtypes.py":
+            assert not re.search(r"[\"']fp16[\"']\s*:", text), f"{f} keeps a dtype table of its own"
+        assert not re.search(r"block_size(: int)? = 16\b|--block-size.*default=16\b", text), \
+            f"{f} writes the default block size itself (kvpage.kv.DEFAULT_BLOCK_SIZE)"

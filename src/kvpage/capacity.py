@@ -20,28 +20,24 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-DTYPE_BYTES: dict[str, float] = {
-    "float32": 4, "fp32": 4, "f32": 4,
-    "float16": 2, "fp16": 2, "half": 2, "f16": 2,
-    "bfloat16": 2, "bf16": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
-}
-CANONICAL_DTYPE = {
-    "fp32": "float32", "f32": "float32", "fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16",
-    "fp8": "fp8_e4m3",
-}
+from kvpage.dtypes import DTYPES, lookup
+from kvpage.kv import DEFAULT_BLOCK_SIZE
 
 
 def dtype_bytes(dtype: str) -> float:
     try:
-        return DTYPE_BYTES[dtype.lower()]
-    except KeyError:
-        raise ValueError(f"unknown KV dtype {dtype!r}: choose one of {', '.join(sorted(DTYPE_BYTES))}") from None
+        return lookup(dtype).bytes
+    except ValueError:
+        raise ValueError(f"unknown KV dtype {dtype!r}: choose one of {', '.join(sorted(_names()))}") from None
 
 
 def canonical_dtype(dtype: str) -> str:
     dtype_bytes(dtype)
-    return CANONICAL_DTYPE.get(dtype.lower(), dtype.lower())
+    return lookup(dtype).name
+
+
+def _names() -> list[str]:
+    return [n for d in DTYPES for n in (d.name, *d.aliases)]
 
 
 @dataclass(frozen=True)
@@ -133,7 +129,7 @@ def plan_capacity(
     shape: KVShape,
     kv_memory_bytes: int,
     *,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     context_len: int | None = None,
     max_model_len: int | None = None,
     tensor_parallel_size: int = 1,

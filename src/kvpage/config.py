@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpage.dtypes import KV_CACHE_DTYPES, RUN_DTYPES
 from kvpage.envs import KernelConfig
+from kvpage.kv import DEFAULT_BLOCK_SIZE
 from kvpage.units import parse_size
 
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-RUN_DTYPES = ("auto", "float32", "bfloat16")
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 def cpu_has_bf16() -> bool:
@@ -40,7 +41,7 @@ def fast_path(dtype: str) -> bool:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY  # bytes, or a size such as "4GiB"
     kv_cache_dtype: str = "auto"  # auto = the model's run dtype
     swap_space: int | str = 0  # host memory for swapped-out blocks
@@ -65,7 +66,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ModelRunConfig:
-    model: str = "SmolLM2-135M-Instruct"
+    model: str = DEFAULT_MODEL
     dtype: str = "auto"  # bfloat16 where the CPU has AVX512_BF16, else float32; both on the fast path
     max_model_len: int | None = None  # default: the model's context length
     attention_backend: str = "auto"

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from kvpage.config import DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPES, RUN_DTYPES, CacheConfig, ModelRunConfig
+from kvpage.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL, CacheConfig, ModelRunConfig
 from kvpage.core.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from kvpage.dtypes import KV_CACHE_DTYPES, RUN_DTYPES
 from kvpage.envs import KernelConfig
-from kvpage.model.registry import DEFAULT_MODEL
+from kvpage.kv import ALLOCATORS, DEFAULT_BLOCK_SIZE
 from kvpage.units import parse_size
 
 
@@ -24,7 +25,7 @@ class EngineArgs:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY
     kv_cache_dtype: str = "auto"
     swap_space: str | int = 0
@@ -61,31 +62,37 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
+        d = EngineArgs()  # every flag's default is the field's
         g = p.add_argument_group("engine")
-        g.add_argument("--model", default=DEFAULT_MODEL, help="default name, .gguf file or Hugging Face directory")
-        g.add_argument("--dtype", default="auto", choices=RUN_DTYPES,
+        g.add_argument("--model", default=d.model, help="default name, .gguf file or Hugging Face directory")
+        g.add_argument("--dtype", default=d.dtype, choices=RUN_DTYPES,
                        help="auto = bfloat16 where the CPU has AVX512_BF16, else float32, both on the fast path "
                             "(packed and quantized products, fused kernels); float32 = the exact step-by-step path")
         g.add_argument("--max-model-len", type=int, help="longest sequence (default: the model's context length)")
-        g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-        g.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY,
-                       help=f"KV cache size, with units (a bare number is GiB; default {DEFAULT_KV_CACHE_MEMORY})")
-        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-        g.add_argument("--swap-space", default="0", help="host memory for swapped blocks (bare number = GiB)")
-        g.add_argument("--kv-prefault", action=argparse.BooleanOptionalAction, default=False,
+        g.add_argument("--block-size", type=int, default=d.block_size,
+                       help=f"tokens per KV block (default {d.block_size})")
+        g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                       help=f"KV cache size, with units (a bare number is GiB; default {d.kv_cache_memory})")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)
+        g.add_argument("--swap-space", default=str(d.swap_space),
+                       help="host memory for swapped blocks (bare number = GiB)")
+        g.add_argument("--kv-prefault", action=argparse.BooleanOptionalAction, default=d.kv_prefault,
                        help="fault the KV cache's pages in at startup (slower start, no page faults mid-run; "
                             "`kvpage serve` does by default)")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--max-num-seqs", type=int, default=256,
-                       help="most sequences in one step (default 256; 128 for `kvpage serve`)")
-        g.add_argument("--max-num-batched-tokens", type=int)
-        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-        g.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
-        g.add_argument("--kv-policy", default="paged", choices=["paged", "static"],
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching)
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                       help=f"most sequences in one step (default {d.max_num_seqs}; 128 for `kvpage serve`)")
+        g.add_argument("--max-num-batched-tokens", type=int,
+                       help="token budget of one step (default: 2048 with chunked prefill, else max_model_len)")
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=d.enable_chunked_prefill)
+        g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
+        g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+        g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that do not set their own")
+        g.add_argument("--kv-policy", default=d.kv_policy, choices=ALLOCATORS,
                        help="static = reserve max_model_len per request (baseline for comparisons)")
-        g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"],
+        g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "reference"],
                        help="auto = compiled CPU kernels when they build, else the reference backend")
 
     @classmethod

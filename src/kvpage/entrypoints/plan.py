@@ -6,6 +6,7 @@ import argparse
 import json
 
 from kvpage.capacity import CapacityPlan, KVShape, canonical_dtype, plan_capacity
+from kvpage.kv import DEFAULT_BLOCK_SIZE
 from kvpage.model.registry import DEFAULT_MODEL, PRESETS, load_model_config
 from kvpage.units import format_bytes, parse_size
 
@@ -29,7 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", "--kv-cache-dtype", dest="dtype", default=None,
                    help="KV cache dtype: float32, float16/fp16, bfloat16/bf16, fp8 (default: the model's dtype)")
     p.add_argument("--kv-memory", default="4GiB", help="KV budget per rank, with units (default: 4GiB)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default: 16)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"tokens per block (default: {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--context-len", type=int, help="tokens per request (default: max model length)")
     p.add_argument("--max-model-len", type=int, help="longest sequence served (default: the model's)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks sharing the KV heads")

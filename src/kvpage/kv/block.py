@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per block: the engine's, the simulator's and the planner's default
+
 
 class KVBlock:
     """Bookkeeping for one physical block (no tensor data lives here)."""

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpage.kv.block import DEFAULT_BLOCK_SIZE
 from kvpage.kv.paged import KVCacheManager
 from kvpage.kv.protocol import NO_HIT, Allocation, KVManager, PrefixHit
 from kvpage.kv.static import RESERVE_POLICIES, StaticReservationManager
 
-DEFAULT_BLOCK_SIZE = 16  # tokens per block, the engine's, the simulator's and the planner's default
 ALLOCATORS = ("paged", "static")
 
 

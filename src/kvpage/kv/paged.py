@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpage.kv.block import KVBlock
+from kvpage.kv.block import DEFAULT_BLOCK_SIZE, KVBlock
 from kvpage.kv.block_pool import BlockPool
 from kvpage.kv.invariants import check_invariants
 from kvpage.kv.prefix_hash import BlockHash, HashFn, block_hash, root_hash, sha256_digest
@@ -58,7 +58,7 @@ class KVCacheManager:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from kvpage.kv.block import KVBlock
+from kvpage.kv.block import DEFAULT_BLOCK_SIZE, KVBlock
 from kvpage.kv.paged import KVCacheManager, _SeqState, _sid
 from kvpage.kv.prefix_hash import BlockHash, HashFn, sha256_digest
 from kvpage.kv.protocol import NOTHING, Allocation, PrefixHit
@@ -25,8 +25,8 @@ class StaticReservationManager(KVCacheManager):
     between reservations: external fragmentation, which ``stranded_free_blocks`` measures.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, *, max_model_len: int, reserve: str = "max",
-                 watermark: float = 0.01, num_swap_blocks: int = 0, model_id: str = "",
+    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, *, max_model_len: int,
+                 reserve: str = "max", watermark: float = 0.01, num_swap_blocks: int = 0, model_id: str = "",
                  hash_fn: HashFn = sha256_digest) -> None:
         super().__init__(num_blocks, block_size, watermark=watermark, enable_prefix_caching=False,
                          num_swap_blocks=num_swap_blocks, max_model_len=max_model_len, model_id=model_id,

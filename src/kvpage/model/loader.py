@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kvpage import envs
+from kvpage import dtypes, envs
 from kvpage.attention.backends import get_attention_backend
 from kvpage.envs import KernelConfig
 from kvpage.model.config import ModelConfig, config_from_gguf, config_from_hf_dir, gguf_fields, open_gguf
@@ -23,8 +23,6 @@ from kvpage.ops import Kernels, kernels
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
 
 
 def _maybe_enable_fast_path(net: LlamaForCausalLM, run_dtype: torch.dtype, backend: str,
@@ -48,9 +46,12 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     try:
-        return DTYPES[name.lower()]
-    except KeyError:
+        d = dtypes.lookup(name)
+    except ValueError:
+        d = None
+    if d is None or not d.torch:
         raise ValueError(f"unknown dtype {name!r}: choose float32 or bfloat16 (float16 also accepted)") from None
+    return getattr(torch, d.name)
 
 
 @dataclass

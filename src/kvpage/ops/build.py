@@ -1,7 +1,8 @@
 """Building kvpage's compiled kernels (C++ / OpenMP, csrc/): on first use, cached, once per process.
 
 The extension is compiled with torch's C++ extension machinery for this CPU (``-march=native``); the build
-is cached under torch's extensions directory keyed by source, flags and CPU features. Without a working
+is cached under torch's extensions directory, one build per version of the sources and CPU (``_sources_tag``,
+``_cpu_tag``). Without a working
 compiler ``load_kernels`` returns None and logs why; the engine then runs the reference backend and torch.
 """
 
@@ -29,13 +30,16 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
-def _headers_tag() -> str:
-    """torch's build cache hashes only the listed sources; the headers' hash goes into the flags so that
-    editing a header rebuilds too."""
+def _sources_tag() -> str:
+    """A hash of every source and header, in the build's name: each version of the kernels gets its own build
+    directory, so two checkouts (a benchmark against an earlier commit) never rebuild over each other, and
+    editing a header rebuilds too (torch's cache hashes only the listed sources)."""
     digest = hashlib.sha1()
-    for h in sorted(_CSRC.rglob("*.h")):
-        digest.update(h.read_bytes())
-    return digest.hexdigest()[:12]
+    for f in sorted(_CSRC.rglob("*")):
+        if f.suffix in (".cpp", ".h"):
+            digest.update(str(f.relative_to(_CSRC)).encode())
+            digest.update(f.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 STALE_LOCK_SECONDS = 600.0  # a build takes 1-5 min here; a lock this old was left by an interrupted one
@@ -67,10 +71,10 @@ def load_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        name = f"kvpage_paged_attention_{_cpu_tag()}"
+        name = f"kvpage_kernels_{_cpu_tag()}_{_sources_tag()}"
         _check_build_lock(name)
         _module = load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVPAGE_HEADERS={_headers_tag()}"],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"],
                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, ...
         _error = f"{type(e).__name__}: {e}".splitlines()[0]

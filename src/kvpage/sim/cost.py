@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvpage.core.step import StepFeatures, step_log_sample
+from kvpage.kv import DEFAULT_BLOCK_SIZE
 
 
 class CostModel(Protocol):
@@ -172,7 +173,7 @@ class RooflineCost:
 
     model: ModelSpec
     machine: MachineSpec = field(default_factory=MachineSpec)
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def parts(self, f: StepFeatures) -> dict[str, float]:
         m, hw = self.model, self.machine

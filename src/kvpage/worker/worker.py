@@ -52,6 +52,7 @@ class Worker:
         self.runner = ModelRunner(self.lm.model, self.kv_cache)
         self.eos_ids = tuple(self.lm.tokenizer.eos_token_ids)
         self.kv: KVCacheManager | None = None  # set by make_kv_manager
+        self._blocked: dict[str, tuple[int, ...]] = {}  # the current step's blocked ids per sampling sequence
         logger.info("%s", self.describe())
 
     def describe(self) -> str:
@@ -84,21 +85,30 @@ class Worker:
         table = self.kv.block_table
         batch = [ScheduledSeq(w.seq.seq_id, w.token_ids, w.start_pos, table(w.seq.seq_id),
                               need_logits=w.completes_prompt) for w in out.work]
-        argmax_only = all(argmax_suffices(w.seq.request.params, blocked_ids(w.seq, self.eos_ids))
+        # what each sampling sequence may not draw yet, for this step's argmax decision and its draw
+        self._blocked = {w.seq.seq_id: blocked_ids(w.seq, self.eos_ids) for w in out.work if w.completes_prompt}
+        argmax_only = all(argmax_suffices(w.seq.request.params, self._blocked[w.seq.seq_id])
                           for w in out.work if w.completes_prompt)
         return self.runner.execute(batch, ops, argmax_only)
 
     def sample(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[list[Sample] | BaseException]:
         """One batched draw for the whole step; a request whose settings fail gets its exception alone."""
         reqs, rows = [], []
+        blocked = self._blocked
         for t in tasks:
             seq = t.seq
-            for s in t.targets:
-                if s.rng is None:
-                    s.rng = seeded_generator(s.request.params.seed, s.index)
+            params = seq.request.params
+            if params.seed is None:
+                gens = [None] * len(t.targets)
+            else:
+                for s in t.targets:
+                    if s.rng is None:
+                        s.rng = seeded_generator(params.seed, s.index)
+                gens = [s.rng for s in t.targets]
             rows.append(logits.row(seq.seq_id))
-            reqs.append(SampleRequest(seq.request.params, seq.request.prompt_token_ids, seq.output_token_ids,
-                                      [s.rng for s in t.targets], blocked_ids(seq, self.eos_ids)))
+            bl = blocked.get(seq.seq_id)
+            reqs.append(SampleRequest(params, seq.request.prompt_token_ids, seq.output_token_ids, gens,
+                                      blocked_ids(seq, self.eos_ids) if bl is None else bl))
         return self.sample_requests(logits, reqs, rows)
 
     def sample_requests(self, logits: StepLogits, reqs: list[SampleRequest], rows: list[int],
