@@ -117,3 +117,16 @@ def test_one_table_of_dtypes_and_one_block_size_default():
             assert not re.search(r"[\"']fp16[\"']\s*:", text), f"{f} keeps a dtype table of its own"
         assert not re.search(r"block_size(: int)? = 16\b|--block-size.*default=16\b", text), \
             f"{f} writes the default block size itself (kvpage.kv.DEFAULT_BLOCK_SIZE)"
+
+
+def test_tests_mirror_the_packages():
+    """tests/<package>/ holds a package's tests; shared helpers live in tests/helpers/; the root keeps the
+    tests of top-level modules and of the repository itself."""
+    tests = ROOT / "tests"
+    for d in tests.iterdir():
+        if d.is_dir() and d.name not in ("helpers", "__pycache__"):
+            assert (SRC / d.name).is_dir(), f"tests/{d.name} mirrors no package of src/kvpage"
+    for f in tests.rglob("*.py"):
+        if f.name.startswith("test_") or f.name in ("conftest.py", "__init__.py") or "__pycache__" in f.parts:
+            continue
+        assert f.parent.name == "helpers", f"{f.relative_to(ROOT)}: helpers belong in tests/helpers/"

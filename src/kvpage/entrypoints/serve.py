@@ -108,7 +108,7 @@ def serve_engine(engine, config, host: str, port: int, max_queue: int | None = N
     client = AsyncEngine(engine, max_queue)
     engine = client.engine
     if not config.model_name:
-        config.model_name = engine.worker.lm.config.name
+        config.model_name = engine.model_config.name
     metrics = ServerMetrics(config.model_name)
     client.on_step = metrics.on_step
     inflight = InflightCounter(build_app(client, config, metrics))

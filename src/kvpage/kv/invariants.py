@@ -1,5 +1,5 @@
 """The bookkeeping invariants of a KV manager (docs/architecture.md), checked from its state: the property
-tests call this after every operation, against a shadow model (tests/kv_shadow.py)."""
+tests call this after every operation, against a shadow model (tests/helpers/kv_shadow.py)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpage.ops import kernels_error, load_kernels
-from tests.conftest import have_cxx
+from tests.helpers.kernels import have_cxx
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpage.ops import load_kernels
-from tests.conftest import have_cxx
+from tests.helpers.kernels import have_cxx
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
 

@@ -13,8 +13,8 @@ import torch
 
 from kvpage.model.loader import load_model
 from kvpage.model.tokenizer import KVTokenizer
-from tests.paged_driver import generate
-from tests.tiny_models import make_hf_model, write_gguf
+from tests.helpers.paged_driver import generate
+from tests.helpers.tiny_models import make_hf_model, write_gguf
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}

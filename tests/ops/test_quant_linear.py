@@ -12,7 +12,7 @@ from kvpage.envs import KernelConfig
 from kvpage.model.dequant import dequantize
 from kvpage.model.quant import QuantWeight, concat, from_gguf
 from kvpage.ops import load_kernels
-from tests.conftest import have_cxx
+from tests.helpers.kernels import have_cxx
 
 needs_kernels = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
 BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.server_util import KEY, metric, request, server, wait_idle
+from tests.helpers.server_util import KEY, metric, request, server, wait_idle
 
 pytest.importorskip("fastapi")
 

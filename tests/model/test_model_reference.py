@@ -12,8 +12,9 @@ import torch
 from kvpage.envs import KernelConfig
 from kvpage.kv import KVSequence
 from kvpage.worker.model_runner import ScheduledSeq
-from tests.conftest import MAX_NEW, amx_ops
-from tests.paged_driver import PagedGreedy, generate
+from tests.helpers.kernels import amx_ops
+from tests.helpers.paged_driver import PagedGreedy, generate
+from tests.helpers.prompts import MAX_NEW
 
 
 def test_prompts_cover_the_required_shapes(prompts):

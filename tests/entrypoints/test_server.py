@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.server_util import KEY, metric, request, server, stream_raw, wait_idle
+from tests.helpers.server_util import KEY, metric, request, server, stream_raw, wait_idle
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -227,7 +227,7 @@ def test_readme_curl_call_works(srv):
     """The chat request the README shows right under its first command."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     m = re.search(r"curl -s http://127\.0\.0\.1:8000(/v1/chat/completions) .*?-d '(\{.*?\})'", readme)
     assert m, "README's curl example not found"
     status, body = request(srv, "POST", m.group(1), m.group(2))

@@ -11,7 +11,7 @@ import torch
 from kvpage.envs import KernelConfig
 from kvpage.model.layers.linear import PackedLinear
 from kvpage.ops import kernels
-from tests.conftest import amx_ops
+from tests.helpers.kernels import amx_ops
 
 
 def _ops():

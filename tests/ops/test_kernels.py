@@ -14,7 +14,7 @@ from kvpage.attention.metadata import AttentionMetadata
 from kvpage.envs import KernelConfig
 from kvpage.ops import PARTITION_SIZE, kernels, kernels_error, load_kernels, pack_kv_rows, unpack_kv_rows
 from kvpage.worker.kv_cache import as_block_major
-from tests.conftest import have_cxx
+from tests.helpers.kernels import have_cxx
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import amx_ops
+from tests.helpers.kernels import amx_ops
 
 
 def _ops():

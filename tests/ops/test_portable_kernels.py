@@ -11,7 +11,7 @@ import torch
 from kvpage.model.quant import QuantWeight
 from kvpage.ops import PARTITION_SIZE, load_kernels
 from kvpage.ops.build import _CSRC, _SOURCES
-from tests.conftest import have_cxx
+from tests.helpers.kernels import have_cxx
 
 pytestmark = [
     pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built"),

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_server import FATAL_SEED, OUTPUT_FAULT_SEED, SAMPLE_FAULT_SEED
-from tests.server_util import KEY, metric, request, serve_cmd, server, server_proc, wait_idle
+from tests.helpers.fault_server import FATAL_SEED, OUTPUT_FAULT_SEED, SAMPLE_FAULT_SEED
+from tests.helpers.server_util import KEY, metric, request, serve_cmd, server, server_proc, wait_idle
 
 pytest.importorskip("fastapi")
 
@@ -222,7 +222,8 @@ def test_key_from_a_file_queue_limit_sends_retry_after(tmp_path):
 
 # ------------------------------------------------------------------ faults inside the engine
 def fault_cmd(port: int, *extra: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).with_name("fault_server.py")), "--port", str(port), *extra]
+    script = Path(__file__).resolve().parents[1] / "helpers" / "fault_server.py"
+    return [sys.executable, str(script), "--port", str(port), *extra]
 
 
 def test_a_request_that_fails_in_the_engine_fails_alone():

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpage.kv import KVCacheManager, KVSequence, StaticReservationManager
-from tests.kv_shadow import ShadowKV
+from tests.helpers.kv_shadow import ShadowKV
 
 BLOCK_SIZE = 4
 MAX_LEN = 24

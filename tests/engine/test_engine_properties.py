@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 from kvpage.engine.arg_utils import EngineArgs
 from kvpage.engine.llm_engine import LLMEngine
 from kvpage.sampling_params import SamplingParams
-from tests.tiny_models import make_hf_model
+from tests.helpers.tiny_models import make_hf_model
 
 
 @pytest.fixture(scope="module")
