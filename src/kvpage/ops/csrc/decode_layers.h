@@ -9,7 +9,7 @@
 //   per layer: qkv = h . Wqkv^T; RoPE(q, k); write k, v to the cache; a = paged attention(q)
 //              h = add_rms_norm(a . Wo^T, residual); h = add_rms_norm(down(silu(gate) * up), residual)
 //
-// with the same kernels, in the same order, as the Python layer loop (LlamaForCausalLM._fast_forward), so its
+// with the same kernels, in the same order, as the Python layer loop (model/fast_path.py FastPath.__call__), so its
 // results are bit-identical to that loop's.
 
 #pragma once
