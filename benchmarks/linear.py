@@ -6,7 +6,7 @@ pass (every layer's q|k|v, o, gate|up with its SiLU gating and down, so the ~210
 memory as in a real step), then separately the output projection (lm head, 57 MB), timed with each path side
 by side in one process, alternating rounds, medians reported. gate|up runs as the engine runs it: the AMX
 kernel's gated epilogue against oneDNN followed by silu_mul. PackedLinear uses the kernel for every layer
-projection and for the lm head up to kvpage.model.llama.AMX_LOGITS_MAX_ROWS rows.
+projection and for the lm head up to kvpage.model.fast_path.AMX_LOGITS_MAX_ROWS rows.
 
     python benchmarks/linear.py [--rows 1 8 16 32 64 128 256 512 1024 2048] [--rounds 7] [--dtype float32]
 

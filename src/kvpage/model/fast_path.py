@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from kvpage.model.llama import DecoderLayer, LlamaForCausalLM
 
 # The wide output projection keeps oneDNN above this many rows, where oneDNN measured faster than kvpage's AMX
-# tile GEMM (0.8-0.9x at 128-256 rows on the AMX Xeon: benchmarks/linear.py, BENCHMARKS.md).
-AMX_LOGITS_MAX_ROWS = 64
+# tile GEMM (benchmarks/linear.py on the AMX Xeon, 2026-11-25: the tile GEMM 1.16x oneDNN at 128 rows, 1.03x
+# at 192, 0.99x at 256, 0.70x at 384).
+AMX_LOGITS_MAX_ROWS = 192
 
 
 class FastPath:

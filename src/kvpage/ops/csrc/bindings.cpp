@@ -9,13 +9,17 @@
 namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Every kernel that computes runs without the GIL (call_guard): the server's event loop thread keeps
+  // answering clients while a step computes, instead of stopping the engine thread between kernels to get
+  // the interpreter. Arguments are converted, and results returned, with the GIL held.
+
   // fused_ops.cpp
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; return rms_norm(residual) * weight");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows");
-  m.def("rms_norm", &rms_norm, "rms_norm(residual) * weight");
-  m.def("rotary_", &rotary_, "in-place rotate-half RoPE on q and k");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; return rms_norm(residual) * weight", py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows", py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "rms_norm(residual) * weight", py::call_guard<py::gil_scoped_release>());
+  m.def("rotary_", &rotary_, "in-place rotate-half RoPE on q and k", py::call_guard<py::gil_scoped_release>());
   m.def("logits_postprocess", &logits_postprocess, "float32 logits with exact near-max entries, argmax, logsumexp",
-        py::arg("logits"), py::arg("hidden"), py::arg("weight"), py::arg("with_logits") = true);
+        py::arg("logits"), py::arg("hidden"), py::arg("weight"), py::arg("with_logits") = true, py::call_guard<py::gil_scoped_release>());
 
   // attention/plan.cpp, attention/paged_attention.cpp
   // module_local: a second build of these kernels (the portable one the tests load beside the native one)
@@ -31,13 +35,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_blocks"), py::arg("block_size"), py::arg("partition_size"), py::arg("split_short") = true);
   m.def("paged_attention_planned", &paged_attention_planned, "paged_attention of one layer under a step's plan",
         py::arg("query"), py::arg("kv_cache"), py::arg("plan"), py::arg("scale"), py::arg("packed") = false,
-        py::arg("amx_decode") = true);
+        py::arg("amx_decode") = true, py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", py::arg("key"),
-        py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("packed") = false);
+        py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("packed") = false, py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "varlen causal attention over a paged KV cache", py::arg("query"),
         py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("partition_size"), py::arg("packed") = false, py::arg("split_short") = true,
-        py::arg("amx_decode") = true);
+        py::arg("amx_decode") = true, py::call_guard<py::gil_scoped_release>());
   m.def("last_decode_kernel", &last_decode_kernel, "the kernel that served the last paged_attention call's decode tasks");
   m.def("has_packed_layout", &has_packed_layout, "whether this build has the packed bf16 KV layout (packed_kv.h)");
   m.def("amx_decode_available", &amx_decode_available, "whether decode tasks can use AMX tiles on this build and OS");
@@ -48,17 +52,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &kvpage::prefill::prefill_attention,
         "causal attention of whole fresh prompts (bf16, head size 64) with AMX tiles, written into out",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"), py::arg("starts"), py::arg("lengths"),
-        py::arg("scale"));
+        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_paged", &kvpage::prefill::prefill_attention_paged,
         "causal attention of prompts or prompt chunks whose keys (a cached prefix and their own) are in the packed "
         "bf16 cache (head size 64) with AMX tiles, written into out",
         py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("out"), py::arg("starts"),
         py::arg("lengths"), py::arg("seq_lens"), py::arg("seqs"), py::arg("scale"),
-        py::arg("max_scratch_bytes") = int64_t{64} << 20);
+        py::arg("max_scratch_bytes") = int64_t{64} << 20, py::call_guard<py::gil_scoped_release>());
 
   // linear/quant_linear.cpp
   m.def("quant_linear", &quant_linear,
-        "x . W^T from Q4 / Q8 block-quantized weights (few-token steps); gated: silu(x . Wg^T) * (x . Wu^T) for "
+        "x . W^T from Q4 / Q8 block-quantized weights (few-token steps, py::call_guard<py::gil_scoped_release>()); gated: silu(x . Wg^T) * (x . Wu^T) for "
         "W = [Wg; Wu]",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m") = py::none(), py::arg("float_out") = false,
         py::arg("int16") = false, py::arg("gated") = false);
@@ -69,7 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_available", &kvpage::amx::amx_linear_available, "whether amx_linear can run on this CPU/OS");
   m.def("amx_pack_weight", &kvpage::amx::amx_pack_weight, "a bf16 [N, K] weight in amx_linear's operand order");
   m.def("amx_linear", &kvpage::amx::amx_linear, "x . W^T (+ bias) with AMX tile products from a packed bf16 weight",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("silu_gate") = false);
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("silu_gate") = false, py::call_guard<py::gil_scoped_release>());
   m.def("amx_pack_gate_up", &kvpage::amx::amx_pack_gate_up,
         "a bf16 [gate; up] weight packed for amx_linear(silu_gate=True)");
 
@@ -78,7 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether f32_linear runs in this build (AVX2 + FMA, no AVX-512)");
   m.def("f32_pack_weight", &kvpage::gemm::f32_pack_weight, "a float32 [N, K] weight in 16-column panels for f32_linear");
   m.def("f32_linear", &kvpage::gemm::f32_linear, "float32 x . W^T (+ bias) from a panel-packed weight", py::arg("x"),
-        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
 
   // sampler.cpp
   m.def("apply_penalties_", &apply_penalties_, "repetition, presence and frequency penalties in place, per row",
@@ -97,5 +101,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("next_norm"), py::arg("next_eps"))
       .def("num_layers", &kvpage::DecodeLayers::num_layers)
       .def("run", &kvpage::DecodeLayers::run, py::arg("residual"), py::arg("cos"), py::arg("sin"),
-           py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("plan"), py::arg("int16"), py::arg("packed"));
+           py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("plan"), py::arg("int16"), py::arg("packed"), py::call_guard<py::gil_scoped_release>());
 }
