@@ -1,6 +1,9 @@
 """A stand-in for the worker's KV tensors, for tests: it applies the manager's instructions to a fake
 memory whose every slot records *which token state* it holds. If bookkeeping ever lets a sequence read
 a slot holding another prefix (wrong sharing, a missed copy-on-write, a bad swap), the check fails.
+
+Managers with several KV groups write each token into every group's block; a sliding-window group is
+checked on the positions the next query's window reads, the only ones it keeps.
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ class ShadowKV:
         self.bs = manager.block_size
         self.device: dict[int, TokenState] = {}
         self.host: dict[int, TokenState] = {}
+        layout = getattr(manager, "layout", None)
+        self.windows = ([g.spec.window for g in layout.groups] if layout is not None
+                        else [getattr(manager, "window", None)])
+
+    def _tables(self, sid: str) -> list[list[int]]:
+        return self.m.block_tables(sid)
 
     def _copy_blocks(self, src: dict[int, TokenState], dst: dict[int, TokenState], pairs) -> None:
         # Read every source block first: a destination may be a block another pair reads.
@@ -35,9 +44,11 @@ class ShadowKV:
     def apply_allocation(self, seq: KVSequence, alloc: Allocation, start: int, count: int) -> None:
         """Perform the copies, then 'compute' tokens start..start+count-1 into their slots."""
         self._copy_blocks(self.device, self.device, alloc.copies)
-        for pos, slot in zip(range(start, start + count), self.m.slot_mapping(seq.seq_id, start, count),
-                             strict=True):
-            self.device[slot] = token_state(seq, pos)
+        for table in self._tables(seq.seq_id):
+            for pos in range(start, start + count):
+                block = table[pos // self.bs]
+                assert block >= 0, f"{seq.seq_id}: position {pos} has no block to be written into"
+                self.device[block * self.bs + pos % self.bs] = token_state(seq, pos)
 
     def swap_out(self, pairs) -> None:
         self._copy_blocks(self.device, self.host, pairs)
@@ -50,10 +61,13 @@ class ShadowKV:
         for sid, seq in seqs.items():
             if not self.m.has_seq(sid):
                 continue
-            table = self.m.block_table(sid)
-            for pos in range(computed[sid]):
-                slot = table[pos // self.bs] * self.bs + pos % self.bs
-                got = self.device.get(slot)
-                assert got == token_state(seq, pos), (
-                    f"{sid} position {pos}: slot {slot} holds {got!r}, expected its own token state"
-                )
+            for table, window in zip(self._tables(sid), self.windows, strict=True):
+                first = 0 if window is None else max(0, computed[sid] - window + 1)
+                for pos in range(first, computed[sid]):
+                    block = table[pos // self.bs]
+                    assert block >= 0, f"{sid} position {pos}: its window still reads it, but its block was dropped"
+                    slot = block * self.bs + pos % self.bs
+                    got = self.device.get(slot)
+                    assert got == token_state(seq, pos), (
+                        f"{sid} position {pos}: slot {slot} holds {got!r}, expected its own token state"
+                    )

@@ -8,6 +8,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpage.kv import KVCacheManager, KVSequence, StaticReservationManager
+from kvpage.kv.hybrid import HybridKVManager
+from kvpage.kv.invariants import check_window_bound
+from kvpage.kv.sliding import SlidingWindowKVManager
+from kvpage.kv.specs import group_layers
 from tests.helpers.kv_shadow import ShadowKV
 
 BLOCK_SIZE = 4
@@ -154,6 +158,11 @@ class KVMachine(RuleBasedStateMachine):
     def every_slot_reads_back(self):
         self.shadow.check(self.seqs, self.computed)
 
+    @invariant()
+    def windows_hold_no_passed_block(self):
+        for g in getattr(self.m, "groups", [self.m]):
+            check_window_bound(g, self.computed)
+
     def teardown(self):
         for sid in list(self.seqs):
             self.m.free(sid)
@@ -174,6 +183,25 @@ class StaticMachine(KVMachine):
     )
 
 
+class SlidingMachine(KVMachine):
+    """One sliding-window group (a Mistral-style model): a window of 6 positions over blocks of 4 tokens, so
+    blocks leave while a sequence grows and a hit needs two blocks at most."""
+
+    make_manager = staticmethod(
+        lambda: SlidingWindowKVManager(24, BLOCK_SIZE, window=6, watermark=0.1, num_swap_blocks=10,
+                                       max_model_len=MAX_LEN)
+    )
+
+
+class HybridMachine(KVMachine):
+    """Two sliding-window groups and one full-attention group over one pool (as Gemma 3, scaled down)."""
+
+    make_manager = staticmethod(
+        lambda: HybridKVManager(group_layers([5, 5, None, 5, 5, None]), 40, BLOCK_SIZE, watermark=0.1,
+                                num_swap_blocks=16, max_model_len=MAX_LEN)
+    )
+
+
 _settings = settings(
     max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -183,3 +211,7 @@ TestPagedKVWeakHash = KVMachineWeakHash.TestCase
 TestPagedKVWeakHash.settings = _settings
 TestStaticKV = StaticMachine.TestCase
 TestStaticKV.settings = _settings
+TestSlidingKV = SlidingMachine.TestCase
+TestSlidingKV.settings = _settings
+TestHybridKV = HybridMachine.TestCase
+TestHybridKV.settings = _settings

@@ -25,6 +25,9 @@ class AttentionMetadata:
     # Python copies of the small per-sequence arrays, so CPU backends do not convert tensors every layer.
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # The KV group's sliding window (a query sees itself and window - 1 positions back), None for full
+    # attention; block-table entries wholly before every query's window may be placeholders (never read).
+    window: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -8,8 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpage.kv.block import DEFAULT_BLOCK_SIZE
+from kvpage.kv.hybrid import HybridKVManager
 from kvpage.kv.paged import KVCacheManager
 from kvpage.kv.protocol import NO_HIT, Allocation, KVManager, PrefixHit
+from kvpage.kv.sliding import SlidingWindowKVManager
+from kvpage.kv.specs import KVLayout
 from kvpage.kv.static import RESERVE_POLICIES, StaticReservationManager
 
 ALLOCATORS = ("paged", "static")
@@ -54,7 +57,19 @@ class KVPoolConfig:
             raise ValueError(f"unknown reservation policy {self.static_reserve!r}: choose one of "
                              f"{', '.join(RESERVE_POLICIES)}")
 
-    def build(self, max_model_len: int | None) -> KVCacheManager:
+    def build(self, max_model_len: int | None, layout: KVLayout | None = None) -> KVCacheManager:
+        """The manager for a model of this KV ``layout`` (None: one full-attention group): several groups share
+        one pool under a hybrid manager, one sliding-window group is a sliding-window manager."""
+        if layout is not None and (layout.hybrid or layout.groups[0].spec.window is not None):
+            if self.allocator != "paged":
+                raise ValueError(f"the {self.allocator} KV policy keeps one full-attention group; this model has "
+                                 f"{layout.describe()}: use the paged policy")
+            kw = dict(watermark=self.watermark, enable_prefix_caching=self.enable_prefix_caching,
+                      num_swap_blocks=self.num_swap_blocks, max_model_len=max_model_len, model_id=self.model_id)
+            if layout.hybrid:
+                return HybridKVManager(layout, self.num_blocks, self.block_size, **kw)  # type: ignore[return-value]
+            return SlidingWindowKVManager(self.num_blocks, self.block_size, window=layout.groups[0].spec.window,
+                                          **kw)  # type: ignore[arg-type]
         kw: dict = {"reserve": self.static_reserve} if self.allocator == "static" else {
             "enable_prefix_caching": self.enable_prefix_caching}
         return make_kv_manager(self.allocator, self.num_blocks, self.block_size, max_model_len=max_model_len,

@@ -22,7 +22,7 @@ from kvpage.kv.prefix_hash import BlockHash, HashFn, block_hash, root_hash, sha2
 from kvpage.kv.protocol import NO_HIT, NOTHING, Allocation, PrefixHit
 from kvpage.kv.sequence import SequenceLike
 from kvpage.kv.slot_mapping import cdiv, slot_mapping
-from kvpage.kv.stats import KVCounters, KVStats
+from kvpage.kv.stats import KVCounters, KVStats, make_stats
 
 
 def _sid(seq: SequenceLike | str) -> str:
@@ -66,7 +66,13 @@ class KVCacheManager:
         max_model_len: int | None = None,
         model_id: str = "",
         hash_fn: HashFn = sha256_digest,
+        pool: BlockPool | None = None,
+        group: int = 0,
+        host_free: list[int] | None = None,
     ) -> None:
+        """``pool``, ``group`` and ``host_free``: one KV group of a hybrid manager (kv/hybrid.py), sharing the
+        device pool and the host free list with the others; its prefix hashes and set-aside blocks are keyed by
+        the group so that groups never find each other's blocks."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -76,8 +82,10 @@ class KVCacheManager:
         if max_model_len is not None and max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
-        self.num_blocks = num_blocks
+        self.pool = pool if pool is not None else BlockPool(num_blocks)
+        self.num_blocks = num_blocks = self.pool.num_blocks
+        self.group = group
+        self._model_key = model_id if group == 0 else f"{model_id}|kv-group-{group}"
         self.watermark = watermark
         self.watermark_blocks = int(num_blocks * watermark)
         self.enable_prefix_caching = enable_prefix_caching
@@ -85,7 +93,8 @@ class KVCacheManager:
         self.model_id = model_id
         self.hash_fn = hash_fn
         self.num_swap_blocks = num_swap_blocks
-        self._host_free = list(range(num_swap_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        # pop() hands out 0, 1, 2, ...; shared by the groups of a hybrid manager
+        self._host_free = host_free if host_free is not None else list(range(num_swap_blocks - 1, -1, -1))
         self._seqs: dict[str, _SeqState] = {}
         self._swapped: dict[str, _SwappedState] = {}
         self.counters = KVCounters()
@@ -112,7 +121,12 @@ class KVCacheManager:
         return list(self._swapped)
 
     def block_table(self, seq_id: str) -> list[int]:
-        return [b.block_id for b in self._state(seq_id).table]
+        """Physical block ids; -1 marks an entry a sliding window dropped (never read)."""
+        return [b.block_id if b is not None else -1 for b in self._state(seq_id).table]
+
+    def block_tables(self, seq_id: str) -> list[list[int]]:
+        """One block table per KV group (here: one group)."""
+        return [self.block_table(seq_id)]
 
     def host_block_table(self, seq_id: str) -> list[int]:
         return list(self._swapped_state(seq_id).host_blocks)
@@ -132,7 +146,7 @@ class KVCacheManager:
             raise IndexError(
                 f"{seq_id}: positions {start}..{start + num_tokens - 1} outside its {state.num_tokens} slotted tokens"
             )
-        return slot_mapping([b.block_id for b in table], bs, start, num_tokens)
+        return slot_mapping([b.block_id if b is not None else -1 for b in table], bs, start, num_tokens)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` tokens occupies under this policy."""
@@ -142,11 +156,15 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ prefix cache
     def _root(self, seq: SequenceLike) -> BlockHash:
-        return root_hash(self.model_id, seq.adapter_id, seq.cache_salt, self.hash_fn)
+        return root_hash(self._model_key, seq.adapter_id, seq.cache_salt, self.hash_fn)
 
     def _root_key(self, seq: SequenceLike) -> tuple:
         """The exact isolation keys a chain starts from (its hash, the root, may collide; these cannot)."""
-        return "root", self.model_id, seq.adapter_id, seq.cache_salt
+        return "root", self._model_key, seq.adapter_id, seq.cache_salt
+
+    def _owner(self, seq_id: str) -> str:
+        """The name this group's set-aside blocks carry for a sequence (groups share the pool)."""
+        return seq_id if self.group == 0 else f"{seq_id}@{self.group}"
 
     def lookup_prefix(self, seq: SequenceLike) -> PrefixHit:
         """Longest run of cached full blocks for ``seq.token_ids``, leaving >= 1 token to compute.
@@ -237,7 +255,7 @@ class KVCacheManager:
         if cow:
             src = table[write_idx]
             if write_idx == len(table) - 1:
-                self.pool.release_ahead(seq.seq_id, src)  # what lay ahead of the replaced last block
+                self.pool.release_ahead(self._owner(seq.seq_id), src)  # what lay ahead of the replaced last block
             (dst,) = self.pool.get_new_blocks(1, after=table[write_idx - 1] if write_idx else None)
             self.pool.release((src,))
             table[write_idx] = dst
@@ -246,25 +264,42 @@ class KVCacheManager:
         state.num_tokens = total
         if need <= 0:
             return Allocation((), copies) if copies else NOTHING
-        new = self.pool.get_new_blocks(need, after=table[-1] if table else None, owner=seq.seq_id)
+        new = self.pool.get_new_blocks(need, after=self._last_block(table), owner=self._owner(seq.seq_id))
         table.extend(new)
         return Allocation(tuple(b.block_id for b in new), copies)
+
+    def blocks_to_allocate(self, seq: SequenceLike, num_new_tokens: int, prefix_hit: PrefixHit | None = None) -> int:
+        """The free blocks ``allocate_slots`` would take now: new blocks, cached ones it revives, and a
+        copy-on-write copy. Pure: a hybrid manager sums this over its groups before allocating in any."""
+        bs = self.block_size
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            hit = prefix_hit or NO_HIT
+            revived = sum(1 for b in hit.blocks if b is not None and b.ref_count == 0)
+            return max(self.blocks_needed(hit.num_tokens + num_new_tokens) - len(hit.blocks), 0) + revived
+        if num_new_tokens == 0:
+            return 0
+        table, n = state.table, state.num_tokens
+        write_idx = n // bs
+        cow = write_idx < len(table) and table[write_idx] is not None and table[write_idx].ref_count > 1
+        return max(self.blocks_needed(n + num_new_tokens) - len(table), 0) + int(cow)
 
     def _admit(self, seq: SequenceLike, num_new_tokens: int, hit: PrefixHit) -> Allocation | None:
         sid = seq.seq_id
         if sid in self._swapped:
             raise RuntimeError(f"sequence {sid!r} is swapped out: swap_in before allocating")
+        held = [b for b in hit.blocks if b is not None]  # a sliding window's hit skips blocks before it
         for block, h in zip(hit.blocks, hit.hashes, strict=True):
-            if block.block_hash != h:
+            if block is not None and block.block_hash != h:
                 raise RuntimeError("stale prefix hit: a block was evicted between lookup and allocation")
         total = hit.num_tokens + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(hit.blocks)
-        revived = sum(1 for b in hit.blocks if b.ref_count == 0)
+        revived = sum(1 for b in held if b.ref_count == 0)
         if self.pool.num_free_blocks - num_new_blocks - revived < self._admission_reserve():
             return None
-        self.pool.touch(hit.blocks)
-        new = self.pool.get_new_blocks(max(num_new_blocks, 0), after=hit.blocks[-1] if hit.blocks else None,
-                                       owner=sid)
+        self.pool.touch(held)
+        new = self.pool.get_new_blocks(max(num_new_blocks, 0), after=self._last_block(hit.blocks),
+                                       owner=self._owner(sid))
         self._seqs[sid] = _SeqState(list(hit.blocks) + new, total, list(hit.hashes), self._root(seq))
         if self.enable_prefix_caching:
             self.counters.prefix_query_tokens += len(seq.token_ids)
@@ -292,8 +327,8 @@ class KVCacheManager:
     def _release_table(self, sid: str, state: _SeqState) -> None:
         """Drop a departing sequence's references, deepest block first (tails are evicted before heads), and
         give back the blocks set aside behind its last one."""
-        self.pool.release_ahead(sid, state.table[-1] if state.table else None)
-        self.pool.release(state.table[::-1])
+        self.pool.release_ahead(self._owner(sid), self._last_block(state.table))
+        self.pool.release([b for b in state.table[::-1] if b is not None])
 
     def fork(self, parent: SequenceLike | str, child: SequenceLike | str) -> Allocation | None:
         """Make ``child`` share every block of ``parent`` (parallel sampling, beam candidates).
@@ -301,7 +336,7 @@ class KVCacheManager:
         Paged: no block moves now; the first write into a shared partial block copies it.
         """
         pstate, cid = self._fork_ids(parent, child)
-        self.pool.touch(pstate.table)
+        self.pool.touch(b for b in pstate.table if b is not None)
         self._seqs[cid] = _SeqState(list(pstate.table), pstate.num_tokens, list(pstate.hashes), pstate.root)
         return NOTHING
 
@@ -353,41 +388,25 @@ class KVCacheManager:
         return mapping
 
     # ------------------------------------------------------------------- stats
-    def stats(self) -> KVStats:
+    def fills(self) -> tuple[dict[int, int], int]:
+        """Tokens stored in each held block (a shared block counts its fullest holder), and the tokens the held
+        blocks would store unshared (each sequence's, up to its blocks)."""
         bs = self.block_size
         fill: dict[int, int] = {}
         logical = 0
         for state in self._seqs.values():
-            logical += state.num_tokens
             for i, block in enumerate(state.table):
+                if block is None:
+                    continue
                 f = min(bs, max(0, state.num_tokens - i * bs))
+                logical += f
                 if f > fill.get(block.block_id, -1):
                     fill[block.block_id] = f
-        used = self.num_blocks - self.pool.num_free_blocks
-        cached_free = sum(1 for b in self.pool.cached.values() if b.ref_count == 0)
-        c = self.counters
-        return KVStats(
-            num_blocks=self.num_blocks,
-            block_size=bs,
-            used_blocks=used,
-            free_blocks=self.pool.num_free_blocks,
-            cached_free_blocks=cached_free,
-            num_seqs=len(self._seqs),
-            num_swapped_seqs=len(self._swapped),
-            live_tokens=sum(fill.values()),
-            logical_tokens=logical,
-            allocated_slots=used * bs,
-            prefix_query_tokens=c.prefix_query_tokens,
-            prefix_hit_tokens=c.prefix_hit_tokens,
-            evictions=self.pool.num_evictions,
-            cow_copies=c.cow_copies,
-            blocks_swapped_out=c.blocks_swapped_out,
-            blocks_swapped_in=c.blocks_swapped_in,
-            swap_blocks_total=self.num_swap_blocks,
-            swap_blocks_used=self.num_swap_blocks - len(self._host_free),
-            tail_waste_slots=sum(bs - f for f in fill.values() if f),
-            reserved_unused_slots=bs * sum(1 for f in fill.values() if not f),
-        )
+        return fill, logical
+
+    def stats(self) -> KVStats:
+        fill, logical = self.fills()
+        return make_stats(self, fill, logical, len(self._seqs), len(self._swapped), self.counters)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a bookkeeping invariant (docs/architecture.md) is broken."""
@@ -415,6 +434,14 @@ class KVCacheManager:
         return pstate, cid
 
     # ----------------------------------------------------------------- helpers
+    @staticmethod
+    def _last_block(table) -> KVBlock | None:
+        """The last block a table holds (a sliding-window table may end in a dropped entry)."""
+        for block in reversed(table):
+            if block is not None:
+                return block
+        return None
+
     def _state(self, seq_id: str) -> _SeqState:
         try:
             return self._seqs[seq_id]

@@ -18,15 +18,17 @@ from kvpage.kv.stats import KVStats
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """The longest run of cached full blocks matching a sequence's tokens."""
+    """The longest run of cached full blocks matching a sequence's tokens (a sliding-window group's hit has
+    None where its window does not reach). A hybrid manager's hit carries one hit per KV group in ``groups``."""
 
-    blocks: tuple[KVBlock, ...]
+    blocks: tuple[KVBlock | None, ...]
     hashes: tuple[BlockHash, ...]
     num_tokens: int
+    groups: tuple[PrefixHit, ...] = ()
 
     @property
     def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
+        return [b.block_id if b is not None else -1 for b in self.blocks]
 
 
 NO_HIT = PrefixHit((), (), 0)

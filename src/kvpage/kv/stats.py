@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass
@@ -82,3 +83,33 @@ class KVStats:
             f"tokens | evictions {self.evictions} | CoW copies {self.cow_copies} | "
             f"swapped out/in {self.blocks_swapped_out}/{self.blocks_swapped_in} blocks"
         )
+
+
+def make_stats(m: Any, fill: dict[int, int], logical: int, num_seqs: int, num_swapped: int,
+               c: KVCounters) -> KVStats:
+    """A snapshot of manager ``m``'s pool from its held blocks' fills (block id -> tokens stored)."""
+    bs, pool = m.block_size, m.pool
+    used = m.num_blocks - pool.num_free_blocks
+    cached_free = sum(1 for b in pool.cached.values() if b.ref_count == 0)
+    return KVStats(
+        num_blocks=m.num_blocks,
+        block_size=bs,
+        used_blocks=used,
+        free_blocks=pool.num_free_blocks,
+        cached_free_blocks=cached_free,
+        num_seqs=num_seqs,
+        num_swapped_seqs=num_swapped,
+        live_tokens=sum(fill.values()),
+        logical_tokens=logical,
+        allocated_slots=used * bs,
+        prefix_query_tokens=c.prefix_query_tokens,
+        prefix_hit_tokens=c.prefix_hit_tokens,
+        evictions=pool.num_evictions,
+        cow_copies=c.cow_copies,
+        blocks_swapped_out=c.blocks_swapped_out,
+        blocks_swapped_in=c.blocks_swapped_in,
+        swap_blocks_total=m.num_swap_blocks,
+        swap_blocks_used=m.num_swap_blocks - len(m._host_free),
+        tail_waste_slots=sum(bs - f for f in fill.values() if f),
+        reserved_unused_slots=bs * sum(1 for f in fill.values() if not f),
+    )

@@ -14,7 +14,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # Architectures the runner implements (issue: Llama family). The planner accepts any decoder with a KV cache.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+# Layer kinds of ModelConfig.layer_types: every position attends to the whole history, or to the last
+# ``sliding_window`` positions (itself included).
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 # GGUF general.file_type codes -> the weight format name llama.cpp uses.
 GGUF_FILE_TYPES = {
@@ -45,6 +48,11 @@ class ModelConfig:
     v_head_dim: int | None = None  # when values are narrower/wider than keys
     source: str = "explicit"  # gguf:<path> | hf:<dir> | preset:<name> | explicit
     extra: dict[str, Any] = field(default_factory=dict)
+    # Per layer FULL or SLIDING (None: every layer full); the window and the sliding layers' RoPE base.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default: head_dim)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"):
@@ -56,6 +64,24 @@ class ModelConfig:
                 f"{self.name}: {self.num_attention_heads} query heads do not group evenly over "
                 f"{self.num_kv_heads} KV heads"
             )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {FULL, SLIDING}:
+                raise ValueError(f"{self.name}: layer_types must name {FULL!r} or {SLIDING!r} for each of the "
+                                 f"{self.num_layers} layers, got {self.layer_types!r}")
+            if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+                raise ValueError(f"{self.name}: sliding layers need a positive sliding_window, got "
+                                 f"{self.sliding_window!r}")
+
+    def layer_type(self, layer: int) -> str:
+        return FULL if self.layer_types is None else self.layer_types[layer]
+
+    def layer_window(self, layer: int) -> int | None:
+        """The layer's attention window in positions (itself included), None for full attention."""
+        return self.sliding_window if self.layer_type(layer) == SLIDING else None
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def value_head_dim(self) -> int:
@@ -123,6 +149,13 @@ def config_from_gguf(path: str | Path, name: str | None = None, meta: dict[str, 
             "original_max_position_embeddings": get("rope.scaling.original_context_length"),
         }
     file_type = meta.get("general.file_type")
+    layer_types, window, local_theta, pre_attn = None, get("attention.sliding_window"), None, None
+    if arch == "gemma3":
+        # llama.cpp's reading of Gemma 3: every sixth layer global, the others sliding with RoPE base 10k
+        layer_types = tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(int(n_layers)))
+        local_theta, pre_attn = 10000.0, float(head_dim)
+    elif window:  # a uniform window (Mistral-style)
+        layer_types = (SLIDING,) * int(n_layers)
     return ModelConfig(
         name=name or meta.get("general.name") or path.stem,
         architecture=arch,
@@ -143,11 +176,15 @@ def config_from_gguf(path: str | Path, name: str | None = None, meta: dict[str, 
         dtype="bfloat16",  # GGUF weights are dequantized to the run dtype; bf16 is kvpage's default
         source=f"gguf:{path}",
         extra={"file_type": GGUF_FILE_TYPES.get(file_type, str(file_type)) if file_type is not None else None},
+        layer_types=layer_types,
+        sliding_window=int(window) if layer_types and window else None,
+        rope_local_theta=local_theta,
+        query_pre_attn_scalar=pre_attn,
     )
 
 
 # ---------------------------------------------------------------- Hugging Face
-_HF_ARCH = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_HF_ARCH = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 
 def config_from_hf_dir(path: str | Path, name: str | None = None) -> ModelConfig:
@@ -181,10 +218,19 @@ def config_from_hf_dir(path: str | Path, name: str | None = None) -> ModelConfig
         raise ValueError(f"{cfg_path}: mlp_bias=true is not supported")
     max_pos = int(cfg.get("max_position_embeddings", 0))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    if window and max_pos and window < max_pos:
-        logger.warning("%s: sliding window %d < context %d: kvpage attends to the full context, so the "
-                       "usable length is capped at the window", path, window, max_pos)
-        max_pos = int(window)
+    layer_types, local_theta = None, None
+    if cfg.get("layer_types"):
+        layer_types = tuple(FULL if t == FULL else SLIDING for t in cfg["layer_types"])
+        if SLIDING not in layer_types:
+            window = None
+    elif window and (not max_pos or window < max_pos):
+        layer_types = (SLIDING,) * int(cfg["num_hidden_layers"])  # a uniform window (Mistral-style)
+    if isinstance(rope.get("sliding_attention"), dict):  # per layer type (Gemma 3)
+        local_theta = float(rope["sliding_attention"].get("rope_theta", 10000.0))
+        rope_theta = float(rope.get("full_attention", {}).get("rope_theta", rope_theta))
+        scaling = None
+    elif model_type in ("gemma3", "gemma3_text"):
+        local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
     return ModelConfig(
         name=name or path.name,
         architecture=_HF_ARCH.get(model_type, model_type),
@@ -203,4 +249,8 @@ def config_from_hf_dir(path: str | Path, name: str | None = None) -> ModelConfig
         attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
         dtype=dtype,
         source=f"hf:{path}",
+        layer_types=layer_types,
+        sliding_window=int(window) if layer_types and SLIDING in layer_types else None,
+        rope_local_theta=local_theta,
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
     )

@@ -55,7 +55,8 @@ class FastPath:
         quantized weights or the backend is not the compiled one."""
         layers = self.model.layers
         attn = layers[0].self_attn
-        if any(p.decode is None for p in self.plan) or not all(la.self_attn.backend.name == "cpu" for la in layers):
+        if (any(p.decode is None for p in self.plan) or not all(la.self_attn.backend.name == "cpu" for la in layers)
+                or self.model.config.layer_types is not None):  # one plan for every layer: one full-attention group
             return None
         first = self.plan[0]
         stack = self.ops.decode_layers(first.in_norm, first.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
@@ -67,7 +68,7 @@ class FastPath:
         return stack
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta) -> torch.Tensor:
+                 metas: list) -> torch.Tensor:
         """Hidden states after the final norm (float32), one row per token, as the reference model's forward.
 
         Plain objects and bound methods only: at one token per step, nn.Module call machinery and submodule
@@ -80,11 +81,12 @@ class FastPath:
         # steps of at most quant_max_tokens tokens: products straight from the quantized blocks where a layer
         # has them all (a GGUF may mix formats layer by layer; PackedLinear.forward sorts out the rest)
         few = t <= ops.config.quant_max_tokens
+        meta = metas[0]
         if few and self.decode_layers is not None and meta.decode_only:
             return self.decode_layers.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.plan,
                                           ops.quant_int16, meta.packed)
         h = ops.rms_norm(residual, first.in_norm, first.eps)
-        for p, kv_cache in zip(self.plan, kv_caches, strict=True):
+        for p, kv_cache, meta in zip(self.plan, kv_caches, metas, strict=True):
             qkv_proj, o_proj, gate_up, down = p.decode if few and p.decode is not None else p.full
             qkv = qkv_proj(h)
             q = qkv[:, : p.q_end].view(t, p.num_heads, p.head_dim)

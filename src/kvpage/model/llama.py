@@ -104,9 +104,9 @@ class LlamaForCausalLM(nn.Module):
         return None if self.fast is None else self.fast.ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: Any) -> torch.Tensor:
-        """Hidden states after the final norm (float32), one row per token of the flat batch; ``meta`` is what
-        the attention backend's metadata builder made of the step.
+                metas: list[Any]) -> torch.Tensor:
+        """Hidden states after the final norm (float32), one row per token of the flat batch; ``metas[i]`` is
+        what the attention backend's metadata builder made of the step for layer i's KV group.
 
         The residual stream, the norms and the logits stay in float32 whatever the weights' dtype (as in
         llama.cpp); with bf16 weights only the matrix products and attention run in bf16.
@@ -114,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         x = x.float()
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 

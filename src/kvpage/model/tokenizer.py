@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,53 @@ _SPLITS = {
 }
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 _SPECIAL_TYPES = (3, 4)
+_CONTROL, _USER_DEFINED = 3, 4
+# Architectures whose SentencePiece vocabulary is ranked by its order in the file, not by its scores, and
+# spells runs of spaces as real spaces (Gemma's GGUF files).
+_RANKED_BY_POSITION = ("gemma", "gemma2", "gemma3")
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _spm_merges(tokens: Sequence[str], rank: dict[str, float]) -> list[tuple[str, str]]:
+    """A SentencePiece BPE vocabulary's merges, which its GGUF file does not list: every split of a token into
+    two tokens of the vocabulary, best-ranked token first, and for one token the longer left part first."""
+    vocab = set(tokens)
+    found: list[tuple[float, int, str, str]] = []
+    for token, score in rank.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                found.append((score, cut, left, right))
+    found.sort(key=lambda m: (m[0], m[1], len(m[3])), reverse=True)
+    return [(left, right) for _, _, left, right in found]
+
+
+def _sentencepiece_bpe(fields: dict[str, Any], architecture: str | None) -> tuple[Tokenizer, set[int]]:
+    """A SentencePiece BPE tokenizer (GGUF ``tokenizer.ggml.model`` = "llama") with byte fallback: spaces
+    become \u2581 before merging, unknown characters their <0xNN> bytes. Returns it with its special ids."""
+    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+    types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    original = list(tokens)
+    if architecture in _RANKED_BY_POSITION:
+        tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        rank = {t: float(-i) for i, t in enumerate(tokens)}
+    else:
+        scores = fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        rank = {t: float(sc) for t, sc in zip(tokens, scores, strict=True)}
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk_id = fields.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None else None
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, rank), fuse_unk=True, unk_token=unk,
+                              byte_fallback=True))
+    tk.normalizer = normalizers.Replace(" ", _SPACE)
+    tk.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tk.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    control = [i for i, t in enumerate(types) if t == _CONTROL]
+    tk.add_special_tokens([AddedToken(original[i], special=True, normalized=False) for i in control])
+    # user-defined tokens (e.g. runs of newlines) are matched whole in the text, as llama.cpp does
+    user = [original[i] for i, t in enumerate(types) if t == _USER_DEFINED and original[i] in vocab]
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    return tk, set(control)
 
 
 def _byte_level_pre(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -86,10 +133,13 @@ class KVTokenizer:
     @classmethod
     def from_gguf_fields(cls, fields: dict[str, Any], source: str = "GGUF") -> KVTokenizer:
         kind = fields.get("tokenizer.ggml.model")
+        if kind == "llama":  # SentencePiece BPE with byte fallback (Llama 2, Mistral, Gemma)
+            tk, special = _sentencepiece_bpe(fields, fields.get("general.architecture"))
+            return cls._from_gguf_tokenizer(tk, fields, special)
         if kind != "gpt2":
             raise ValueError(
                 f"{source}: tokenizer model {kind!r} is not supported from GGUF metadata (kvpage reads byte-level "
-                "BPE, 'gpt2'); use a Hugging Face directory with tokenizer.json for this model"
+                "BPE, 'gpt2', and SentencePiece BPE, 'llama'); use a Hugging Face directory with tokenizer.json"
             )
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -100,6 +150,10 @@ class KVTokenizer:
         tk.decoder = decoders.ByteLevel()
         special = {i for i, t in enumerate(types) if t in _SPECIAL_TYPES}
         tk.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special)])
+        return cls._from_gguf_tokenizer(tk, fields, special)
+
+    @classmethod
+    def _from_gguf_tokenizer(cls, tk: Tokenizer, fields: dict[str, Any], special: set[int]) -> KVTokenizer:
         eos = fields.get("tokenizer.ggml.eos_token_id")
         eot = fields.get("tokenizer.ggml.eot_token_id")
         eos_ids = [int(x) for x in (eos, eot) if x is not None]
@@ -112,7 +166,8 @@ class KVTokenizer:
     def from_gguf(cls, path: str | Path) -> KVTokenizer:
         from kvpage.model.config import open_gguf
 
-        fields = {k: v for k, v in open_gguf(Path(path)).fields.items() if k.startswith("tokenizer.")}
+        fields = {k: v for k, v in open_gguf(Path(path)).fields.items()
+                  if k.startswith("tokenizer.") or k == "general.architecture"}
         return cls.from_gguf_fields(fields, source=str(path))
 
     @classmethod

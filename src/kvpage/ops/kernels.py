@@ -52,11 +52,12 @@ class Kernels:
         self._c.reshape_and_cache(key, value, kv_cache, slot_mapping, packed)
 
     def plan_attention(self, block_tables: Tensor, query_start_loc: Tensor, seq_lens: Tensor, num_heads: int,
-                       num_blocks: int, block_size: int):
+                       num_blocks: int, block_size: int, window: int | None = None):
         """A step's paged-attention plan (csrc/attention/plan.h), checked once against caches of ``num_blocks``
-        blocks of ``block_size`` tokens; every layer's ``paged_attention`` runs it."""
+        blocks of ``block_size`` tokens; every layer's ``paged_attention`` runs it. ``window``: a sliding-window
+        layer's (a query sees itself and window - 1 positions back; keys before that are never read)."""
         return self._c.plan_attention(block_tables, query_start_loc, seq_lens, num_heads, num_blocks, block_size,
-                                      PARTITION_SIZE, self.config.split_short)
+                                      PARTITION_SIZE, self.config.split_short, window or 0)
 
     def paged_attention(self, query: Tensor, kv_cache: Tensor, plan, scale: float, packed: bool) -> Tensor:
         """Varlen causal attention of a flat batch over the paged cache, under the step's plan."""

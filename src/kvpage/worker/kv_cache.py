@@ -1,14 +1,16 @@
 """The KV tensors and the byte movements the KV manager plans.
 
-Layout, per layer: one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = keys,
-1 = values). A token's K/V lives at ``[:, slot // block_size, slot % block_size]`` (the row layout). The
-tensor is a view of block-major storage ``[num_blocks, 2, block_size, ...]``: a block's K and V are one
-contiguous stretch (12 KiB per layer for SmolLM2 at 16 tokens): where a sequence's blocks are scattered
-over the pool, the decode kernel streams that up to ~1.35x faster from memory than two stretches of half the
-size (docs/benchmarks/history.md, 2026-11-23). The compiled backend stores bf16 caches in its packed layout
-instead (same shape, a block's interior rearranged for the dot-product instructions; docs/model.md): only
-whole blocks are moved here, so this module works for both. The host (swap) tier has the same layout with its
-own block count.
+The model's KV layout (kv/specs.py) says how many tensors there are: one per layer of a KV group
+(``layers_per_group``), each shared by one layer of every group, so a pool block is the same bytes in every
+tensor; a model of one group keeps one tensor per layer. Each tensor is ``[2, num_blocks, block_size,
+num_kv_heads, head_dim]`` (index 0 = keys, 1 = values). A token's K/V lives at
+``[:, slot // block_size, slot % block_size]`` (the row layout). The tensor is a view of block-major storage
+``[num_blocks, 2, block_size, ...]``: a block's K and V are one contiguous stretch (12 KiB per layer for
+SmolLM2 at 16 tokens): where a sequence's blocks are scattered over the pool, the decode kernel streams that
+up to ~1.35x faster from memory than two stretches of half the size (docs/benchmarks/history.md,
+2026-11-23). The compiled backend stores bf16 caches in its packed layout instead (same shape, a block's
+interior rearranged for the dot-product instructions; docs/model.md): only whole blocks are moved here, so
+this module works for both. The host (swap) tier has the same layout with its own block count.
 """
 
 from __future__ import annotations
@@ -21,14 +23,22 @@ from collections.abc import Sequence
 import torch
 
 from kvpage.capacity import KVShape
+from kvpage.kv.specs import KVLayout, group_layers
 from kvpage.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """The planner's formula (capacity.KVShape), so `kvpage plan` and the engine size pools alike."""
-    shape = KVShape(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, str(dtype).removeprefix("torch."),
+def model_layout(cfg: ModelConfig) -> KVLayout:
+    """The model's KV groups: its layers by window."""
+    return group_layers([cfg.layer_window(i) for i in range(cfg.num_layers)])
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, layout: KVLayout | None = None) -> int:
+    """The planner's formula (capacity.KVShape) for the layers one pool block spans (a KV group's), so
+    `kvpage plan` and the engine size pools alike."""
+    layers = (layout or model_layout(cfg)).layers_per_group
+    shape = KVShape(cfg.name, layers, cfg.num_kv_heads, cfg.head_dim, str(dtype).removeprefix("torch."),
                     v_head_dim=cfg.v_head_dim)
     return shape.bytes_per_token() * block_size
 
@@ -70,7 +80,7 @@ def as_block_major(cache: torch.Tensor) -> torch.Tensor:
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, layout: KVLayout | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         if cfg.value_head_dim != cfg.head_dim:
@@ -79,18 +89,21 @@ class KVCache:
         # Not zeroed: every slot is written before any read (attention reads only positions < seq_len, and
         # block copies move whole blocks). Zeroing 2 GiB costs ~3 s at startup; the price is
         # one page fault per fresh 4 KiB the first time the engine writes it.
-        self.layers = [block_major(shape, dtype) for _ in range(cfg.num_layers)]
+        self.layout = layout = layout or model_layout(cfg)
+        n = layout.layers_per_group
+        self.tensors = [block_major(shape, dtype) for _ in range(n)]
+        # the tensor each layer writes and reads (layers of different groups share one)
+        self.layers = [self.tensors[layout.slot(i)] for i in range(cfg.num_layers)]
         host_shape = (2, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        n_host_layers = cfg.num_layers if num_host_blocks else 0
-        self.host_layers = [block_major(host_shape, dtype) for _ in range(n_host_layers)]
+        self.host_tensors = [block_major(host_shape, dtype) for _ in range(n if num_host_blocks else 0)]
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
         self.block_size, self.dtype = block_size, dtype
 
     def prefault(self) -> None:
         """Fault the device KV pages in before serving (the engine's kv_prefault option)."""
         t0 = time.perf_counter()
-        how = prefault_pages(self.layers)
-        nbytes = sum(t.numel() * t.element_size() for t in self.layers)
+        how = prefault_pages(self.tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
         logger.info("KV pages faulted in (%s): %.1f GiB in %.1f s", how, nbytes / 2**30, time.perf_counter() - t0)
 
     @staticmethod
@@ -103,17 +116,17 @@ class KVCache:
             d_layer[:, dst] = s_layer[:, src]  # the gather copies every source before any write
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write: device block src -> device block dst."""
-        self._move(self.layers, self.layers, pairs)
+        """Copy-on-write: device block src -> device block dst (in every tensor: the block's group's layers)."""
+        self._move(self.tensors, self.tensors, pairs)
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(device, host) pairs: device -> host."""
-        if pairs and not self.host_layers:
+        if pairs and not self.host_tensors:
             raise RuntimeError("swap-out requested but the KV cache has no host tier (swap space 0)")
-        self._move(self.layers, self.host_layers, pairs)
+        self._move(self.tensors, self.host_tensors, pairs)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(host, device) pairs: host -> device."""
-        if pairs and not self.host_layers:
+        if pairs and not self.host_tensors:
             raise RuntimeError("swap-in requested but the KV cache has no host tier (swap space 0)")
-        self._move(self.host_layers, self.layers, pairs)
+        self._move(self.host_tensors, self.tensors, pairs)

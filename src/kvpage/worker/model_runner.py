@@ -23,6 +23,17 @@ class ScheduledSeq:
     block_table: Sequence[int]
     need_logits: bool = True  # False for a prompt chunk that is not the last one
     all_logits: bool = False  # logits for every computed token (prompt logprobs, teacher forcing)
+    # One table per KV group when the model has several (block_table is then the first); -1: dropped by a window
+    block_tables: Sequence[Sequence[int]] | None = None
+
+    def tables(self, num_groups: int) -> Sequence[Sequence[int]]:
+        if self.block_tables is not None:
+            if len(self.block_tables) != num_groups:
+                raise ValueError(f"{self.seq_id}: {len(self.block_tables)} block tables for {num_groups} KV groups")
+            return self.block_tables
+        if num_groups != 1:
+            raise ValueError(f"{self.seq_id}: one block table for a model of {num_groups} KV groups")
+        return (self.block_table,)
 
 
 @dataclass
@@ -38,8 +49,8 @@ class BlockOps:
 class PreparedBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    common: AttentionMetadata  # the runner's description of the batch
-    meta: Any  # what the attention backend's builder made of it, for every layer
+    common: list[AttentionMetadata]  # the runner's description of the batch, per KV group
+    meta: list[Any]  # what the attention backend's builder made of it, per layer (its group's)
     logits_rows: torch.Tensor  # flat-batch rows whose logits are computed
     logits_slices: dict[str, slice]  # per sequence: its part of logits_rows
 
@@ -81,17 +92,24 @@ class ModelRunner:
         self.forward = model.fast or model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        layout = self.layout = kv_cache.layout
         attn = model.layers[0].self_attn
-        # One builder for every layer's cache (one KV group): it splits and plans each step once.
-        self.builder = attn.backend.metadata_builder(kv_cache.layers[0], model.embed_tokens.weight.dtype,
-                                                     attn.num_heads)
+        # One builder per KV group: it splits and plans each step once for all the group's layers. The packed
+        # layout has no sliding-window loops, and the groups share tensors: with a window, every group keeps rows.
+        packed_ok = all(g.spec.window is None for g in layout.groups)
+        self.builders = [attn.backend.metadata_builder(kv_cache.tensors[0], model.embed_tokens.weight.dtype,
+                                                       attn.num_heads, window=g.spec.window, allow_packed=packed_ok)
+                         for g in layout.groups]
+        self.layer_group = [layout.group(i) for i in range(layout.num_layers)]
+        # the batch order the prompt kernels want (the first group that has any)
+        self.prefill_min = next((b.prefill_min for b in self.builders if b.prefill_min is not None), None)
 
     def prepare(self, batch: Sequence[ScheduledSeq]) -> PreparedBatch:
         if not batch:
             raise ValueError("empty batch")
         # Paged work first, then long prompt chunks after cached keys, then long fresh prompts: a backend with
         # prompt kernels takes the last two groups (its builder's prefill_min says from how many rows).
-        minimum = self.builder.prefill_min
+        minimum = self.prefill_min
         long = [] if minimum is None else [s for s in batch if len(s.token_ids) >= minimum]
         cached = [s for s in long if s.start_pos > 0]
         fresh = [s for s in long if s.start_pos == 0]
@@ -99,27 +117,29 @@ class ModelRunner:
             ids_long = {id(s) for s in long}
             batch = [s for s in batch if id(s) not in ids_long] + cached + fresh
         bs = self.block_size
+        num_groups = len(self.builders)
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
         qsl = [0]
         seq_lens: list[int] = []
         query_lens: list[int] = []
         rows: list[int] = []
         slices: dict[str, slice] = {}
         max_blocks = 0
-        for s in batch:
+        tables_of = [s.tables(num_groups) for s in batch]
+        for s, tables in zip(batch, tables_of, strict=True):
             n = len(s.token_ids)
             if n == 0:
                 raise ValueError(f"{s.seq_id}: nothing to compute")
             end = s.start_pos + n
-            if -(-end // bs) > len(s.block_table):
-                raise ValueError(f"{s.seq_id}: block table of {len(s.block_table)} blocks cannot hold {end} tokens")
+            for table in tables:
+                if -(-end // bs) > len(table):
+                    raise ValueError(f"{s.seq_id}: block table of {len(table)} blocks cannot hold {end} tokens")
             ids.extend(s.token_ids)
-            table = s.block_table
-            for p in range(s.start_pos, end):
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
+            positions.extend(range(s.start_pos, end))
+            for g, table in enumerate(tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(s.start_pos, end))
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             query_lens.append(n)
@@ -130,23 +150,31 @@ class ModelRunner:
             elif s.need_logits:
                 slices[s.seq_id] = slice(len(rows), len(rows) + 1)
                 rows.append(qsl[-1] - 1)
-        # one tensor from padded rows: a tensor per sequence cost ~0.6 ms per 100-sequence step
-        padded = []
-        for s, end in zip(batch, seq_lens, strict=True):
-            row = list(s.block_table[: -(-end // bs)])
-            padded.append(row + [0] * (max_blocks - len(row)))
-        tables = torch.tensor(padded, dtype=torch.long).reshape(len(batch), max_blocks)
-        common = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            block_tables=tables,
-            query_start_loc=torch.tensor(qsl, dtype=torch.long),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
-            block_size=bs,
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-        )
-        return PreparedBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), common,
-                             self.builder.build(common), torch.tensor(rows, dtype=torch.long), slices)
+        qsl_t = torch.tensor(qsl, dtype=torch.long)
+        lens_t = torch.tensor(seq_lens, dtype=torch.long)
+        commons, metas = [], []
+        for g, builder in enumerate(self.builders):
+            # one tensor from padded rows (a tensor per sequence cost ~0.6 ms per 100-sequence step); entries a
+            # sliding window dropped (-1) become block 0, which no kernel reads
+            padded = []
+            for tables, end in zip(tables_of, seq_lens, strict=True):
+                row = [b if b >= 0 else 0 for b in tables[g][: -(-end // bs)]]
+                padded.append(row + [0] * (max_blocks - len(row)))
+            common = AttentionMetadata(
+                slot_mapping=torch.tensor(slots[g], dtype=torch.long),
+                block_tables=torch.tensor(padded, dtype=torch.long).reshape(len(batch), max_blocks),
+                query_start_loc=qsl_t,
+                seq_lens=lens_t,
+                block_size=bs,
+                query_lens_list=query_lens,
+                seq_lens_list=seq_lens,
+                window=self.layout.groups[g].spec.window,
+            )
+            commons.append(common)
+            metas.append(builder.build(common))
+        layer_metas = [metas[g] for g in self.layer_group]
+        return PreparedBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), commons,
+                             layer_metas, torch.tensor(rows, dtype=torch.long), slices)
 
     def apply_block_ops(self, ops: BlockOps | None) -> None:
         """In the order the KV manager's plans require: swap out, swap in, copy-on-write."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence as Seq
 
 from kvpage.config import CacheConfig, ModelRunConfig, fast_path, resolve_dtype
@@ -13,7 +12,7 @@ from kvpage.envs import kernel_config
 from kvpage.kv import KVCacheManager, KVPoolConfig
 from kvpage.model.loader import load_model, parse_dtype
 from kvpage.units import format_bytes
-from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block
+from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, model_layout
 from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq, StepLogits
 from kvpage.worker.sampler import SampleRequest, argmax_suffices, sample_isolated, seeded_generator
 
@@ -36,9 +35,11 @@ class Worker:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds {cfg.name}'s context length {limit}")
         self.kv_dtype = self.lm.dtype if cc.kv_cache_dtype == "auto" else parse_dtype(cc.kv_cache_dtype)
-        self.bytes_per_block = kv_bytes_per_block(cfg, cc.block_size, self.kv_dtype)
+        self.layout = model_layout(cfg)
+        self.bytes_per_block = kv_bytes_per_block(cfg, cc.block_size, self.kv_dtype, self.layout)
         self.num_blocks = int(cc.kv_cache_memory) // self.bytes_per_block
-        per_seq = math.ceil(self.max_model_len / cc.block_size)
+        # a sequence of max_model_len tokens, in every group (a sliding-window group holds its window's blocks)
+        per_seq = sum(g.spec.max_blocks(cc.block_size, self.max_model_len) for g in self.layout.groups)
         if self.num_blocks < per_seq:
             raise ValueError(
                 f"a KV cache of {format_bytes(int(cc.kv_cache_memory))} holds {self.num_blocks} blocks "
@@ -46,7 +47,7 @@ class Worker:
                 f"{self.max_model_len}: raise kv_cache_memory or lower max_model_len"
             )
         self.num_swap_blocks = int(cc.swap_space) // self.bytes_per_block
-        self.kv_cache = KVCache(cfg, self.num_blocks, cc.block_size, self.kv_dtype, self.num_swap_blocks)
+        self.kv_cache = KVCache(cfg, self.num_blocks, cc.block_size, self.kv_dtype, self.num_swap_blocks, self.layout)
         if cc.kv_prefault:
             self.kv_cache.prefault()
         self.runner = ModelRunner(self.lm.model, self.kv_cache)
@@ -57,12 +58,15 @@ class Worker:
 
     def describe(self) -> str:
         cc = self.cache_config
-        tokens = self.num_blocks * cc.block_size
+        per_seq = sum(g.spec.max_blocks(cc.block_size, self.max_model_len) for g in self.layout.groups)
+        groups = f"; KV groups: {self.layout.describe()}" if self.layout.hybrid or self.layout.groups[0].spec.window \
+            else ""
         return (
-            f"KV cache: {self.num_blocks} blocks x {cc.block_size} tokens = {tokens} tokens in "
+            f"KV cache: {self.num_blocks} blocks x {cc.block_size} tokens = {self.num_blocks * cc.block_size} tokens "
+            f"in "
             f"{format_bytes(self.num_blocks * self.bytes_per_block)} ({str(self.kv_dtype).removeprefix('torch.')}, "
-            f"{format_bytes(self.bytes_per_block)}/block); max concurrency at max_model_len {self.max_model_len}: "
-            f"{tokens / self.max_model_len:.2f}x; swap space: {self.num_swap_blocks} blocks"
+            f"{format_bytes(self.bytes_per_block)}/block){groups}; max concurrency at max_model_len "
+            f"{self.max_model_len}: {self.num_blocks / per_seq:.2f}x; swap space: {self.num_swap_blocks} blocks"
         )
 
     def make_kv_manager(self, policy: str = "paged") -> KVCacheManager:
@@ -71,7 +75,7 @@ class Worker:
         cc = self.cache_config
         self.kv = KVPoolConfig(self.num_blocks, cc.block_size, policy, num_swap_blocks=self.num_swap_blocks,
                                enable_prefix_caching=cc.enable_prefix_caching, watermark=cc.watermark,
-                               model_id=str(self.lm.path)).build(self.max_model_len)
+                               model_id=str(self.lm.path)).build(self.max_model_len, self.layout)
         return self.kv
 
     # ------------------------------------------------------------ StepWorker
@@ -82,9 +86,17 @@ class Worker:
         if not out.work:
             self.runner.apply_block_ops(ops)
             return None
-        table = self.kv.block_table
-        batch = [ScheduledSeq(w.seq.seq_id, w.token_ids, w.start_pos, table(w.seq.seq_id),
-                              need_logits=w.completes_prompt) for w in out.work]
+        if self.layout.hybrid:
+            tables = self.kv.block_tables
+            batch = []
+            for w in out.work:
+                per_group = tables(w.seq.seq_id)
+                batch.append(ScheduledSeq(w.seq.seq_id, w.token_ids, w.start_pos, per_group[0],
+                                          need_logits=w.completes_prompt, block_tables=per_group))
+        else:
+            table = self.kv.block_table
+            batch = [ScheduledSeq(w.seq.seq_id, w.token_ids, w.start_pos, table(w.seq.seq_id),
+                                  need_logits=w.completes_prompt) for w in out.work]
         # what each sampling sequence may not draw yet, for this step's argmax decision and its draw
         self._blocked = {w.seq.seq_id: blocked_ids(w.seq, self.eos_ids) for w in out.work if w.completes_prompt}
         argmax_only = all(argmax_suffices(w.seq.request.params, self._blocked[w.seq.seq_id])

@@ -28,9 +28,11 @@ class MetadataBuilder(Protocol):
 class AttentionBackend(Protocol):
     name: str
 
-    def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int) -> MetadataBuilder:
-        """The builder for caches shaped like ``kv_cache`` under activations of ``dtype`` and queries of
-        ``num_heads`` heads (every layer of one KV group)."""
+    def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
+                         window: int | None = None, allow_packed: bool = True) -> MetadataBuilder:
+        """The builder of one KV group: caches shaped like ``kv_cache`` under activations of ``dtype``, queries
+        of ``num_heads`` heads, the group's sliding ``window`` (None: full attention). ``allow_packed``: the
+        caches may take a layout of the backend's own (False where groups of other kinds share them)."""
         ...
 
     def forward(

@@ -7,6 +7,7 @@ and plans the paged kernel's tasks once per step; ``forward`` only follows them,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,25 +52,29 @@ class CpuAttentionMetadata:
 class CpuMetadataBuilder:
     """Splits and plans one step for caches of one shape and dtype (every layer of a KV group)."""
 
-    def __init__(self, backend: CpuPagedAttention, kv_cache: torch.Tensor, dtype: torch.dtype,
-                 num_heads: int) -> None:
+    def __init__(self, backend: CpuPagedAttention, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
+                 window: int | None = None, allow_packed: bool = True) -> None:
         self.ops = backend.ops
         self.num_heads = num_heads
+        self.window = window
         self.num_blocks, self.block_size = kv_cache.shape[1], kv_cache.shape[2]
         self.head_dim = kv_cache.shape[4]
-        self.packed = backend.packed_layout(kv_cache, dtype)
-        self.prompts_read_cache = backend.prompts_read_cache(kv_cache, dtype)
+        self.packed = allow_packed and backend.packed_layout(kv_cache, dtype)
+        self.prompts_read_cache = self.packed and backend.prompts_read_cache(kv_cache, dtype)
         # 16 where chunks read the packed cache with AMX (1.7-3x the paged kernel at 16 rows after 500-2000
-        # cached keys, at par near 8), else 64 (the paged kernel; SDPA for longer fresh prompts).
-        self.prefill_min: int | None = 16 if self.prompts_read_cache else PREFILL_KERNEL_MIN
+        # cached keys, at par near 8), else 64 (the paged kernel; SDPA for longer fresh prompts). A sliding
+        # window sends everything to the paged kernel, whose tiles skip what lies before each window.
+        self.prefill_min: int | None = (None if window is not None
+                                        else 16 if self.prompts_read_cache else PREFILL_KERNEL_MIN)
 
     def _plan(self, tables: torch.Tensor, qsl: torch.Tensor, lens: torch.Tensor):
-        return self.ops.plan_attention(tables, qsl, lens, self.num_heads, self.num_blocks, self.block_size)
+        return self.ops.plan_attention(tables, qsl, lens, self.num_heads, self.num_blocks, self.block_size,
+                                       self.window)
 
     def build(self, common: AttentionMetadata) -> CpuAttentionMetadata:
         qlens, qsl = common.query_lens_list, common.query_start_loc
         n = len(qlens)
-        minimum = self.prefill_min or 0
+        minimum = self.prefill_min if self.prefill_min is not None else math.inf
         ns = next((i for i, q in enumerate(qlens) if q >= minimum), n)  # the runner put long chunks last
         starts = [0]
         for q in qlens:
@@ -114,8 +119,9 @@ class CpuPagedAttention:
         that reads their keys from the packed cache (prefill_attention_paged)."""
         return self.prefill_cached and self.packed_layout(kv_cache, dtype) and kv_cache.shape[4] == 64
 
-    def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int) -> CpuMetadataBuilder:
-        return CpuMetadataBuilder(self, kv_cache, dtype, num_heads)
+    def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
+                         window: int | None = None, allow_packed: bool = True) -> CpuMetadataBuilder:
+        return CpuMetadataBuilder(self, kv_cache, dtype, num_heads, window, allow_packed)
 
     def forward(self, query, key, value, kv_cache, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
         ops, packed, common = self.ops, meta.packed, meta.common

@@ -1,4 +1,5 @@
-"""Reference paged attention in plain torch: obviously correct, one sequence at a time.
+"""Reference paged attention in plain torch: obviously correct, one sequence at a time (a sliding window
+masks keys before each query's window; the blocks it gathers there may be placeholders, masked unread).
 
 Every case goes through the same path: a whole prompt, a prompt chunk, a prompt after a prefix-cache hit
 and a decode token are all "query_len new tokens at the end of a context of seq_len tokens".
@@ -16,7 +17,8 @@ from kvpage.attention.metadata import AttentionMetadata
 class ReferenceAttention:
     name = "reference"
 
-    def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int) -> CommonMetadata:
+    def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
+                         window: int | None = None, allow_packed: bool = True) -> CommonMetadata:
         return CommonMetadata()
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -36,7 +38,12 @@ class ReferenceAttention:
             qt = q.transpose(0, 1)[None]
             kt = k.transpose(0, 1)[None].to(q.dtype)
             vt = v.transpose(0, 1)[None].to(q.dtype)
-            if q_len == ctx_len:  # nothing cached before: plain causal
+            if meta.window is not None:  # query j at position p sees keys p - window < key <= p
+                qpos = torch.arange(ctx_len - q_len, ctx_len)
+                kpos = torch.arange(ctx_len)[None, :]
+                mask = (kpos <= qpos[:, None]) & (kpos > qpos[:, None] - meta.window)
+                o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            elif q_len == ctx_len:  # nothing cached before: plain causal
                 o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=q_len > 1, scale=scale, enable_gqa=gqa)
             elif q_len == 1:  # decode: the one new token sees everything
                 o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=gqa)

@@ -173,13 +173,14 @@ inline KVGeometry kv_geometry(const at::Tensor& kv_cache) {
   return {kv_cache.stride(0), nb <= 1 ? block : kv_cache.stride(1)};
 }
 
-// A sequence's `keys` keys must fit its block-table row (max_blocks entries) and every block they use must lie
-// in the cache: the kernels dereference these ids unchecked. `what` and `i` name the sequence in the error.
+// A sequence's `keys` keys must fit its block-table row (max_blocks entries) and every block they use, from
+// entry `first` on (a sliding window reads no earlier one), must lie in the cache: the kernels dereference these
+// ids unchecked. `what` and `i` name the sequence in the error.
 inline void check_table_row(const int64_t* row, int64_t max_blocks, int64_t keys, int64_t block_size,
-                            int64_t num_blocks, const char* what, int64_t i) {
+                            int64_t num_blocks, const char* what, int64_t i, int64_t first = 0) {
   const int64_t used = (keys + block_size - 1) / block_size;
   TORCH_CHECK(used <= max_blocks, what, " ", i, ": ", keys, " keys need more blocks than its table row holds");
-  for (int64_t b = 0; b < used; ++b)
+  for (int64_t b = first; b < used; ++b)
     TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, what, " ", i, ": block ", row[b], " outside the cache");
 }
 

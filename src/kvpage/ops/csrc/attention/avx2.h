@@ -114,7 +114,8 @@ inline __m256 dot8(const float* q, const KV* k, int64_t stride) {
 template <typename KV, int64_t D>
 void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kcache, const KV* vcache,
                       const int64_t* table, int64_t block_size, int64_t block_stride, int64_t kv_heads, int64_t pos0,
-                      int64_t k_begin, int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch) {
+                      int64_t k_begin, int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch,
+                      int64_t window = 0) {
   static_assert(D % 64 == 0, "head size must be a multiple of 64");
   const int64_t R = nq * H;
   const int64_t row_stride = kv_heads * D;
@@ -143,16 +144,18 @@ void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV
       const KV* vbase = vcache + phys * block_stride + off * row_stride + h * D;
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
+        const int64_t first = window_first(window, pos0 + j, t, n);  // and keys before its window
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = j * H + h * G + g;
           float* s = sc + r * block_size;
-          if (visible <= 0) {
+          if (visible <= first) {
             std::fill(s, s + n, 0.f);
             continue;
           }
+          std::fill(s, s + first, 0.f);
           const float* qr = q + r * D;
           __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-          int64_t i = 0;
+          int64_t i = first;
           for (; i + 8 <= visible; i += 8) {
             if (j == 0) prefetch.part((h * G + g) * groups + i / 8, parts);
             const __m256 d8 = dot8<KV, D>(qr, kbase + i * row_stride, row_stride);
@@ -168,7 +171,7 @@ void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV
           const float corr = exp_neg(m[r] - new_m);
           const __m256 vm = _mm256_set1_ps(new_m);
           __m256 vsum = _mm256_setzero_ps();
-          i = 0;
+          i = first;
           for (; i + 8 <= visible; i += 8) {
             const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
             _mm256_storeu_ps(s + i, w);
@@ -191,7 +194,8 @@ void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV
       }
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t visible = std::min(n, pos0 + j + 1 - t);
-        if (visible <= 0) continue;
+        const int64_t first = window_first(window, pos0 + j, t, n);
+        if (visible <= first) continue;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = j * H + h * G + g;
           const float* w = sc + r * block_size;
@@ -201,7 +205,7 @@ void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV
             float* a = acc + r * D + d0;
             __m256 o[8];
             for (int c = 0; c < 8; ++c) o[c] = _mm256_loadu_ps(a + 8 * c);
-            for (int64_t i = 0; i < visible; ++i) {
+            for (int64_t i = first; i < visible; ++i) {
               const __m256 wv = _mm256_set1_ps(w[i]);
               const KV* v = vbase + i * row_stride + d0;
               for (int c = 0; c < 4; ++c) {

@@ -53,7 +53,7 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
                       const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
                       int64_t kv_heads,
                       int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
-                      std::vector<float>& scratch, float scale) {
+                      std::vector<float>& scratch, float scale, int64_t window = 0) {
   static_assert(D % 32 == 0, "head size must be a multiple of 32");
   constexpr int64_t NC = D / 32;  // 512-bit chunks of a bf16 row
   constexpr int64_t NF = D / 16;  // 512-bit chunks of a float row
@@ -80,11 +80,12 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
       int64_t vis_max = 0;
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
-        vis_max = std::max(vis_max, visible);
+        const int64_t first = window_first(window, pos0 + j, t, n);  // and keys before its window
+        if (visible > first) vis_max = std::max(vis_max, visible);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = j * H + h * G + g;
           float* w = wts + r * 16;
-          if (visible <= 0) {
+          if (visible <= first) {
             _mm512_storeu_ps(w, _mm512_setzero_ps());
             continue;
           }
@@ -94,7 +95,7 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
           for (int slot = 0; slot < 16; ++slot) {
             const int key = kSlotKey[slot];
             __m512 a = _mm512_setzero_ps();
-            if (key < visible) {
+            if (key < visible && key >= first) {
               const at::BFloat16* k = kbase + key * row_stride;
               for (int64_t c = 0; c < NC; ++c)
                 a = _mm512_dpbf16_ps(a, (__m512bh)qv[c],
@@ -102,7 +103,7 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
             }
             dots[slot] = a;
           }
-          const __mmask16 keep = static_cast<__mmask16>((1u << visible) - 1u);
+          const __mmask16 keep = static_cast<__mmask16>(((1u << visible) - 1u) & ~((1u << first) - 1u));
           const __m512 s = _mm512_mask_blend_ps(keep, vneg_inf, _mm512_mul_ps(reduce16(dots), vscale));
           const float new_m = std::max(m[r], _mm512_reduce_max_ps(s));
           const float corr = exp_neg(m[r] - new_m);
@@ -121,8 +122,8 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
       kvpage::interleave_value_pairs<NC>(vbase, row_stride, vis_max, vpairs);
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t visible = std::min(n, pos0 + j + 1 - t);
-        if (visible <= 0) continue;
-        const int64_t row_pairs = (visible + 1) / 2;
+        if (visible <= window_first(window, pos0 + j, t, n)) continue;
+        const int64_t row_pairs = (visible + 1) / 2;  // weights before the window are 0
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = j * H + h * G + g;
           float* a = acc + r * D;  // kept in the interleaved element order until the end of the task

@@ -41,6 +41,13 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 constexpr int64_t kMaxGroup = 64;
 
+// The first key of a block run [t, t + n) that a query at position `pos` sees under a sliding window of
+// `window` positions (itself and window - 1 before it; window 0: no window), clamped to [0, n].
+inline int64_t window_first(int64_t window, int64_t pos, int64_t t, int64_t n) {
+  if (window <= 0) return 0;
+  return std::min(n, std::max<int64_t>(0, pos - window + 1 - t));
+}
+
 constexpr int64_t kTile = 16;  // query tokens per task (prompt chunks); decode tasks hold one
 constexpr int64_t kMinPartition = 64;  // keys: below this, merging partitions costs more than a second thread saves
 

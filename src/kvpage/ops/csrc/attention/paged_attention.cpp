@@ -98,6 +98,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   const std::vector<int64_t>& offset = plan.offset;
   const int64_t partition_size = plan.partition_size;
   const bool few_tasks = plan.few_tasks;
+  const int64_t window = plan.window;
   const int64_t T = plan.num_tasks();
   std::vector<float> part_acc(static_cast<size_t>(offset[T] * D));
   std::vector<float> part_m(static_cast<size_t>(offset[T])), part_l(static_cast<size_t>(offset[T]));
@@ -110,7 +111,8 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #if KVPAGE_ISA_AMX
   // Only for small batches (few tasks, contexts split into partitions): there the KV tends to sit in cache and
   // the AMX kernel is twice as fast; with many sequences streaming from memory the AVX-512 kernel is faster.
-  use_amx = !packed && few_tasks && use_dp && opt.amx_decode && (D == 64 || D == 128) && G <= 8 && block_size % 16 == 0 &&
+  use_amx = !packed && window == 0 && few_tasks && use_dp && opt.amx_decode && (D == 64 || D == 128) && G <= 8 &&
+            block_size % 16 == 0 &&
             partition_size % 16 == 0 && kvpage::amx_permitted();
 #endif
 
@@ -125,8 +127,8 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   use_amx_pairs = use_amx_packed && D == 64 && H <= 16;
 #endif
   g_decode_kernel = use_amx_pairs ? "amx-pairs" : use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
-                  : (use_dp && (D == 64 || D == 128)) ? "avx512-rows"
-                  : (KVPAGE_ISA_AVX2_ONLY && (D == 64 || D == 128)) ? avx2_kernel_name<KV>()
+                  : (use_dp && (D == 64 || D == 128 || D == 256)) ? "avx512-rows"
+                  : (KVPAGE_ISA_AVX2_ONLY && (D == 64 || D == 128 || D == 256)) ? avx2_kernel_name<KV>()
                   : "generic";
   auto work = [&](int64_t begin, int64_t end) {
 #if KVPAGE_ISA_AMX
@@ -213,43 +215,46 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
           continue;
         }
 #endif
-        if (use_dp && (D == 64 || D == 128)) {
+        if (use_dp && (D == 64 || D == 128 || D == 256)) {
           if (D == 64)
             attend_tile_bf16<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, tk.pos0,
-                                 k_begin,
-                                 k_end, pa, pm, pl, scratch, sc);
-          else
+                                 k_begin, k_end, pa, pm, pl, scratch, sc, window);
+          else if (D == 128)
             attend_tile_bf16<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, tk.pos0,
-                                  k_begin,
-                                  k_end, pa, pm, pl, scratch, sc);
+                                  k_begin, k_end, pa, pm, pl, scratch, sc, window);
+          else
+            attend_tile_bf16<256>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, tk.pos0,
+                                  k_begin, k_end, pa, pm, pl, scratch, sc, window);
           continue;
         }
       }
 #endif
 #if KVPAGE_ISA_AVX2_ONLY
-      if (D == 64) {
-        attend_tile_avx2<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads,
-                                 tk.pos0, k_begin, k_end, pa, pm, pl, scratch);
-        continue;
-      }
-      if (D == 128) {
-        attend_tile_avx2<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
-                                  kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch);
+      if (D == 64 || D == 128 || D == 256) {
+        if (D == 64)
+          attend_tile_avx2<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                   kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
+        else if (D == 128)
+          attend_tile_avx2<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                    kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
+        else
+          attend_tile_avx2<KV, 256>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                    kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
         continue;
       }
 #endif
       if (D == 64)
         attend_tile<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, D,
-                            tk.pos0,
-                            k_begin, k_end, pa, pm, pl, scratch, qb, sc);
+                            tk.pos0, k_begin, k_end, pa, pm, pl, scratch, qb, sc, window);
       else if (D == 128)
         attend_tile<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, D,
-                             tk.pos0,
-                             k_begin, k_end, pa, pm, pl, scratch, qb, sc);
+                             tk.pos0, k_begin, k_end, pa, pm, pl, scratch, qb, sc, window);
+      else if (D == 256)
+        attend_tile<KV, 256>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, D,
+                             tk.pos0, k_begin, k_end, pa, pm, pl, scratch, qb, sc, window);
       else
         attend_tile<KV, 0>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, D,
-                           tk.pos0,
-                           k_begin, k_end, pa, pm, pl, scratch, qb, sc);
+                           tk.pos0, k_begin, k_end, pa, pm, pl, scratch, qb, sc, window);
     }
 #if KVPAGE_ISA_AMX
     if (use_amx || use_amx_packed) kvpage::amx_release();
@@ -271,7 +276,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
     for (int64_t si = begin; si < end; ++si) {
       const int64_t t0 = starts[si];
       int64_t t1 = t0 + 1;
-      while (t1 < T && tasks[t1].part != 0) ++t1;
+      while (t1 < T && !tasks[t1].first) ++t1;
       const Task& tk = tasks[t0];
       for (int64_t r = 0; r < tk.nq * H; ++r) {
         Q* o = optr + (tk.row0 * H + r) * D;
@@ -447,6 +452,7 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
     check_packed(kv_cache);
     TORCH_CHECK(query.scalar_type() == at::kBFloat16, "the packed KV layout needs bfloat16 queries");
     TORCH_CHECK(plan.partition_size % 16 == 0, "the packed KV layout needs partitions of a multiple of 16 keys");
+    TORCH_CHECK(plan.window == 0, "the packed KV layout has no sliding-window loops: keep sliding layers in rows");
   }
   TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, dim]");
   TORCH_CHECK(query.size(2) == kv_cache.size(4), "head_dim of query and cache differ");

@@ -16,7 +16,7 @@ namespace {
 // The batch description must fit the query and the cache: the kernels index with these numbers unchecked, so a
 // bad offset or block id would read outside the tensors. O(sequences + blocks), once per step.
 void check_batch(const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                 const torch::Tensor& seq_lens, int64_t num_blocks, int64_t block_size) {
+                 const torch::Tensor& seq_lens, int64_t num_blocks, int64_t block_size, int64_t window) {
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
               "seq_lens must be a contiguous int64 [seqs] tensor");
   const int64_t S = seq_lens.size(0);
@@ -34,7 +34,10 @@ void check_batch(const torch::Tensor& block_tables, const torch::Tensor& query_s
     const int64_t q_len = qsl[s + 1] - qsl[s];
     TORCH_CHECK(q_len >= 0, "query_start_loc decreases at sequence ", s);
     TORCH_CHECK(lens[s] >= q_len, "sequence ", s, " has fewer keys (", lens[s], ") than queries (", q_len, ")");
-    kvpage::check_table_row(tables + s * max_blocks, max_blocks, lens[s], block_size, num_blocks, "sequence", s);
+    // With a window only the blocks the window reaches are read (the others may be placeholders).
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[s] - q_len - window + 1) / block_size : 0;
+    kvpage::check_table_row(tables + s * max_blocks, max_blocks, lens[s], block_size, num_blocks, "sequence", s,
+                            first);
   }
 }
 
@@ -42,14 +45,17 @@ void check_batch(const torch::Tensor& block_tables, const torch::Tensor& query_s
 
 std::shared_ptr<AttentionPlan> plan_attention(torch::Tensor block_tables, torch::Tensor query_start_loc,
                                               torch::Tensor seq_lens, int64_t num_heads, int64_t num_blocks,
-                                              int64_t block_size, int64_t partition_size, bool split_short) {
+                                              int64_t block_size, int64_t partition_size, bool split_short,
+                                              int64_t window) {
   TORCH_CHECK(partition_size > 0, "partition_size must be positive");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(num_heads > 0 && num_blocks > 0 && block_size > 0, "bad plan geometry");
   auto plan = std::make_shared<AttentionPlan>();
   plan->block_tables = block_tables.contiguous();
   plan->query_start_loc = query_start_loc;
   plan->seq_lens = seq_lens;
-  check_batch(plan->block_tables, query_start_loc, seq_lens, num_blocks, block_size);
+  check_batch(plan->block_tables, query_start_loc, seq_lens, num_blocks, block_size, window);
+  plan->window = window;
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t S = seq_lens.size(0), H = num_heads;
@@ -69,7 +75,7 @@ std::shared_ptr<AttentionPlan> plan_attention(torch::Tensor block_tables, torch:
     // Fewer tiles than threads (one stream's decode): contexts shorter than a partition would leave threads
     // idle, so cut them into one part per idle thread, in multiples of 16 keys and at least kMinPartition.
     int64_t longest = 0;
-    for (int64_t s = 0; s < S; ++s) longest = std::max(longest, lens[s]);
+    for (int64_t s = 0; s < S; ++s) longest = std::max(longest, window > 0 ? std::min(lens[s], window) : lens[s]);
     const int64_t ways = (threads + base_tasks - 1) / base_tasks;
     const int64_t part = ((longest + ways - 1) / ways + 15) / 16 * 16;
     partition_size = std::min(partition_size, std::max(kMinPartition, part));
@@ -81,8 +87,10 @@ std::shared_ptr<AttentionPlan> plan_attention(torch::Tensor block_tables, torch:
     for (int64_t j0 = 0; j0 < q_len; j0 += kTile) {
       const int64_t nq = std::min(kTile, q_len - j0);
       const int64_t pos0 = lens[s] - q_len + j0;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
       const int64_t parts = (pos0 + nq + partition_size - 1) / partition_size;
-      for (int64_t p = 0; p < parts; ++p) tasks.push_back({s, qsl[s] + j0, nq, p, pos0});
+      for (int64_t p = lo / partition_size; p < parts; ++p)
+        tasks.push_back({s, qsl[s] + j0, nq, p, pos0, lo, p == lo / partition_size});
     }
   }
   const int64_t T = plan->num_tasks();
@@ -103,7 +111,7 @@ std::shared_ptr<AttentionPlan> plan_attention(torch::Tensor block_tables, torch:
   for (int64_t c = 1; c < nt; ++c)
     plan->cut[c] = std::lower_bound(cost.begin(), cost.end(), cost[T] * c / nt) - cost.begin();
   for (int64_t ti = 0; ti < T; ++ti)
-    if (tasks[ti].part == 0) plan->starts.push_back(ti);
+    if (tasks[ti].first) plan->starts.push_back(ti);
   return plan;
 }
 

@@ -21,11 +21,14 @@ namespace kvpage::attn {
 struct Task {
   int64_t seq, row0, nq, part;  // query rows row0 .. row0+nq-1 of the flat batch, every head
   int64_t pos0;                 // absolute position of the first query of the tile
+  int64_t lo = 0;               // the tile's first visible key (its first query's window edge; 0 without one)
+  bool first = true;            // the tile's first partition (its partial results are merged from here)
 
-  // The keys [begin, end) this task attends to: its partition, up to its last query's position.
+  // The keys [begin, end) this task attends to: its partition, from the window's edge up to its last query's
+  // position. Partitions wholly before the edge are never made.
   std::pair<int64_t, int64_t> keys(int64_t partition_size) const {
     const int64_t begin = part * partition_size;
-    return {begin, std::min(pos0 + nq, begin + partition_size)};
+    return {std::max(begin, lo), std::min(pos0 + nq, begin + partition_size)};
   }
 };
 
@@ -36,6 +39,7 @@ struct AttentionPlan {
   int64_t num_heads = 0, num_rows = 0;  // of the query it runs on
   int64_t num_blocks = 0, block_size = 0;  // of the caches it was checked against
   int64_t partition_size = 0;  // keys per task, at most (a multiple of 16, or "no split")
+  int64_t window = 0;          // sliding window in positions (a query sees itself and window - 1 keys back); 0: none
   bool few_tasks = false;  // contexts split into partitions because tiles alone would leave threads idle
   std::vector<Task> tasks;
   std::vector<int64_t> offset;  // first partial row of each task (num_tasks + 1)
@@ -48,8 +52,10 @@ struct AttentionPlan {
 // The plan of a batch over caches of num_blocks blocks of block_size tokens, for queries of num_heads heads.
 // partition_size: keys per task when contexts are split; split_short: one stream's short contexts are cut over
 // the threads (kvpage.envs KVPAGE_SPLIT_SHORT).
+// window > 0: a sliding-window layer's plan (keys before a tile's window are neither read nor scored).
 std::shared_ptr<AttentionPlan> plan_attention(torch::Tensor block_tables, torch::Tensor query_start_loc,
                                               torch::Tensor seq_lens, int64_t num_heads, int64_t num_blocks,
-                                              int64_t block_size, int64_t partition_size, bool split_short);
+                                              int64_t block_size, int64_t partition_size, bool split_short,
+                                              int64_t window = 0);
 
 }  // namespace kvpage::attn

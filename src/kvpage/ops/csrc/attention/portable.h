@@ -18,7 +18,8 @@
 namespace kvpage::attn {
 
 // One task: nq query tokens x all H query heads (R = nq * H rows, ordered (query, head) like the query
-// tensor) over keys [k_begin, k_end) of its sequence; row r only sees keys <= pos0 + r / H. Within each block
+// tensor) over keys [k_begin, k_end) of its sequence; row r only sees keys <= pos0 + r / H, and with a window
+// (> 0) only keys > pos0 + r / H - window. Within each block
 // every KV head is processed while the block's cache lines are hot (a token's heads are adjacent in the
 // layout), and each K/V row serves the G query heads of its group. Float32 accumulators, running max and sum.
 template <typename KV, int64_t DC>
@@ -26,7 +27,7 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
                  const int64_t* table, int64_t block_size, int64_t block_stride, int64_t kv_heads, int64_t D_rt,
                  int64_t pos0,
                  int64_t k_begin, int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch,
-                 const at::BFloat16* const* qb, float scale) {
+                 const at::BFloat16* const* qb, float scale, int64_t window = 0) {
   // DC > 0: the head size is a compile-time constant, so the per-element loops unroll fully.
   const int64_t D = DC > 0 ? DC : D_rt;
   // qb (optional): each row's unscaled bf16 query, for exact bf16 dot products straight from the cache
@@ -50,10 +51,12 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
         for (int64_t i = 0; i < n; ++i) load_row(kbase + i * row_stride, rows + i * D, D);
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
+        const int64_t first = window_first(window, pos0 + j, t, n);  // and keys before its window
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = j * H + h * G + g;
           float* s = sc + r * block_size;
-          if (visible <= 0) {
+          for (int64_t i = 0; i < std::min(first, n); ++i) s[i] = 0.f;
+          if (visible <= first) {
             for (int64_t i = 0; i < n; ++i) s[i] = 0.f;
             continue;
           }
@@ -61,7 +64,7 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
 #if KVPAGE_ISA_AVX512BF16
           if (direct) {
             if constexpr (std::is_same_v<KV, at::BFloat16>) {
-              for (int64_t i = 0; i < visible; ++i) {
+              for (int64_t i = first; i < visible; ++i) {
                 s[i] = dot_bf16(qb[r], kbase + i * row_stride, D) * scale;
                 bmax = std::max(bmax, s[i]);
               }
@@ -70,14 +73,14 @@ void attend_tile(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kca
 #endif
           {
             const float* qr = q + r * D;
-            for (int64_t i = 0; i < visible; ++i) {
+            for (int64_t i = first; i < visible; ++i) {
               s[i] = dot(qr, rows + i * D, D);
               bmax = std::max(bmax, s[i]);
             }
           }
           const float new_m = std::max(m[r], bmax);
           const float corr = exp_neg(m[r] - new_m);
-          const float sum = exp_shift_sum(s, visible, new_m);
+          const float sum = exp_shift_sum(s + first, visible - first, new_m);
           for (int64_t i = visible; i < n; ++i) s[i] = 0.f;
           l[r] = l[r] * corr + sum;
           m[r] = new_m;

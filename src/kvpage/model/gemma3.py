@@ -1,0 +1,157 @@
+"""Gemma 3 (text) over a flat batch and a paged KV cache: the readable reference, step by step as transformers'
+Gemma3ForCausalLM computes it, so float32 outputs compare token for token.
+
+What differs from Llama (model/llama.py): embeddings scaled by sqrt(hidden); RMSNorm computed in float32 and
+scaled by (1 + w); a norm before and after each sublayer (four per layer); RMSNorm over each query and key
+head before RoPE (QK-norm); a GELU-tanh gated MLP; the attention scale query_pre_attn_scalar ** -0.5; and
+two layer kinds: sliding-window layers (RoPE base rope_local_theta) and global ones (rope_theta). Which
+layers see how far back is the KV layout's business (kv/specs.py): each layer's attention metadata carries its
+group's window.
+
+Parameter names follow Hugging Face's; GGUF norms store 1 + w and are shifted back on load (model/weights.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpage.attention.backends.base import AttentionBackend
+from kvpage.model.config import SLIDING, ModelConfig
+from kvpage.model.logits import LogitsResult, logits_result
+from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from kvpage.ops import Kernels
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w), in float32, returned in x's dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.attention_scale
+        self.backend = backend
+
+    def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.self_attn = GemmaAttention(cfg, backend)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.mlp = GemmaMLP(cfg)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        # x is the float32 residual stream; the sublayers run in the weights' dtype.
+        w = self.input_layernorm.weight.dtype
+        a = self.self_attn(self.input_layernorm(x.to(w)), cos, sin, kv_cache, meta)
+        x = x + self.post_attention_layernorm(a).float()
+        m = self.mlp(self.pre_feedforward_layernorm(x.to(w)))
+        return x + self.post_feedforward_layernorm(m).float()
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rope_freq_factors: torch.Tensor | None = None):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None  # tied to the embeddings
+        self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors))
+        self.rotary_local = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta, None))
+        self.sliding = [cfg.layer_type(i) == SLIDING for i in range(cfg.num_layers)]
+        self.ops: Kernels | None = None
+        self.fast = None  # Gemma runs its reference layers on the kernels' attention (no packed fast path yet)
+
+    @property
+    def fast_ops(self) -> Kernels | None:
+        return None
+
+    def reset_rope(self, rope_freq_factors: torch.Tensor | None = None) -> None:
+        """Buffers built on the meta device hold no values: compute both RoPE tables for real."""
+        cfg = self.config
+        self.rotary.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                                              rope_freq_factors), persistent=False)
+        self.rotary_local.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_local_theta
+                                                                    or cfg.rope_theta, None), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metas: list[Any]) -> torch.Tensor:
+        """Hidden states after the final norm (float32), one row per token of the flat batch."""
+        w = self.embed_tokens.weight
+        # the scale in the weights' dtype, as transformers multiplies it
+        x = self.embed_tokens(input_ids) * torch.tensor(self.config.hidden_size**0.5, dtype=w.dtype)
+        glob = self.rotary.cos_sin(positions, w.dtype)
+        local = self.rotary_local.cos_sin(positions, w.dtype)
+        x = x.float()
+        for layer, sliding, kv_cache, meta in zip(self.layers, self.sliding, kv_caches, metas, strict=True):
+            cos, sin = local if sliding else glob
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits_ex(hidden).logits
+
+    def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False) -> LogitsResult:
+        """float32 logits, argmax and log-sum-exp from the tied embeddings (exact near the maximum with bf16
+        weights, as model/llama.py)."""
+        weight = self.embed_tokens.weight
+        raw = F.linear(hidden.to(weight.dtype), weight)
+        if raw.shape[0] == 0:
+            return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        ops = self.ops
+        if ops is not None:
+            if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+                res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only)
+            else:
+                res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only)
+            return logits_result(*res, argmax_only)
+        logits = raw.float()
+        return LogitsResult(logits, logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1))

@@ -1,0 +1,111 @@
+"""Sliding-window attention in the compiled kernels against the reference backend: every row-layout loop
+(float32, bf16 and float16 caches; bf16 and float32 queries), head sizes 64, 128 and 256, decodes, chunks and
+whole prompts that cross the window's edge, block sizes that cut it mid-block, partitions. Blocks wholly before
+every query's window hold NaN and sit behind placeholder table entries: a kernel that read one would say so."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvpage.attention.backends.reference import ReferenceAttention
+from kvpage.attention.metadata import AttentionMetadata
+from kvpage.envs import KernelConfig
+from kvpage.ops import kernels, load_kernels
+from tests.helpers.kernels import have_cxx
+
+pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
+
+
+def window_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, dim: int, window: int,
+                kv_dtype: torch.dtype, q_dtype: torch.dtype):
+    num_seqs = rng.randint(1, 4)
+    q_lens, seq_lens = [], []
+    for _ in range(num_seqs):
+        ctx = rng.randint(1, 3 * window + 40)
+        q_len = rng.choice([1, 1, min(ctx, rng.randint(2, 40)), ctx])
+        q_lens.append(q_len)
+        seq_lens.append(ctx)
+    blocks_per_seq = [-(-c // block_size) for c in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).to(kv_dtype)
+    tables = torch.zeros((num_seqs, max(blocks_per_seq)), dtype=torch.long)
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    at = 0
+    for i, n in enumerate(blocks_per_seq):
+        first_query = seq_lens[i] - q_lens[i]
+        first_needed = max(0, first_query - window + 1) // block_size
+        for b in range(n):
+            if b < first_needed:  # wholly before every query's window: a placeholder, its block poisoned
+                poisoned = ids[at]
+                cache[:, poisoned] = float("nan")
+                tables[i, b] = 0 if rng.random() < 0.5 else poisoned
+            else:
+                tables[i, b] = ids[at]
+            at += 1
+    total = sum(q_lens)
+    q = torch.randn(total, heads, dim).to(q_dtype)
+    k = torch.randn(total, kv_heads, dim).to(q_dtype)
+    v = torch.randn(total, kv_heads, dim).to(q_dtype)
+    slots, qsl = [], [0]
+    for i, (ql, ctx) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(ctx - ql, ctx)]
+        qsl.append(qsl[-1] + ql)
+    meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(qsl), torch.tensor(seq_lens), block_size,
+                             q_lens, seq_lens, window=window)
+    return q, k, v, cache, meta
+
+
+def reference(q, k, v, cache, meta, scale):
+    clean = cache.clone().nan_to_num(0.0)  # the reference gathers placeholders too (masked, never weighed)
+    return ReferenceAttention().forward(q.float(), k.float(), v.float(), clean, meta, scale), clean
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize(("kv_dtype", "q_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
+def test_sliding_window_matches_the_reference(dim, block_size, kv_dtype, q_dtype):
+    ops = load_kernels()
+    rng = random.Random(dim * 7 + block_size)
+    for window in (1, 7, 33, 64):
+        q, k, v, cache, meta = window_case(rng, block_size, 8, 2, dim, window, kv_dtype, q_dtype)
+        ref, _ = reference(q, k, v, cache, meta, dim**-0.5)
+        ker_cache = cache.clone()
+        ops.reshape_and_cache(k, v, ker_cache, meta.slot_mapping)
+        for part in (512, 16):
+            plan = ops.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, 8, cache.shape[1],
+                                      block_size, part, True, window)
+            out = ops.paged_attention_planned(q, ker_cache, plan, dim**-0.5, False, True)
+            assert not out.float().isnan().any(), "a block outside the window was read"
+            tol = 1e-4 if kv_dtype == q_dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_window_plans_skip_whole_blocks_and_partitions():
+    """A decode at position 5000 with a window of 512 makes tasks for the window's keys only."""
+    ops = load_kernels()
+    tables = torch.arange(400, dtype=torch.long)[None, :]
+    qsl, lens = torch.tensor([0, 1]), torch.tensor([5001])
+    full = ops.plan_attention(tables, qsl, lens, 4, 400, 16, 512, False, 0)
+    windowed = ops.plan_attention(tables, qsl, lens, 4, 400, 16, 512, False, 512)
+    assert full.num_tasks == 10 and windowed.num_tasks == 2 and windowed.window == 512
+    bad = tables.clone()
+    bad[0, :280] = 10_000  # outside the cache, but before the window: never read, so accepted
+    ops.plan_attention(bad, qsl, lens, 4, 400, 16, 512, False, 512)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.plan_attention(bad, qsl, lens, 4, 400, 16, 512, False, 0)
+
+
+def test_packed_layout_refuses_a_window():
+    ops = kernels(KernelConfig())
+    if not ops.packed_layout:
+        pytest.skip("no packed layout in this build")
+    cache = torch.zeros(2, 4, 16, 1, 64, dtype=torch.bfloat16)
+    plan = ops.plan_attention(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([1]), 1, 4, 16,
+                              window=8)
+    with pytest.raises(RuntimeError, match="sliding-window"):
+        ops.paged_attention(torch.zeros(1, 1, 64, dtype=torch.bfloat16), cache, plan, 1.0, True)
