@@ -16,7 +16,7 @@ from typing import Literal
 
 from kvpage.core.sequence import Sequence, SequenceStatus
 from kvpage.errors import InvalidRequestError, KVCapacityError, PromptTooLongError
-from kvpage.kv import KVManager, cdiv
+from kvpage.kv import KVManager
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class Scheduler:
             raise InvalidRequestError(f"max_tokens={max_tokens} with a prompt of {prompt_len} tokens exceeds "
                                       f"max_model_len={limit} (at most {room} here)", "max_tokens")
         longest = prompt_len + min(max_tokens or room, room)
-        need = cdiv(longest, self.kv.block_size)
+        need = self.kv.blocks_needed(longest)  # over every KV group (a sliding window holds only its window)
         if need > self.kv.num_blocks:
             raise KVCapacityError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks but the whole "
@@ -191,6 +191,11 @@ class Scheduler:
             if not chunked and n < want:
                 break
             alloc = self.kv.allocate_slots(seq, n)
+            while alloc is None and chunked and n > self.kv.block_size:
+                # a smaller prompt chunk may fit where the whole one does not (a sliding-window group holds its
+                # window plus the chunk while it computes): shrink before preempting anyone
+                n = max(self.kv.block_size, n // 2)
+                alloc = self.kv.allocate_slots(seq, n)
             while alloc is None:
                 victim = running.pop()  # lowest priority, latest arrival: never one scheduled already
                 self._preempt(victim, out)

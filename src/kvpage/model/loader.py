@@ -13,6 +13,7 @@ from kvpage import dtypes, envs
 from kvpage.attention.backends import get_attention_backend
 from kvpage.envs import KernelConfig
 from kvpage.model.config import ModelConfig, config_from_gguf, config_from_hf_dir, gguf_fields, open_gguf
+from kvpage.model.gemma3 import Gemma3ForCausalLM
 from kvpage.model.llama import LlamaForCausalLM
 from kvpage.model.quant import QuantWeight
 from kvpage.model.registry import DEFAULT_MODEL, resolve_model_path
@@ -57,7 +58,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | Gemma3ForCausalLM
     tokenizer: KVTokenizer
     dtype: torch.dtype
     path: Path
@@ -115,7 +116,7 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
         tokenizer = KVTokenizer.from_gguf_fields(fields, source=str(path))
         if not cfg.vocab_size:
             cfg = cfg.with_overrides(vocab_size=len(fields["tokenizer.ggml.tokens"]))
-        tensors = iter_gguf_tensors(reader, path, cfg, quant if fast else None)
+        tensors = iter_gguf_tensors(reader, path, cfg, quant if fast and cfg.architecture != "gemma3" else None)
     if not cfg.intermediate_size or not cfg.hidden_size or not cfg.vocab_size:
         raise ValueError(f"{path}: config lacks hidden_size, intermediate_size or vocab_size")
 
@@ -128,7 +129,8 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
     if "lm_head.weight" in state and cfg.tie_word_embeddings:
         cfg = cfg.with_overrides(tie_word_embeddings=False)
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg, get_attention_backend(attention_backend, kernel_config))
+        model_class = Gemma3ForCausalLM if cfg.architecture == "gemma3" else LlamaForCausalLM
+        net = model_class(cfg, get_attention_backend(attention_backend, kernel_config))
     expected = set(net.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
@@ -138,13 +140,17 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
         )
     net.load_state_dict(state, assign=True, strict=True)
     # Buffers built on the meta device hold no values: compute RoPE frequencies for real.
-    net.rotary.register_buffer(
-        "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors), persistent=False
-    )
+    if isinstance(net, Gemma3ForCausalLM):
+        net.reset_rope(freq_factors)
+    else:
+        net.rotary.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freq_factors), persistent=False
+        )
     net.requires_grad_(False)
     net.eval()
     net.ops = kernels(kernel_config)  # the logits post-processing uses them on every path
-    _maybe_enable_fast_path(net, run_dtype, attention_backend, quant, fast, net.ops)
+    if isinstance(net, LlamaForCausalLM):  # Gemma runs its reference layers (no packed fast path yet)
+        _maybe_enable_fast_path(net, run_dtype, attention_backend, quant, fast, net.ops)
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %d layers) from %s in %.1f s", cfg.name, run_dtype, cfg.num_layers, path, seconds)
     return LoadedModel(cfg, net, tokenizer, run_dtype, path, seconds)

