@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpage.kv import KVCacheManager, KVSequence, PrefixHit
+from kvpage.kv import KVPoolConfig, KVSequence, PrefixHit
 from kvpage.model.loader import LoadedModel
-from kvpage.worker.kv_cache import KVCache
+from kvpage.worker.kv_cache import KVCache, model_layout
 from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq
 
 
@@ -20,10 +20,11 @@ class PagedGreedy:
     def __init__(self, lm: LoadedModel, *, block_size: int = 16, num_blocks: int = 1024, chunk: int | None = None,
                  prefix_caching: bool = True, swap_blocks: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         self.lm = lm
-        self.m = KVCacheManager(num_blocks, block_size, watermark=0.0, enable_prefix_caching=prefix_caching,
-                                num_swap_blocks=swap_blocks)
+        layout = model_layout(lm.config)  # the model's KV groups (sliding windows keep only their window)
+        self.m = KVPoolConfig(num_blocks, block_size, watermark=0.0, enable_prefix_caching=prefix_caching,
+                              num_swap_blocks=swap_blocks).build(None, layout)
         self.runner = ModelRunner(lm.model, KVCache(lm.config, num_blocks, block_size, kv_dtype or lm.dtype,
-                                                    num_host_blocks=swap_blocks))
+                                                    num_host_blocks=swap_blocks, layout=layout))
         self.chunk = chunk
         self.seqs: dict[str, KVSequence] = {}
         self.computed: dict[str, int] = {}
@@ -78,8 +79,9 @@ class PagedGreedy:
             ops.copies.extend(alloc.copies)
             counts[sid] = n
             c = self.computed[sid]
-            batch.append(ScheduledSeq(sid, s.token_ids[c : c + n], c, self.m.block_table(sid),
-                                      need_logits=c + n == len(s.token_ids)))
+            tables = self.m.block_tables(sid)
+            batch.append(ScheduledSeq(sid, s.token_ids[c : c + n], c, tables[0], need_logits=c + n == len(s.token_ids),
+                                      block_tables=tables))
         logits = self.runner.execute(batch, ops)
         for sid in list(self.active):
             self.computed[sid] += counts[sid]

@@ -37,8 +37,9 @@ def train_tokenizer(path: Path, vocab_size: int = 320) -> int:
 
 
 def make_hf_model(path: Path, arch: str, *, kv_heads: int = 2, tied: bool = False, rope: dict | None = None,
-                  seed: int = 0):
-    """Save a random model of ``arch`` (llama | qwen2 | mistral) with its tokenizer; return the model."""
+                  seed: int = 0, window: int | None = None):
+    """Save a random model of ``arch`` (llama | qwen2 | mistral) with its tokenizer; return the model.
+    ``window``: Mistral's sliding window."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     path.mkdir(parents=True, exist_ok=True)
@@ -51,7 +52,7 @@ def make_hf_model(path: Path, arch: str, *, kv_heads: int = 2, tied: bool = Fals
     elif arch == "qwen2":
         cfg = Qwen2Config(**common, rope_theta=1e6)
     elif arch == "mistral":
-        cfg = MistralConfig(**common, sliding_window=None)
+        cfg = MistralConfig(**common, sliding_window=window)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -90,6 +91,8 @@ def write_gguf(hf_model, hf_dir: Path, out: Path, *, quant: str = "F32") -> dict
     rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     tokens = [None] * len(vocab)

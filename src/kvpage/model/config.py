@@ -216,6 +216,9 @@ def config_from_hf_dir(path: str | Path, name: str | None = None) -> ModelConfig
         scaling = None
     if cfg.get("mlp_bias"):
         raise ValueError(f"{cfg_path}: mlp_bias=true is not supported")
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(cap) is not None:
+            raise ValueError(f"{cfg_path}: {cap}={cfg[cap]} is not supported (kvpage computes uncapped logits)")
     max_pos = int(cfg.get("max_position_embeddings", 0))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     layer_types, local_theta = None, None
