@@ -114,3 +114,22 @@ def test_plan_json_is_complete():
     p = plan_capacity(shape(), 8 * GiB, context_len=8192)
     d = json.loads(json.dumps(p.as_dict()))
     assert d["bytes_per_token"] == 327680 and d["shape"]["dtype_bytes"] == 2
+
+
+def test_layer_types_gemma3_270m_at_32k():
+    """Gemma 3 270M in bf16 at 32K tokens: every layer full is 18 x 32768 x 1 KiB = 576 MiB per request; by
+    layer type, the 3 global layers keep 96 MiB and the 15 sliding layers their window's 33 blocks of 16."""
+    from kvpage.model.registry import PRESETS
+
+    cfg = PRESETS["gemma-3-270m"]
+    windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
+    shape = KVShape("gemma", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "bfloat16", windows=windows)
+    plan = plan_capacity(shape, 4 * 2**30, context_len=32768)
+    h = plan.hybrid
+    assert h is not None and (h.full_layers, h.sliding_layers, h.window) == (3, 15, 512)
+    assert h.request_bytes_full == 576 * 2**20 == plan.request_bytes_per_rank
+    assert h.request_bytes_hybrid == 96 * 2**20 + 15 * 33 * 16 * 1024  # 103.7 MiB
+    assert h.blocks_per_request_full == 6 * 2048 and h.blocks_per_request_hybrid == 2048 + 5 * 33
+    assert h.ratio > 5
+    at_8k = next(r for r in plan.context_table if r["context_len"] == 8192)
+    assert at_8k["hybrid_request_bytes_per_rank"] == 24 * 2**20 + 15 * 33 * 16 * 1024

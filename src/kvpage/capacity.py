@@ -53,6 +53,8 @@ class KVShape:
     num_attention_heads: int | None = None
     max_model_len: int | None = None
     source: str = "explicit"
+    # per layer: its sliding window in positions, None for full attention (None: every layer full)
+    windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         for n in ("num_layers", "num_kv_heads", "head_dim"):
@@ -60,6 +62,12 @@ class KVShape:
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{n} must be a positive integer, got {v!r}")
         dtype_bytes(self.dtype)
+        if self.windows is not None and len(self.windows) != self.num_layers:
+            raise ValueError(f"windows must give one entry per layer ({self.num_layers}), got {len(self.windows)}")
+
+    @property
+    def hybrid(self) -> bool:
+        return self.windows is not None and any(w is not None for w in self.windows)
 
     @property
     def dtype_bytes(self) -> float:
@@ -94,6 +102,54 @@ class WorkloadCapacity:
 
 
 @dataclass(frozen=True)
+class HybridCapacity:
+    """Per-layer-type allocation (KV groups, kv/specs.py) against keeping every layer's whole history."""
+
+    groups: str  # e.g. "5 sliding(512) groups, 1 full group of 3 layers"
+    full_layers: int
+    sliding_layers: int
+    window: int
+    bytes_per_token_full_layers: int  # what grows with the context
+    window_bytes_per_request: int  # the sliding layers' fixed cost: the window's blocks (at most)
+    bytes_per_block: int  # one pool block spans a group's layers
+    num_blocks: int
+    request_bytes_full: int  # every layer keeps the whole context (exact, whole blocks)
+    request_bytes_hybrid: int
+    blocks_per_request_full: int  # in this pool's blocks
+    blocks_per_request_hybrid: int
+    max_requests_full: int
+    max_requests_hybrid: int
+
+    @property
+    def ratio(self) -> float:
+        return self.max_requests_hybrid / self.max_requests_full if self.max_requests_full else math.inf
+
+
+def hybrid_capacity(shape: KVShape, kv_memory_bytes: int, block_size: int, context_len: int,
+                    heads: int) -> HybridCapacity:
+    """Blocks and bytes a request holds at ``context_len`` when sliding layers keep only their window."""
+    from kvpage.kv.specs import group_layers
+
+    layout = group_layers(list(shape.windows or ()))
+    per_layer = shape.bytes_per_token(heads) // shape.num_layers
+    bpb = per_layer * layout.layers_per_group * block_size
+    num_blocks = kv_memory_bytes // bpb
+    blocks_full = len(layout.groups) * math.ceil(context_len / block_size)
+    blocks_hybrid = sum(g.spec.max_blocks(block_size, context_len) for g in layout.groups)
+    windows = {w for w in shape.windows or () if w is not None}
+    sliding = sum(1 for w in shape.windows or () if w is not None)
+    window_blocks = sum(g.spec.max_blocks(block_size, context_len) for g in layout.groups if g.spec.window)
+    return HybridCapacity(
+        groups=layout.describe(), full_layers=shape.num_layers - sliding, sliding_layers=sliding,
+        window=max(windows), bytes_per_token_full_layers=per_layer * (shape.num_layers - sliding),
+        window_bytes_per_request=window_blocks * bpb, bytes_per_block=bpb, num_blocks=num_blocks,
+        request_bytes_full=blocks_full * bpb, request_bytes_hybrid=blocks_hybrid * bpb,
+        blocks_per_request_full=blocks_full, blocks_per_request_hybrid=blocks_hybrid,
+        max_requests_full=num_blocks // blocks_full, max_requests_hybrid=num_blocks // blocks_hybrid,
+    )
+
+
+@dataclass(frozen=True)
 class CapacityPlan:
     shape: KVShape
     block_size: int
@@ -118,10 +174,13 @@ class CapacityPlan:
     request_bytes_per_rank_tail_estimate: float | None
     workload: WorkloadCapacity | None = None
     context_table: list[dict[str, int]] = field(default_factory=list)
+    hybrid: HybridCapacity | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"]["dtype_bytes"] = self.shape.dtype_bytes
+        if self.hybrid is not None:
+            d["hybrid"]["ratio"] = self.hybrid.ratio
         return d
 
 
@@ -193,12 +252,17 @@ def plan_capacity(
     table = []
     c = 1024
     while c <= max(max_len, ctx):
-        table.append({
+        row = {
             "context_len": c,
             "request_bytes_per_rank": c * bpt_rank,
             "request_bytes_total": c * shape.bytes_per_token(),
             "paged_max_requests": num_blocks // math.ceil(c / block_size),
-        })
+        }
+        if shape.hybrid:
+            h = hybrid_capacity(shape, kv_memory_bytes, block_size, c, heads)
+            row |= {"hybrid_request_bytes_per_rank": h.request_bytes_hybrid,
+                    "hybrid_max_requests": h.max_requests_hybrid}
+        table.append(row)
         c *= 2
 
     return CapacityPlan(
@@ -225,6 +289,7 @@ def plan_capacity(
         request_bytes_per_rank_tail_estimate=tail_bytes,
         workload=workload,
         context_table=table,
+        hybrid=hybrid_capacity(shape, kv_memory_bytes, block_size, ctx, heads) if shape.hybrid else None,
     )
 
 

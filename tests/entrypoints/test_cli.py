@@ -213,3 +213,17 @@ def test_gguf_struct_sanity():
     # The embedded file starts with the GGUF magic and version 3.
     head = default_model_path().read_bytes()[:8]
     assert head[:4] == b"GGUF" and struct.unpack("<I", head[4:8])[0] == 3
+
+
+def test_sliding_window_trace_shows_blocks_leaving(capsys):
+    """The built-in sliding scenario: blocks are released as the window passes them, a hit needs only the
+    window's blocks, and a sequence never holds more than ceil((W - 1) / block_size) + 1 of them."""
+    code, out, _ = run(capsys, "trace", "--builtin", "sliding")
+    assert code == 0 and "sliding window 6 positions" in out
+    assert "the window passed block 0: released" in out
+    assert "prefix-cache hit, 12 tokens in blocks [-1, 1, 2]" in out
+    assert "A=[-, -, -, 3, 5]" in out
+    runner = TraceRunner({**__import__("kvpage.sim.trace", fromlist=["x"]).SLIDING_SCENARIO})
+    for rec in runner.run():
+        for table in rec.block_tables.values():
+            assert sum(1 for b in table if b >= 0) <= -(-(6 - 1) // 4) + 1

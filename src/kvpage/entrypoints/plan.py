@@ -54,6 +54,9 @@ def shape_from_args(args: argparse.Namespace) -> KVShape:
     cfg = load_model_config(args.model or DEFAULT_MODEL)
     overridden = any(v is not None and v != getattr(cfg, k)
                      for v, k in zip(explicit, ("num_layers", "num_kv_heads", "head_dim"), strict=True))
+    windows = None
+    if cfg.layer_types is not None and not overridden:
+        windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
     return KVShape(
         name=cfg.name + (" (overridden)" if overridden else ""),
         num_layers=args.layers or cfg.num_layers,
@@ -64,6 +67,7 @@ def shape_from_args(args: argparse.Namespace) -> KVShape:
         num_attention_heads=cfg.num_attention_heads,
         max_model_len=cfg.max_position_embeddings or None,
         source=cfg.source,
+        windows=windows,
     )
 
 
@@ -148,9 +152,28 @@ def render(plan: CapacityPlan) -> str:
             _row("static reservation", f"{_n(w.static)}  (utilization {w.static_utilization:.1%})"),
             _row("paged / static", gain),
         ]
+    h = plan.hybrid
+    if h is not None:
+        lines += [
+            "",
+            f"Layer types      {h.sliding_layers} sliding-window layers (window {_n(h.window)}) and {h.full_layers} "
+            f"full-attention layers: {h.groups}",
+            _row("KV per token that grows with the context", f"{format_bytes(h.bytes_per_token_full_layers)}"
+                 f" ({h.full_layers} full layers)"),
+            _row("the window's fixed cost per request", format_bytes(h.window_bytes_per_request)),
+            _row(f"one request at {_n(plan.context_len)} tokens, every layer full", format_bytes(h.request_bytes_full)),
+            _row(f"one request at {_n(plan.context_len)} tokens, by layer type", format_bytes(h.request_bytes_hybrid)),
+            _row(f"max concurrent requests (pool of {_n(h.num_blocks)} blocks of "
+                 f"{format_bytes(h.bytes_per_block)})", f"{_n(h.max_requests_hybrid)} by layer type vs "
+                 f"{_n(h.max_requests_full)} every layer full ({h.ratio:.2f}x)"),
+        ]
     if plan.context_table:
-        lines += ["", f"{'context':>9}  {'KV / request' + per_rank:>22}  {'paged max requests':>18}"]
+        hyb = plan.hybrid is not None
+        lines += ["", f"{'context':>9}  {'KV / request' + per_rank:>22}  {'paged max requests':>18}"
+                  + (f"  {'by layer type':>16}  {'max requests':>12}" if hyb else "")]
         for row in plan.context_table:
             lines.append(f"{_n(row['context_len']):>9}  {format_bytes(row['request_bytes_per_rank']):>22}  "
-                         f"{_n(row['paged_max_requests']):>18}")
+                         f"{_n(row['paged_max_requests']):>18}"
+                         + (f"  {format_bytes(row['hybrid_request_bytes_per_rank']):>16}  "
+                            f"{_n(row['hybrid_max_requests']):>12}" if hyb else ""))
     return "\n".join(lines)

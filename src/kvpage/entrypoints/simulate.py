@@ -14,6 +14,7 @@ from typing import Any
 
 from kvpage.capacity import canonical_dtype, dtype_bytes
 from kvpage.kv import ALLOCATORS
+from kvpage.kv.specs import group_layers
 from kvpage.kv.static import RESERVE_POLICIES
 from kvpage.model.config import ModelConfig
 from kvpage.model.registry import DEFAULT_MODEL, load_model_config
@@ -159,7 +160,12 @@ def build_cost(args: argparse.Namespace, model: ModelSpec) -> CostModel:
 def build_config(args: argparse.Namespace, model: ModelSpec) -> SimConfig:
     if args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
-    block_bytes = model.kv_bytes_per_token * args.block_size
+    cfg = _model_config(args.model)
+    layout = None
+    if cfg.layer_types is not None:  # the engine's KV groups: a pool block spans one group's layers
+        layout = group_layers([cfg.layer_window(i) for i in range(cfg.num_layers)])
+    per_block_layers = layout.layers_per_group if layout is not None else model.num_layers
+    block_bytes = model.kv_bytes_per_token // model.num_layers * per_block_layers * args.block_size
     num_blocks = args.num_blocks or parse_size(args.kv_memory) // block_bytes
     if num_blocks < 1:
         raise ValueError(f"--kv-memory {args.kv_memory} holds no block of {format_bytes(block_bytes)}")
@@ -172,7 +178,7 @@ def build_config(args: argparse.Namespace, model: ModelSpec) -> SimConfig:
         watermark=args.watermark, preemption_mode=args.preemption, num_swap_blocks=swap,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
-        beam_prune=args.beam_prune, seed=args.seed,
+        beam_prune=args.beam_prune, seed=args.seed, layout=layout,
     )
 
 
@@ -197,7 +203,8 @@ def simulate(args: argparse.Namespace) -> tuple[dict[str, Any], Setup]:
         "workload": args.trace or args.workload,
         "model": model.name,
         "kv_bytes_per_token": model.kv_bytes_per_token,
-        "kv_memory_bytes": config.num_blocks * args.block_size * model.kv_bytes_per_token,
+        "kv_memory_bytes": config.num_blocks * args.block_size * model.kv_bytes_per_token // model.num_layers
+        * (config.layout.layers_per_group if config.layout is not None else model.num_layers),
         "config": config.flat(),
         "cost_model": cost.describe(),
         "summary": result.summary(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvpage.sim.trace import BUILTIN_SCENARIO, TraceRunner, load_scenario, render_text
+from kvpage.sim.trace import SCENARIOS, TraceRunner, load_scenario, render_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,6 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--scenario", help="scenario file (.json, .yaml or .yml)")
+    p.add_argument("--builtin", choices=list(SCENARIOS), default="default",
+                   help="the built-in scenario to run without --scenario: default, or sliding (a sliding-window "
+                        "layer's cache: blocks leave as the window passes them)")
     p.add_argument("--block-size", type=int, help="override the scenario's block size")
     p.add_argument("--num-blocks", type=int, help="override the scenario's pool size")
     p.add_argument("--policy", choices=["paged", "static"], help="override the allocation policy")
@@ -31,9 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.dump_scenario:
-        print(json.dumps(BUILTIN_SCENARIO, indent=2))
+        print(json.dumps(SCENARIOS[args.builtin], indent=2))
         return 0
-    scenario = load_scenario(args.scenario) if args.scenario else dict(BUILTIN_SCENARIO)
+    scenario = load_scenario(args.scenario) if args.scenario else dict(SCENARIOS[args.builtin])
     for key, value in (("block_size", args.block_size), ("num_blocks", args.num_blocks),
                        ("policy", args.policy), ("max_model_len", args.max_model_len)):
         if value is not None:
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     runner = TraceRunner(scenario)
     records = runner.run()
     m = runner.m
-    print(f"pool: {m.num_blocks} blocks of {m.block_size} tokens, policy {scenario.get('policy', 'paged')}, "
+    window = f", sliding window {scenario['window']} positions" if scenario.get("window") else ""
+    print(f"pool: {m.num_blocks} blocks of {m.block_size} tokens, policy {scenario.get('policy', 'paged')}{window}, "
           f"watermark {m.watermark_blocks} blocks, host swap pool {m.num_swap_blocks} blocks\n")
     print(render_text(records, m.block_size), end="")
     if args.png:

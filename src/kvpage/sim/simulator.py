@@ -19,6 +19,7 @@ from kvpage.core.scheduler import Scheduler, SchedulerConfig
 from kvpage.core.sequence import Request
 from kvpage.core.step import StepFeatures
 from kvpage.kv import KVCacheManager, KVPoolConfig
+from kvpage.kv.specs import KVLayout
 from kvpage.sampling_params import SamplingParams
 from kvpage.sim.cost import CostModel
 from kvpage.sim.cost_worker import CostModelWorker, SimClock
@@ -39,6 +40,7 @@ class SimConfig:
     beam_prune: float = 0.3  # beam workloads: chance per step that a candidate is replaced by a fork
     seed: int = 0
     check_invariants: bool = False  # tests: verify the KV manager's invariants after every step
+    layout: KVLayout | None = None  # the model's KV groups (None: one full-attention group), as the engine's
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beam_prune <= 1.0:
@@ -62,7 +64,10 @@ class SimConfig:
         """Every setting under its flat name (reports)."""
         s = dataclasses.asdict(self.scheduler)
         s["scheduling_policy"] = s.pop("policy")
-        return {**s, **dataclasses.asdict(self.kv), "beam_prune": self.beam_prune, "seed": self.seed}
+        out = {**s, **dataclasses.asdict(self.kv), "beam_prune": self.beam_prune, "seed": self.seed}
+        if self.layout is not None:
+            out["kv_groups"] = self.layout.describe()
+        return out
 
     @property
     def block_size(self) -> int:
@@ -77,7 +82,7 @@ class SimConfig:
         return self.scheduler.max_model_len
 
     def make_kv(self) -> KVCacheManager:
-        return self.kv.build(self.max_model_len)
+        return self.kv.build(self.max_model_len, self.layout)
 
 
 class Simulator:

@@ -10,6 +10,7 @@ mapping whose first key names the operation::
     prefix_caching: true   # default true
     policy: paged          # or static (then max_model_len is required)
     max_model_len: 64
+    window: 6              # optional: a sliding-window layer's cache (blocks leave as the window passes)
     steps:
       - arrive: A          # new request; prompt is a list of token ids, or a string (its UTF-8 bytes)
         prompt: [11, 12, 13, 14, 15, 16]
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpage.kv import KVCacheManager, KVSequence, make_kv_manager, token_location
+from kvpage.kv import KVCacheManager, KVPoolConfig, KVSequence, make_kv_manager, token_location
+from kvpage.kv.specs import single_group
 from kvpage.kv.stats import KVStats
 
 BUILTIN_SCENARIO: dict[str, Any] = {
@@ -57,6 +59,24 @@ BUILTIN_SCENARIO: dict[str, Any] = {
         {"finish": ["B", "C", "D"]},
     ],
 }
+
+SLIDING_SCENARIO: dict[str, Any] = {
+    "name": "sliding window",
+    "block_size": 4,
+    "num_blocks": 12,
+    "window": 6,
+    "steps": [
+        {"arrive": "A", "prompt": [11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+         "note": "10 tokens; the next query (position 10) sees positions 5..10: block 0 (0..3) is never read again"},
+        {"decode": "A", "tokens": [21, 22],
+         "note": "position 12 sees 7..12: block 1 (4..7) is still read; it leaves one token later"},
+        {"arrive": "B", "prompt": [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 40],
+         "note": "same 12 tokens: a hit needs only the blocks the window covers at the hit point"},
+        {"decode": ["A", "B"], "count": 6, "note": "each holds at most ceil((6 - 1) / 4) + 1 = 3 blocks"},
+        {"finish": ["A", "B"], "note": "every block back; the full ones stay findable in the prefix cache"},
+    ],
+}
+SCENARIOS = {"default": BUILTIN_SCENARIO, "sliding": SLIDING_SCENARIO}
 
 OPS = ("arrive", "prefill", "decode", "fork", "finish", "swap_out", "swap_in")
 
@@ -108,12 +128,21 @@ def load_scenario(path: str | Path) -> dict[str, Any]:
 class TraceRunner:
     def __init__(self, scenario: dict[str, Any]) -> None:
         known = {"block_size", "num_blocks", "watermark", "swap_blocks", "prefix_caching", "policy",
-                 "max_model_len", "steps", "name"}
+                 "max_model_len", "steps", "name", "window"}
         unknown = set(scenario) - known
         if unknown:
             raise ScenarioError(f"unknown scenario settings: {', '.join(sorted(unknown))}")
         self.scenario = scenario
-        self.m: KVCacheManager = make_kv_manager(
+        window = scenario.get("window")
+        layout = single_group(1, int(window)) if window is not None else None
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ScenarioError(f"window must be a positive number of positions, got {window!r}")
+        self.m: KVCacheManager = KVPoolConfig(
+            int(scenario.get("num_blocks", 12)), int(scenario.get("block_size", 4)),
+            str(scenario.get("policy", "paged")), num_swap_blocks=int(scenario.get("swap_blocks", 0)),
+            enable_prefix_caching=bool(scenario.get("prefix_caching", True)),
+            watermark=float(scenario.get("watermark", 0.0)),
+        ).build(scenario.get("max_model_len"), layout) if window is not None else make_kv_manager(
             str(scenario.get("policy", "paged")),
             int(scenario.get("num_blocks", 12)),
             int(scenario.get("block_size", 4)),
@@ -165,6 +194,10 @@ class TraceRunner:
         )
         self.computed[seq.seq_id] = start + n
         self.m.cache_computed_blocks(seq)
+        left = [b for b, now in zip(table, self.m.block_table(seq.seq_id), strict=True) if b >= 0 > now]
+        if left:
+            rec.events.append(f"{seq.seq_id}: the window passed block{'s' if len(left) > 1 else ''} "
+                              f"{', '.join(map(str, left))}: released (full blocks stay in the prefix cache)")
 
     def _op_arrive(self, rec: StepRecord, step: dict[str, Any], names: list[str]) -> None:
         prompt = step.get("prompt")
@@ -274,7 +307,8 @@ class TraceRunner:
             table = self.m.block_table(sid)
             rec.block_tables[sid] = table
             for b in table:
-                owners.setdefault(b, []).append(sid)
+                if b >= 0:  # -1: an entry a sliding window dropped
+                    owners.setdefault(b, []).append(sid)
         for sid in self.m.swapped_seq_ids():
             rec.host_tables[sid] = self.m.host_block_table(sid)
         rec.pool = [
@@ -310,7 +344,8 @@ def render_text(records: list[StepRecord], block_size: int) -> str:
         for sid, places in rec.placements.items():
             cells = " ".join(f"{p}:({b},{o})" for p, b, o in places)
             out.append(f"  {sid} tokens pos:(block,offset)  {cells}")
-        tables = "  ".join(f"{sid}={t}" for sid, t in rec.block_tables.items()) or "(none)"
+        tables = "  ".join(f"{sid}=[{', '.join(str(b) if b >= 0 else '-' for b in t)}]"
+                           for sid, t in rec.block_tables.items()) or "(none)"
         out.append(f"  block tables   {tables}")
         if rec.host_tables:
             out.append("  host tables    " + "  ".join(f"{sid}={t}" for sid, t in rec.host_tables.items()))
