@@ -4,6 +4,10 @@ Workloads (fixed seed, EOS ignored, output tokens counted as requested):
   chat64    64 chat-templated short questions x 128 output tokens
   chat128   the same with 128 questions (128 sequences decoding at once)
   sharegpt  256 requests; prompt / output lengths lognormal, medians ~160 / ~200, capped at 1024 / 512
+  essays64  64 plain-text prompts x 128 output tokens (for base models without a chat template)
+
+--model picks kvpage's model (default: the embedded SmolLM2; e.g. gemma-3-270m); --vllm-model must then be the
+same weights converted for vLLM (../shared/PEERS.md). The transformers and llama.cpp peers run SmolLM2 only.
 
 Sampling (--sampling, one or both, each a separate measurement): greedy (temperature 0), or sampled
 (temperature 1.0, top-p 0.95, top-k 50: what chat clients typically send), the same settings for every engine.
@@ -43,11 +47,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build_workload(name: str, seed: int = 0) -> list[dict]:
+def build_workload(name: str, seed: int = 0, model: str | None = None) -> list[dict]:
     """Requests as token ids (prompt_token_ids, max_tokens), identical for every engine."""
     from kvpage.model.loader import load_model
+    from kvpage.model.registry import DEFAULT_MODEL
 
-    tk = load_model().tokenizer
+    tk = load_model(model or DEFAULT_MODEL).tokenizer
     rng = random.Random(seed)
     reqs = []
     if name in ("chat64", "chat128"):
@@ -56,6 +61,11 @@ def build_workload(name: str, seed: int = 0) -> list[dict]:
         for i in range(64 if name == "chat64" else 128):
             q = f"In two sentences, what is interesting about {topics[i % len(topics)]}? (question {i})"
             ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": q}]))
+            reqs.append({"prompt_token_ids": ids, "max_tokens": 128})
+    elif name == "essays64":
+        topics = ["the moon", "rivers", "bread", "volcanoes", "owls", "trains", "tea", "glaciers"]
+        for i in range(64):
+            ids = tk.encode(f"Here is a short essay about {topics[i % len(topics)]} (part {i}):")
             reqs.append({"prompt_token_ids": ids, "max_tokens": 128})
     elif name == "sharegpt":
         special = set(tk.special_ids)
@@ -79,7 +89,8 @@ from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
 reqs = json.load(sys.stdin)
 sampling = json.loads(os.environ["KVPAGE_BENCH_SAMPLING"])
-llm = LLM(kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
+llm = LLM(model=os.environ.get("KVPAGE_BENCH_MODEL") or "SmolLM2-135M-Instruct", kv_cache_memory="4GiB",
+          max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
           kv_prefault=os.environ.get("KVPAGE_BENCH_PREFAULT", "1") != "0")
 llm.generate([reqs[0]["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
 params = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, **sampling) for r in reqs]
@@ -237,7 +248,9 @@ def run_engine(eng: str, reqs: list[dict], args: argparse.Namespace, dtype: str)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", nargs="+", default=["chat64", "sharegpt"], choices=["chat64", "chat128", "sharegpt"])
+    ap.add_argument("--workloads", nargs="+", default=["chat64", "sharegpt"],
+                    choices=["chat64", "chat128", "sharegpt", "essays64"])
+    ap.add_argument("--model", help="kvpage's model (default: the embedded SmolLM2), e.g. gemma-3-270m")
     ap.add_argument("--sampling", nargs="+", default=["greedy"], choices=list(SAMPLING))
     ap.add_argument("--engines", nargs="+",
                     default=["kvpage", "hf-generate", "hf-generate-batch", "vllm", "llama.cpp"])
@@ -258,7 +271,9 @@ def main() -> None:
         engines.insert(engines.index("kvpage") + 1 if "kvpage" in engines else 0, "kvpage-baseline")
     results: dict[str, dict[str, dict]] = {}
     for wl, mode in [(w, m) for w in args.workloads for m in args.sampling]:
-        reqs = build_workload(wl)
+        reqs = build_workload(wl, model=args.model)
+        if args.model:
+            os.environ["KVPAGE_BENCH_MODEL"] = args.model
         os.environ["KVPAGE_BENCH_SAMPLING"] = json.dumps(SAMPLING[mode])
         key = wl if args.sampling == ["greedy"] else f"{wl} {mode}"
         runs: dict[str, list[dict]] = {eng: [] for eng in engines}
@@ -286,7 +301,8 @@ def main() -> None:
             shown = f"{r['tok_per_s']:.1f} tok/s" if "tok_per_s" in r else f"skipped ({r['skipped']})"
             print(f"[{key}] {eng}: {shown}", file=sys.stderr)
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model SmolLM2-135M-Instruct; EOS ignored; "
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model {args.model or 'SmolLM2-135M-Instruct'}; "
+          "EOS ignored; "
           + "; ".join(f"{m}: {SAMPLING[m]}" for m in args.sampling))
     for wl, res in results.items():
         base = res.get("kvpage", {}).get("tok_per_s")

@@ -108,14 +108,20 @@ class FastPath:
             # nothing near the maximum needs recomputing
             raw = ops.quant_linear(hidden, lm_quant.qs, lm_quant.d, lm_quant.m, True)
             return logits_result(*ops.logits_postprocess(raw, hidden, weight, not argmax_only), argmax_only)
-        raw = self.lm_packed(hidden.to(weight.dtype))
-        if raw.shape[0] == 0:
-            return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
-        if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
-            res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only)
-        else:
-            res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only)
-        return logits_result(*res, argmax_only)
+        return packed_logits(ops, self.lm_packed, weight, hidden, argmax_only)
+
+
+def packed_logits(ops: Kernels, lm_packed: PackedLinear, weight: torch.Tensor, hidden: torch.Tensor,
+                  argmax_only: bool) -> LogitsResult:
+    """float32 logits (or only the argmax) from a packed lm head, exact near each row's maximum."""
+    raw = lm_packed(hidden.to(weight.dtype))
+    if raw.shape[0] == 0:
+        return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
+    if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only)
+    else:
+        res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only)
+    return logits_result(*res, argmax_only)
 
 
 def _pack_attention(layer: DecoderLayer, quant: dict[str, QuantWeight], prefix: str, ops: Kernels) -> None:

@@ -108,11 +108,11 @@ class Gemma3ForCausalLM(nn.Module):
         self.rotary_local = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta, None))
         self.sliding = [cfg.layer_type(i) == SLIDING for i in range(cfg.num_layers)]
         self.ops: Kernels | None = None
-        self.fast = None  # Gemma runs its reference layers on the kernels' attention (no packed fast path yet)
+        self.fast = None  # the fast path, where the loader enabled it (model/gemma3_fast.py)
 
     @property
     def fast_ops(self) -> Kernels | None:
-        return None
+        return None if self.fast is None else self.fast.ops
 
     def reset_rope(self, rope_freq_factors: torch.Tensor | None = None) -> None:
         """Buffers built on the meta device hold no values: compute both RoPE tables for real."""

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 
-def _maybe_enable_fast_path(net: LlamaForCausalLM, run_dtype: torch.dtype, backend: str,
+def _maybe_enable_fast_path(net: LlamaForCausalLM | Gemma3ForCausalLM, run_dtype: torch.dtype, backend: str,
                             quant: dict[str, QuantWeight], fast: bool, ops: Kernels | None) -> None:
     """With the compiled backend: packed fused projections + fused elementwise kernels, and the GGUF's own
     quantized blocks for few-token steps. Without ``fast`` (float32 by default) the model keeps the
@@ -37,6 +37,11 @@ def _maybe_enable_fast_path(net: LlamaForCausalLM, run_dtype: torch.dtype, backe
 
     if ops is None or not packing_available(run_dtype):
         logger.info("%s fast path unavailable (kernels or oneDNN packing missing here): plain path", run_dtype)
+        return
+    if isinstance(net, Gemma3ForCausalLM):
+        from kvpage.model.gemma3_fast import Gemma3FastPath
+
+        net.fast = Gemma3FastPath(net, ops)
         return
     from kvpage.model.fast_path import FastPath
 
@@ -149,8 +154,7 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
     net.requires_grad_(False)
     net.eval()
     net.ops = kernels(kernel_config)  # the logits post-processing uses them on every path
-    if isinstance(net, LlamaForCausalLM):  # Gemma runs its reference layers (no packed fast path yet)
-        _maybe_enable_fast_path(net, run_dtype, attention_backend, quant, fast, net.ops)
+    _maybe_enable_fast_path(net, run_dtype, attention_backend, quant, fast, net.ops)
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %d layers) from %s in %.1f s", cfg.name, run_dtype, cfg.num_layers, path, seconds)
     return LoadedModel(cfg, net, tokenizer, run_dtype, path, seconds)

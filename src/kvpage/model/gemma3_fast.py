@@ -1,0 +1,99 @@
+"""The fast path of Gemma 3 (model/gemma3.py is the reference): packed projections (q|k|v, o, gate|up, down and
+the 262k-row tied lm head: the AMX tile GEMM where the CPU has it, oneDNN's packed product otherwise) and the
+fused norm kernels, with each norm's ``1 + w`` folded once into a float32 weight (the sum transformers forms on
+every call, so the norm's arithmetic is unchanged). The residual stream stays float32; the products run in the
+weights' dtype.
+
+The attention runs on the backend through each layer's KV-group metadata, as in the reference.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kvpage.model.fast_path import AMX_LOGITS_MAX_ROWS, packed_logits
+from kvpage.model.layers.linear import PackedLinear
+from kvpage.model.logits import LogitsResult
+from kvpage.ops import Kernels
+
+if TYPE_CHECKING:
+    from kvpage.model.gemma3 import Gemma3ForCausalLM
+
+
+def _one_plus(w: torch.Tensor) -> torch.Tensor:
+    return (1.0 + w.float()).contiguous()
+
+
+class _Layer:
+    __slots__ = ("attend", "down", "eps", "gate_up", "head_dim", "inter", "k_end", "k_norm", "num_heads",
+                 "num_kv_heads", "o", "post_attn", "post_ff", "pre_ff", "q_end", "q_norm", "qkv", "scale",
+                 "sliding")
+
+
+class Gemma3FastPath:
+    """Gemma 3's layers as packed products and fused kernels under ``ops``."""
+
+    def __init__(self, model: Gemma3ForCausalLM, ops: Kernels) -> None:
+        self.model, self.ops = model, ops
+        self.layers: list[_Layer] = []
+        for layer, sliding in zip(model.layers, model.sliding, strict=True):
+            a, m = layer.self_attn, layer.mlp
+            p = _Layer()
+            p.qkv = PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), None, ops=ops)
+            p.o = PackedLinear(a.o_proj.weight, None, ops=ops)
+            p.gate_up = PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None, ops=ops)
+            p.down = PackedLinear(m.down_proj.weight, None, ops=ops)
+            p.inter = m.gate_proj.weight.shape[0]
+            p.q_norm, p.k_norm = _one_plus(a.q_norm.weight), _one_plus(a.k_norm.weight)
+            p.post_attn = _one_plus(layer.post_attention_layernorm.weight)
+            p.pre_ff = _one_plus(layer.pre_feedforward_layernorm.weight)
+            p.post_ff = _one_plus(layer.post_feedforward_layernorm.weight)
+            p.eps = layer.input_layernorm.eps
+            p.num_heads, p.num_kv_heads, p.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+            p.q_end = a.num_heads * a.head_dim
+            p.k_end = p.q_end + a.num_kv_heads * a.head_dim
+            p.scale, p.attend, p.sliding = a.scale, a.backend.forward, sliding
+            self.layers.append(p)
+            del a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
+        # each layer's input norm, and the final one after the last layer
+        self.in_norms = [_one_plus(layer.input_layernorm.weight) for layer in model.layers] + [_one_plus(
+            model.norm.weight)]
+        self.lm_weight = model.embed_tokens.weight
+        self.lm_packed = PackedLinear(self.lm_weight, None, ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS)
+        self.embed_scale = torch.tensor(model.config.hidden_size**0.5, dtype=self.lm_weight.dtype)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 metas: list) -> torch.Tensor:
+        ops, model = self.ops, self.model
+        dtype = self.lm_weight.dtype
+        residual = (model.embed_tokens(input_ids) * self.embed_scale).float()
+        glob = model.rotary.cos_sin(positions, torch.float32)
+        local = model.rotary_local.cos_sin(positions, torch.float32)
+        t = residual.shape[0]
+        h = ops.rms_norm(residual, self.in_norms[0], self.layers[0].eps).to(dtype)
+        for i, (p, kv_cache, meta) in enumerate(zip(self.layers, kv_caches, metas, strict=True)):
+            qkv = p.qkv(h)
+            q = ops.rms_norm(qkv[:, : p.q_end].float().reshape(t * p.num_heads, p.head_dim), p.q_norm, p.eps)
+            k = ops.rms_norm(qkv[:, p.q_end : p.k_end].float().reshape(t * p.num_kv_heads, p.head_dim), p.k_norm,
+                             p.eps)
+            q = q.to(dtype).view(t, p.num_heads, p.head_dim)
+            k = k.to(dtype).view(t, p.num_kv_heads, p.head_dim)
+            v = qkv[:, p.k_end :].view(t, p.num_kv_heads, p.head_dim)
+            cos, sin = local if p.sliding else glob
+            ops.rotary_(q, k, cos, sin)
+            a = p.o(p.attend(q, k, v, kv_cache, meta, p.scale).reshape(t, p.q_end))
+            normed = ops.rms_norm(a.float(), p.post_attn, p.eps)
+            h = ops.add_rms_norm(normed, residual, p.pre_ff, p.eps).to(dtype)  # residual += post-norm(attn)
+            gu = p.gate_up(h)
+            mid = F.gelu(gu[:, : p.inter], approximate="tanh") * gu[:, p.inter :]
+            normed = ops.rms_norm(p.down(mid).float(), p.post_ff, p.eps)
+            h = ops.add_rms_norm(normed, residual, self.in_norms[i + 1], p.eps)  # residual += post-norm(mlp)
+            if i + 1 < len(self.layers):
+                h = h.to(dtype)
+        return h
+
+    def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False) -> LogitsResult:
+        return packed_logits(self.ops, self.lm_packed, self.lm_weight, hidden, argmax_only)
