@@ -12,6 +12,7 @@ from kvpage.kv import (
     FreeBlockQueue,
     KVBlock,
     KVCacheManager,
+    KVPoolConfig,
     KVSequence,
     StaticReservationManager,
     block_hash,
@@ -20,6 +21,7 @@ from kvpage.kv import (
     slot_mapping,
     token_location,
 )
+from kvpage.kv.specs import group_layers
 
 
 def admit(m: KVCacheManager, seq: KVSequence, use_cache: bool = True):
@@ -509,3 +511,40 @@ def test_stats_waste_and_utilization():
     assert st.utilization == pytest.approx(1505 / 1520)
     d = st.as_dict()
     assert d["internal_waste"] == 15 and "utilization" in d
+
+
+def test_static_policy_with_kv_groups_reserves_every_group_the_whole_length():
+    """The baseline for a model with a sliding window next to full attention: one contiguous run per request
+    holding each group's blocks for max_model_len (a contiguous allocator knows no window), forks copying every
+    group's filled blocks, swaps moving the whole run."""
+    layout = group_layers([4, 4, None])  # two sliding groups and one full group of one layer each
+    m = KVPoolConfig(40, 4, "static", watermark=0.0, num_swap_blocks=12).build(16, layout)
+    a = KVSequence("A", [1, 2, 3, 4, 5])
+    assert m.blocks_needed(5) == 6 and m.reservation_blocks(a) == 12
+    assert len(admit(m, a).new_blocks) == 12
+    tables = m.block_tables("A")
+    assert [len(t) for t in tables] == [4, 4, 4]
+    assert [b for t in tables for b in t] == list(range(12)) and m.block_table("A") == tables[0]
+    assert m.slot_mapping("A", 4, 1) == [tables[0][1] * 4]
+    st = m.stats()
+    assert st.used_blocks == 12 and st.live_tokens == 3 * 5
+    for t in range(11):
+        a.token_ids.append(t)
+        assert m.allocate_slots(a, 1).new_blocks == ()
+    with pytest.raises(ValueError, match="max_model_len"):
+        m.allocate_slots(a, 1)
+    fork = m.fork(a, "C")
+    assert len(fork.new_blocks) == 12 and len(fork.copies) == 12
+    assert [dst for _, dst in fork.copies] == list(fork.new_blocks)
+    assert m.allocate_slots(KVSequence("D", [1]), 1) is not None
+    assert m.allocate_slots(KVSequence("E", [1]), 1) is None  # 36 of 40 used: a reservation needs 12
+    out = m.swap_out("C")
+    assert len(out) == 12 and m.num_free_swap_blocks == 0
+    assert m.allocate_slots(KVSequence("E", [1]), 1) is not None
+    m.free("A")
+    back = m.swap_in(KVSequence("C", list(a.token_ids)))
+    assert back is not None and len(back) == 12
+    assert [len(t) for t in m.block_tables("C")] == [4, 4, 4]
+    m.check_invariants()
+    with pytest.raises(ValueError, match="needs 48 blocks but the pool has 40"):
+        KVPoolConfig(40, 4, "static").build(96, group_layers([4, None]))  # 2 groups x 24 blocks

@@ -129,6 +129,18 @@ def test_prefix_hits_and_chunked_prefill_across_the_window_edge(gemma_path, prom
     assert_drained(llm)
 
 
+def test_static_baseline_with_kv_groups(gemma_path, prompts, reference):
+    """The static-reservation baseline on the hybrid model: each request reserves max_model_len in all six
+    groups (6 x 64 blocks here) and the tokens are the same as transformers'."""
+    llm = LLM(model=str(gemma_path), dtype="float32", kv_cache_memory="768MiB", max_model_len=1024,
+              kv_policy="static")
+    kv = llm.engine.kv
+    assert kv.num_groups == 6 and kv.reserved_blocks == 6 * 64
+    short = {n: ids for n, ids in prompts.items() if n != "long"}
+    assert generate(llm, short) == {n: reference[n] for n in short}
+    assert_drained(llm)
+
+
 def test_greedy_under_preemption(gemma_path, hf_gemma, prompts):
     """Three 500-token prompts growing 120 tokens each past the window, in a pool where two fit at first and
     not as they grow: requests are preempted and recomputed (their generated tokens included, across the

@@ -472,3 +472,25 @@ def test_trace_priorities_round_trip(tmp_path):
     f.write_text('{"arrival": 0, "prompt_len": 4, "output_len": 2, "priority": "high"}\n')
     with pytest.raises(ValueError, match="priority must be an integer"):
         load_trace(f)
+
+
+def test_step_features_read_only_the_window_in_sliding_layers():
+    """A decode step at 8,000 tokens of context on a layout of five sliding (window 512) layers to one full
+    one: each layer reads 512 or 8,000 positions, so the average is (5 x 512 + 8,000) / 6 per sequence."""
+    from kvpage.core.sequence import Request, Sequence
+    from kvpage.core.step import attention_reach
+    from kvpage.kv.specs import group_layers
+    from kvpage.outputs import RequestMetrics
+    from kvpage.sampling_params import SamplingParams
+
+    layout = group_layers([512] * 5 + [None])
+    assert attention_reach(7999, 1, 512) == (512, 512)
+    assert attention_reach(7999, 1) == (8000, 8000)
+    assert attention_reach(0, 600, 512) == (600, 512 * 513 // 2 + 88 * 512)
+    r = Request("r", None, [1] * 8000, SamplingParams(), 0, RequestMetrics(0.0))
+    out = SchedulerOutput(work=[ScheduledWork(Sequence(f"r#{i}", r, 0, [1] * 8000, 7999), 1, 7999) for i in range(4)])
+    full = StepFeatures.of(out)
+    hybrid = StepFeatures.of(out, layout)
+    assert full.context_tokens == 4 * 8000
+    assert hybrid.context_tokens == round(4 * (5 * 512 + 8000) / 6)
+    assert hybrid.attn_pairs == hybrid.context_tokens

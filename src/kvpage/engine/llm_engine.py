@@ -137,7 +137,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         log = self.step_log
         features: list[StepFeatures] = []
-        out, touched = self.core.step(None if log is None else lambda o: features.append(StepFeatures.of(o)))
+        layout = self.worker.layout
+        out, touched = self.core.step(None if log is None else lambda o: features.append(StepFeatures.of(o, layout)))
         results = []
         for req in touched:
             try:

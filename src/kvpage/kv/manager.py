@@ -61,9 +61,13 @@ class KVPoolConfig:
         """The manager for a model of this KV ``layout`` (None: one full-attention group): several groups share
         one pool under a hybrid manager, one sliding-window group is a sliding-window manager."""
         if layout is not None and (layout.hybrid or layout.groups[0].spec.window is not None):
-            if self.allocator != "paged":
-                raise ValueError(f"the {self.allocator} KV policy keeps one full-attention group; this model has "
-                                 f"{layout.describe()}: use the paged policy")
+            if self.allocator == "static":  # every group reserves the whole length: the baseline
+                if max_model_len is None:
+                    raise ValueError("the static reservation policy needs max_model_len")
+                return StaticReservationManager(self.num_blocks, self.block_size, max_model_len=max_model_len,
+                                                reserve=self.static_reserve, watermark=self.watermark,
+                                                num_swap_blocks=self.num_swap_blocks, model_id=self.model_id,
+                                                layout=layout)
             kw = dict(watermark=self.watermark, enable_prefix_caching=self.enable_prefix_caching,
                       num_swap_blocks=self.num_swap_blocks, max_model_len=max_model_len, model_id=self.model_id)
             if layout.hybrid:

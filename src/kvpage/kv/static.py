@@ -10,7 +10,8 @@ from kvpage.kv.paged import KVCacheManager, _SeqState, _sid
 from kvpage.kv.prefix_hash import BlockHash, HashFn, sha256_digest
 from kvpage.kv.protocol import NOTHING, Allocation, PrefixHit
 from kvpage.kv.sequence import SequenceLike
-from kvpage.kv.slot_mapping import cdiv
+from kvpage.kv.slot_mapping import cdiv, slot_mapping
+from kvpage.kv.specs import KVLayout
 
 RESERVE_POLICIES = ("max", "pow2", "oracle")
 
@@ -23,18 +24,25 @@ class StaticReservationManager(KVCacheManager):
     ``pow2`` the next power of two >= prompt + max_tokens, ``oracle`` exactly prompt + max_tokens (as if
     the output length were known). Runs are placed first-fit by block id, so variable sizes leave holes
     between reservations: external fragmentation, which ``stranded_free_blocks`` measures.
+
+    With a ``layout`` of several KV groups, a reservation is one run holding every group's blocks, group after
+    group, each for the whole reserved length: a contiguous allocator knows no window, so sliding-window layers
+    keep every position too (their kernels read only the window). That is the baseline groups are measured
+    against.
     """
 
     def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, *, max_model_len: int,
                  reserve: str = "max", watermark: float = 0.01, num_swap_blocks: int = 0, model_id: str = "",
-                 hash_fn: HashFn = sha256_digest) -> None:
+                 hash_fn: HashFn = sha256_digest, layout: KVLayout | None = None) -> None:
         super().__init__(num_blocks, block_size, watermark=watermark, enable_prefix_caching=False,
                          num_swap_blocks=num_swap_blocks, max_model_len=max_model_len, model_id=model_id,
                          hash_fn=hash_fn)
         if reserve not in RESERVE_POLICIES:
             raise ValueError(f"unknown reservation policy {reserve!r}: choose one of {', '.join(RESERVE_POLICIES)}")
         self.reserve = reserve
-        self.reserved_blocks = math.ceil(max_model_len / block_size)  # the largest reservation
+        self.layout = layout
+        self.num_groups = len(layout.groups) if layout is not None else 1
+        self.reserved_blocks = math.ceil(max_model_len / block_size) * self.num_groups  # the largest reservation
         if self.reserved_blocks > num_blocks:
             raise ValueError(
                 f"one reservation of max_model_len={max_model_len} needs {self.reserved_blocks} blocks "
@@ -53,7 +61,33 @@ class StaticReservationManager(KVCacheManager):
             tokens = min(limit, total)
         else:
             tokens = min(limit, 1 << max(0, total - 1).bit_length())
-        return max(cdiv(tokens, self.block_size), cdiv(len(seq.token_ids), self.block_size), 1)
+        return max(cdiv(tokens, self.block_size), cdiv(len(seq.token_ids), self.block_size), 1) * self.num_groups
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks ``num_tokens`` tokens occupy over every group (validated against max_model_len)."""
+        return super().blocks_needed(num_tokens) * self.num_groups
+
+    def _group_len(self, state: _SeqState) -> int:
+        return len(state.table) // self.num_groups
+
+    def block_table(self, seq_id: str) -> list[int]:
+        """The first group's blocks (every group's: ``block_tables``)."""
+        return self.block_tables(seq_id)[0]
+
+    def block_tables(self, seq_id: str) -> list[list[int]]:
+        """One block table per KV group: consecutive slices of the sequence's reservation."""
+        state = self._state(seq_id)
+        n = self._group_len(state)
+        ids = [b.block_id for b in state.table]
+        return [ids[g * n : (g + 1) * n] for g in range(self.num_groups)]
+
+    def slot_mapping(self, seq_id: str, start: int, num_tokens: int) -> list[int]:
+        """Slots in the first group (a group's slots are its own table's)."""
+        state = self._state(seq_id)
+        if start < 0 or num_tokens < 0 or start + num_tokens > state.num_tokens:
+            raise IndexError(
+                f"{seq_id}: positions {start}..{start + num_tokens - 1} outside its {state.num_tokens} slotted tokens")
+        return slot_mapping(self.block_table(seq_id), self.block_size, start, num_tokens)
 
     def _admission_reserve(self) -> int:
         """No reserve: the watermark protects running sequences' growth, and a reservation already holds
@@ -108,7 +142,7 @@ class StaticReservationManager(KVCacheManager):
     def _admit(self, seq: SequenceLike, num_new_tokens: int, hit: PrefixHit) -> Allocation | None:
         if seq.seq_id in self._swapped:
             raise RuntimeError(f"sequence {seq.seq_id!r} is swapped out: swap_in before allocating")
-        super().blocks_needed(num_new_tokens)  # validates against max_model_len
+        self.blocks_needed(num_new_tokens)  # validates against max_model_len
         table = self._place(seq.seq_id, self.reservation_blocks(seq), num_new_tokens, self._root(seq))
         if table is None:
             return None
@@ -120,11 +154,11 @@ class StaticReservationManager(KVCacheManager):
         state = self._seqs.get(seq.seq_id)
         if state is not None and num_new_tokens > 0:
             total = state.num_tokens + num_new_tokens
-            super().blocks_needed(total)  # validates against max_model_len
-            if total > len(state.table) * self.block_size:
+            self.blocks_needed(total)  # validates against max_model_len
+            if total > self._group_len(state) * self.block_size:
                 raise RuntimeError(
                     f"sequence {seq.seq_id!r} outgrew its {self.reserve!r} reservation of "
-                    f"{len(state.table) * self.block_size} tokens (max_tokens was too small a promise)"
+                    f"{self._group_len(state) * self.block_size} tokens (max_tokens was too small a promise)"
                 )
             state.num_tokens = total
             return NOTHING
@@ -142,8 +176,9 @@ class StaticReservationManager(KVCacheManager):
         new = self._place(cid, len(pstate.table), pstate.num_tokens, pstate.root)
         if new is None:
             return None
-        filled = cdiv(pstate.num_tokens, self.block_size)
-        copies = tuple((pstate.table[i].block_id, new[i].block_id) for i in range(filled))
+        filled, n = cdiv(pstate.num_tokens, self.block_size), self._group_len(pstate)
+        copies = tuple((pstate.table[g * n + i].block_id, new[g * n + i].block_id)
+                       for g in range(self.num_groups) for i in range(filled))
         return Allocation(tuple(b.block_id for b in new), copies)
 
     def swap_out(self, seq: SequenceLike | str) -> list[tuple[int, int]] | None:
@@ -165,12 +200,26 @@ class StaticReservationManager(KVCacheManager):
         self.counters.blocks_swapped_in += len(host)
         return [(h, b.block_id) for h, b in zip(host, table, strict=True)]
 
-    # ------------------------------------------------------- invariants
+    # ------------------------------------------------------- stats and invariants
+    def fills(self) -> tuple[dict[int, int], int]:
+        """Tokens stored in each reserved block, group by group (every group holds every token)."""
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        logical = 0
+        for state in self._seqs.values():
+            n = self._group_len(state)
+            for i, block in enumerate(state.table):
+                f = min(bs, max(0, state.num_tokens - (i % n) * bs))
+                logical += f
+                fill[block.block_id] = f
+        return fill, logical
+
     def _max_waste_ok(self, waste: int) -> bool:
         return waste >= 0
 
     def _table_len_ok(self, table_len: int, num_tokens: int) -> bool:
-        return cdiv(num_tokens, self.block_size) <= table_len <= self.reserved_blocks
+        return (table_len % self.num_groups == 0
+                and cdiv(num_tokens, self.block_size) * self.num_groups <= table_len <= self.reserved_blocks)
 
     def check_invariants(self) -> None:
         super().check_invariants()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvpage.core.engine_core import Sample, SampleTask
 from kvpage.core.scheduler import SchedulerOutput
 from kvpage.core.step import StepFeatures
+from kvpage.kv.specs import KVLayout
 from kvpage.sim.cost import CostModel
 from kvpage.sim.workloads import TokenSource
 
@@ -30,14 +31,15 @@ class CostModelWorker:
     before the clock moves (the simulator samples memory there, while the step's blocks are held)."""
 
     def __init__(self, cost: CostModel, clock: SimClock, tokens: TokenSource | None = None,
-                 on_step: Callable[[StepFeatures, float], None] | None = None) -> None:
+                 on_step: Callable[[StepFeatures, float], None] | None = None, layout: KVLayout | None = None) -> None:
         self.cost = cost
+        self.layout = layout  # sliding-window layers read only their window
         self.clock = clock
         self.tokens = tokens or TokenSource()
         self.on_step = on_step
 
     def execute_model(self, out: SchedulerOutput) -> None:
-        features = StepFeatures.of(out)
+        features = StepFeatures.of(out, self.layout)
         seconds = self.cost.step_seconds(features)
         if self.on_step is not None:
             self.on_step(features, seconds)

@@ -93,7 +93,7 @@ class Simulator:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.clock = SimClock()
         self.tokens = TokenSource()
-        self.worker = CostModelWorker(cost, self.clock, self.tokens, self._record_step)
+        self.worker = CostModelWorker(cost, self.clock, self.tokens, self._record_step, config.layout)
         beams = any(r.beam_width for r in requests)
         self.core = EngineCore(self.scheduler, self.worker, TokenOutputProcessor((), config.max_model_len),
                                clock=self.clock, regroup=self._reshuffle_beams if beams else None)
