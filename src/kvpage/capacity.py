@@ -3,7 +3,8 @@
 Formulas (tensor payload only; weights, activations and runtime buffers are budgeted elsewhere):
 
 * bytes/token = layers x KV heads x (key dim + value dim) x bytes per value  (= 2·L·H·d·b when K and V
-  have the same width)
+  have the same width), plus, for a quantized cache (int8, fp8), its float16 scale per K and per V row:
+  + 2·L·H·2 bytes
 * under tensor parallelism the KV heads are split evenly over the ranks when they divide; otherwise every
   rank keeps all of them (the conservative replicated budget)
 * bytes/block = bytes/token (per rank) x block_size; blocks = floor(budget / bytes/block)
@@ -74,9 +75,11 @@ class KVShape:
         return dtype_bytes(self.dtype)
 
     def bytes_per_token(self, num_kv_heads: int | None = None) -> int:
+        """Every layer's K and V rows of one token, a quantized cache's scales included."""
         heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
         width = self.head_dim + (self.v_head_dim or self.head_dim)
-        return int(self.num_layers * heads * width * self.dtype_bytes)
+        scales = 2 * lookup(self.dtype).scale_bytes
+        return int(self.num_layers * heads * (width * self.dtype_bytes + scales))
 
 
 def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> tuple[int, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpage.dtypes import KV_CACHE_DTYPES, RUN_DTYPES
+from kvpage.dtypes import RUN_DTYPES, kv_cache_name
 from kvpage.envs import KernelConfig
 from kvpage.kv import DEFAULT_BLOCK_SIZE
 from kvpage.units import parse_size
@@ -58,8 +58,7 @@ class CacheConfig:
         object.__setattr__(self, "swap_space", parse_size(self.swap_space))
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        object.__setattr__(self, "kv_cache_dtype", kv_cache_name(str(self.kv_cache_dtype)))
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {self.watermark}")
 

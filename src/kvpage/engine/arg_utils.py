@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from kvpage.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL, CacheConfig, ModelRunConfig
 from kvpage.core.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicy
-from kvpage.dtypes import KV_CACHE_DTYPES, RUN_DTYPES
+from kvpage.dtypes import KV_CACHE_CHOICES, RUN_DTYPES
 from kvpage.envs import KernelConfig
 from kvpage.kv import ALLOCATORS, DEFAULT_BLOCK_SIZE
 from kvpage.units import parse_size
@@ -73,7 +73,9 @@ class EngineArgs:
                        help=f"tokens per KV block (default {d.block_size})")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                        help=f"KV cache size, with units (a bare number is GiB; default {d.kv_cache_memory})")
-        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES)
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_CHOICES,
+                       help="KV cache dtype (default auto = the model's); int8 and fp8 (= fp8_e4m3), fp8_e5m2 store "
+                            "one byte per value and a bfloat16 scale per row: ~1.94x the tokens of bfloat16")
         g.add_argument("--swap-space", default=str(d.swap_space),
                        help="host memory for swapped blocks (bare number = GiB)")
         g.add_argument("--kv-prefault", action=argparse.BooleanOptionalAction, default=d.kv_prefault,

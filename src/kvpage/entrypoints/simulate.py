@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvpage.capacity import canonical_dtype, dtype_bytes
+from kvpage.capacity import KVShape, canonical_dtype, dtype_bytes
 from kvpage.kv import ALLOCATORS
 from kvpage.kv.specs import group_layers
 from kvpage.kv.static import RESERVE_POLICIES
@@ -136,8 +136,9 @@ def _model_config(model: str) -> ModelConfig:
 def build_model(args: argparse.Namespace) -> ModelSpec:
     cfg = _model_config(args.model)
     b = dtype_bytes(canonical_dtype(args.dtype))
-    kv_b = b if args.kv_cache_dtype == "auto" else dtype_bytes(canonical_dtype(args.kv_cache_dtype))
-    kv_bpt = int(cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + cfg.value_head_dim) * kv_b)
+    kv_name = canonical_dtype(args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
+    kv_bpt = KVShape(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_name,
+                     v_head_dim=cfg.value_head_dim).bytes_per_token()  # the planner's formula, scales included
     return ModelSpec(cfg.name, cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads,
                      cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, max(b, 1.0), kv_bpt)
 

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvpage import dtypes
+from kvpage.attention.kv_quant import cache_row_width
 from kvpage.capacity import KVShape
 from kvpage.kv.specs import KVLayout, group_layers
 from kvpage.model.config import ModelConfig
@@ -38,9 +40,22 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, la
     """The planner's formula (capacity.KVShape) for the layers one pool block spans (a KV group's), so
     `kvpage plan` and the engine size pools alike."""
     layers = (layout or model_layout(cfg)).layers_per_group
-    shape = KVShape(cfg.name, layers, cfg.num_kv_heads, cfg.head_dim, str(dtype).removeprefix("torch."),
+    shape = KVShape(cfg.name, layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype_name(dtype),
                     v_head_dim=cfg.v_head_dim)
     return shape.bytes_per_token() * block_size
+
+
+def kv_torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a KV cache of dtype ``name`` (or alias) is stored in: int8 and fp8 pages as their codes."""
+    d = dtypes.lookup(name)
+    if not d.kv_cache:
+        raise ValueError(f"{d.name} is not a KV cache dtype: choose one of {', '.join(dtypes.KV_CACHE_DTYPES[1:])}")
+    return getattr(torch, d.storage or d.name)
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The dtype table's name of a cache stored in ``dtype``."""
+    return dtypes.lookup(str(dtype).removeprefix("torch.")).name
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in (writable) without changing their contents
@@ -85,7 +100,8 @@ class KVCache:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         if cfg.value_head_dim != cfg.head_dim:
             raise ValueError("kvpage's KV layout needs equal key and value head sizes")
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        width = cache_row_width(cfg.head_dim, dtype)  # a quantized row ends in its scale
+        shape = (2, num_blocks, block_size, cfg.num_kv_heads, width)
         # Not zeroed: every slot is written before any read (attention reads only positions < seq_len, and
         # block copies move whole blocks). Zeroing 2 GiB costs ~3 s at startup; the price is
         # one page fault per fresh 4 KiB the first time the engine writes it.
@@ -94,7 +110,7 @@ class KVCache:
         self.tensors = [block_major(shape, dtype) for _ in range(n)]
         # the tensor each layer writes and reads (layers of different groups share one)
         self.layers = [self.tensors[layout.slot(i)] for i in range(cfg.num_layers)]
-        host_shape = (2, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        host_shape = (2, num_host_blocks, block_size, cfg.num_kv_heads, width)
         self.host_tensors = [block_major(host_shape, dtype) for _ in range(n if num_host_blocks else 0)]
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
         self.block_size, self.dtype = block_size, dtype
@@ -113,6 +129,8 @@ class KVCache:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
         for s_layer, d_layer in zip(src_layers, dst_layers, strict=True):
+            if s_layer.element_size() == 1:  # int8 / fp8 pages: moved as bytes (scales included)
+                s_layer, d_layer = s_layer.view(torch.uint8), d_layer.view(torch.uint8)
             d_layer[:, dst] = s_layer[:, src]  # the gather copies every source before any write
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

@@ -10,9 +10,9 @@ from kvpage.core.engine_core import Sample, SampleTask, blocked_ids
 from kvpage.core.scheduler import SchedulerOutput
 from kvpage.envs import kernel_config
 from kvpage.kv import KVCacheManager, KVPoolConfig
-from kvpage.model.loader import load_model, parse_dtype
+from kvpage.model.loader import load_model
 from kvpage.units import format_bytes
-from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, model_layout
+from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, kv_dtype_name, kv_torch_dtype, model_layout
 from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq, StepLogits
 from kvpage.worker.sampler import SampleRequest, argmax_suffices, sample_isolated, seeded_generator
 
@@ -34,7 +34,7 @@ class Worker:
         self.max_model_len = mc.max_model_len or limit
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds {cfg.name}'s context length {limit}")
-        self.kv_dtype = self.lm.dtype if cc.kv_cache_dtype == "auto" else parse_dtype(cc.kv_cache_dtype)
+        self.kv_dtype = self.lm.dtype if cc.kv_cache_dtype == "auto" else kv_torch_dtype(cc.kv_cache_dtype)
         self.layout = model_layout(cfg)
         self.bytes_per_block = kv_bytes_per_block(cfg, cc.block_size, self.kv_dtype, self.layout)
         self.num_blocks = int(cc.kv_cache_memory) // self.bytes_per_block
@@ -64,7 +64,7 @@ class Worker:
         return (
             f"KV cache: {self.num_blocks} blocks x {cc.block_size} tokens = {self.num_blocks * cc.block_size} tokens "
             f"in "
-            f"{format_bytes(self.num_blocks * self.bytes_per_block)} ({str(self.kv_dtype).removeprefix('torch.')}, "
+            f"{format_bytes(self.num_blocks * self.bytes_per_block)} ({kv_dtype_name(self.kv_dtype)}, "
             f"{format_bytes(self.bytes_per_block)}/block){groups}; max concurrency at max_model_len "
             f"{self.max_model_len}: {self.num_blocks / per_seq:.2f}x; swap space: {self.num_swap_blocks} blocks"
         )

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvpage.attention.kv_quant import is_quantized, write_rows
 from kvpage.attention.metadata import AttentionMetadata
 
 
@@ -58,7 +59,11 @@ class CommonMetadata:
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter each new token's K and V to ``slot = block * block_size + offset``."""
+    """Scatter each new token's K and V to ``slot = block * block_size + offset`` (quantized caches: each row
+    quantized with its scale, attention/kv_quant.py)."""
+    if is_quantized(kv_cache.dtype):
+        write_rows(key, value, kv_cache, slot_mapping)
+        return
     block_size = kv_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     kv_cache[0, blocks, offsets] = key.to(kv_cache.dtype)  # works on any strides (the engine's are block-major)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvpage.attention.kv_quant import head_dim_of
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.ops import Kernels
 
@@ -58,7 +59,7 @@ class CpuMetadataBuilder:
         self.num_heads = num_heads
         self.window = window
         self.num_blocks, self.block_size = kv_cache.shape[1], kv_cache.shape[2]
-        self.head_dim = kv_cache.shape[4]
+        self.head_dim = head_dim_of(kv_cache)
         self.packed = allow_packed and backend.packed_layout(kv_cache, dtype)
         self.prompts_read_cache = self.packed and backend.prompts_read_cache(kv_cache, dtype)
         # 16 where chunks read the packed cache with AMX (1.7-3x the paged kernel at 16 rows after 500-2000

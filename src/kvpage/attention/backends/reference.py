@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpage.attention.backends.base import CommonMetadata, write_kv
+from kvpage.attention.kv_quant import dequantize_rows, is_quantized, read_keys
 from kvpage.attention.metadata import AttentionMetadata
 
 
@@ -27,13 +28,20 @@ class ReferenceAttention:
         out = torch.empty_like(query)
         heads, kv_heads = query.shape[1], kv_cache.shape[3]
         gqa = heads != kv_heads
+        quantized = is_quantized(kv_cache.dtype)
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
             n_blocks = -(-ctx_len // bs)
             blocks = meta.block_tables[i, :n_blocks]
             # Gather this sequence's history through its block table: [ctx_len, kv_heads, dim].
-            k = kv_cache[0, blocks].reshape(n_blocks * bs, kv_heads, -1)[:ctx_len]
-            v = kv_cache[1, blocks].reshape(n_blocks * bs, kv_heads, -1)[:ctx_len]
+            if quantized:  # dequantized pages: codes x their row's scale, in float32
+                k = read_keys(kv_cache.view(torch.uint8)[0, blocks].view(kv_cache.dtype))
+                v = dequantize_rows(kv_cache.view(torch.uint8)[1, blocks].view(kv_cache.dtype))
+                k = k.reshape(n_blocks * bs, kv_heads, -1)[:ctx_len]
+                v = v.reshape(n_blocks * bs, kv_heads, -1)[:ctx_len]
+            else:
+                k = kv_cache[0, blocks].reshape(n_blocks * bs, kv_heads, -1)[:ctx_len]
+                v = kv_cache[1, blocks].reshape(n_blocks * bs, kv_heads, -1)[:ctx_len]
             q = query[start : start + q_len]
             qt = q.transpose(0, 1)[None]
             kt = k.transpose(0, 1)[None].to(q.dtype)

@@ -78,8 +78,8 @@ inline __m512 silu_mul16(__m512 g, __m512 u, __mmask16 keep) {
 }
 #endif
 
-#if KVPAGE_ISA_AVX2_ONLY
-// Sum and maximum of 8 lanes.
+#if KVPAGE_ISA_AVX2
+// Sum and maximum of 8 lanes (AVX-512 builds use them too, in the quantized-row loop).
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

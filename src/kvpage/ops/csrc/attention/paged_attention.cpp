@@ -22,6 +22,7 @@
 #include "attention/avx2.h"
 #include "attention/avx512_bf16.h"
 #include "attention/loop.h"
+#include "attention/merge.h"
 #include "attention/plan.h"
 #include "attention/portable.h"
 
@@ -267,43 +268,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       if (cut[c] < cut[c + 1]) work(cut[c], cut[c + 1]);
   });
 
-  // Merge each tile's partitions and write normalized outputs (row r of a task = query r / H, head r % H).
-  const std::vector<int64_t>& starts = plan.starts;
-  const int64_t NS = static_cast<int64_t>(starts.size());
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, NS, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(static_cast<size_t>(D));
-    for (int64_t si = begin; si < end; ++si) {
-      const int64_t t0 = starts[si];
-      int64_t t1 = t0 + 1;
-      while (t1 < T && !tasks[t1].first) ++t1;
-      const Task& tk = tasks[t0];
-      for (int64_t r = 0; r < tk.nq * H; ++r) {
-        Q* o = optr + (tk.row0 * H + r) * D;
-        if (t1 == t0 + 1) {  // one partition: normalize directly
-          const float inv = 1.f / part_l[offset[t0] + r];
-          const float* a = part_acc.data() + (offset[t0] + r) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<Q>(a[d] * inv);
-          continue;
-        }
-        float M = neg_inf;
-        for (int64_t ti = t0; ti < t1; ++ti) M = std::max(M, part_m[offset[ti] + r]);
-        float L = 0.f;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t ti = t0; ti < t1; ++ti) {
-          const float pm = part_m[offset[ti] + r];
-          if (pm == neg_inf) continue;  // this partition lies entirely after the row's position
-          const float c = exp_neg(pm - M);
-          L += c * part_l[offset[ti] + r];
-          const float* a = part_acc.data() + (offset[ti] + r) * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) acc[d] += c * a[d];
-        }
-        const float inv = 1.f / L;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<Q>(acc[d] * inv);
-      }
-    }
-  });
+  merge_partitions(plan, H, D, part_acc, part_m, part_l, optr);
 }
 
 template <typename KV, typename IN>
@@ -407,8 +372,8 @@ void check_packed(const torch::Tensor& kv_cache) {
 void check_common(const torch::Tensor& kv_cache) {
   kvpage::kv_geometry(kv_cache);  // shape and strides
   TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16 ||
-                  kv_cache.scalar_type() == at::kHalf,
-              "kv_cache must be float32, bfloat16 or float16");
+                  kv_cache.scalar_type() == at::kHalf || is_quantized_kv(kv_cache),
+              "kv_cache must be float32, bfloat16, float16, int8, float8_e4m3fn or float8_e5m2");
 }
 
 }  // namespace
@@ -416,15 +381,22 @@ void check_common(const torch::Tensor& kv_cache) {
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                        bool packed) {
   check_common(kv_cache);
+  TORCH_CHECK(!(packed && is_quantized_kv(kv_cache)), "quantized KV pages keep the row layout");
   if (packed) check_packed(kv_cache);
   TORCH_CHECK(key.sizes() == value.sizes() && key.dim() == 3, "key/value must be [tokens, kv_heads, dim]");
-  TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4), "key shape does not match the cache");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0), "bad slot_mapping");
   // Each token's heads must be one dense row; the rows themselves may be strided (no copy of a qkv view).
   const auto dense_rows = [](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); };
   if (!dense_rows(key)) key = key.contiguous();
   if (!dense_rows(value)) value = value.contiguous();
   TORCH_CHECK(key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16, "key must be float32/bfloat16");
+  if (is_quantized_kv(kv_cache)) {
+    TORCH_CHECK(!packed, "quantized KV pages keep the row layout");
+    TORCH_CHECK(value.scalar_type() == key.scalar_type(), "key and value dtypes differ");
+    reshape_and_cache_quant(key, value, kv_cache, slot_mapping);
+    return;
+  }
+  TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4), "key shape does not match the cache");
 #if KVPAGE_PACKED
   if (packed) {
     if (key.scalar_type() == at::kFloat) write_cache_packed<float>(key, value, kv_cache, slot_mapping);
@@ -455,7 +427,9 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
     TORCH_CHECK(plan.window == 0, "the packed KV layout has no sliding-window loops: keep sliding layers in rows");
   }
   TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, dim]");
-  TORCH_CHECK(query.size(2) == kv_cache.size(4), "head_dim of query and cache differ");
+  const bool quantized = is_quantized_kv(kv_cache);
+  TORCH_CHECK(!(quantized && packed), "quantized KV pages keep the row layout");
+  TORCH_CHECK(query.size(2) == kv_cache.size(4) - (quantized ? 2 : 0), "head_dim of query and cache differ");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kMaxGroup, "query group too large");
   TORCH_CHECK(query.size(0) == plan.num_rows, "query_start_loc must run from 0 to the ", query.size(0),
@@ -467,6 +441,11 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
               " tokens; this cache has ", kv_cache.size(1), " of ", kv_cache.size(2));
   query = query.contiguous();
   auto out = torch::empty_like(query);
+  if (quantized) {
+    g_decode_kernel = KVPAGE_ISA_AVX2 ? "avx2-quant" : "generic-quant";
+    paged_attention_quant(query, kv_cache, plan, scale, out);
+    return out;
+  }
   const bool kv_bf16 = kv_cache.scalar_type() == at::kBFloat16;
   if (kv_cache.scalar_type() == at::kHalf) {
     if (query.scalar_type() == at::kFloat)

@@ -1,0 +1,163 @@
+"""Quantized KV pages (int8, fp8_e4m3, fp8_e5m2) against float32, bfloat16 and float16 caches: what they hold,
+how well the model predicts from them, and how fast the paged kernel reads them.
+
+* capacity: tokens per GiB of KV memory for each cache dtype (the worker's sizing, scales included) and the
+  ratio to bfloat16;
+* accuracy: one fixed text (README.md, docs/kv.md and a Python module of kvpage, for prose, markup and code),
+  teacher-forced in chunks of 32 tokens so that every position attends through the cache (the paged kernel
+  reads each chunk's keys back from the pages it just wrote): top-1 agreement with the float32-cache run and
+  the perplexity, float32 weights throughout, so only the cache differs;
+* speed: one layer's paged decode attention over 64 sequences x 8K tokens of context, median of rounds,
+  every cache dtype side by side in each round.
+
+    python benchmarks/kv_quant.py                       # SmolLM2-135M (and Gemma 3 270M when installed)
+    python benchmarks/kv_quant.py --positions 1000 --speed-seqs 64 --speed-context 8192 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvpage.kv.hybrid import HybridKVManager
+from kvpage.kv.paged import KVCacheManager
+from kvpage.kv.sequence import KVSequence
+from kvpage.model.loader import load_model
+from kvpage.model.registry import packaged_model_path
+from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, kv_torch_dtype
+from kvpage.worker.model_runner import ModelRunner, ScheduledSeq
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
+
+
+def fixed_text() -> str:
+    return "\n\n".join((ROOT / p).read_text() for p in ("README.md", "docs/kv.md", "src/kvpage/kv/block_pool.py"))
+
+
+def chunked_logits(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32) -> torch.Tensor:
+    """Logits at every position, the sequence fed in chunks that each read the cache (nothing whole-prompt)."""
+    blocks = -(-len(ids) // 16) * 8 + 8
+    cache = KVCache(lm.config, blocks, 16, kv_dtype)
+    if cache.layout.hybrid:
+        m = HybridKVManager(cache.layout, blocks, 16, watermark=0.0)
+    else:
+        m = KVCacheManager(blocks, 16, watermark=0.0)
+    runner = ModelRunner(lm.model, cache)
+    rows = []
+    for start in range(0, len(ids), chunk):
+        part = ids[start : start + chunk]
+        assert m.allocate_slots(KVSequence("s", ids[: start + len(part)]), len(part)) is not None
+        tables = m.block_tables("s")
+        seq = ScheduledSeq("s", part, start, tables[0], all_logits=True,
+                           block_tables=tables if cache.layout.hybrid else None)
+        rows.append(runner.execute([seq])["s"].float())
+    return torch.cat(rows)
+
+
+def accuracy(model: str, positions: int) -> list[dict]:
+    lm = load_model(model, dtype="float32")
+    tk = lm.tokenizer
+    ids = tk.encode(fixed_text())[: positions + 1]
+    ref = chunked_logits(lm, ids, torch.float32)
+    ref_top = ref[:-1].argmax(-1)
+    target = torch.tensor(ids[1:])
+    rows = []
+    for name in CACHE_DTYPES:
+        logits = ref if name == "float32" else chunked_logits(lm, ids, kv_torch_dtype(name))
+        top = logits[:-1].argmax(-1)
+        nll = torch.nn.functional.cross_entropy(logits[:-1], target).item()
+        rows.append({"model": lm.config.name, "kv_dtype": name, "positions": len(target),
+                     "top1_agreement": float((top == ref_top).float().mean()), "perplexity": float(torch.exp(
+                         torch.tensor(nll)))})
+    return rows
+
+
+def capacity(model: str) -> list[dict]:
+    lm = load_model(model, dtype="float32")
+    out = []
+    bf16 = kv_bytes_per_block(lm.config, 16, torch.bfloat16)
+    for name in CACHE_DTYPES:
+        b = kv_bytes_per_block(lm.config, 16, kv_torch_dtype(name))
+        out.append({"model": lm.config.name, "kv_dtype": name, "bytes_per_block": b,
+                    "tokens_per_gib": 2**30 // b * 16, "vs_bfloat16": bf16 / b})
+    return out
+
+
+def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 3, dim: int = 64) -> list[dict]:
+    """One layer's decode attention: `seqs` sequences of `context` keys on scattered 16-token blocks."""
+    from kvpage.attention.kv_quant import quantize_rows
+    from kvpage.envs import KernelConfig
+    from kvpage.ops import kernels
+    from kvpage.worker.kv_cache import as_block_major
+
+    ops = kernels(KernelConfig())
+    bs = 16
+    per = -(-context // bs)
+    nb = seqs * per
+    gen = torch.Generator().manual_seed(0)
+    tables = torch.randperm(nb, generator=gen).reshape(seqs, per)
+    qsl = torch.arange(seqs + 1)
+    lens = torch.full((seqs,), context)
+    plan = ops.plan_attention(tables, qsl, lens, heads, nb, bs)
+    q = torch.randn(seqs, heads, dim, generator=gen).to(torch.bfloat16)
+    caches = {}
+    for name in ("bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2"):
+        dt = kv_torch_dtype(name)
+        base = torch.randn(2, nb, bs, kv_heads, dim, generator=gen)
+        caches[name] = as_block_major(quantize_rows(base, dt) if name.startswith(("int", "fp8")) else base.to(dt))
+        del base
+    times: dict[str, list[float]] = {n: [] for n in caches}
+    kernel = {}
+    for _ in range(rounds):
+        for name, cache in caches.items():
+            ops.paged_attention(q, cache, plan, dim**-0.5, False)  # warm
+            kernel[name] = ops.last_decode_kernel()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                ops.paged_attention(q, cache, plan, dim**-0.5, False)
+            times[name].append((time.perf_counter() - t0) / 3)
+    base = statistics.median(times["bfloat16"])
+    return [{"kv_dtype": n, "seqs": seqs, "context": context, "ms": statistics.median(t) * 1e3,
+             "vs_bfloat16": statistics.median(t) / base, "kernel": kernel[n]} for n, t in times.items()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="*", default=None, help="default: SmolLM2-135M-Instruct (+ gemma-3-270m)")
+    ap.add_argument("--positions", type=int, default=800)
+    ap.add_argument("--speed-seqs", type=int, default=64)
+    ap.add_argument("--speed-context", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--skip", nargs="*", default=(), choices=("capacity", "accuracy", "speed"))
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    models = a.models or ["SmolLM2-135M-Instruct"] + (["gemma-3-270m"] if packaged_model_path("gemma-3-270m") else [])
+    torch.set_num_threads(torch.get_num_threads())
+    result: dict[str, list] = {}
+    if "capacity" not in a.skip:
+        result["capacity"] = [r for m in models for r in capacity(m)]
+        for r in result["capacity"]:
+            print(f"capacity {r['model']:<24} {r['kv_dtype']:<9} {r['bytes_per_block']:>7} B/block "
+                  f"{r['tokens_per_gib']:>9} tokens/GiB  {r['vs_bfloat16']:.3f}x bf16")
+    if "accuracy" not in a.skip:
+        result["accuracy"] = [r for m in models for r in accuracy(m, a.positions)]
+        for r in result["accuracy"]:
+            print(f"accuracy {r['model']:<24} {r['kv_dtype']:<9} top-1 vs float32 cache {r['top1_agreement']:.2%} "
+                  f"over {r['positions']} positions, perplexity {r['perplexity']:.3f}")
+    if "speed" not in a.skip:
+        result["speed"] = speed(a.speed_seqs, a.speed_context, a.rounds)
+        for r in result["speed"]:
+            print(f"speed    {r['kv_dtype']:<9} {r['seqs']} seqs x {r['context']} keys: {r['ms']:.2f} ms "
+                  f"({r['vs_bfloat16']:.2f}x bf16) [{r['kernel']}]")
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+// Paged attention and the cache write for quantized KV pages (int8, fp8 e4m3, fp8 e5m2; attention/quant_rows.h):
+// the same plan, tasks and partition merge as the other caches (attention/paged_attention.cpp dispatches here
+// by the cache's dtype), with the codes dequantized in registers as each row is read.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "common.h"
+#include "ops.h"
+#include "attention/loop.h"
+#include "attention/merge.h"
+#include "attention/plan.h"
+#include "attention/quant_rows.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using namespace kvpage::attn;
+
+template <KVCode C, typename Q>
+void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan, double scale,
+               torch::Tensor& out) {
+  const int64_t H = query.size(1), D = query.size(2);
+  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);  // in bytes: one byte per element
+  const int64_t G = H / kv_heads;
+  const int64_t max_blocks = plan.block_tables.size(1);
+  const int64_t* tables = plan.block_tables.data_ptr<int64_t>();
+  const Q* qptr = query.data_ptr<Q>();
+  const auto* kcache = static_cast<const uint8_t*>(kv_cache.data_ptr());
+  const uint8_t* vcache = kcache + geo.v_offset;
+  const std::vector<Task>& tasks = plan.tasks;
+  const std::vector<int64_t>& offset = plan.offset;
+  const int64_t T = plan.num_tasks();
+  std::vector<float> part_acc(static_cast<size_t>(offset[T] * D));
+  std::vector<float> part_m(static_cast<size_t>(offset[T])), part_l(static_cast<size_t>(offset[T]));
+  auto work = [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf(static_cast<size_t>(kTile * H * D));
+    std::vector<float> scratch;
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Task& tk = tasks[ti];
+      const Q* qrows = qptr + tk.row0 * H * D;
+      for (int64_t i = 0; i < tk.nq * H * D; ++i) qbuf[i] = kvpage::to_float(qrows[i]) * static_cast<float>(scale);
+      for (int64_t r = 0; r < tk.nq * H; ++r) fwht(qbuf.data() + r * D, D);  // the keys' basis
+      const auto [k_begin, k_end] = tk.keys(plan.partition_size);
+      const int64_t* table = tables + tk.seq * max_blocks;
+      float* pa = part_acc.data() + offset[ti] * D;
+      float* pm = part_m.data() + offset[ti];
+      float* pl = part_l.data() + offset[ti];
+#define KVPAGE_QUANT_TILE(d)                                                                                   \
+  attend_tile_quant<C, d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride, kv_heads, \
+                          D, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, plan.window)
+      if (D == 64) KVPAGE_QUANT_TILE(64);
+      else if (D == 128) KVPAGE_QUANT_TILE(128);
+      else if (D == 256) KVPAGE_QUANT_TILE(256);
+      else KVPAGE_QUANT_TILE(0);
+#undef KVPAGE_QUANT_TILE
+    }
+  };
+  const std::vector<int64_t>& cut = plan.cut;
+  const int64_t nt = static_cast<int64_t>(cut.size()) - 1;
+  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c)
+      if (cut[c] < cut[c + 1]) work(cut[c], cut[c + 1]);
+  });
+  merge_partitions(plan, H, D, part_acc, part_m, part_l, out.data_ptr<Q>());
+}
+
+template <KVCode C, typename IN>
+void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+                 const torch::Tensor& slot_mapping) {
+  const int64_t N = key.size(0), kv_heads = key.size(1), D = key.size(2);
+  const int64_t block_size = kv_cache.size(2), num_slots = kv_cache.size(1) * block_size;
+  const int64_t head_stride = D + kScaleBytes, row = kv_heads * head_stride;
+  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);
+  auto* kdst = static_cast<uint8_t*>(kv_cache.data_ptr());
+  uint8_t* vdst = kdst + geo.v_offset;
+  const IN* ksrc = key.data_ptr<IN>();
+  const IN* vsrc = value.data_ptr<IN>();
+  const int64_t ks = key.stride(0), vs = value.stride(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(D));
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = slots[i];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
+      const int64_t at = (slot / block_size) * geo.block_stride + (slot % block_size) * row;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        quantize_row<C>(ksrc + i * ks + h * D, kdst + at + h * head_stride, D, buf.data(), true);
+        quantize_row<C>(vsrc + i * vs + h * D, vdst + at + h * head_stride, D, buf.data(), false);
+      }
+    }
+  });
+}
+
+template <template <KVCode> class F, typename... A>
+void by_code(at::ScalarType t, A&&... args) {
+  if (t == at::kChar) F<KVCode::kInt8>::run(args...);
+  else if (t == at::kFloat8_e4m3fn) F<KVCode::kE4M3>::run(args...);
+  else if (t == at::kFloat8_e5m2) F<KVCode::kE5M2>::run(args...);
+  else TORCH_CHECK(false, "not a quantized KV dtype: ", t);
+}
+
+template <KVCode C>
+struct Attend {
+  static void run(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan, double scale,
+                  torch::Tensor& out) {
+    if (query.scalar_type() == at::kFloat) run_quant<C, float>(query, kv_cache, plan, scale, out);
+    else run_quant<C, at::BFloat16>(query, kv_cache, plan, scale, out);
+  }
+};
+
+template <KVCode C>
+struct Write {
+  static void run(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+                  const torch::Tensor& slot_mapping) {
+    if (key.scalar_type() == at::kFloat) write_quant<C, float>(key, value, kv_cache, slot_mapping);
+    else write_quant<C, at::BFloat16>(key, value, kv_cache, slot_mapping);
+  }
+};
+
+}  // namespace
+
+bool is_quantized_kv(const torch::Tensor& kv_cache) {
+  const auto t = kv_cache.scalar_type();
+  return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+}
+
+void paged_attention_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan,
+                           double scale, torch::Tensor& out) {
+  TORCH_CHECK(query.size(2) + kScaleBytes == kv_cache.size(4), "a quantized cache row is head_dim + 2 bytes: ",
+              "head_dim of query ", query.size(2), ", cache rows ", kv_cache.size(4));
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "query must be float32 or bfloat16");
+  by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, out);
+}
+
+void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+                             const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) + kScaleBytes == kv_cache.size(4),
+              "key shape does not match the quantized cache (rows of head_dim + 2 bytes)");
+  by_code<Write>(kv_cache.scalar_type(), key, value, kv_cache, slot_mapping);
+}

@@ -1,0 +1,158 @@
+"""Quantized KV pages (int8, fp8 e4m3, fp8 e5m2; attention/kv_quant.py): the torch oracle's round trip, the
+compiled write against it byte for byte, and the compiled paged attention against the reference backend on
+the same pages (decodes, prompt chunks after cached keys, whole prompts, GQA, sliding windows, partitions,
+block sizes 1 to 32, head sizes 64, 128, 256 and one no loop specializes, contiguous and block-major
+storage); block copies and swaps move the scales with the codes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvpage.attention.backends.reference import ReferenceAttention
+from kvpage.attention.kv_quant import QMAX, dequantize_rows, hadamard, quantize_rows, read_keys, write_rows
+from kvpage.attention.metadata import AttentionMetadata
+from kvpage.ops import load_kernels
+from kvpage.worker.kv_cache import as_block_major
+from tests.helpers.kernels import have_cxx
+
+CODES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+# worst error of one value against its row's absmax: int8 half a step (the scale rounded up by < 2^-7 widens it),
+# fp8 half an ulp of its 3 (e4m3) or 2 (e5m2) mantissa bits
+REL = {torch.int8: 0.5 / 127 * (1 + 2**-7), torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}
+
+needs_cxx = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
+
+
+@pytest.mark.parametrize("dtype", CODES)
+def test_round_trip_error_is_bounded_by_the_row_scale(dtype):
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]
+    x[0, 0] = 0.0  # an all-zero row: scale 0, codes 0
+    rows = quantize_rows(x, dtype)
+    assert rows.shape == (50, 3, 66) and rows.dtype == dtype
+    back = dequantize_rows(rows)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    assert ((back - x).abs() <= REL[dtype] * amax * (1 + 2**-7) + 1e-30).all()
+    assert (back[0, 0] == 0).all()
+    scale = rows.view(torch.uint8)[..., -2:].contiguous().view(torch.bfloat16).float()
+    exact = amax / QMAX[dtype]
+    assert (scale >= exact).all() and (scale <= exact * (1 + 2**-7)).all()  # rounded up to a bfloat16
+
+
+def test_keys_are_stored_rotated_and_read_back_in_the_model_basis():
+    """An outlier channel no longer sets the whole row's scale: the rotated row's error is far below the plain
+    row's, and read_keys undoes the rotation."""
+    x = torch.randn(200, 2, 64)
+    x[..., 5] *= 40  # one large channel, as RoPE'd keys have
+    plain = (dequantize_rows(quantize_rows(x, torch.int8)) - x).pow(2).mean()
+    rotated = (read_keys(quantize_rows(hadamard(x), torch.int8)) - x).pow(2).mean()
+    assert rotated < plain / 2
+    assert torch.allclose(hadamard(hadamard(x)), x, atol=1e-4)
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", CODES)
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
+def test_compiled_write_equals_the_torch_oracle_byte_for_byte(dtype, src):
+    ops = load_kernels()
+    torch.manual_seed(0)
+    cache = torch.zeros(2, 6, 16, 3, 66, dtype=torch.uint8).view(dtype)
+    key = (torch.randn(40, 3, 64) * 3).to(src)
+    value = (torch.randn(40, 3, 64) * 0.01).to(src)
+    key[5] = 0.0
+    slots = torch.randperm(96)[:40]
+    ours = as_block_major(cache.clone())
+    ops.reshape_and_cache(key, value, ours, slots, False)
+    oracle = cache.clone()
+    write_rows(key, value, oracle, slots)
+    assert torch.equal(ours.view(torch.uint8), oracle.view(torch.uint8))
+
+
+def quant_case(rng: random.Random, dtype, block_size: int, heads: int, kv_heads: int, dim: int,
+               window: int | None, q_dtype):
+    num_seqs = rng.randint(1, 5)
+    q_lens, seq_lens = [], []
+    for _ in range(num_seqs):
+        ctx = rng.randint(1, 200)
+        q_lens.append(rng.choice([1, 1, min(ctx, rng.randint(2, 40)), ctx]))
+        seq_lens.append(ctx)
+    blocks_per_seq = [-(-c // block_size) for c in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 1
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    tables = torch.zeros((num_seqs, max(blocks_per_seq)), dtype=torch.long)
+    at = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = torch.tensor(ids[at : at + n])
+        at += n
+    cache = quantize_rows(torch.randn(2, num_blocks, block_size, kv_heads, dim) * 2, dtype)
+    total = sum(q_lens)
+    q = torch.randn(total, heads, dim).to(q_dtype)
+    k = torch.randn(total, kv_heads, dim).to(q_dtype)
+    v = torch.randn(total, kv_heads, dim).to(q_dtype)
+    slots, qsl = [], [0]
+    for i, (ql, ctx) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(ctx - ql, ctx)]
+        qsl.append(qsl[-1] + ql)
+    meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(qsl), torch.tensor(seq_lens), block_size,
+                             q_lens, seq_lens, window=window)
+    return q, k, v, cache, meta
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", CODES)
+@pytest.mark.parametrize(("dim", "block_size"), [(64, 16), (64, 1), (64, 32), (128, 8), (256, 16), (80, 16)])
+def test_compiled_attention_matches_the_reference_on_quantized_pages(dtype, dim, block_size):
+    ops = load_kernels()
+    rng = random.Random(dim * 31 + block_size + len(str(dtype)))
+    for case in range(6):
+        window = [None, None, 1, 24][case % 4]
+        heads, kv_heads = [(8, 2), (9, 3), (4, 1)][case % 3]
+        q_dtype = torch.float32 if case % 2 else torch.bfloat16
+        q, k, v, cache, meta = quant_case(rng, dtype, block_size, heads, kv_heads, dim, window, q_dtype)
+        scale = dim**-0.5
+        ref_cache = cache.clone()
+        ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), ref_cache, meta, scale)
+        ours = as_block_major(cache.clone()) if case % 2 else cache.clone()
+        ops.reshape_and_cache(k, v, ours, meta.slot_mapping, False)
+        # what the kernel wrote equals what the reference wrote (bf16 keys quantize from the same values)
+        assert torch.equal(ours.contiguous().view(torch.uint8), ref_cache.view(torch.uint8))
+        for part in (512, 16):
+            plan = ops.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, heads, cache.shape[1],
+                                      block_size, part, True, window or 0)
+            out = ops.paged_attention_planned(q, ours, plan, scale, False, True)
+            tol = 2e-4 if q_dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    assert ops.last_decode_kernel().endswith("quant")
+
+
+@needs_cxx
+def test_quantized_pages_refuse_the_packed_layout_and_a_wrong_width():
+    ops = load_kernels()
+    cache = torch.zeros(2, 4, 16, 1, 66, dtype=torch.int8)
+    k = torch.zeros(1, 1, 64)
+    with pytest.raises(RuntimeError, match="row layout"):
+        ops.reshape_and_cache(k, k, cache, torch.tensor([0]), True)
+    with pytest.raises(RuntimeError, match="head_dim \\+ 2"):
+        ops.reshape_and_cache(torch.zeros(1, 1, 66), torch.zeros(1, 1, 66), cache, torch.tensor([0]), False)
+
+
+@pytest.mark.parametrize("dtype", CODES)
+def test_block_copies_and_swaps_carry_the_scales(dtype):
+    from kvpage.model.config import ModelConfig
+    from kvpage.worker.kv_cache import KVCache
+
+    cfg = ModelConfig(name="t", architecture="llama", num_layers=2, num_attention_heads=2, num_kv_heads=1,
+                      head_dim=32)
+    kv = KVCache(cfg, 8, 4, dtype, num_host_blocks=4)
+    assert kv.tensors[0].shape == (2, 8, 4, 1, 34)
+    for t in kv.tensors:
+        write_rows(torch.randn(32, 1, 32), torch.randn(32, 1, 32), t, torch.arange(32))
+    before = [dequantize_rows(t[:, 2]) for t in kv.tensors]
+    kv.copy_blocks([(2, 5)])
+    kv.swap_out([(2, 1)])
+    kv.swap_in([(1, 7)])
+    for t, b in zip(kv.tensors, before, strict=True):  # codes and scales moved together
+        assert torch.equal(dequantize_rows(t[:, 5]), b) and torch.equal(dequantize_rows(t[:, 7]), b)
