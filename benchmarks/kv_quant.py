@@ -24,13 +24,10 @@ from pathlib import Path
 
 import torch
 
-from kvpage.kv.hybrid import HybridKVManager
-from kvpage.kv.paged import KVCacheManager
-from kvpage.kv.sequence import KVSequence
 from kvpage.model.loader import load_model
 from kvpage.model.registry import packaged_model_path
-from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, kv_torch_dtype
-from kvpage.worker.model_runner import ModelRunner, ScheduledSeq
+from kvpage.worker.kv_cache import kv_bytes_per_block, kv_torch_dtype
+from kvpage.worker.scoring import chunked_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
@@ -38,26 +35,6 @@ CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2"
 
 def fixed_text() -> str:
     return "\n\n".join((ROOT / p).read_text() for p in ("README.md", "docs/kv.md", "src/kvpage/kv/block_pool.py"))
-
-
-def chunked_logits(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32) -> torch.Tensor:
-    """Logits at every position, the sequence fed in chunks that each read the cache (nothing whole-prompt)."""
-    blocks = -(-len(ids) // 16) * 8 + 8
-    cache = KVCache(lm.config, blocks, 16, kv_dtype)
-    if cache.layout.hybrid:
-        m = HybridKVManager(cache.layout, blocks, 16, watermark=0.0)
-    else:
-        m = KVCacheManager(blocks, 16, watermark=0.0)
-    runner = ModelRunner(lm.model, cache)
-    rows = []
-    for start in range(0, len(ids), chunk):
-        part = ids[start : start + chunk]
-        assert m.allocate_slots(KVSequence("s", ids[: start + len(part)]), len(part)) is not None
-        tables = m.block_tables("s")
-        seq = ScheduledSeq("s", part, start, tables[0], all_logits=True,
-                           block_tables=tables if cache.layout.hybrid else None)
-        rows.append(runner.execute([seq])["s"].float())
-    return torch.cat(rows)
 
 
 def accuracy(model: str, positions: int) -> list[dict]:

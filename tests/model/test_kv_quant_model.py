@@ -1,0 +1,84 @@
+"""Quantized KV pages on real models: the engine runs int8 and fp8 caches end to end (prefix hits, forks with
+copy-on-write, swap preemption, nothing leaked), what it sizes equals the planner and the simulator, and the
+teacher-forced accuracy against the float32 cache stays where benchmarks/kv_quant.py measured it (a guard on the
+quantization, below the issue's 99% target that int8 still misses by ~0.5 point: BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpage.capacity import KVShape
+from kvpage.engine.llm import LLM
+from kvpage.model.loader import load_model
+from kvpage.sampling_params import SamplingParams
+from kvpage.worker.kv_cache import kv_bytes_per_block, kv_torch_dtype
+from kvpage.worker.scoring import chunked_logits
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
+           "def fibonacci(n):\n    ", "Paged attention splits the KV cache into blocks"]
+
+
+def assert_drained(llm: LLM) -> None:
+    kv = llm.engine.kv
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "fp8_e5m2"])
+def test_engine_runs_quantized_pages_with_hits_forks_and_swaps(kv_dtype):
+    block = kv_bytes_per_block(load_model().config, 16, kv_torch_dtype(kv_dtype))
+    llm = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory=40 * block, max_model_len=256, swap_space=48 * block,
+              preemption_mode="swap")
+    assert llm.engine.worker.kv_cache.tensors[0].dtype == kv_torch_dtype(kv_dtype)
+    greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    prompts = [f"{p} ({i})" for i in range(2) for p in PROMPTS]
+    outs = llm.generate(prompts, greedy, use_tqdm=False)  # 8 x ~130 tokens in 40 blocks: preemptions
+    assert all(len(o.outputs[0].token_ids) == 120 for o in outs)
+    assert llm.engine.stats()["preemptions"] > 0
+    # swapped pages come back with their scales: the same tokens as an engine that never preempts
+    roomy = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory=200 * block, max_model_len=256)
+    expected = roomy.generate(prompts, greedy, use_tqdm=False)
+    assert roomy.engine.stats()["preemptions"] == 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    twins = llm.generate(PROMPTS[1], SamplingParams(n=2, temperature=0, max_tokens=20), use_tqdm=False)[0]
+    assert twins.outputs[0].token_ids == twins.outputs[1].token_ids  # forked pages, copied on write
+    again = llm.generate(PROMPTS[1] * 3, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    hit = llm.generate(PROMPTS[1] * 3, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert hit.num_cached_tokens > 0 and hit.outputs[0].token_ids == again.outputs[0].token_ids
+    assert_drained(llm)
+
+
+def test_planner_worker_and_simulator_agree_on_bytes_per_block():
+    from argparse import Namespace
+
+    from kvpage.entrypoints.simulate import build_model
+
+    cfg = load_model().config
+    for name in ("bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"):
+        planner = KVShape(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name).bytes_per_token() * 16
+        worker = kv_bytes_per_block(cfg, 16, kv_torch_dtype(name))
+        sim = build_model(Namespace(model="SmolLM2-135M-Instruct", dtype="bfloat16", kv_cache_dtype=name))
+        assert planner == worker == sim.kv_bytes_per_token * 16, name
+    # one byte per value and a 2-byte scale per K and per V row: 30 layers x 3 heads x 2 x (64 + 2) bytes
+    assert kv_bytes_per_block(cfg, 16, torch.int8) == 30 * 3 * 2 * 66 * 16
+
+
+def test_teacher_forced_accuracy_against_the_float32_cache():
+    lm = load_model(dtype="float32")
+    text = "\n\n".join((ROOT / p).read_text() for p in ("README.md", "docs/kv.md"))
+    ids = lm.tokenizer.encode(text)[:601]
+    ref = chunked_logits(lm, ids, torch.float32)[:-1]
+    target = torch.tensor(ids[1:])
+    ppl_ref = torch.exp(torch.nn.functional.cross_entropy(ref, target))
+    agree = {}
+    for name in ("int8", "fp8_e4m3"):
+        got = chunked_logits(lm, ids, kv_torch_dtype(name))[:-1]
+        agree[name] = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+        ppl = torch.exp(torch.nn.functional.cross_entropy(got, target))
+        assert abs(float(ppl / ppl_ref) - 1) < (0.01 if name == "int8" else 0.03), (name, ppl, ppl_ref)
+    print(f"teacher-forced top-1 agreement with the float32 cache over 600 positions: {agree}")
+    assert agree["int8"] >= 0.98 and agree["fp8_e4m3"] >= 0.94, agree
