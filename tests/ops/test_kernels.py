@@ -14,7 +14,7 @@ from kvpage.attention.metadata import AttentionMetadata
 from kvpage.envs import KernelConfig
 from kvpage.ops import PARTITION_SIZE, kernels, kernels_error, load_kernels, pack_kv_rows, unpack_kv_rows
 from kvpage.worker.kv_cache import as_block_major
-from tests.helpers.kernels import have_cxx
+from tests.helpers.kernels import have_cxx, scatter_tables
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
 
@@ -34,13 +34,7 @@ def make_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, di
         seq_lens.append(ctx)
     blocks_per_seq = [-(-c // block_size) for c in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables = torch.zeros((num_seqs, max(blocks_per_seq)), dtype=torch.long)
-    at = 0
-    for i, n in enumerate(blocks_per_seq):
-        tables[i, :n] = torch.tensor(ids[at : at + n])
-        at += n
+    tables = scatter_tables(rng, blocks_per_seq, list(range(num_blocks)))
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).to(kv_dtype)
     total = sum(q_lens)
     q = torch.randn(total, heads, dim).to(q_dtype)
@@ -196,8 +190,11 @@ def test_kernel_rejects_bad_input():
         with pytest.raises(RuntimeError, match=error):
             ops.paged_attention(q, cache, tables, qsl, lens, 1.0, 512)
     ops.paged_attention(q, cache, table, torch.tensor([0, 1, 3]), torch.tensor([1, 20]), 1.0, 512)  # the valid one
-    for bad in (torch.float64, torch.int8):  # cache dtypes the kernels do not read: refused by name, not misread
-        with pytest.raises(RuntimeError, match="kv_cache must be float32, bfloat16 or float16"):
+    # cache dtypes the kernels do not read: refused by name, not misread; an int8 cache without its rows' scales
+    # (head_dim + 2 bytes) is refused by its width
+    for bad, error in ((torch.float64, "kv_cache must be float32, bfloat16, float16, int8"),
+                       (torch.int8, "head_dim of query and cache differ")):
+        with pytest.raises(RuntimeError, match=error):
             ops.paged_attention(q, cache.to(bad), table, torch.tensor([0, 1, 3]), torch.tensor([1, 20]), 1.0, 512)
     one = (torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
     with pytest.raises(RuntimeError, match="dense"):  # a block's interior must be [block_size, heads, dim]

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from kvpage.attention.backends.reference import ReferenceAttention
-from kvpage.attention.metadata import AttentionMetadata
 from kvpage.envs import KernelConfig
 from kvpage.ops import kernels, load_kernels
-from tests.helpers.kernels import have_cxx
+from tests.helpers.kernels import have_cxx, step_metadata
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
 
@@ -50,13 +49,7 @@ def window_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, 
     q = torch.randn(total, heads, dim).to(q_dtype)
     k = torch.randn(total, kv_heads, dim).to(q_dtype)
     v = torch.randn(total, kv_heads, dim).to(q_dtype)
-    slots, qsl = [], [0]
-    for i, (ql, ctx) in enumerate(zip(q_lens, seq_lens, strict=True)):
-        slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(ctx - ql, ctx)]
-        qsl.append(qsl[-1] + ql)
-    meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(qsl), torch.tensor(seq_lens), block_size,
-                             q_lens, seq_lens, window=window)
-    return q, k, v, cache, meta
+    return q, k, v, cache, step_metadata(tables, q_lens, seq_lens, block_size, window)
 
 
 def reference(q, k, v, cache, meta, scale):

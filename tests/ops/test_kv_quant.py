@@ -13,10 +13,9 @@ import torch
 
 from kvpage.attention.backends.reference import ReferenceAttention
 from kvpage.attention.kv_quant import QMAX, dequantize_rows, hadamard, quantize_rows, read_keys, write_rows
-from kvpage.attention.metadata import AttentionMetadata
 from kvpage.ops import load_kernels
 from kvpage.worker.kv_cache import as_block_major
-from tests.helpers.kernels import have_cxx
+from tests.helpers.kernels import have_cxx, scatter_tables, step_metadata
 
 CODES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 # worst error of one value against its row's absmax: int8 half a step (the scale rounded up by < 2^-7 widens it),
@@ -80,25 +79,13 @@ def quant_case(rng: random.Random, dtype, block_size: int, heads: int, kv_heads:
         seq_lens.append(ctx)
     blocks_per_seq = [-(-c // block_size) for c in seq_lens]
     num_blocks = sum(blocks_per_seq) + 1
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    tables = torch.zeros((num_seqs, max(blocks_per_seq)), dtype=torch.long)
-    at = 0
-    for i, n in enumerate(blocks_per_seq):
-        tables[i, :n] = torch.tensor(ids[at : at + n])
-        at += n
+    tables = scatter_tables(rng, blocks_per_seq, list(range(1, num_blocks)))
     cache = quantize_rows(torch.randn(2, num_blocks, block_size, kv_heads, dim) * 2, dtype)
     total = sum(q_lens)
     q = torch.randn(total, heads, dim).to(q_dtype)
     k = torch.randn(total, kv_heads, dim).to(q_dtype)
     v = torch.randn(total, kv_heads, dim).to(q_dtype)
-    slots, qsl = [], [0]
-    for i, (ql, ctx) in enumerate(zip(q_lens, seq_lens, strict=True)):
-        slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(ctx - ql, ctx)]
-        qsl.append(qsl[-1] + ql)
-    meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(qsl), torch.tensor(seq_lens), block_size,
-                             q_lens, seq_lens, window=window)
-    return q, k, v, cache, meta
+    return q, k, v, cache, step_metadata(tables, q_lens, seq_lens, block_size, window)
 
 
 @needs_cxx

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpage.kv.block import DEFAULT_BLOCK_SIZE
 from kvpage.kv.hybrid import HybridKVManager
 from kvpage.kv.paged import KVCacheManager
 from kvpage.kv.sequence import KVSequence
@@ -13,7 +14,8 @@ from kvpage.worker.kv_cache import KVCache, model_layout
 from kvpage.worker.model_runner import ModelRunner, ScheduledSeq
 
 
-def chunked_logits(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32, block_size: int = 16) -> torch.Tensor:
+def chunked_logits(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     """float32 logits ``[len(ids), vocab]`` of loaded model ``lm`` over a fresh cache of ``kv_dtype``. Chunks
     below the prompt kernels' threshold go to the paged kernel, which reads each chunk's keys back from the
     pages it has just written."""
