@@ -14,7 +14,7 @@ from kvpage.attention.metadata import AttentionMetadata
 from kvpage.envs import KernelConfig
 from kvpage.ops import PARTITION_SIZE, kernels, kernels_error, load_kernels, pack_kv_rows, unpack_kv_rows
 from kvpage.worker.kv_cache import as_block_major
-from tests.helpers.kernels import have_cxx, scatter_tables
+from tests.helpers.kernels import have_cxx, scatter_tables, step_metadata
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
 
@@ -40,14 +40,7 @@ def make_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, di
     q = torch.randn(total, heads, dim).to(q_dtype)
     k = torch.randn(total, kv_heads, dim).to(q_dtype)
     v = torch.randn(total, kv_heads, dim).to(q_dtype)
-    slots, qsl = [], [0]
-    for i, (ql, ctx) in enumerate(zip(q_lens, seq_lens, strict=True)):
-        for p in range(ctx - ql, ctx):
-            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
-        qsl.append(qsl[-1] + ql)
-    meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(qsl), torch.tensor(seq_lens), block_size,
-                             q_lens, seq_lens)
-    return q, k, v, cache, meta
+    return q, k, v, cache, step_metadata(tables, q_lens, seq_lens, block_size)
 
 
 LAYOUTS = {"contiguous": torch.Tensor.clone, "block_major": as_block_major}
@@ -208,13 +201,7 @@ def make_decode_case(rng: random.Random, block_size: int, heads: int, kv_heads: 
     seq_lens = [rng.randint(1, 1300) for _ in range(num_seqs)]
     blocks_per_seq = [-(-c // block_size) for c in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables = torch.zeros((len(seq_lens), max(blocks_per_seq)), dtype=torch.long)
-    at = 0
-    for i, n in enumerate(blocks_per_seq):
-        tables[i, :n] = torch.tensor(ids[at : at + n])
-        at += n
+    tables = scatter_tables(rng, blocks_per_seq, list(range(num_blocks)))
     # Slots past each context hold NaN: the kernel must never let them into a result.
     cache = torch.full((2, num_blocks, block_size, kv_heads, dim), float("nan"), dtype=torch.bfloat16)
     for i, ctx in enumerate(seq_lens):

@@ -10,7 +10,7 @@ from kvpage.kv.paged import KVCacheManager, _SeqState, _sid
 from kvpage.kv.prefix_hash import BlockHash, HashFn, sha256_digest
 from kvpage.kv.protocol import NOTHING, Allocation, PrefixHit
 from kvpage.kv.sequence import SequenceLike
-from kvpage.kv.slot_mapping import cdiv, slot_mapping
+from kvpage.kv.slot_mapping import cdiv
 from kvpage.kv.specs import KVLayout
 
 RESERVE_POLICIES = ("max", "pow2", "oracle")
@@ -80,14 +80,6 @@ class StaticReservationManager(KVCacheManager):
         n = self._group_len(state)
         ids = [b.block_id for b in state.table]
         return [ids[g * n : (g + 1) * n] for g in range(self.num_groups)]
-
-    def slot_mapping(self, seq_id: str, start: int, num_tokens: int) -> list[int]:
-        """Slots in the first group (a group's slots are its own table's)."""
-        state = self._state(seq_id)
-        if start < 0 or num_tokens < 0 or start + num_tokens > state.num_tokens:
-            raise IndexError(
-                f"{seq_id}: positions {start}..{start + num_tokens - 1} outside its {state.num_tokens} slotted tokens")
-        return slot_mapping(self.block_table(seq_id), self.block_size, start, num_tokens)
 
     def _admission_reserve(self) -> int:
         """No reserve: the watermark protects running sequences' growth, and a reservation already holds
