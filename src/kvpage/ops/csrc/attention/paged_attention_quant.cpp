@@ -10,6 +10,7 @@
 #include "attention/loop.h"
 #include "attention/merge.h"
 #include "attention/plan.h"
+#include "attention/quant_int8.h"
 #include "attention/quant_rows.h"
 
 #include <cstdint>
@@ -49,9 +50,19 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
       float* pa = part_acc.data() + offset[ti] * D;
       float* pm = part_m.data() + offset[ti];
       float* pl = part_l.data() + offset[ti];
+#if KVPAGE_ISA_AVX2
+#define KVPAGE_QUANT_TILE(d)                                                                                   \
+  if constexpr (C == KVCode::kInt8 && d > 0)                                                                   \
+    attend_tile_int8<d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride, kv_heads, \
+                        tk.pos0, k_begin, k_end, pa, pm, pl, plan.window);                                     \
+  else                                                                                                         \
+    attend_tile_quant<C, d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,     \
+                            kv_heads, D, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, plan.window)
+#else
 #define KVPAGE_QUANT_TILE(d)                                                                                   \
   attend_tile_quant<C, d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride, kv_heads, \
                           D, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, plan.window)
+#endif
       if (D == 64) KVPAGE_QUANT_TILE(64);
       else if (D == 128) KVPAGE_QUANT_TILE(128);
       else if (D == 256) KVPAGE_QUANT_TILE(256);
