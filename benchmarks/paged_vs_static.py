@@ -29,7 +29,7 @@ import random
 import statistics
 
 from _common import drive, engine_gemm_tflops
-from kvpage.config import KV_CACHE_DTYPES
+from kvpage.dtypes import KV_CACHE_CHOICES
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
 from kvpage.sim.cost import ModelSpec, step_log_sample
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--static-slots", type=int, default=16, help="reservations the budget holds")
     ap.add_argument("--json")
     ap.add_argument("--phases", action="store_true", help="also print each run's steps by size (step log)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_CHOICES,
                     help="both runs' cache dtype (the budget stays --static-slots reservations, in its bytes)")
     args = ap.parse_args()
     probe = LLM(kv_cache_memory="128MiB", max_model_len=args.max_model_len,  # one sequence even in float32

@@ -1,5 +1,6 @@
 """Engine-level property test: random request mixes (lengths, n, temperatures, stops, aborts) on a small
-pool, under both preemption modes, always finish with every invariant held and no block in use."""
+pool, under both preemption modes and with bf16 or int8 pages, always finish with every invariant held and
+no block in use."""
 
 from __future__ import annotations
 
@@ -39,14 +40,18 @@ request_st = st.fixed_dictionaries({
     mode=st.sampled_from(["recompute", "swap"]),
     block_size=st.sampled_from([4, 8]),
     budget=st.sampled_from([16, 64]),
+    kv_dtype=st.sampled_from(["auto", "int8"]),
 )
-def test_random_request_mixes_drain_cleanly(tiny_dir, requests, mode, block_size, budget):
-    bytes_per_block = 2 * block_size * 2 * 16 * 2 * 2  # layers x tokens x KV heads x (K+V dims) x bf16
+def test_random_request_mixes_drain_cleanly(tiny_dir, requests, mode, block_size, budget, kv_dtype):
+    # layers x tokens x KV heads x (K and V rows: 16 bf16 values, or 16 int8 codes and a 2-byte scale)
+    bytes_per_block = 2 * block_size * 2 * 2 * (16 * 2 if kv_dtype == "auto" else 16 + 2)
     max_len = 64
     eng = LLMEngine(EngineArgs(model=str(tiny_dir), dtype="bfloat16", max_model_len=max_len, block_size=block_size,
+                               kv_cache_dtype=kv_dtype,
                                kv_cache_memory=(max_len // block_size + 2) * bytes_per_block,
                                swap_space=6 * bytes_per_block, preemption_mode=mode,
                                max_num_batched_tokens=budget, max_num_seqs=6))
+    assert eng.kv.num_blocks == max_len // block_size + 2  # the pool sized with the rows' scales counted
     vocab = eng.worker.lm.config.vocab_size
     head = [(7 * i) % (vocab - 3) + 3 for i in range(24)]
     aborts: dict[str, int] = {}

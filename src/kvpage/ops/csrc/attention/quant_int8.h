@@ -69,29 +69,21 @@ inline __m128i hsum4_epi32(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
 // all through a block's work (scores, softmax, P.V): int8 work per byte is small, and a block's lines fetched
 // at once fill the core's miss queue (measured 1.4x slower on a Zen 3 than these small steps).
 struct LineStream {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t lines = 0, next = 0, per_step = 1;
+  BlockPrefetch<uint8_t> block;  // the block ahead: where its K and V rows lie, how many lines
+  int64_t next = 0, per_step = 1;
 
   LineStream(const uint8_t* kcache, const uint8_t* vcache, const int64_t* table, int64_t block_size,
-             int64_t block_stride, int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end, int64_t steps) {
-    if (t % block_size != 0 && t != k_begin) return;  // not the start of a block
-    const int64_t ahead = (t / block_size + kPrefetchAhead) * block_size;
-    if (ahead >= k_end) return;
-    const int64_t nb = table[ahead / block_size];
-    k = reinterpret_cast<const char*>(kcache + nb * block_stride);
-    v = reinterpret_cast<const char*>(vcache + nb * block_stride);
-    lines = (std::min<int64_t>(block_size, k_end - ahead) * row_stride + 63) / 64;
-    per_step = std::max<int64_t>(1, (lines + steps - 1) / steps);
-  }
+             int64_t block_stride, int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end, int64_t steps)
+      : block(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin, k_end),
+        per_step(std::max<int64_t>(1, (block.lines + steps - 1) / steps)) {}
   void step(int64_t count = 0) {
-    const int64_t end = std::min(lines, next + (count > 0 ? count : per_step));
+    const int64_t end = std::min(block.lines, next + (count > 0 ? count : per_step));
     for (; next < end; ++next) {
-      _mm_prefetch(k + 64 * next, _MM_HINT_T1);
-      _mm_prefetch(v + 64 * next, _MM_HINT_T1);
+      _mm_prefetch(block.k + 64 * next, _MM_HINT_T1);
+      _mm_prefetch(block.v + 64 * next, _MM_HINT_T1);
     }
   }
-  void rest() { step(lines); }
+  void rest() { step(block.lines); }
 };
 
 // Integer dot products of GT query rows (q16, D apart) with KT key rows (k, row_stride apart): out[g] lane kk =
