@@ -8,10 +8,14 @@ how well the model predicts from them, and how fast the paged kernel reads them.
   reads each chunk's keys back from the pages it just wrote): top-1 agreement with the float32-cache run and
   the perplexity, float32 weights throughout, so only the cache differs;
 * speed: one layer's paged decode attention over 64 sequences x 8K tokens of context, median of rounds,
-  every cache dtype side by side in each round.
+  every cache dtype side by side in each round;
+* split (--split): where int8's disagreement comes from. A float32 cache is written with keys and/or values
+  that went through int8 rows and back (the oracle's rounding: row scales, keys rotated), on all layers or on
+  some (e.g. only a hybrid model's sliding-window layers), and with one scale per 64 values instead of per row.
 
     python benchmarks/kv_quant.py                       # SmolLM2-135M (and Gemma 3 270M when installed)
     python benchmarks/kv_quant.py --positions 1000 --speed-seqs 64 --speed-context 8192 --rounds 5
+    python benchmarks/kv_quant.py --models gemma-3-270m --skip capacity speed --kv-dtypes int8 --split
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def fixed_text() -> str:
     return "\n\n".join((ROOT / p).read_text() for p in ("README.md", "docs/kv.md", "src/kvpage/kv/block_pool.py"))
 
 
-def accuracy(model: str, positions: int) -> list[dict]:
+def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES) -> list[dict]:
     lm = load_model(model, dtype="float32")
     tk = lm.tokenizer
     ids = tk.encode(fixed_text())[: positions + 1]
@@ -45,13 +49,66 @@ def accuracy(model: str, positions: int) -> list[dict]:
     ref_top = ref[:-1].argmax(-1)
     target = torch.tensor(ids[1:])
     rows = []
-    for name in CACHE_DTYPES:
+    for name in ("float32", *(d for d in dtypes if d != "float32")):
         logits = ref if name == "float32" else chunked_logits(lm, ids, kv_torch_dtype(name))
         top = logits[:-1].argmax(-1)
         nll = torch.nn.functional.cross_entropy(logits[:-1], target).item()
         rows.append({"model": lm.config.name, "kv_dtype": name, "positions": len(target),
                      "top1_agreement": float((top == ref_top).float().mean()), "perplexity": float(torch.exp(
                          torch.tensor(nll)))})
+    return rows
+
+
+def split(model: str, positions: int) -> list[dict]:
+    """Top-1 agreement with the float32 cache when only some rows carry int8's rounding (see the module doc)."""
+    from kvpage.attention.kv_quant import dequantize_rows, hadamard, quantize_rows
+    from kvpage.ops import load_kernels
+
+    lm = load_model(model, dtype="float32")
+    ids = lm.tokenizer.encode(fixed_text())[: positions + 1]
+    ref_top = chunked_logits(lm, ids, torch.float32)[:-1].argmax(-1)
+    n_layers = lm.config.num_layers
+    full = {i for i in range(n_layers) if not lm.config.layer_window(i)}
+    sliding = set(range(n_layers)) - full
+
+    def round_trip(x: torch.Tensor, rotate: bool, group: int) -> torch.Tensor:
+        y = hadamard(x) if rotate else x.float()
+        g = group or y.shape[-1]
+        y = dequantize_rows(quantize_rows(y.reshape(*y.shape[:-1], -1, g), torch.int8)).reshape(y.shape)
+        return (hadamard(y) if rotate else y).to(x.dtype)
+
+    ops = load_kernels()
+    write = ops.reshape_and_cache
+    setting: dict = {}
+    calls = [0]
+
+    def patched(key, value, cache, slots, packed):  # chunked_logits writes the layers in order, every chunk
+        layer = calls[0] % n_layers
+        calls[0] += 1
+        if layer in setting["k"]:
+            key = round_trip(key, True, setting["group"])
+        if layer in setting["v"]:
+            value = round_trip(value, False, setting["group"])
+        return write(key, value, cache, slots, packed)
+
+    everything = set(range(n_layers))
+    cases = [("keys", everything, set(), 0), ("values", set(), everything, 0), ("both", everything, everything, 0),
+             ("keys, 64-value scales", everything, set(), 64), ("values, 64-value scales", set(), everything, 64),
+             ("both, 64-value scales", everything, everything, 64)]
+    if full and sliding:
+        cases += [("keys on full-attention layers only", full, set(), 0),
+                  ("keys on sliding-window layers only, values everywhere", sliding, everything, 0)]
+    rows = []
+    ops.reshape_and_cache = patched
+    try:
+        for name, k, v, group in cases:
+            setting.update(k=k, v=v, group=group)
+            calls[0] = 0
+            top = chunked_logits(lm, ids, torch.float32)[:-1].argmax(-1)
+            rows.append({"model": lm.config.name, "int8 rounding on": name, "positions": len(ref_top),
+                         "top1_agreement": float((top == ref_top).float().mean())})
+    finally:
+        ops.reshape_and_cache = write
     return rows
 
 
@@ -112,6 +169,9 @@ def main() -> None:
     ap.add_argument("--speed-context", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--skip", nargs="*", default=(), choices=("capacity", "accuracy", "speed"))
+    ap.add_argument("--kv-dtypes", nargs="*", default=list(CACHE_DTYPES), choices=CACHE_DTYPES,
+                    help="the cache dtypes of the accuracy part (float32 always runs: the reference)")
+    ap.add_argument("--split", action="store_true", help="also run the int8 error split (module doc)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     models = a.models or ["SmolLM2-135M-Instruct"] + (["gemma-3-270m"] if packaged_model_path("gemma-3-270m") else [])
@@ -123,10 +183,15 @@ def main() -> None:
             print(f"capacity {r['model']:<24} {r['kv_dtype']:<9} {r['bytes_per_block']:>7} B/block "
                   f"{r['tokens_per_gib']:>9} tokens/GiB  {r['vs_bfloat16']:.3f}x bf16")
     if "accuracy" not in a.skip:
-        result["accuracy"] = [r for m in models for r in accuracy(m, a.positions)]
+        result["accuracy"] = [r for m in models for r in accuracy(m, a.positions, tuple(a.kv_dtypes))]
         for r in result["accuracy"]:
             print(f"accuracy {r['model']:<24} {r['kv_dtype']:<9} top-1 vs float32 cache {r['top1_agreement']:.2%} "
                   f"over {r['positions']} positions, perplexity {r['perplexity']:.3f}")
+    if a.split:
+        result["split"] = [r for m in models for r in split(m, a.positions)]
+        for r in result["split"]:
+            print(f"split    {r['model']:<24} int8 rounding on {r['int8 rounding on']:<54} top-1 "
+                  f"{r['top1_agreement']:.2%} over {r['positions']} positions")
     if "speed" not in a.skip:
         result["speed"] = speed(a.speed_seqs, a.speed_context, a.rounds)
         for r in result["speed"]:

@@ -94,9 +94,9 @@ def quant_case(rng: random.Random, dtype, block_size: int, heads: int, kv_heads:
 def test_compiled_attention_matches_the_reference_on_quantized_pages(dtype, dim, block_size):
     ops = load_kernels()
     rng = random.Random(dim * 31 + block_size + len(str(dtype)))
-    for case in range(10):  # query groups of 4, 3, 4, 5 (runs of four and one), 1
+    for case in range(12):  # query groups of 4, 3, 4, 5 (runs of four and one), 1, 2
         window = [None, None, 1, 24][case % 4]
-        heads, kv_heads = [(8, 2), (9, 3), (4, 1), (10, 2), (6, 6)][case % 5]
+        heads, kv_heads = [(8, 2), (9, 3), (4, 1), (10, 2), (6, 6), (8, 4)][case % 6]
         q_dtype = torch.float32 if case % 2 else torch.bfloat16
         q, k, v, cache, meta = quant_case(rng, dtype, block_size, heads, kv_heads, dim, window, q_dtype)
         scale = dim**-0.5
