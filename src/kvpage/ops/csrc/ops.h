@@ -28,9 +28,10 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                               int64_t partition_size, bool packed, bool split_short, bool amx_decode);
-// Quantized KV pages: int8 / fp8 codes with a float16 scale per row (attention/paged_attention_quant.cpp).
+// Quantized KV pages: int8 / fp8 codes with a bfloat16 scale per row (attention/paged_attention_quant.cpp).
+// paged_attention_quant returns the name of the main loop it ran.
 bool is_quantized_kv(const torch::Tensor& kv_cache);
-void paged_attention_quant(const torch::Tensor& query, const torch::Tensor& kv_cache,
+const char* paged_attention_quant(const torch::Tensor& query, const torch::Tensor& kv_cache,
                            const kvpage::attn::AttentionPlan& plan, double scale, torch::Tensor& out);
 void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
                              const torch::Tensor& slot_mapping);

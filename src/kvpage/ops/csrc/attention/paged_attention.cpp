@@ -442,9 +442,7 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
   query = query.contiguous();
   auto out = torch::empty_like(query);
   if (quantized) {
-    const bool int8_rows = kv_cache.scalar_type() == at::kChar && (query.size(2) == 64 || query.size(2) == 128 || query.size(2) == 256);
-    g_decode_kernel = !KVPAGE_ISA_AVX2 ? "generic-quant" : int8_rows ? "avx2-int8-quant" : "avx2-quant";
-    paged_attention_quant(query, kv_cache, plan, scale, out);
+    g_decode_kernel = paged_attention_quant(query, kv_cache, plan, scale, out);
     return out;
   }
   const bool kv_bf16 = kv_cache.scalar_type() == at::kBFloat16;

@@ -139,13 +139,16 @@ bool is_quantized_kv(const torch::Tensor& kv_cache) {
   return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
 }
 
-void paged_attention_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan,
-                           double scale, torch::Tensor& out) {
+const char* paged_attention_quant(const torch::Tensor& query, const torch::Tensor& kv_cache,
+                                  const AttentionPlan& plan, double scale, torch::Tensor& out) {
   TORCH_CHECK(query.size(2) + kScaleBytes == kv_cache.size(4), "a quantized cache row is head_dim + 2 bytes: ",
               "head_dim of query ", query.size(2), ", cache rows ", kv_cache.size(4));
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "query must be float32 or bfloat16");
   by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, out);
+  const int64_t D = query.size(2);  // run_quant's templated head sizes take the integer loop for int8
+  const bool int8_loop = kv_cache.scalar_type() == at::kChar && (D == 64 || D == 128 || D == 256);
+  return !KVPAGE_ISA_AVX2 ? "generic-quant" : int8_loop ? "avx2-int8-quant" : "avx2-quant";
 }
 
 void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
