@@ -8,7 +8,8 @@ how well the model predicts from them, and how fast the paged kernel reads them.
   reads each chunk's keys back from the pages it just wrote): top-1 agreement with the float32-cache run and
   the perplexity, float32 weights throughout, so only the cache differs;
 * speed: one layer's paged decode attention over 64 sequences x 8K tokens of context, median of rounds,
-  every cache dtype side by side in each round;
+  every cache dtype side by side in each round, the caches allocated as the engine's pool is (2 MiB pages
+  where the OS allows; --small-pages for 4 KiB pages);
 * split (--split): where int8's disagreement comes from. A float32 cache is written with keys and/or values
   that went through int8 rows and back (the oracle's rounding: row scales, keys rotated), on all layers or on
   some (e.g. only a hybrid model's sliding-window layers), and with one scale per 64 values instead of per row.
@@ -123,12 +124,14 @@ def capacity(model: str) -> list[dict]:
     return out
 
 
-def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 3, dim: int = 64) -> list[dict]:
-    """One layer's decode attention: `seqs` sequences of `context` keys on scattered 16-token blocks."""
+def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 3, dim: int = 64,
+          huge_pages: bool = True) -> list[dict]:
+    """One layer's decode attention: `seqs` sequences of `context` keys on scattered 16-token blocks, in caches
+    allocated as the engine allocates its pool (2 MiB pages where the OS allows, unless huge_pages=False)."""
     from kvpage.attention.kv_quant import quantize_rows
     from kvpage.envs import KernelConfig
     from kvpage.ops import kernels
-    from kvpage.worker.kv_cache import as_block_major
+    from kvpage.worker.kv_cache import advise_huge_pages, block_major
 
     ops = kernels(KernelConfig())
     bs = 16
@@ -144,8 +147,13 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
     for name in ("bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2"):
         dt = kv_torch_dtype(name)
         base = torch.randn(2, nb, bs, kv_heads, dim, generator=gen)
-        caches[name] = as_block_major(quantize_rows(base, dt) if name.startswith(("int", "fp8")) else base.to(dt))
-        del base
+        rows = quantize_rows(base, dt) if name.startswith(("int", "fp8")) else base.to(dt)
+        cache = block_major(tuple(rows.shape), dt)  # as the engine allocates its pool: 2 MiB pages unless asked not to
+        if huge_pages:
+            advise_huge_pages([cache])
+        cache.copy_(rows)
+        caches[name] = cache
+        del base, rows
     times: dict[str, list[float]] = {n: [] for n in caches}
     kernel = {}
     for _ in range(rounds):
@@ -172,6 +180,8 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", nargs="*", default=list(CACHE_DTYPES), choices=CACHE_DTYPES,
                     help="the cache dtypes of the accuracy part (float32 always runs: the reference)")
     ap.add_argument("--split", action="store_true", help="also run the int8 error split (module doc)")
+    ap.add_argument("--small-pages", action="store_true",
+                    help="speed: caches on 4 KiB pages (the engine's --no-kv-huge-pages) instead of 2 MiB pages")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     models = a.models or ["SmolLM2-135M-Instruct"] + (["gemma-3-270m"] if packaged_model_path("gemma-3-270m") else [])
@@ -193,7 +203,7 @@ def main() -> None:
             print(f"split    {r['model']:<24} int8 rounding on {r['int8 rounding on']:<54} top-1 "
                   f"{r['top1_agreement']:.2%} over {r['positions']} positions")
     if "speed" not in a.skip:
-        result["speed"] = speed(a.speed_seqs, a.speed_context, a.rounds)
+        result["speed"] = speed(a.speed_seqs, a.speed_context, a.rounds, huge_pages=not a.small_pages)
         for r in result["speed"]:
             print(f"speed    {r['kv_dtype']:<9} {r['seqs']} seqs x {r['context']} keys: {r['ms']:.2f} ms "
                   f"({r['vs_bfloat16']:.2f}x bf16) [{r['kernel']}]")

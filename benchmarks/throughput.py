@@ -22,6 +22,7 @@ Engines, each in its own process, one after another in this invocation:
   llama.cpp              llama-server --parallel N with continuous batching, if --llama-server is given
   kvpage-baseline        kvpage from another checkout's sources (--baseline-src), e.g. before a refactor
   kvpage:<kv dtype>      kvpage with another KV cache dtype (kvpage:bfloat16, kvpage:int8, kvpage:fp8, ...)
+  kvpage-4k              kvpage with its KV cache on 4 KiB pages (--no-kv-huge-pages), to measure what 2 MiB pages give
 A peer that is not installed is reported as skipped, never estimated.
 
 Startup is outside the timed region for every engine. kvpage faults its KV pages in at startup there
@@ -93,7 +94,8 @@ sampling = json.loads(os.environ["KVPAGE_BENCH_SAMPLING"])
 llm = LLM(model=os.environ.get("KVPAGE_BENCH_MODEL") or "SmolLM2-135M-Instruct", kv_cache_memory="4GiB",
           max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
           kv_cache_dtype=os.environ.get("KVPAGE_BENCH_KV_DTYPE") or "auto",
-          kv_prefault=os.environ.get("KVPAGE_BENCH_PREFAULT", "1") != "0")
+          kv_prefault=os.environ.get("KVPAGE_BENCH_PREFAULT", "1") != "0",
+          kv_huge_pages=None if os.environ.get("KVPAGE_BENCH_HUGE_PAGES", "1") != "0" else False)
 llm.generate([reqs[0]["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
 params = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, **sampling) for r in reqs]
 t = time.perf_counter()
@@ -227,6 +229,8 @@ class Skipped(Exception):
 def run_engine(eng: str, reqs: list[dict], args: argparse.Namespace, dtype: str) -> dict:
     if eng == "kvpage":
         return run_python(sys.executable, KVPAGE, reqs)
+    if eng == "kvpage-4k":
+        return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_BENCH_HUGE_PAGES": "0"})
     if eng.startswith("kvpage:"):  # another KV cache dtype (same KV memory: a quantized cache holds more tokens)
         return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_BENCH_KV_DTYPE": eng.split(":", 1)[1]})
     if eng == "kvpage-baseline":  # another checkout's sources, same Python and packages

@@ -84,3 +84,54 @@ def test_kv_prefault_option_reaches_the_cache(caplog):
     with caplog.at_level(logging.INFO, logger="kvpage.worker.kv_cache"):
         Worker(ModelRunConfig(dtype="bfloat16"), CacheConfig(kv_cache_memory="256MiB", kv_prefault=True))
     assert "KV pages faulted in" in caplog.text
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _thp_eligible(addr: int) -> bool | None:
+    """The THPeligible flag of the mapping holding ``addr`` (None where smaps does not report it)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "THPeligible:":
+                return line.split()[1] == "1"
+    return None
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+def test_kv_cache_asks_for_huge_pages():
+    import mmap
+
+    import torch
+
+    from kvpage.worker.kv_cache import advise_huge_pages
+
+    # a fresh private mapping of its own (as the allocator's), so its flags are this test's
+    buf = mmap.mmap(-1, 8 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    advised = advise_huge_pages([t, torch.empty(0)])
+    assert 6 * 2**20 <= advised <= 8 * 2**20  # the whole 2 MiB pages inside the buffer
+    inner = -(-t.data_ptr() // 2**21) * 2**21
+    if _thp_eligible(inner) is None:
+        pytest.skip("smaps has no THPeligible field")
+    assert _thp_eligible(inner)
+
+
+def test_kv_huge_pages_option_reaches_the_cache():
+    on = Worker(ModelRunConfig(dtype="bfloat16"), CacheConfig(kv_cache_memory="256MiB", kv_huge_pages=True))
+    off = Worker(ModelRunConfig(dtype="bfloat16"), CacheConfig(kv_cache_memory="256MiB", kv_prefault=True,
+                                                               kv_huge_pages=False))
+    assert off.kv_cache.huge_page_bytes == 0 and "2 MiB pages" not in off.describe()
+    assert CacheConfig().huge_pages is False and CacheConfig(kv_prefault=True).huge_pages is True
+    if _thp_mode() in ("madvise", "always"):
+        assert on.kv_cache.huge_page_bytes > 0 and "2 MiB pages advised" in on.describe()

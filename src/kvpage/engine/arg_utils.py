@@ -30,6 +30,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     swap_space: str | int = 0
     kv_prefault: bool = False
+    kv_huge_pages: bool | None = None  # None: with kv_prefault
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
@@ -58,7 +59,7 @@ class EngineArgs:
         return CacheConfig(block_size=self.block_size, kv_cache_memory=size_gib_default(self.kv_cache_memory),
                            kv_cache_dtype=self.kv_cache_dtype, swap_space=size_gib_default(self.swap_space),
                            enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark,
-                           kv_prefault=self.kv_prefault)
+                           kv_prefault=self.kv_prefault, kv_huge_pages=self.kv_huge_pages)
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -81,6 +82,9 @@ class EngineArgs:
         g.add_argument("--kv-prefault", action=argparse.BooleanOptionalAction, default=d.kv_prefault,
                        help="fault the KV cache's pages in at startup (slower start, no page faults mid-run; "
                             "`kvpage serve` does by default)")
+        g.add_argument("--kv-huge-pages", action=argparse.BooleanOptionalAction, default=d.kv_huge_pages,
+                       help="back the KV cache with 2 MiB pages where the OS allows (fewer TLB misses on "
+                            "scattered blocks; default: when --kv-prefault is on, as for `kvpage serve`)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching)
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,

@@ -47,7 +47,8 @@ class Worker:
                 f"{self.max_model_len}: raise kv_cache_memory or lower max_model_len"
             )
         self.num_swap_blocks = int(cc.swap_space) // self.bytes_per_block
-        self.kv_cache = KVCache(cfg, self.num_blocks, cc.block_size, self.kv_dtype, self.num_swap_blocks, self.layout)
+        self.kv_cache = KVCache(cfg, self.num_blocks, cc.block_size, self.kv_dtype, self.num_swap_blocks, self.layout,
+                                huge_pages=cc.huge_pages)
         if cc.kv_prefault:
             self.kv_cache.prefault()
         self.runner = ModelRunner(self.lm.model, self.kv_cache)
@@ -61,12 +62,15 @@ class Worker:
         per_seq = sum(g.spec.max_blocks(cc.block_size, self.max_model_len) for g in self.layout.groups)
         groups = f"; KV groups: {self.layout.describe()}" if self.layout.hybrid or self.layout.groups[0].spec.window \
             else ""
+        advised = self.kv_cache.huge_page_bytes
+        huge = f"; 2 MiB pages advised for {format_bytes(advised)}" if advised else ""
         return (
             f"KV cache: {self.num_blocks} blocks x {cc.block_size} tokens = {self.num_blocks * cc.block_size} tokens "
             f"in "
             f"{format_bytes(self.num_blocks * self.bytes_per_block)} ({kv_dtype_name(self.kv_dtype)}, "
             f"{format_bytes(self.bytes_per_block)}/block){groups}; max concurrency at max_model_len "
             f"{self.max_model_len}: {self.num_blocks / per_seq:.2f}x; swap space: {self.num_swap_blocks} blocks"
+            f"{huge}"
         )
 
     def make_kv_manager(self, policy: str = "paged") -> KVCacheManager:
