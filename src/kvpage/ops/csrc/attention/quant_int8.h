@@ -117,15 +117,11 @@ inline void score_rows(const int16_t* q16, const float* qs, const uint8_t* kb, i
   for (; i + KT <= visible; i += KT) {
     ls.step();
     dot_keys<GT, KT, D>(q16, kb + i * row_stride, row_stride, out);
+    // four lanes stored whatever KT: lanes past KT land on scores the next pass (or the tail) writes, or past
+    // `visible` (never read); ks has room to read four (the value scales follow it)
     for (int g = 0; g < GT; ++g) {
       const __m128 f = _mm_mul_ps(_mm_cvtepi32_ps(out[g]), _mm_set1_ps(qs[g]));
-      if constexpr (KT == 4) {
-        _mm_storeu_ps(sc + g * ss + i, _mm_mul_ps(f, _mm_loadu_ps(ks + i)));
-      } else {
-        alignas(16) float t[4];
-        _mm_store_ps(t, f);
-        for (int kk = 0; kk < KT; ++kk) sc[g * ss + i + kk] = t[kk] * ks[i + kk];
-      }
+      _mm_storeu_ps(sc + g * ss + i, _mm_mul_ps(f, _mm_loadu_ps(ks + i)));
     }
   }
   for (; i < visible; ++i) {
