@@ -131,7 +131,7 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
     from kvpage.attention.kv_quant import quantize_rows
     from kvpage.envs import KernelConfig
     from kvpage.ops import kernels
-    from kvpage.worker.kv_cache import advise_huge_pages, block_major
+    from kvpage.worker.kv_cache import as_block_major
 
     ops = kernels(KernelConfig())
     bs = 16
@@ -148,11 +148,7 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
         dt = kv_torch_dtype(name)
         base = torch.randn(2, nb, bs, kv_heads, dim, generator=gen)
         rows = quantize_rows(base, dt) if name.startswith(("int", "fp8")) else base.to(dt)
-        cache = block_major(tuple(rows.shape), dt)  # as the engine allocates its pool: 2 MiB pages unless asked not to
-        if huge_pages:
-            advise_huge_pages([cache])
-        cache.copy_(rows)
-        caches[name] = cache
+        caches[name] = as_block_major(rows, huge_pages)  # as the engine's prefaulted pool is stored
         del base, rows
     times: dict[str, list[float]] = {n: [] for n in caches}
     kernel = {}

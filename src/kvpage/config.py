@@ -52,7 +52,7 @@ class CacheConfig:
     kv_prefault: bool = False
     # Ask Linux for 2 MiB pages under the device KV tensors (madvise MADV_HUGEPAGE, where transparent huge
     # pages are "madvise" or "always"): a sequence's blocks lie scattered over the pool, and with 4 KiB pages
-    # nearly every block read is a TLB miss (bf16 decode attention at 64 x 8K on a Zen 3: 1.30x faster). None =
+    # nearly every block read is a TLB miss (bf16 decode attention at 64 x 8K on a Zen 3: 1.42x faster). None =
     # with kv_prefault only: a huge page faulted in mid-run can stall a step (measured on a Xeon, 2026-11-23).
     kv_huge_pages: bool | None = None
 

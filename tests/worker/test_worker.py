@@ -121,10 +121,10 @@ def test_kv_cache_asks_for_huge_pages():
     t = torch.frombuffer(buf, dtype=torch.uint8)
     advised = advise_huge_pages([t, torch.empty(0)])
     assert 6 * 2**20 <= advised <= 8 * 2**20  # the whole 2 MiB pages inside the buffer
-    inner = -(-t.data_ptr() // 2**21) * 2**21
-    if _thp_eligible(inner) is None:
+    eligible = _thp_eligible(-(-t.data_ptr() // 2**21) * 2**21)
+    if eligible is None:
         pytest.skip("smaps has no THPeligible field")
-    assert _thp_eligible(inner)
+    assert eligible
 
 
 def test_kv_huge_pages_option_reaches_the_cache():

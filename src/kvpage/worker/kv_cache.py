@@ -79,12 +79,14 @@ def advise_huge_pages(tensors: Sequence[torch.Tensor]) -> int:
     block costs a TLB miss and a page walk. Where transparent huge pages are off, or the call fails, nothing
     changes and the pool works on small pages."""
     madvise = _madvise()
+    if madvise is None:
+        return 0
     advised = 0
     for t in tensors:
         begin = t.data_ptr()
         end = begin + t.numel() * t.element_size()
         lo, hi = -(-begin // _HUGE) * _HUGE, end // _HUGE * _HUGE  # the whole 2 MiB pages inside the tensor
-        if madvise is not None and hi > lo and madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0:
+        if hi > lo and madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0:
             advised += hi - lo
     return advised
 
@@ -111,14 +113,19 @@ def block_major(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty((num_blocks, two, *block), dtype=dtype).transpose(0, 1)
 
 
-def as_block_major(cache: torch.Tensor) -> torch.Tensor:
-    """A copy of a ``[2, num_blocks, ...]`` cache tensor in the engine's block-major storage (tests, benchmarks)."""
-    return cache.transpose(0, 1).contiguous().transpose(0, 1)
+def as_block_major(cache: torch.Tensor, huge_pages: bool = False) -> torch.Tensor:
+    """A copy of a ``[2, num_blocks, ...]`` cache tensor in the engine's block-major storage (tests, benchmarks),
+    on 2 MiB pages if asked, as a prefaulted pool is."""
+    if not huge_pages:
+        return cache.transpose(0, 1).contiguous().transpose(0, 1)
+    out = block_major(tuple(cache.shape), cache.dtype)
+    advise_huge_pages([out])
+    return out.copy_(cache)
 
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 num_host_blocks: int = 0, layout: KVLayout | None = None, huge_pages: bool = True) -> None:
+                 num_host_blocks: int = 0, layout: KVLayout | None = None, huge_pages: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         if cfg.value_head_dim != cfg.head_dim:
