@@ -125,7 +125,7 @@ def capacity(model: str) -> list[dict]:
 
 
 def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 3, dim: int = 64,
-          huge_pages: bool = True) -> list[dict]:
+          huge_pages: bool = True, fold: int = 0) -> list[dict]:
     """One layer's decode attention: `seqs` sequences of `context` keys on scattered 16-token blocks, in caches
     allocated as the engine allocates its pool (2 MiB pages where the OS allows, unless huge_pages=False)."""
     from kvpage.attention.kv_quant import quantize_rows
@@ -139,6 +139,8 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
     nb = seqs * per
     gen = torch.Generator().manual_seed(0)
     tables = torch.randperm(nb, generator=gen).reshape(seqs, per)
+    if fold:  # every block id into the first `fold` blocks: the same work on K/V that stays in cache
+        tables = tables % fold
     qsl = torch.arange(seqs + 1)
     lens = torch.full((seqs,), context)
     plan = ops.plan_attention(tables, qsl, lens, heads, nb, bs)
@@ -178,10 +180,13 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="also run the int8 error split (module doc)")
     ap.add_argument("--small-pages", action="store_true",
                     help="speed: caches on 4 KiB pages (the engine's --no-kv-huge-pages) instead of 2 MiB pages")
+    ap.add_argument("--fold-blocks", type=int, default=0,
+                    help="speed: read only the first N blocks (the same work on K/V that stays in cache)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     models = a.models or ["SmolLM2-135M-Instruct"] + (["gemma-3-270m"] if packaged_model_path("gemma-3-270m") else [])
-    torch.set_num_threads(torch.get_num_threads())
+    torch.set_num_threads(a.threads or torch.get_num_threads())
     result: dict[str, list] = {}
     if "capacity" not in a.skip:
         result["capacity"] = [r for m in models for r in capacity(m)]
@@ -199,7 +204,8 @@ def main() -> None:
             print(f"split    {r['model']:<24} int8 rounding on {r['int8 rounding on']:<54} top-1 "
                   f"{r['top1_agreement']:.2%} over {r['positions']} positions")
     if "speed" not in a.skip:
-        result["speed"] = speed(a.speed_seqs, a.speed_context, a.rounds, huge_pages=not a.small_pages)
+        result["speed"] = speed(a.speed_seqs, a.speed_context, a.rounds, huge_pages=not a.small_pages,
+                                fold=a.fold_blocks)
         for r in result["speed"]:
             print(f"speed    {r['kv_dtype']:<9} {r['seqs']} seqs x {r['context']} keys: {r['ms']:.2f} ms "
                   f"({r['vs_bfloat16']:.2f}x bf16) [{r['kernel']}]")
