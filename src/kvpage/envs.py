@@ -33,6 +33,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "compiled call; 'python' keeps the Python layer loop (same bits)", "decode_layers", ("compiled", "python")),
     EnvVar("KVPAGE_AMX_LINEAR", bool, True, "the AMX tile GEMM for bf16 projections where the CPU has AMX; 0 keeps "
            "oneDNN's packed GEMM", "amx_linear"),
+    EnvVar("KVPAGE_I8_GEMM", bool, True, "bf16 models' many-row projections multiply the checkpoint's Q4 / Q8 blocks "
+           "with int8 activation codes (AVX-512 VNNI, CPUs without AMX); 0 keeps oneDNN's bf16 GEMM", "i8_gemm"),
     EnvVar("KVPAGE_F32_GEMM", bool, True, "kvpage's float32 panel GEMM for float32 projections on AVX2 builds; 0 keeps "
            "oneDNN's", "f32_gemm"),
     EnvVar("KVPAGE_AMX_DECODE", bool, True, "AMX tile products for decode attention where the CPU and OS allow them; "
@@ -86,6 +88,7 @@ class KernelConfig:
     quant_int16: bool = True
     decode_layers: str = "compiled"
     amx_linear: bool = True
+    i8_gemm: bool = True
     f32_gemm: bool = True
     amx_decode: bool = True
     split_short: bool = True

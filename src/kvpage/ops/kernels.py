@@ -28,6 +28,7 @@ class Kernels:
         self.packed_layout = module.has_packed_layout() and config.kv_layout == "packed"
         self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
         self.f32_gemm_ok = config.f32_gemm and module.f32_gemm_available()
+        self.i8_gemm_ok = config.i8_gemm and module.i8_gemm_available()
         self.amx_prefill_ok = config.amx_prefill and module.prefill_amx_available()
         self.quant_int16 = config.quant_int16
 
@@ -95,6 +96,15 @@ class Kernels:
     def amx_linear(self, x: Tensor, packed: Tensor, bias: Tensor | None, silu_gate: bool) -> Tensor:
         """x . W^T (+ bias) with AMX tile products; silu_gate: the gated MLP half in the epilogue."""
         return self._c.amx_linear(x, packed, bias, silu_gate)
+
+    def i8_pack_weight(self, qs: Tensor, d: Tensor, m: Tensor | None, gated: bool) -> tuple[Tensor, Tensor]:
+        """Q4 / Q8 blocks as i8_linear's 16-column panels: (unsigned byte codes, per-block scales and offsets)."""
+        return self._c.i8_pack_weight(qs, d, m, gated)
+
+    def i8_linear(self, x: Tensor, codes: Tensor, scales: Tensor, n: int, gated: bool,
+                  bias: Tensor | None) -> Tensor:
+        """x . W^T with int8 activation codes per 32-block against the exact quantized weights (VNNI)."""
+        return self._c.i8_linear(x, codes, scales, n, gated, bias)
 
     def f32_pack_weight(self, w: Tensor) -> Tensor:
         return self._c.f32_pack_weight(w)

@@ -2,7 +2,10 @@
 
 kvpage's AMX tile GEMM (csrc/linear/linear_amx.cpp) runs the layer projections at every row count (1.2-1.6x
 oneDNN's packed GEMM for 1-1024 rows, 0.97x at 2048, on the AMX Xeon: benchmarks/linear.py, BENCHMARKS.md);
-the kernel configuration's amx_linear=False turns it off (side-by-side runs).
+the kernel configuration's amx_linear=False turns it off (side-by-side runs). On AVX-512 VNNI CPUs without
+AMX, bf16 models with the checkpoint's Q4 / Q8 blocks run their many-row products on those blocks with int8
+activation codes (csrc/linear/gemm_i8.cpp: ~4x oneDNN's bf16 GEMM on the Xeon without AMX; i8_gemm=False
+turns it off).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ class PackedLinear(nn.Module):
     """Inference-only linear layer on pre-packed bf16 (or float32) weights: same results as F.linear up to float32
     summation order, about twice as fast on this CPU, because the weight is laid out for the product once
     instead of at every call. Paths by row count: the checkpoint's quantized blocks (a few rows, where reading
-    fewer bytes wins), then the AMX tile GEMM where the CPU has it (bf16), kvpage's panel GEMM for float32 on
-    AVX2 builds, oneDNN otherwise (and above amx_max_rows)."""
+    fewer bytes wins), then the AMX tile GEMM where the CPU has it (bf16), the int8 GEMM on the quantized blocks
+    (bf16 models on AVX-512 VNNI CPUs without AMX), kvpage's panel GEMM for float32 on AVX2 builds, oneDNN
+    otherwise (and above amx_max_rows)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
                  ops: Kernels | None = None, amx_max_rows: int | None = None, gated: bool = False) -> None:
@@ -47,6 +51,12 @@ class PackedLinear(nn.Module):
             self.amx_max_rows = amx_max_rows if amx_max_rows is not None else 1 << 62
             if bias is not None:
                 self.amx_bias = bias.float()  # the kernel adds float32: converted once, not per call
+        # bf16 models with quantized blocks on VNNI CPUs without AMX: the int8 GEMM (its own packing, kept in
+        # place of oneDNN's: the bf16 weight itself stays with the model for exact logits and the reference)
+        self.i8: tuple[torch.Tensor, torch.Tensor] | None = None
+        if (self.amx is None and self.quant is not None and ops is not None and ops.i8_gemm_ok
+                and weight.dtype == torch.bfloat16 and self.quant.shape == (n, k) and not (gated and n % 32)):
+            self.i8 = ops.i8_pack_weight(self.quant.qs, self.quant.d, self.quant.m, gated)
         # float32 weights on AVX2 builds: kvpage's panel GEMM (ops/csrc/linear/gemm_f32.cpp; 1.1-1.65x oneDNN's packed
         # product on a pass of this model's layers at 1-2048 rows: benchmarks/linear.py --dtype float32),
         # oneDNN's packing otherwise.
@@ -54,7 +64,7 @@ class PackedLinear(nn.Module):
         self.n = n
         if weight.dtype == torch.float32 and ops is not None and ops.f32_gemm_ok:
             self.f32 = ops.f32_pack_weight(weight.contiguous())
-        elif self.amx is None or amx_max_rows is not None:
+        elif (self.amx is None and self.i8 is None) or (self.amx is not None and amx_max_rows is not None):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +76,8 @@ class PackedLinear(nn.Module):
             if self.bias is None:  # the gated activation in the kernel's epilogue
                 return self.ops.quant_linear(x, q.qs, q.d, q.m, False, self.gated)
             out = self.ops.quant_linear(x, q.qs, q.d, q.m, False) + self.bias.to(x.dtype)
+        elif self.i8 is not None:  # the gated activation in the kernel's epilogue
+            return self.ops.i8_linear(x, self.i8[0], self.i8[1], self.n, self.gated, self.bias)
         elif self.f32 is not None:
             out = self.ops.f32_linear(x, self.f32, self.n, self.bias)
         else:

@@ -86,6 +86,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_linear", &kvpage::gemm::f32_linear, "float32 x . W^T (+ bias) from a panel-packed weight", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
 
+  // linear/gemm_i8.cpp
+  m.def("i8_gemm_available", &kvpage::gemm_i8::i8_gemm_available,
+        "whether i8_linear runs in this build (AVX-512 VNNI)");
+  m.def("i8_pack_weight", &kvpage::gemm_i8::i8_pack_weight,
+        "Q4 / Q8 blocks as i8_linear's panels: (codes, scales)", py::arg("qs"), py::arg("d"), py::arg("m") = py::none(),
+        py::arg("gated") = false);
+  m.def("i8_linear", &kvpage::gemm_i8::i8_linear,
+        "x . W^T from Q4 / Q8 panels with int8 activation codes per 32-block (VNNI products)", py::arg("x"),
+        py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("gated") = false,
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+
   // sampler.cpp
   m.def("apply_penalties_", &apply_penalties_, "repetition, presence and frequency penalties in place, per row",
         py::call_guard<py::gil_scoped_release>());

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // Norms, RoPE, the gated activation, logits (fused_ops.cpp).
@@ -52,7 +53,7 @@ void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv
 }  // namespace kvpage::prefill
 
 // Linear layers: quantized GGUF blocks (linear/quant_linear.cpp), AMX tiles (linear/linear_amx.cpp), the
-// float32 panel GEMM (linear/gemm_f32.cpp).
+// float32 panel GEMM (linear/gemm_f32.cpp), 8-bit integer products from Q4 / Q8 blocks (linear/gemm_i8.cpp).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
                            bool float_out, bool int16, bool gated);
 bool quant_int16_available();
@@ -68,6 +69,13 @@ bool f32_gemm_available();
 torch::Tensor f32_pack_weight(const torch::Tensor& w);
 torch::Tensor f32_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N, c10::optional<torch::Tensor> bias);
 }  // namespace kvpage::gemm
+namespace kvpage::gemm_i8 {
+bool i8_gemm_available();
+std::tuple<torch::Tensor, torch::Tensor> i8_pack_weight(const torch::Tensor& qs, const torch::Tensor& d,
+                                                        const c10::optional<torch::Tensor>& m, bool gated);
+torch::Tensor i8_linear(torch::Tensor x, const torch::Tensor& codes, const torch::Tensor& scales, int64_t N,
+                        bool gated, const c10::optional<torch::Tensor>& bias);
+}  // namespace kvpage::gemm_i8
 
 // Sampling (sampler.cpp).
 void apply_penalties_(torch::Tensor logits, torch::Tensor rows, torch::Tensor prompt_ids, torch::Tensor prompt_offsets,
