@@ -1,5 +1,7 @@
 """Projections of a step: kvpage's AMX tile GEMM (amx_linear) vs oneDNN's pre-packed bf16 GEMM, or with
---dtype float32 kvpage's float32 panel GEMM (f32_linear, AVX2 builds) vs oneDNN's pre-packed float32 GEMM.
+--dtype float32 kvpage's float32 panel GEMM (f32_linear, AVX2 builds) vs oneDNN's pre-packed float32 GEMM, or
+with --i8 kvpage's int8 GEMM on the GGUF's quantized blocks (i8_linear, AVX-512 VNNI builds; what bf16 models
+run on CPUs without AMX) vs oneDNN's pre-packed bf16 GEMM.
 
 Uses the default model's real bf16 weights: for each row count M, the 120 layer projections of one forward
 pass (every layer's q|k|v, o, gate|up with its SiLU gating and down, so the ~210 MB of weights stream from
@@ -8,7 +10,7 @@ by side in one process, alternating rounds, medians reported. gate|up runs as th
 kernel's gated epilogue against oneDNN followed by silu_mul. PackedLinear uses the kernel for every layer
 projection and for the lm head up to kvpage.model.fast_path.AMX_LOGITS_MAX_ROWS rows.
 
-    python benchmarks/linear.py [--rows 1 8 16 32 64 128 256 512 1024 2048] [--rounds 7] [--dtype float32]
+    python benchmarks/linear.py [--rows 1 8 16 32 64 128 256 512 1024 2048] [--rounds 7] [--dtype float32 | --i8]
 
 With float32, gate|up runs as the engine runs it there: either product followed by silu_mul.
 
@@ -51,12 +53,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--hot", action="store_true", help="cold vs hot weights for the tile GEMM (see above)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--i8", action="store_true", help="the int8 GEMM on the quantized blocks against oneDNN bf16")
     args = ap.parse_args()
     ops = load_kernels()
     f32 = args.dtype == "float32"
     if f32 and (ops is None or not ops.f32_gemm_available() or args.hot):
         raise SystemExit("--dtype float32 needs the compiled kernels built for AVX2 without AVX-512 (and no --hot)")
-    if not f32 and (ops is None or not ops.amx_linear_available()):
+    if args.i8 and (f32 or args.hot or ops is None or not ops.i8_gemm_available()):
+        raise SystemExit("--i8 needs the compiled kernels built for AVX-512 VNNI (bf16, no --hot)")
+    if not f32 and not args.i8 and (ops is None or not ops.amx_linear_available()):
         raise SystemExit("needs the compiled kernels and AMX tile products (CPU with AMX-BF16, Linux >= 5.16)")
     dtype = torch.float32 if f32 else torch.bfloat16
     lm = load_model(dtype=args.dtype, attention_backend="reference")  # plain layers: the dense weights
@@ -70,7 +75,8 @@ def main() -> None:
     if args.hot:
         cold_vs_hot(ops, layers, gated, args.rows, args.rounds)
         return
-    name = "kvpage f32" if f32 else "amx"
+    i8_packs = i8_weights(args.i8)
+    name = "kvpage f32" if f32 else "i8" if args.i8 else "amx"
     print(f"| rows | layers oneDNN (ms) | layers {name} (ms) | oneDNN / {name} | {name} TFLOP/s | "
           f"lm head oneDNN (ms) | lm head {name} (ms) | oneDNN / {name} |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -82,6 +88,8 @@ def main() -> None:
             onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in group]
             if f32:
                 mine = [(ops.f32_pack_weight(w), w.shape[0]) for w in group]
+            elif args.i8:
+                mine = i8_packs[: len(group)] if group is layers else i8_packs[-1:]
             else:
                 mine = [ops.amx_pack_gate_up(w) if f else ops.amx_pack_weight(w)
                         for w, f in zip(group, flags, strict=True)]
@@ -101,6 +109,8 @@ def main() -> None:
                         y = ops.f32_linear(inputs[w.shape[1]], *p)
                         if f:
                             ops.silu_mul(y)
+                    elif args.i8:
+                        ops.i8_linear(inputs[w.shape[1]], *p, None)
                     else:
                         ops.amx_linear(inputs[w.shape[1]], p, None, f)
                 return time.perf_counter() - t
@@ -110,6 +120,22 @@ def main() -> None:
         (la, lb, ltf), (ha, hb, _) = cells
         print(f"| {m} | {la * 1e3:.2f} | {lb * 1e3:.2f} | {la / lb:.2f}x | {ltf:.2f} | {ha * 1e3:.2f} | "
               f"{hb * 1e3:.2f} | {ha / hb:.2f}x |", flush=True)
+
+
+def i8_weights(on: bool) -> list[tuple]:
+    """(codes, scales, N, gated) of every layer projection and the lm head, as the bf16 fast path packs them for
+    the int8 GEMM, in dense_weights' order."""
+    if not on:
+        return []
+    from kvpage.envs import KernelConfig
+
+    lm = load_model(dtype="bfloat16", fast=True, kernel_config=KernelConfig(i8_gemm=True, amx_linear=False))
+    out = []
+    for layer in lm.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        out += [(*p.i8, p.n, p.gated) for p in (a.qkv, a.o_packed, m.gate_up, m.down)]
+    head = lm.model.fast.lm_packed
+    return [*out, (*head.i8, head.n, False)]
 
 
 def cold_vs_hot(ops, layers, gated, rows: list[int], rounds: int) -> None:

@@ -103,7 +103,7 @@ class FastPath:
         """As the reference model's, from the packed (or, for a few rows, the quantized) lm head."""
         ops, weight = self.ops, self.lm_weight
         lm_quant = self.lm_quant
-        if lm_quant is not None and 0 < hidden.shape[0] <= ops.config.quant_max_tokens:
+        if lm_quant is not None and lm_quant.few_token_ok and 0 < hidden.shape[0] <= ops.config.quant_max_tokens:
             # float32 logits from the exact quantized weights (one row: 16-bit activation codes, ~2e-5 relative):
             # nothing near the maximum needs recomputing
             raw = ops.quant_linear(hidden, lm_quant.qs, lm_quant.d, lm_quant.m, True)
@@ -157,7 +157,7 @@ class _FastLayer:
         # bias (under cProfile, PackedLinear.forward's own time was ~4% of a one-stream token); the gate_up
         # product applies the MLP's activation in its epilogue.
         self.decode = (tuple(_quant_projection(w.ops, w.quant, w.gated) for w in linears)
-                       if all(w.quant is not None and w.bias is None for w in linears) else None)
+                       if all(w.quant is not None and w.bias is None for w in linears) else None)  # Q4 / Q8
         self.attend = attn.backend.forward
         self.in_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = layer.post_attention_layernorm.eps

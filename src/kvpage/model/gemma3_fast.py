@@ -1,5 +1,6 @@
 """The fast path of Gemma 3 (model/gemma3.py is the reference): packed projections (q|k|v, o, gate|up, down and
-the 262k-row tied lm head: the AMX tile GEMM where the CPU has it, oneDNN's packed product otherwise) and the
+the 262k-row tied lm head: the AMX tile GEMM where the CPU has it, the int8 GEMM on the GGUF's Q5_0 / Q4_K / Q8_0
+blocks on AVX-512 VNNI CPUs without it (Q6_K matrices and few-token steps: oneDNN's packed product)) and the
 fused norm kernels, with each norm's ``1 + w`` folded once into a float32 weight (the sum transformers forms on
 every call, so the norm's arithmetic is unchanged). The residual stream stays float32; the products run in the
 weights' dtype.
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from kvpage.model.fast_path import AMX_LOGITS_MAX_ROWS, packed_logits
 from kvpage.model.layers.linear import PackedLinear
 from kvpage.model.logits import LogitsResult
+from kvpage.model.quant import QuantWeight, concat
 from kvpage.ops import Kernels
 
 if TYPE_CHECKING:
@@ -36,16 +38,26 @@ class _Layer:
 class Gemma3FastPath:
     """Gemma 3's layers as packed products and fused kernels under ``ops``."""
 
-    def __init__(self, model: Gemma3ForCausalLM, ops: Kernels) -> None:
+    def __init__(self, model: Gemma3ForCausalLM, ops: Kernels, quant: dict[str, QuantWeight] | None = None) -> None:
         self.model, self.ops = model, ops
         self.layers: list[_Layer] = []
-        for layer, sliding in zip(model.layers, model.sliding, strict=True):
+
+        def blocks(*names: str) -> QuantWeight | None:
+            """The GGUF's blocks for these matrices, in the one-code-per-weight form: only the int8 GEMM reads them
+            here (few-token steps keep the packed bf16 product)."""
+            qw = concat([(quant or {}).get(n) for n in names])
+            return None if qw is None else qw.as_u8()
+
+        for i, (layer, sliding) in enumerate(zip(model.layers, model.sliding, strict=True)):
             a, m = layer.self_attn, layer.mlp
+            at, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
             p = _Layer()
-            p.qkv = PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), None, ops=ops)
-            p.o = PackedLinear(a.o_proj.weight, None, ops=ops)
-            p.gate_up = PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None, ops=ops)
-            p.down = PackedLinear(m.down_proj.weight, None, ops=ops)
+            p.qkv = PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), None,
+                                 blocks(f"{at}.q_proj.weight", f"{at}.k_proj.weight", f"{at}.v_proj.weight"), ops=ops)
+            p.o = PackedLinear(a.o_proj.weight, None, blocks(f"{at}.o_proj.weight"), ops=ops)
+            p.gate_up = PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None,
+                                     blocks(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), ops=ops)
+            p.down = PackedLinear(m.down_proj.weight, None, blocks(f"{mlp}.down_proj.weight"), ops=ops)
             p.inter = m.gate_proj.weight.shape[0]
             p.q_norm, p.k_norm = _one_plus(a.q_norm.weight), _one_plus(a.k_norm.weight)
             p.post_attn = _one_plus(layer.post_attention_layernorm.weight)
@@ -62,7 +74,8 @@ class Gemma3FastPath:
         self.in_norms = [_one_plus(layer.input_layernorm.weight) for layer in model.layers] + [_one_plus(
             model.norm.weight)]
         self.lm_weight = model.embed_tokens.weight
-        self.lm_packed = PackedLinear(self.lm_weight, None, ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS)
+        self.lm_packed = PackedLinear(self.lm_weight, None, blocks("embed_tokens.weight"), ops=ops,
+                                      amx_max_rows=AMX_LOGITS_MAX_ROWS)
         self.embed_scale = torch.tensor(model.config.hidden_size**0.5, dtype=self.lm_weight.dtype)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

@@ -41,7 +41,7 @@ def _maybe_enable_fast_path(net: LlamaForCausalLM | Gemma3ForCausalLM, run_dtype
     if isinstance(net, Gemma3ForCausalLM):
         from kvpage.model.gemma3_fast import Gemma3FastPath
 
-        net.fast = Gemma3FastPath(net, ops)
+        net.fast = Gemma3FastPath(net, ops, quant)
         return
     from kvpage.model.fast_path import FastPath
 
@@ -121,7 +121,7 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
         tokenizer = KVTokenizer.from_gguf_fields(fields, source=str(path))
         if not cfg.vocab_size:
             cfg = cfg.with_overrides(vocab_size=len(fields["tokenizer.ggml.tokens"]))
-        tensors = iter_gguf_tensors(reader, path, cfg, quant if fast and cfg.architecture != "gemma3" else None)
+        tensors = iter_gguf_tensors(reader, path, cfg, quant if fast else None)
     if not cfg.intermediate_size or not cfg.hidden_size or not cfg.vocab_size:
         raise ValueError(f"{path}: config lacks hidden_size, intermediate_size or vocab_size")
 

@@ -35,8 +35,9 @@ class PackedLinear(nn.Module):
             raise ValueError("a gated PackedLinear needs the compiled kernels (silu_mul)")
         self.out_features = weight.shape[0] // 2 if gated else weight.shape[0]
         self.bias = bias
-        # The checkpoint's own quantized blocks, used for steps of at most config.quant_max_tokens tokens.
-        self.quant = quant if ops is not None else None
+        # The checkpoint's own quantized blocks: steps of at most config.quant_max_tokens tokens multiply Q4 / Q8
+        # blocks directly (self.quant); the int8 GEMM reads every kind (self.i8).
+        self.quant = quant if ops is not None and quant is not None and quant.few_token_ok else None
         self.quant_max_tokens = ops.config.quant_max_tokens if ops is not None else 0
         self.ops = ops
         # AMX operand order for up to amx_max_rows rows (None: all); oneDNN's packing only where it is used.
@@ -54,9 +55,9 @@ class PackedLinear(nn.Module):
         # bf16 models with quantized blocks on VNNI CPUs without AMX: the int8 GEMM (its own packing, kept in
         # place of oneDNN's: the bf16 weight itself stays with the model for exact logits and the reference)
         self.i8: tuple[torch.Tensor, torch.Tensor] | None = None
-        if (self.amx is None and self.quant is not None and ops is not None and ops.i8_gemm_ok
-                and weight.dtype == torch.bfloat16 and self.quant.shape == (n, k) and not (gated and n % 32)):
-            self.i8 = ops.i8_pack_weight(self.quant.qs, self.quant.d, self.quant.m, gated)
+        if (self.amx is None and quant is not None and ops is not None and ops.i8_gemm_ok
+                and weight.dtype == torch.bfloat16 and quant.shape == (n, k) and not (gated and n % 32)):
+            self.i8 = ops.i8_pack_weight(quant.qs, quant.d, quant.m, gated)
         # float32 weights on AVX2 builds: kvpage's panel GEMM (ops/csrc/linear/gemm_f32.cpp; 1.1-1.65x oneDNN's packed
         # product on a pass of this model's layers at 1-2048 rows: benchmarks/linear.py --dtype float32),
         # oneDNN's packing otherwise.

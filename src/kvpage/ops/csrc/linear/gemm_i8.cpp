@@ -7,7 +7,8 @@
 //   i8_linear(x [M, K] bf16 | f32, codes, scales, N, gated, bias) -> [M, N] (or [M, N / 2] gated), x's dtype
 //
 // Weights keep their exact values as unsigned byte codes u with a scale and an offset per 32-block of a column:
-// w = d * u + m (Q4: u = q in 0..15; Q8: u = q + 128 and m = -128 d, exact). Activations are rounded per row
+// w = d * u + m (Q4: u = q in 0..15; Q5_0 and Q4_K through the U8 form, kvpage/model/quant.py; Q8: u = q + 128
+// and m = -128 d, exact). Activations are rounded per row
 // and 32-block to int8 codes c with their own scale (x ~= dx * c, dx = absmax / 127, as llama.cpp's Q8
 // activations), so each block's product is an exact integer sum (vpdpbusd: unsigned u times signed c):
 //   sum_k w x = d dx (u . c) + m dx sum(c)  =  cvt(int sum) * dw * X1 + mw * X2
@@ -45,16 +46,19 @@ constexpr int64_t kMR = 6;        // rows per register tile
 
 bool i8_gemm_available() { return KVPAGE_I8_GEMM == 1; }
 
-// Q4 (qs uint8 [N, K / 2] in GGUF's nibble order, m given) or Q8 (qs int8 [N, K], no m) blocks as panels.
+// Q4 (qs uint8 [N, K / 2] in GGUF's nibble order, m given), Q8 (qs int8 [N, K], no m) or U8 (qs uint8 [N, K], one
+// code per weight, m given) blocks as panels; d and m float16 or float32 [N, K / 32].
 std::tuple<torch::Tensor, torch::Tensor> i8_pack_weight(const torch::Tensor& qs_in, const torch::Tensor& d_in,
                                                         const c10::optional<torch::Tensor>& m_in, bool gated) {
   const bool q8 = !m_in.has_value();
-  TORCH_CHECK(d_in.dim() == 2 && d_in.scalar_type() == at::kHalf, "d must be float16 [N, K / 32]");
+  TORCH_CHECK(d_in.dim() == 2 && (d_in.scalar_type() == at::kHalf || d_in.scalar_type() == at::kFloat),
+              "d must be float16 or float32 [N, K / 32]");
   const int64_t N = d_in.size(0), nb = d_in.size(1), K = nb * kQK;
-  TORCH_CHECK(qs_in.dim() == 2 && qs_in.size(0) == N && qs_in.size(1) == (q8 ? K : K / 2),
-              q8 ? "Q8 qs must be int8 [N, K]" : "Q4 qs must be uint8 [N, K / 2]");
+  const bool u8 = !q8 && qs_in.dim() == 2 && qs_in.size(1) == K;  // one code per weight
+  TORCH_CHECK(qs_in.dim() == 2 && qs_in.size(0) == N && qs_in.size(1) == (q8 || u8 ? K : K / 2),
+              q8 ? "Q8 qs must be int8 [N, K]" : "Q4 qs must be uint8 [N, K / 2] (or [N, K], one code per weight)");
   TORCH_CHECK(qs_in.scalar_type() == (q8 ? at::kChar : at::kByte), "qs has the wrong dtype for its kind");
-  if (!q8) TORCH_CHECK(m_in->sizes() == d_in.sizes() && m_in->scalar_type() == at::kHalf, "m must be like d");
+  if (!q8) TORCH_CHECK(m_in->sizes() == d_in.sizes(), "m must be shaped like d");
   TORCH_CHECK(!gated || N % (2 * kNR) == 0, "a gated weight needs a multiple of 32 rows");
   const auto qs = qs_in.contiguous();
   const auto d = d_in.to(at::kFloat).contiguous();
@@ -79,6 +83,8 @@ std::tuple<torch::Tensor, torch::Tensor> i8_pack_weight(const torch::Tensor& qs_
             uint8_t code;
             if (q8) {
               code = static_cast<uint8_t>(static_cast<int8_t>(src[n * K + b * kQK + j]) + 128);
+            } else if (u8) {
+              code = src[n * K + b * kQK + j];
             } else {
               const uint8_t byte = src[n * (K / 2) + b * 16 + (j % 16)];
               code = j < 16 ? (byte & 0x0F) : (byte >> 4);
