@@ -16,6 +16,7 @@ Layout (repacked once at load so the kernel reads aligned, homogeneous rows):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +105,12 @@ def from_gguf(data: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> QuantWeight
     """The repacked blocks of one GGUF matrix ([out, in] in torch order), or None for other formats/shapes."""
     if qtype not in QUANT_TYPES or len(shape) != 2 or shape[1] % 32:
         return None
+    with warnings.catch_warnings():  # the GGUF memory map is read-only; the blocks are only read (then copied)
+        warnings.simplefilter("ignore", UserWarning)
+        return _from_blocks(data, qtype, shape)
+
+
+def _from_blocks(data: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> QuantWeight | None:
     n, k = shape
     if qtype == Q.Q4_K:
         return _from_q4_k(data, n, k)
