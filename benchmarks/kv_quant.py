@@ -130,7 +130,7 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
     allocated as the engine allocates its pool (2 MiB pages where the OS allows, unless huge_pages=False)."""
     from kvpage.attention.kv_quant import quantize_rows
     from kvpage.envs import KernelConfig
-    from kvpage.ops import kernels
+    from kvpage.ops import kernels, pack_kv_rows
     from kvpage.worker.kv_cache import as_block_major
 
     ops = kernels(KernelConfig())
@@ -146,21 +146,27 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
     plan = ops.plan_attention(tables, qsl, lens, heads, nb, bs)
     q = torch.randn(seqs, heads, dim, generator=gen).to(torch.bfloat16)
     caches = {}
-    for name in ("bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2"):
-        dt = kv_torch_dtype(name)
+    # bf16 both in the row layout and, where the engine stores it so (AVX512_BF16 builds), the packed one: the
+    # ratios are taken against the bf16 cache the engine runs here ("bfloat16" is that one)
+    names = ["bfloat16-rows", "bfloat16"] if ops.packed_layout else ["bfloat16"]
+    for name in (*names, "float16", "int8", "fp8_e4m3", "fp8_e5m2"):
+        dt = kv_torch_dtype(name.removesuffix("-rows"))
         base = torch.randn(2, nb, bs, kv_heads, dim, generator=gen)
         rows = quantize_rows(base, dt) if name.startswith(("int", "fp8")) else base.to(dt)
+        if name == "bfloat16" and ops.packed_layout:
+            rows = pack_kv_rows(rows)
         caches[name] = as_block_major(rows, huge_pages)  # as the engine's prefaulted pool is stored
         del base, rows
     times: dict[str, list[float]] = {n: [] for n in caches}
     kernel = {}
     for _ in range(rounds):
         for name, cache in caches.items():
-            ops.paged_attention(q, cache, plan, dim**-0.5, False)  # warm
+            packed = name == "bfloat16" and ops.packed_layout
+            ops.paged_attention(q, cache, plan, dim**-0.5, packed)  # warm
             kernel[name] = ops.last_decode_kernel()
             t0 = time.perf_counter()
             for _ in range(3):
-                ops.paged_attention(q, cache, plan, dim**-0.5, False)
+                ops.paged_attention(q, cache, plan, dim**-0.5, packed)
             times[name].append((time.perf_counter() - t0) / 3)
     base = statistics.median(times["bfloat16"])
     return [{"kv_dtype": n, "seqs": seqs, "context": context, "ms": statistics.median(t) * 1e3,
