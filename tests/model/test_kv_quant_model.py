@@ -12,6 +12,7 @@ import torch
 
 from kvpage.capacity import KVShape
 from kvpage.engine.llm import LLM
+from kvpage.envs import KernelConfig
 from kvpage.model.loader import load_model
 from kvpage.sampling_params import SamplingParams
 from kvpage.worker.kv_cache import kv_bytes_per_block, kv_torch_dtype
@@ -31,8 +32,11 @@ def assert_drained(llm: LLM) -> None:
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "fp8_e5m2"])
 def test_engine_runs_quantized_pages_with_hits_forks_and_swaps(kv_dtype):
     block = kv_bytes_per_block(load_model().config, 16, kv_torch_dtype(kv_dtype))
+    # Every step on one product path (no few-token quantized kernel): a row's arithmetic then does not depend on
+    # how many others share its step, so a preempted run must give the roomy run's tokens exactly
+    same_path = KernelConfig(quant_max_tokens=0)
     llm = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory=40 * block, max_model_len=256, swap_space=48 * block,
-              preemption_mode="swap")
+              preemption_mode="swap", kernels=same_path)
     assert llm.engine.worker.kv_cache.tensors[0].dtype == kv_torch_dtype(kv_dtype)
     greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     prompts = [f"{p} ({i})" for i in range(2) for p in PROMPTS]
@@ -40,7 +44,7 @@ def test_engine_runs_quantized_pages_with_hits_forks_and_swaps(kv_dtype):
     assert all(len(o.outputs[0].token_ids) == 120 for o in outs)
     assert llm.engine.stats()["preemptions"] > 0
     # swapped pages come back with their scales: the same tokens as an engine that never preempts
-    roomy = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory=200 * block, max_model_len=256)
+    roomy = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory=200 * block, max_model_len=256, kernels=same_path)
     expected = roomy.generate(prompts, greedy, use_tqdm=False)
     assert roomy.engine.stats()["preemptions"] == 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
