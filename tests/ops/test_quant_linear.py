@@ -45,7 +45,10 @@ def test_unsupported_formats_and_shapes_are_not_kept():
     assert from_gguf(raw, Q.Q8_0, (256,)) is None
     a = from_gguf(random_gguf_blocks(Q.Q4_1, 8, 64, 3), Q.Q4_1, (8, 64))
     b = from_gguf(random_gguf_blocks(Q.Q8_0, 8, 64, 4), Q.Q8_0, (8, 64))
-    assert concat([a, b]) is None and concat([a, None]) is None
+    assert concat([a, None]) is None and concat([a, from_gguf(raw, Q.Q8_0, (4, 64))]) is not None
+    mixed = concat([a, b])  # Q4 and Q8: one code per weight (U8), read by the int8 GEMM only
+    assert mixed.kind == "u8" and not mixed.few_token_ok
+    assert torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     both = concat([a, a])
     assert both is not None and torch.equal(both.dequantize(), torch.cat([a.dequantize(), a.dequantize()]))
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -53,10 +54,42 @@ inline void reset_partials(float* acc, float* m, float* l, int64_t R, int64_t D)
   std::fill(acc, acc + R * D, 0.f);
 }
 
+// A GEMM's (row chunk, column tile) tasks over the threads: chunks of equal size, a multiple of mr rows, whose
+// inputs (row_bytes a row) stay in L2 (~256 KiB) while every column tile passes by; tasks run chunk-major, so a
+// thread's consecutive tasks share their rows. Equal chunks: 128 rows cut as 108 + 20 left one thread 5x the
+// other's work. fn(first row, rows, tile).
+template <typename F>
+void for_row_chunks_and_tiles(int64_t M, int64_t row_bytes, int64_t mr, int64_t tiles, const F& fn) {
+  const int64_t mc_max = std::max<int64_t>(mr, (256 * 1024 / row_bytes) / mr * mr);
+  const int64_t chunks = (M + mc_max - 1) / mc_max;
+  const int64_t mc = ((M + chunks - 1) / chunks + mr - 1) / mr * mr;
+  const int64_t tasks = chunks * tiles;
+  at::parallel_for(0, tasks, std::max<int64_t>(1, tasks / (8 * at::get_num_threads())), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m0 = (t / tiles) * mc, rows = std::min(mc, M - m0);
+      if (rows > 0) fn(m0, rows, t % tiles);
+    }
+  });
+}
+
 #if KVPAGE_ISA_AVX512
 // The first min(left, 16) lanes.
 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// Sixteen float32 lanes from float32 or bf16 (masked), and back (bf16 rounded to nearest even, as torch does).
+inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 k) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(k, reinterpret_cast<const void*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 k) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_mask_storeu_epi16(reinterpret_cast<void*>(p), k, _mm512_cvtepi32_epi16(r));
 }
 
 // exp(x) for 16 lanes with x <= 0 (same polynomial as exp_neg); lanes outside `keep` become 0.

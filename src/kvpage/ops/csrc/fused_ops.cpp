@@ -123,18 +123,8 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
 // widen to float32 while taking the max; visit entries >= a threshold; max; sum of exp(x - mx).
 #if KVPAGE_ISA_AVX512
 using kvpage::tail_mask;
-inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 k) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(k, reinterpret_cast<const void*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void store16(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 k) {  // round to nearest even, as torch does
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_mask_storeu_epi16(reinterpret_cast<void*>(p), k, _mm512_cvtepi32_epi16(r));
-}
+using kvpage::load16;
+using kvpage::store16;
 #endif
 
 template <typename L>

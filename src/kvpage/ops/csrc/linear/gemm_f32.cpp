@@ -121,21 +121,10 @@ torch::Tensor f32_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N
   const float* a = x.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* c = out.data_ptr<float>();
-  // Row chunks whose x rows stay in L2 (~256 KiB) while every panel passes by; tasks are (chunk, panel) pairs,
-  // chunk-major, so a thread's consecutive tasks share their x rows.
-  // Chunks of equal size (a multiple of 6 rows): 128 rows cut as 108 + 20 left one thread 5x the other's work.
-  const int64_t mc_max = std::max<int64_t>(kMR, (256 * 1024 / (4 * K)) / kMR * kMR);
-  const int64_t chunks = (M + mc_max - 1) / mc_max;
-  const int64_t mc = ((M + chunks - 1) / chunks + kMR - 1) / kMR * kMR;
-  const int64_t tasks = chunks * P;
-  at::parallel_for(0, tasks, std::max<int64_t>(1, tasks / (8 * at::get_num_threads())), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t ci = t / P, p = t % P;
-      const int64_t m0 = ci * mc, rows = std::min(mc, M - m0);
-      const int64_t n0 = p * kNR, cols = std::min(kNR, N - n0);
-      rows_times_panel(rows, a + m0 * K, K, w + p * K * kNR, K, c + m0 * N + n0, N, cols,
-                       bp == nullptr ? nullptr : bp + n0);
-    }
+  kvpage::for_row_chunks_and_tiles(M, 4 * K, kMR, P, [&](int64_t m0, int64_t rows, int64_t p) {
+    const int64_t n0 = p * kNR, cols = std::min(kNR, N - n0);
+    rows_times_panel(rows, a + m0 * K, K, w + p * K * kNR, K, c + m0 * N + n0, N, cols,
+                     bp == nullptr ? nullptr : bp + n0);
   });
 #endif
   return out;

@@ -145,13 +145,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* x1, floa
   });
 }
 
-inline void store16(float* o, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(o, k, v); }
-inline void store16(at::BFloat16* o, __m512 v, __mmask16 k) {  // round to nearest even, as torch does
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_mask_storeu_epi16(reinterpret_cast<void*>(o), k, _mm512_cvtepi32_epi16(r));
-}
+using kvpage::store16;
 
 // R rows (x codes at xq, row stride 2K) times NP consecutive panels (codes at w, scales at s; panels nb blocks
 // apart) over the whole K. Every block's int32 sums are scaled into float32 accumulators, then reset.
@@ -246,32 +240,22 @@ void run(const int8_t* xq, const float* x1, const float* x2, int64_t M, int64_t 
   const int64_t nb = K / kQK;
   const int64_t pairs = (P + 1) / 2;        // tiles of two panels (the last may have one)
   const int64_t ldo = GATED ? N / 2 : N;
-  // Row chunks whose codes stay in L2 while every panel pair passes by; tasks are (chunk, pair), chunk-major.
-  const int64_t mc_max = std::max<int64_t>(kMR, (256 * 1024 / (2 * K)) / kMR * kMR);
-  const int64_t chunks = (M + mc_max - 1) / mc_max;
-  const int64_t mc = ((M + chunks - 1) / chunks + kMR - 1) / kMR * kMR;
-  const int64_t tasks = chunks * pairs;
-  at::parallel_for(0, tasks, std::max<int64_t>(1, tasks / (8 * at::get_num_threads())), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t ci = t / pairs, pr = t % pairs;
-      const int64_t m0 = ci * mc, rows = std::min(mc, M - m0);
-      if (rows <= 0) continue;
-      const int64_t p = 2 * pr;
-      const uint8_t* w = codes + p * nb * kPanelBlock;
-      const float* s = scales + p * nb * 2 * kNR;
-      const int8_t* xr = xq + m0 * 2 * K;
-      const float* a1 = x1 + m0 * nb;
-      const float* a2 = x2 + m0 * nb;
-      if constexpr (GATED) {
-        rows_times_panels<2, true, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + pr * kNR, ldo, kNR, nullptr);
-      } else {
-        const int64_t n0 = p * kNR, cols = std::min<int64_t>(2 * kNR, N - n0);
-        const float* bp = bias != nullptr ? bias + n0 : nullptr;
-        if (p + 1 < P)
-          rows_times_panels<2, false, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + n0, ldo, cols, bp);
-        else
-          rows_times_panels<1, false, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + n0, ldo, cols, bp);
-      }
+  kvpage::for_row_chunks_and_tiles(M, 2 * K, kMR, pairs, [&](int64_t m0, int64_t rows, int64_t pr) {
+    const int64_t p = 2 * pr;
+    const uint8_t* w = codes + p * nb * kPanelBlock;
+    const float* s = scales + p * nb * 2 * kNR;
+    const int8_t* xr = xq + m0 * 2 * K;
+    const float* a1 = x1 + m0 * nb;
+    const float* a2 = x2 + m0 * nb;
+    if constexpr (GATED) {
+      rows_times_panels<2, true, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + pr * kNR, ldo, kNR, nullptr);
+    } else {
+      const int64_t n0 = p * kNR, cols = std::min<int64_t>(2 * kNR, N - n0);
+      const float* bp = bias != nullptr ? bias + n0 : nullptr;
+      if (p + 1 < P)
+        rows_times_panels<2, false, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + n0, ldo, cols, bp);
+      else
+        rows_times_panels<1, false, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + n0, ldo, cols, bp);
     }
   });
 }
