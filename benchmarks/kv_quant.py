@@ -146,14 +146,19 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
     plan = ops.plan_attention(tables, qsl, lens, heads, nb, bs)
     q = torch.randn(seqs, heads, dim, generator=gen).to(torch.bfloat16)
     caches = {}
-    # bf16 both in the row layout and, where the engine stores it so (AVX512_BF16 builds), the packed one: the
-    # ratios are taken against the bf16 cache the engine runs here ("bfloat16" is that one)
-    names = ["bfloat16-rows", "bfloat16"] if ops.packed_layout else ["bfloat16"]
-    for name in (*names, "float16", "int8", "fp8_e4m3", "fp8_e5m2"):
+    # bf16 and int8 both in the row layout and, where the engine stores them so (AVX512_BF16 builds; int8 with
+    # VNNI too), the packed one: the ratios are taken against the bf16 cache the engine runs here ("bfloat16"
+    # is that one, "int8" the int8 one)
+    packed_names = {"bfloat16"} if ops.packed_layout else set()
+    if ops.packed_int8_layout:
+        packed_names.add("int8")
+    names = [v for n in ("bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
+             for v in ((f"{n}-rows", n) if n in packed_names else (n,))]
+    for name in names:
         dt = kv_torch_dtype(name.removesuffix("-rows"))
         base = torch.randn(2, nb, bs, kv_heads, dim, generator=gen)
         rows = quantize_rows(base, dt) if name.startswith(("int", "fp8")) else base.to(dt)
-        if name == "bfloat16" and ops.packed_layout:
+        if name in packed_names:
             rows = pack_kv_rows(rows)
         caches[name] = as_block_major(rows, huge_pages)  # as the engine's prefaulted pool is stored
         del base, rows
@@ -161,7 +166,7 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
     kernel = {}
     for _ in range(rounds):
         for name, cache in caches.items():
-            packed = name == "bfloat16" and ops.packed_layout
+            packed = name in packed_names
             ops.paged_attention(q, cache, plan, dim**-0.5, packed)  # warm
             kernel[name] = ops.last_decode_kernel()
             t0 = time.perf_counter()

@@ -54,6 +54,9 @@ def test_engine_runs_quantized_pages_with_hits_forks_and_swaps(kv_dtype):
     hit = llm.generate(PROMPTS[1] * 3, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert hit.num_cached_tokens > 0 and hit.outputs[0].token_ids == again.outputs[0].token_ids
     assert_drained(llm)
+    ops = llm.engine.worker.runner.model.layers[0].self_attn.backend.ops
+    if kv_dtype == "int8" and ops.packed_int8_layout:  # SmolLM2's int8 pages in the packed layout (VNNI builds)
+        assert ops.last_decode_kernel() == "avx512-int8-packed"
 
 
 def test_planner_worker_and_simulator_agree_on_bytes_per_block():

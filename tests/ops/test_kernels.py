@@ -365,6 +365,19 @@ def test_backend_packs_bf16_caches_and_keeps_rows_otherwise():
     assert not CpuPagedAttention(kernels(KernelConfig(kv_layout="rows"))).packed_layout(bf16, torch.bfloat16)
 
 
+def test_backend_packs_int8_pages_where_the_build_has_vnni():
+    backend = CpuPagedAttention(kernels(KernelConfig()))
+    int8 = torch.zeros(2, 4, 16, 3, 66, dtype=torch.int8)
+    has = load_kernels().has_packed_int8_layout()
+    assert backend.packed_layout(int8, torch.float32) == has  # any activation dtype: the kernel quantizes q
+    assert backend.packed_layout(int8, torch.bfloat16) == has
+    assert not backend.prompts_read_cache(int8, torch.bfloat16)  # the AMX prompt kernel reads bf16 only
+    assert not backend.packed_layout(torch.zeros(2, 4, 8, 3, 66, dtype=torch.int8), torch.bfloat16)
+    assert not backend.packed_layout(torch.zeros(2, 4, 16, 3, 82, dtype=torch.int8), torch.bfloat16)
+    assert not backend.packed_layout(int8.view(torch.float8_e4m3fn), torch.bfloat16)
+    assert not CpuPagedAttention(kernels(KernelConfig(kv_layout="rows"))).packed_layout(int8, torch.bfloat16)
+
+
 def test_stale_build_lock_is_removed_and_a_fresh_one_reported(tmp_path, monkeypatch, caplog):
     """An interrupted first build leaves torch's lock file behind, and torch would wait for it forever."""
     import os

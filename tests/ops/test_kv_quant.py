@@ -13,7 +13,7 @@ import torch
 
 from kvpage.attention.backends.reference import ReferenceAttention
 from kvpage.attention.kv_quant import QMAX, dequantize_rows, hadamard, quantize_rows, read_keys, write_rows
-from kvpage.ops import load_kernels
+from kvpage.ops import load_kernels, pack_kv_rows, unpack_kv_rows
 from kvpage.worker.kv_cache import as_block_major
 from tests.helpers.kernels import have_cxx, scatter_tables, step_metadata
 
@@ -120,12 +120,49 @@ def test_compiled_attention_matches_the_reference_on_quantized_pages(dtype, dim,
 
 
 @needs_cxx
-def test_quantized_pages_refuse_the_packed_layout_and_a_wrong_width():
+@pytest.mark.parametrize(("dim", "block_size"), [(64, 16), (64, 32), (128, 16), (256, 32)])
+def test_packed_int8_pages_match_the_reference(dim, block_size):
+    """int8 pages in the packed layout (ops/csrc/attention/packed_int8.h): the slot write puts every code and
+    scale where pack_kv_rows says, and the kernel over them matches the reference backend on the rows."""
     ops = load_kernels()
-    cache = torch.zeros(2, 4, 16, 1, 66, dtype=torch.int8)
+    if not ops.has_packed_int8_layout():
+        pytest.skip("this build has no packed int8 layout (AVX512-VNNI)")
+    rng = random.Random(dim + block_size)
+    for case in range(10):  # query groups of 4, 3, 4, 5, 1, 2; decodes, chunks after cached keys, prompts
+        heads, kv_heads = [(8, 2), (9, 3), (4, 1), (10, 2), (6, 6), (8, 4)][case % 6]
+        q_dtype = torch.float32 if case % 2 else torch.bfloat16
+        q, k, v, cache, meta = quant_case(rng, torch.int8, block_size, heads, kv_heads, dim, None, q_dtype)
+        scale = dim**-0.5
+        ref_cache = cache.clone()
+        ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), ref_cache, meta, scale)
+        packed = pack_kv_rows(cache)
+        ours = as_block_major(packed.clone()) if case % 2 else packed.clone()
+        ops.reshape_and_cache(k, v, ours, meta.slot_mapping, True)
+        assert torch.equal(unpack_kv_rows(ours.contiguous()), ref_cache)
+        for part in (512, 16):
+            plan = ops.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, heads, cache.shape[1],
+                                      block_size, part, True, 0)
+            out = ops.paged_attention_planned(q, ours, plan, scale, True, True)
+            # queries as two int8 codes (~16 bits), weights x value scales as 16-bit codes per group
+            tol = 1e-3 if q_dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+        assert ops.last_decode_kernel() == "avx512-int8-packed"
+
+
+@needs_cxx
+def test_quantized_pages_refuse_a_packed_layout_they_lack_and_a_wrong_width():
+    ops = load_kernels()
     k = torch.zeros(1, 1, 64)
-    with pytest.raises(RuntimeError, match="row layout"):
-        ops.reshape_and_cache(k, k, cache, torch.tensor([0]), True)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        cache = torch.zeros(2, 4, 16, 1, 66, dtype=torch.uint8).view(dtype)
+        with pytest.raises(RuntimeError, match="packed KV layout is bfloat16"):
+            ops.reshape_and_cache(k, k, cache, torch.tensor([0]), True)
+    cache = torch.zeros(2, 4, 16, 1, 66, dtype=torch.int8)
+    if not ops.has_packed_int8_layout():
+        with pytest.raises(RuntimeError, match="no packed int8 KV layout"):
+            ops.reshape_and_cache(k, k, cache, torch.tensor([0]), True)
+    with pytest.raises(RuntimeError, match="block size that is a multiple of 16"):
+        ops.reshape_and_cache(k, k, torch.zeros(2, 4, 8, 1, 66, dtype=torch.int8), torch.tensor([0]), True)
     with pytest.raises(RuntimeError, match="head_dim \\+ 2"):
         ops.reshape_and_cache(torch.zeros(1, 1, 66), torch.zeros(1, 1, 66), cache, torch.tensor([0]), False)
 

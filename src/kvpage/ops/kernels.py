@@ -26,6 +26,7 @@ class Kernels:
         self.config = config
         # What this build and machine can run, asked once.
         self.packed_layout = module.has_packed_layout() and config.kv_layout == "packed"
+        self.packed_int8_layout = module.has_packed_int8_layout() and config.kv_layout == "packed"
         self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
         self.f32_gemm_ok = config.f32_gemm and module.f32_gemm_available()
         self.i8_gemm_ok = config.i8_gemm and module.i8_gemm_available()

@@ -31,7 +31,7 @@ class CpuAttentionMetadata:
     cached before them."""
 
     common: AttentionMetadata
-    packed: bool  # the caches hold the packed bf16 layout (every write and read of this step agree)
+    packed: bool  # the caches hold the packed layout, bf16 or int8 (every write and read of this step agree)
     prompts_read_cache: bool  # long prompt chunks go to the AMX prompt kernel that reads keys from the cache
     paged_seqs: int
     paged_rows: int
@@ -99,8 +99,10 @@ class CpuPagedAttention:
 
     def __init__(self, ops: Kernels) -> None:
         self.ops = ops
-        # The packed bf16 layout unless the configuration keeps rows (kv_layout, for side-by-side measurements).
+        # The packed bf16 and int8 layouts unless the configuration keeps rows (kv_layout, for side-by-side
+        # measurements).
         self.packed_ok = ops.packed_layout
+        self.packed_int8_ok = ops.packed_int8_layout
         # Fresh prompts with AMX tile products where the CPU has them (1.6-2.5x torch's SDPA at 64-1000
         # tokens); amx_prefill=False keeps SDPA (side-by-side measurements).
         self.amx_prefill = ops.amx_prefill_ok
@@ -111,14 +113,17 @@ class CpuPagedAttention:
     def packed_layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether a cache written and read with activations of `dtype` holds the packed layout: decided by the
         tensors alone, so every write and every read of one cache agree."""
-        _, _, block_size, _, head_dim = kv_cache.shape
+        block_size, head_dim = kv_cache.shape[2], head_dim_of(kv_cache)
+        if kv_cache.dtype == torch.int8:  # int8 pages: any activation dtype (the kernel quantizes queries)
+            return self.packed_int8_ok and block_size % 16 == 0 and head_dim in (64, 128, 256)
         return (self.packed_ok and kv_cache.dtype == torch.bfloat16 and dtype == torch.bfloat16
                 and block_size % 16 == 0 and head_dim in (64, 128))
 
     def prompts_read_cache(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether long prompt chunks over this cache (fresh or after cached keys) go to the AMX prompt kernel
         that reads their keys from the packed cache (prefill_attention_paged)."""
-        return self.prefill_cached and self.packed_layout(kv_cache, dtype) and kv_cache.shape[4] == 64
+        return (self.prefill_cached and kv_cache.dtype == torch.bfloat16 and self.packed_layout(kv_cache, dtype)
+                and kv_cache.shape[4] == 64)
 
     def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
                          window: int | None = None, allow_packed: bool = True) -> CpuMetadataBuilder:

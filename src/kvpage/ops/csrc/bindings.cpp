@@ -46,6 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("amx_decode") = true, py::call_guard<py::gil_scoped_release>());
   m.def("last_decode_kernel", &last_decode_kernel, "the kernel that served the last paged_attention call's decode tasks");
   m.def("has_packed_layout", &has_packed_layout, "whether this build has the packed bf16 KV layout (packed_kv.h)");
+  m.def("has_packed_int8_layout", &has_packed_int8_layout,
+        "whether this build has the packed int8 KV layout (packed_int8.h)");
   m.def("amx_decode_available", &amx_decode_available, "whether decode tasks can use AMX tiles on this build and OS");
 
   // attention/prefill_amx.cpp

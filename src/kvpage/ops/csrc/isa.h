@@ -9,6 +9,8 @@
 //   KVPAGE_ISA_AVX2_ONLY   AVX2 + FMA without AVX-512 (Zen 3 and older): the 8-lane paths that exist for
 //                          machines without AVX-512; an AVX-512 build takes its own path instead
 //   KVPAGE_PACKED          the packed bf16 KV layout (attention/packed_kv.h): its kernels need AVX512BF16
+//   KVPAGE_PACKED_INT8     the packed int8 KV layout (attention/packed_int8.h): on top of KVPAGE_PACKED, VNNI's
+//                          byte dot product (vpdpbusd)
 // A kernel with a path per instruction set picks one with
 //   #if KVPAGE_ISA_AVX512 ... #elif KVPAGE_ISA_AVX2 ... #else (scalar) #endif
 #pragma once
@@ -39,6 +41,12 @@
 
 #define KVPAGE_ISA_AVX2_ONLY (KVPAGE_ISA_AVX2 && !KVPAGE_ISA_AVX512)
 #define KVPAGE_PACKED KVPAGE_ISA_AVX512BF16
+
+#if KVPAGE_PACKED && defined(__AVX512VNNI__)
+#define KVPAGE_PACKED_INT8 1
+#else
+#define KVPAGE_PACKED_INT8 0
+#endif
 
 #if KVPAGE_ISA_AVX512 || KVPAGE_ISA_AVX2
 #include <immintrin.h>

@@ -29,15 +29,17 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                               int64_t partition_size, bool packed, bool split_short, bool amx_decode);
-// Quantized KV pages: int8 / fp8 codes with a bfloat16 scale per row (attention/paged_attention_quant.cpp).
-// paged_attention_quant returns the name of the main loop it ran.
+// Quantized KV pages: int8 / fp8 codes with a bfloat16 scale per row (attention/paged_attention_quant.cpp);
+// packed: int8 pages in the packed layout (attention/packed_int8.h). paged_attention_quant returns the name of
+// the main loop it ran.
 bool is_quantized_kv(const torch::Tensor& kv_cache);
 const char* paged_attention_quant(const torch::Tensor& query, const torch::Tensor& kv_cache,
-                           const kvpage::attn::AttentionPlan& plan, double scale, torch::Tensor& out);
+                           const kvpage::attn::AttentionPlan& plan, double scale, bool packed, torch::Tensor& out);
 void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-                             const torch::Tensor& slot_mapping);
+                             const torch::Tensor& slot_mapping, bool packed);
 std::string last_decode_kernel();
 bool has_packed_layout();
+bool has_packed_int8_layout();
 bool amx_decode_available();
 
 // Prompt attention with AMX tiles (attention/prefill_amx.cpp).

@@ -357,14 +357,20 @@ void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, to
 }
 #endif
 
-// Whether this build and cache can use the packed layout (packed_kv.h).
+// Whether this build and cache can use the packed layout (packed_kv.h; int8 pages: packed_int8.h).
 void check_packed(const torch::Tensor& kv_cache) {
+  if (kv_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(KVPAGE_PACKED_INT8, "this build has no packed int8 KV layout (needs AVX512-VNNI and AVX512-BF16)");
+    TORCH_CHECK(kv_cache.size(2) % 16 == 0, "the packed int8 KV layout needs a block size that is a multiple of 16");
+    const int64_t D = kv_cache.size(4) - 2;
+    TORCH_CHECK(D == 64 || D == 128 || D == 256, "the packed int8 KV layout needs head size 64, 128 or 256");
+    return;
+  }
 #if KVPAGE_PACKED
-  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "the packed KV layout is bfloat16 only");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "the packed KV layout is bfloat16 (or int8) only");
   TORCH_CHECK(kv_cache.size(2) % 16 == 0, "the packed KV layout needs a block size that is a multiple of 16");
   TORCH_CHECK(kv_cache.size(4) == 64 || kv_cache.size(4) == 128, "the packed KV layout needs head size 64 or 128");
 #else
-  (void)kv_cache;
   TORCH_CHECK(false, "this build has no packed KV layout (needs AVX512-BF16)");
 #endif
 }
@@ -381,7 +387,6 @@ void check_common(const torch::Tensor& kv_cache) {
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                        bool packed) {
   check_common(kv_cache);
-  TORCH_CHECK(!(packed && is_quantized_kv(kv_cache)), "quantized KV pages keep the row layout");
   if (packed) check_packed(kv_cache);
   TORCH_CHECK(key.sizes() == value.sizes() && key.dim() == 3, "key/value must be [tokens, kv_heads, dim]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0), "bad slot_mapping");
@@ -391,9 +396,8 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
   if (!dense_rows(value)) value = value.contiguous();
   TORCH_CHECK(key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16, "key must be float32/bfloat16");
   if (is_quantized_kv(kv_cache)) {
-    TORCH_CHECK(!packed, "quantized KV pages keep the row layout");
     TORCH_CHECK(value.scalar_type() == key.scalar_type(), "key and value dtypes differ");
-    reshape_and_cache_quant(key, value, kv_cache, slot_mapping);
+    reshape_and_cache_quant(key, value, kv_cache, slot_mapping, packed);
     return;
   }
   TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4), "key shape does not match the cache");
@@ -422,13 +426,13 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
   check_common(kv_cache);
   if (packed) {
     check_packed(kv_cache);
-    TORCH_CHECK(query.scalar_type() == at::kBFloat16, "the packed KV layout needs bfloat16 queries");
+    TORCH_CHECK(query.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kChar,
+                "the packed bf16 KV layout needs bfloat16 queries");
     TORCH_CHECK(plan.partition_size % 16 == 0, "the packed KV layout needs partitions of a multiple of 16 keys");
     TORCH_CHECK(plan.window == 0, "the packed KV layout has no sliding-window loops: keep sliding layers in rows");
   }
   TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, dim]");
   const bool quantized = is_quantized_kv(kv_cache);
-  TORCH_CHECK(!(quantized && packed), "quantized KV pages keep the row layout");
   TORCH_CHECK(query.size(2) == kv_cache.size(4) - (quantized ? 2 : 0), "head_dim of query and cache differ");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kMaxGroup, "query group too large");
@@ -442,7 +446,7 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
   query = query.contiguous();
   auto out = torch::empty_like(query);
   if (quantized) {
-    g_decode_kernel = paged_attention_quant(query, kv_cache, plan, scale, out);
+    g_decode_kernel = paged_attention_quant(query, kv_cache, plan, scale, packed, out);
     return out;
   }
   const bool kv_bf16 = kv_cache.scalar_type() == at::kBFloat16;
@@ -477,6 +481,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch
 std::string last_decode_kernel() { return g_decode_kernel; }
 
 bool has_packed_layout() { return KVPAGE_PACKED == 1; }
+
+bool has_packed_int8_layout() { return KVPAGE_PACKED_INT8 == 1; }
 
 bool amx_decode_available() {
 #if KVPAGE_ISA_AMX

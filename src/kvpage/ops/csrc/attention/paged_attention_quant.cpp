@@ -1,6 +1,7 @@
-// Paged attention and the cache write for quantized KV pages (int8, fp8 e4m3, fp8 e5m2; attention/quant_rows.h):
-// the same plan, tasks and partition merge as the other caches (attention/paged_attention.cpp dispatches here
-// by the cache's dtype), with the codes dequantized in registers as each row is read.
+// Paged attention and the cache write for quantized KV pages (int8, fp8 e4m3, fp8 e5m2; attention/quant_rows.h;
+// int8 pages also in the packed layout, attention/packed_int8.h): the same plan, tasks and partition merge as the
+// other caches (attention/paged_attention.cpp dispatches here by the cache's dtype), with the codes read in
+// registers as each row is read.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -9,11 +10,13 @@
 #include "ops.h"
 #include "attention/loop.h"
 #include "attention/merge.h"
+#include "attention/packed_int8.h"
 #include "attention/plan.h"
 #include "attention/quant_int8.h"
 #include "attention/quant_rows.h"
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -22,7 +25,7 @@ using namespace kvpage::attn;
 
 template <KVCode C, typename Q>
 void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan, double scale,
-               torch::Tensor& out) {
+               bool packed, torch::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);  // in bytes: one byte per element
@@ -35,6 +38,7 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
   const std::vector<Task>& tasks = plan.tasks;
   const std::vector<int64_t>& offset = plan.offset;
   const int64_t T = plan.num_tasks();
+  (void)packed;  // only KVPAGE_PACKED_INT8 builds have the packed int8 loop
   std::vector<float> part_acc(static_cast<size_t>(offset[T] * D));
   std::vector<float> part_m(static_cast<size_t>(offset[T])), part_l(static_cast<size_t>(offset[T]));
   auto work = [&](int64_t begin, int64_t end) {
@@ -50,6 +54,26 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
       float* pa = part_acc.data() + offset[ti] * D;
       float* pm = part_m.data() + offset[ti];
       float* pl = part_l.data() + offset[ti];
+#if KVPAGE_PACKED_INT8
+      if (packed) {
+        kvpage::NextKeys next;  // the prefetch runs on into the thread's next task
+        if (ti + 1 < end) {
+          const Task& nt = tasks[ti + 1];
+          next.table = tables + nt.seq * max_blocks;
+          std::tie(next.begin, next.end) = nt.keys(plan.partition_size);
+        }
+        if (D == 64)
+          attend_tile_int8_packed<64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
+                                      kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, next);
+        else if (D == 128)
+          attend_tile_int8_packed<128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
+                                       kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, next);
+        else
+          attend_tile_int8_packed<256>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
+                                       kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, next);
+        continue;
+      }
+#endif
 #if KVPAGE_ISA_AVX2
 #define KVPAGE_QUANT_TILE(d)                                                                                   \
   if constexpr (C == KVCode::kInt8 && d > 0)                                                                   \
@@ -81,7 +105,7 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
 
 template <KVCode C, typename IN>
 void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-                 const torch::Tensor& slot_mapping) {
+                 const torch::Tensor& slot_mapping, bool packed) {
   const int64_t N = key.size(0), kv_heads = key.size(1), D = key.size(2);
   const int64_t block_size = kv_cache.size(2), num_slots = kv_cache.size(1) * block_size;
   const int64_t head_stride = D + kScaleBytes, row = kv_heads * head_stride;
@@ -94,9 +118,23 @@ void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Te
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(static_cast<size_t>(D));
+    std::vector<uint8_t> rows(static_cast<size_t>(2 * head_stride));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i];
       TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
+#if KVPAGE_PACKED_INT8
+      if (packed) {  // quantized as rows, then put in their 16-key group (packed_int8.h)
+        const int64_t off = slot % block_size;
+        const int64_t at = int8_group_offset(slot / block_size, off, geo.block_stride, kv_heads, D);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          quantize_row<C>(ksrc + i * ks + h * D, rows.data(), D, buf.data(), true);
+          quantize_row<C>(vsrc + i * vs + h * D, rows.data() + head_stride, D, buf.data(), false);
+          put_packed_int8(rows.data(), rows.data() + head_stride, kdst + at + h * 16 * head_stride,
+                          vdst + at + h * 16 * head_stride, off % 16, D);
+        }
+        continue;
+      }
+#endif
       const int64_t at = (slot / block_size) * geo.block_stride + (slot % block_size) * row;
       for (int64_t h = 0; h < kv_heads; ++h) {
         quantize_row<C>(ksrc + i * ks + h * D, kdst + at + h * head_stride, D, buf.data(), true);
@@ -117,18 +155,18 @@ void by_code(at::ScalarType t, A&&... args) {
 template <KVCode C>
 struct Attend {
   static void run(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan, double scale,
-                  torch::Tensor& out) {
-    if (query.scalar_type() == at::kFloat) run_quant<C, float>(query, kv_cache, plan, scale, out);
-    else run_quant<C, at::BFloat16>(query, kv_cache, plan, scale, out);
+                  bool packed, torch::Tensor& out) {
+    if (query.scalar_type() == at::kFloat) run_quant<C, float>(query, kv_cache, plan, scale, packed, out);
+    else run_quant<C, at::BFloat16>(query, kv_cache, plan, scale, packed, out);
   }
 };
 
 template <KVCode C>
 struct Write {
   static void run(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-                  const torch::Tensor& slot_mapping) {
-    if (key.scalar_type() == at::kFloat) write_quant<C, float>(key, value, kv_cache, slot_mapping);
-    else write_quant<C, at::BFloat16>(key, value, kv_cache, slot_mapping);
+                  const torch::Tensor& slot_mapping, bool packed) {
+    if (key.scalar_type() == at::kFloat) write_quant<C, float>(key, value, kv_cache, slot_mapping, packed);
+    else write_quant<C, at::BFloat16>(key, value, kv_cache, slot_mapping, packed);
   }
 };
 
@@ -140,20 +178,21 @@ bool is_quantized_kv(const torch::Tensor& kv_cache) {
 }
 
 const char* paged_attention_quant(const torch::Tensor& query, const torch::Tensor& kv_cache,
-                                  const AttentionPlan& plan, double scale, torch::Tensor& out) {
+                                  const AttentionPlan& plan, double scale, bool packed, torch::Tensor& out) {
   TORCH_CHECK(query.size(2) + kScaleBytes == kv_cache.size(4), "a quantized cache row is head_dim + 2 bytes: ",
               "head_dim of query ", query.size(2), ", cache rows ", kv_cache.size(4));
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "query must be float32 or bfloat16");
-  by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, out);
+  by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, packed, out);
+  if (packed) return "avx512-int8-packed";  // check_packed: int8 pages on a KVPAGE_PACKED_INT8 build
   const int64_t D = query.size(2);  // run_quant's templated head sizes take the integer loop for int8
   const bool int8_loop = kv_cache.scalar_type() == at::kChar && (D == 64 || D == 128 || D == 256);
   return !KVPAGE_ISA_AVX2 ? "generic-quant" : int8_loop ? "avx2-int8-quant" : "avx2-quant";
 }
 
 void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-                             const torch::Tensor& slot_mapping) {
+                             const torch::Tensor& slot_mapping, bool packed) {
   TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) + kScaleBytes == kv_cache.size(4),
               "key shape does not match the quantized cache (rows of head_dim + 2 bytes)");
-  by_code<Write>(kv_cache.scalar_type(), key, value, kv_cache, slot_mapping);
+  by_code<Write>(kv_cache.scalar_type(), key, value, kv_cache, slot_mapping, packed);
 }
