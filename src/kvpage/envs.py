@@ -41,7 +41,7 @@ VARIABLES: tuple[EnvVar, ...] = (
            "0 keeps the AVX-512 loops", "amx_decode"),
     EnvVar("KVPAGE_SPLIT_SHORT", bool, True, "one stream's short contexts are cut over the threads; 0 keeps one task "
            "per sequence", "split_short"),
-    EnvVar("KVPAGE_KV_LAYOUT", str, "packed", "bf16 KV blocks in the packed operand order of the dot-product "
+    EnvVar("KVPAGE_KV_LAYOUT", str, "packed", "bf16 and int8 KV blocks in the packed operand order of the dot-product "
            "instructions; 'rows' keeps the row layout", "kv_layout", ("packed", "rows")),
     EnvVar("KVPAGE_AMX_PREFILL", bool, True, "fresh prompts' attention with AMX tiles where the CPU has them; 0 keeps "
            "torch's SDPA", "amx_prefill"),
