@@ -12,7 +12,9 @@ how well the model predicts from them, and how fast the paged kernel reads them.
   where the OS allows; --small-pages for 4 KiB pages);
 * split (--split): where int8's disagreement comes from. A float32 cache is written with keys and/or values
   that went through int8 rows and back (the oracle's rounding: row scales, keys rotated), on all layers or on
-  some (e.g. only a hybrid model's sliding-window layers), and with one scale per 64 values instead of per row.
+  some (e.g. only a hybrid model's sliding-window layers), with one scale per 64 values instead of per row,
+  and with keys quantized per channel (a scale and a zero point per channel over each complete 16-key
+  block, as KIVI does; the text is written in chunks of 32, so every block is complete when it is rounded).
 
     python benchmarks/kv_quant.py                       # SmolLM2-135M (and Gemma 3 270M when installed)
     python benchmarks/kv_quant.py --positions 1000 --speed-seqs 64 --speed-context 8192 --rounds 5
@@ -72,7 +74,15 @@ def split(model: str, positions: int) -> list[dict]:
     full = {i for i in range(n_layers) if not lm.config.layer_window(i)}
     sliding = set(range(n_layers)) - full
 
+    def per_channel(x: torch.Tensor) -> torch.Tensor:  # [tokens, heads, D], tokens in whole 16-key blocks
+        y = x.float().reshape(-1, 16, *x.shape[1:])
+        lo, hi = y.amin(1, keepdim=True), y.amax(1, keepdim=True)
+        step = (hi - lo).clamp_min(1e-30) / 255
+        return (torch.round((y - lo) / step) * step + lo).reshape(x.shape).to(x.dtype)
+
     def round_trip(x: torch.Tensor, rotate: bool, group: int) -> torch.Tensor:
+        if group < 0:
+            return per_channel(x)
         y = hadamard(x) if rotate else x.float()
         g = group or y.shape[-1]
         y = dequantize_rows(quantize_rows(y.reshape(*y.shape[:-1], -1, g), torch.int8)).reshape(y.shape)
@@ -89,7 +99,7 @@ def split(model: str, positions: int) -> list[dict]:
         if layer in setting["k"]:
             key = round_trip(key, True, setting["group"])
         if layer in setting["v"]:
-            value = round_trip(value, False, setting["group"])
+            value = round_trip(value, False, max(setting["group"], 0))  # values keep rows in the per-channel cases
         return write(key, value, cache, slots, packed)
 
     everything = set(range(n_layers))
@@ -99,6 +109,8 @@ def split(model: str, positions: int) -> list[dict]:
     if full and sliding:
         cases += [("keys on full-attention layers only", full, set(), 0),
                   ("keys on sliding-window layers only, values everywhere", sliding, everything, 0)]
+    cases += [("keys per channel, 16-key blocks", everything, set(), -1),
+              ("keys per channel, 16-key blocks; values", everything, everything, -1)]
     rows = []
     ops.reshape_and_cache = patched
     try:

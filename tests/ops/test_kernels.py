@@ -339,7 +339,7 @@ def test_packed_layout_rejects_what_it_cannot_hold():
     if not ops.has_packed_layout():
         pytest.skip("this build has no packed layout (no AVX512-BF16)")
     one = torch.tensor([0])
-    with pytest.raises(RuntimeError, match="bfloat16 only"):
+    with pytest.raises(RuntimeError, match="bfloat16 \\(or int8\\) only"):
         ops.reshape_and_cache(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), torch.zeros(2, 4, 16, 2, 64), one, True)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         cache = torch.zeros(2, 4, 8, 2, 64, dtype=torch.bfloat16)
@@ -376,6 +376,8 @@ def test_backend_packs_int8_pages_where_the_build_has_vnni():
     assert not backend.packed_layout(torch.zeros(2, 4, 16, 3, 82, dtype=torch.int8), torch.bfloat16)
     assert not backend.packed_layout(int8.view(torch.float8_e4m3fn), torch.bfloat16)
     assert not CpuPagedAttention(kernels(KernelConfig(kv_layout="rows"))).packed_layout(int8, torch.bfloat16)
+    assert backend.packs_windows(int8) == has  # the packed int8 loop takes sliding windows, bf16's do not
+    assert not backend.packs_windows(torch.zeros(2, 4, 16, 3, 64, dtype=torch.bfloat16))
 
 
 def test_stale_build_lock_is_removed_and_a_fresh_one_reported(tmp_path, monkeypatch, caplog):

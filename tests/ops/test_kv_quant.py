@@ -123,15 +123,17 @@ def test_compiled_attention_matches_the_reference_on_quantized_pages(dtype, dim,
 @pytest.mark.parametrize(("dim", "block_size"), [(64, 16), (64, 32), (128, 16), (256, 32)])
 def test_packed_int8_pages_match_the_reference(dim, block_size):
     """int8 pages in the packed layout (ops/csrc/attention/packed_int8.h): the slot write puts every code and
-    scale where pack_kv_rows says, and the kernel over them matches the reference backend on the rows."""
+    scale where pack_kv_rows says, and the kernel over them matches the reference backend on the rows, sliding
+    windows included."""
     ops = load_kernels()
     if not ops.has_packed_int8_layout():
         pytest.skip("this build has no packed int8 layout (AVX512-VNNI)")
     rng = random.Random(dim + block_size)
-    for case in range(10):  # query groups of 4, 3, 4, 5, 1, 2; decodes, chunks after cached keys, prompts
+    for case in range(12):  # query groups of 4, 3, 4, 5, 1, 2; decodes, chunks after cached keys, prompts
         heads, kv_heads = [(8, 2), (9, 3), (4, 1), (10, 2), (6, 6), (8, 4)][case % 6]
         q_dtype = torch.float32 if case % 2 else torch.bfloat16
-        q, k, v, cache, meta = quant_case(rng, torch.int8, block_size, heads, kv_heads, dim, None, q_dtype)
+        window = [None, None, 1, 24, None, 37][case % 6]  # edges inside 16-key groups, and a window of one
+        q, k, v, cache, meta = quant_case(rng, torch.int8, block_size, heads, kv_heads, dim, window, q_dtype)
         scale = dim**-0.5
         ref_cache = cache.clone()
         ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), ref_cache, meta, scale)
@@ -141,7 +143,7 @@ def test_packed_int8_pages_match_the_reference(dim, block_size):
         assert torch.equal(unpack_kv_rows(ours.contiguous()), ref_cache)
         for part in (512, 16):
             plan = ops.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, heads, cache.shape[1],
-                                      block_size, part, True, 0)
+                                      block_size, part, True, window or 0)
             out = ops.paged_attention_planned(q, ours, plan, scale, True, True)
             # queries as two int8 codes (~16 bits), weights x value scales as 16-bit codes per group
             tol = 1e-3 if q_dtype == torch.float32 else 2e-2

@@ -94,9 +94,10 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         layout = self.layout = kv_cache.layout
         attn = model.layers[0].self_attn
-        # One builder per KV group: it splits and plans each step once for all the group's layers. The packed
-        # layout has no sliding-window loops, and the groups share tensors: with a window, every group keeps rows.
-        packed_ok = all(g.spec.window is None for g in layout.groups)
+        # One builder per KV group: it splits and plans each step once for all the group's layers. The groups
+        # share tensors, so with a window every group keeps rows unless the backend's packed loops take windows.
+        packed_ok = (all(g.spec.window is None for g in layout.groups)
+                     or attn.backend.packs_windows(kv_cache.tensors[0]))
         self.builders = [attn.backend.metadata_builder(kv_cache.tensors[0], model.embed_tokens.weight.dtype,
                                                        attn.num_heads, window=g.spec.window, allow_packed=packed_ok)
                          for g in layout.groups]

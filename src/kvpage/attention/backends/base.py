@@ -36,6 +36,11 @@ class AttentionBackend(Protocol):
         caches may take a layout of the backend's own (False where groups of other kinds share them)."""
         ...
 
+    def packs_windows(self, kv_cache: torch.Tensor) -> bool:
+        """Whether caches like ``kv_cache`` keep the backend's own layout under sliding-window groups too (the
+        groups of a model share tensors, so they take that layout together or not at all)."""
+        ...
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

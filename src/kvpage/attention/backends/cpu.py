@@ -119,6 +119,10 @@ class CpuPagedAttention:
         return (self.packed_ok and kv_cache.dtype == torch.bfloat16 and dtype == torch.bfloat16
                 and block_size % 16 == 0 and head_dim in (64, 128))
 
+    def packs_windows(self, kv_cache: torch.Tensor) -> bool:
+        """int8 pages: the packed loop takes sliding windows (the bf16 ones do not)."""
+        return kv_cache.dtype == torch.int8 and self.packed_layout(kv_cache, torch.float32)
+
     def prompts_read_cache(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether long prompt chunks over this cache (fresh or after cached keys) go to the AMX prompt kernel
         that reads their keys from the packed cache (prefill_attention_paged)."""

@@ -22,6 +22,9 @@ class ReferenceAttention:
                          window: int | None = None, allow_packed: bool = True) -> CommonMetadata:
         return CommonMetadata()
 
+    def packs_windows(self, kv_cache: torch.Tensor) -> bool:
+        return False  # one layout only
+
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(key, value, kv_cache, meta.slot_mapping)
         bs = meta.block_size

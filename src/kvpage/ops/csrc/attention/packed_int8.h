@@ -16,7 +16,8 @@
 // (16 bits against the block's largest); int32 sums, scaled back into float32 once per group.
 // The tensor keeps the row layout's shape [2, num_blocks, block_size, kv_heads, D + 2] int8 and strides, so
 // block copies, swapping and prefix sharing are unchanged (ops/kv_layout.py converts in torch for tests).
-// Needs block_size % 16 == 0; no sliding window (windowed models keep rows).
+// Needs block_size % 16 == 0. A sliding window masks the keys before each query's edge within a group and
+// never reads a group wholly before it (the plan starts each task at its first query's edge).
 #pragma once
 
 #include "isa.h"
@@ -203,13 +204,13 @@ inline void int8_pv(const uint8_t* const* w, const float* corr, const float* wsc
   }
 
 // attend_tile for packed int8 pages and head size D (a multiple of 32), the contract of attend_tile_int8: q
-// pre-scaled float32 rows in the keys' rotated basis, rows r = j * H + head, row r sees keys <= pos0 + r / H;
-// k_begin a multiple of 16.
+// pre-scaled float32 rows in the keys' rotated basis, rows r = j * H + head, row r sees keys <= pos0 + r / H and
+// none before its window (or before k_begin, which may fall inside a group).
 template <int64_t D>
 void attend_tile_int8_packed(const float* q, int64_t nq, int64_t H, int64_t G, const uint8_t* kcache,
                              const uint8_t* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
                              int64_t kv_heads, int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m,
-                             float* l, NextKeys next) {
+                             float* l, int64_t window, NextKeys next) {
   static_assert(D % 32 == 0, "packed int8 groups take head sizes that are multiples of 32");
   const int64_t R = nq * H;
   const Int8Groups groups{kcache, vcache, table, block_size, block_stride, kv_heads, D, 16 * (D + kScaleBytes), next};
@@ -225,8 +226,9 @@ void attend_tile_int8_packed(const float* q, int64_t nq, int64_t H, int64_t G, c
     qscale[r] = quantize_query_i8(q + r * D, q8.data() + r * 2 * D, q8.data() + r * 2 * D + D, D, qbias.data() + 2 * r);
   reset_partials(acc, m, l, R, D);
   float corr[4], wscale[4];
-  for (int64_t t = k_begin; t < k_end; t += 16) {
+  for (int64_t t = k_begin - k_begin % 16; t < k_end; t += 16) {
     const int64_t n = std::min<int64_t>(16, k_end - t);
+    const int64_t lane0 = std::max<int64_t>(0, k_begin - t);  // keys before the task's range
     const int64_t base = groups.at(table, t), far = groups.ahead(t, k_end);
     for (int64_t h = 0; h < kv_heads; ++h) {
       groups.prefetch(far, h);
@@ -235,8 +237,9 @@ void attend_tile_int8_packed(const float* q, int64_t nq, int64_t H, int64_t G, c
       const __m512 kscale = load_scales16(kp + 16 * D), vscale = load_scales16(vp + 16 * D);
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t visible = std::clamp<int64_t>(pos0 + j + 1 - t, 0, n);  // later keys are masked
-        if (visible <= 0) continue;
-        const __mmask16 keep = static_cast<__mmask16>((1u << visible) - 1u);
+        const int64_t first = std::max(lane0, window_first(window, pos0 + j, t, n));  // and those before its window
+        if (visible <= first) continue;
+        const __mmask16 keep = static_cast<__mmask16>(((1u << visible) - 1u) & ~((1u << first) - 1u));
         const int64_t r0 = j * H + h * G;
 #define KVPAGE_INT8_BATCH(sb)                                                                             \
   {                                                                                                        \

@@ -429,7 +429,8 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
     TORCH_CHECK(query.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kChar,
                 "the packed bf16 KV layout needs bfloat16 queries");
     TORCH_CHECK(plan.partition_size % 16 == 0, "the packed KV layout needs partitions of a multiple of 16 keys");
-    TORCH_CHECK(plan.window == 0, "the packed KV layout has no sliding-window loops: keep sliding layers in rows");
+    TORCH_CHECK(plan.window == 0 || kv_cache.scalar_type() == at::kChar,
+                "the packed bf16 KV layout has no sliding-window loops: keep sliding layers in rows");
   }
   TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, dim]");
   const bool quantized = is_quantized_kv(kv_cache);

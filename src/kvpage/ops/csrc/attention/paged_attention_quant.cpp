@@ -64,13 +64,13 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
         }
         if (D == 64)
           attend_tile_int8_packed<64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
-                                      kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, next);
+                                      kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);
         else if (D == 128)
           attend_tile_int8_packed<128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
-                                       kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, next);
+                                       kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);
         else
           attend_tile_int8_packed<256>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
-                                       kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, next);
+                                       kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);
         continue;
       }
 #endif
