@@ -74,11 +74,13 @@ def split(model: str, positions: int) -> list[dict]:
     full = {i for i in range(n_layers) if not lm.config.layer_window(i)}
     sliding = set(range(n_layers)) - full
 
-    def per_channel(x: torch.Tensor) -> torch.Tensor:  # [tokens, heads, D], tokens in whole 16-key blocks
-        y = x.float().reshape(-1, 16, *x.shape[1:])
-        lo, hi = y.amin(1, keepdim=True), y.amax(1, keepdim=True)
-        step = (hi - lo).clamp_min(1e-30) / 255
-        return (torch.round((y - lo) / step) * step + lo).reshape(x.shape).to(x.dtype)
+    def per_channel(x: torch.Tensor) -> torch.Tensor:  # [tokens, heads, D]: 16-key blocks (the text's last one short)
+        out = []
+        for y in x.float().split(16):
+            lo, hi = y.amin(0, keepdim=True), y.amax(0, keepdim=True)
+            step = (hi - lo).clamp_min(1e-30) / 255
+            out.append(torch.round((y - lo) / step) * step + lo)
+        return torch.cat(out).to(x.dtype)
 
     def round_trip(x: torch.Tensor, rotate: bool, group: int) -> torch.Tensor:
         if group < 0:
