@@ -192,17 +192,6 @@ inline void int8_pv(const uint8_t* const* w, const float* corr, const float* wsc
   }
 }
 
-// Runs CALL(n) over the G rows of a KV head in batches of at most 4 (g0: the batch's first row).
-#define KVPAGE_INT8_BATCHES(CALL)                      \
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {              \
-    switch (std::min<int64_t>(4, G - g0)) {            \
-      case 1: CALL(1); break;                          \
-      case 2: CALL(2); break;                          \
-      case 3: CALL(3); break;                          \
-      default: CALL(4); break;                         \
-    }                                                  \
-  }
-
 // attend_tile for packed int8 pages and head size D (a multiple of 32), the contract of attend_tile_int8: q
 // pre-scaled float32 rows in the keys' rotated basis, rows r = j * H + head, row r sees keys <= pos0 + r / H and
 // none before its window (or before k_begin, which may fall inside a group).
@@ -260,13 +249,12 @@ void attend_tile_int8_packed(const float* q, int64_t nq, int64_t H, int64_t G, c
                    wscale[i]);                                                                             \
     int8_pv<sb, D>(wp, corr, wscale, vp, (visible + 3) / 4, ap);                                           \
   }
-        KVPAGE_INT8_BATCHES(KVPAGE_INT8_BATCH)
+        KVPAGE_ROW_BATCHES(KVPAGE_INT8_BATCH)
 #undef KVPAGE_INT8_BATCH
       }
     }
   }
 }
-#undef KVPAGE_INT8_BATCHES
 
 }  // namespace kvpage::attn
 

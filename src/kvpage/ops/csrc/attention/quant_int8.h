@@ -183,17 +183,6 @@ inline void to_i16(const float* x, int64_t n, float inv, int16_t* out) {
   for (; k < n; ++k) out[k] = static_cast<int16_t>(std::nearbyint(std::min(kI16Max, x[k] * inv)));
 }
 
-// Runs F<gt, D> over the G rows of a KV head in runs of at most four (the register budget of one pass).
-#define KVPAGE_BY_GT(CALL)                                    \
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {                     \
-    switch (std::min<int64_t>(4, G - g0)) {                   \
-      case 1: CALL(1); break;                                 \
-      case 2: CALL(2); break;                                 \
-      case 3: CALL(3); break;                                 \
-      default: CALL(4); break;                                \
-    }                                                         \
-  }
-
 // attend_tile for int8 pages and head size D (a multiple of 16), the contract of attend_tile_quant: q pre-scaled
 // float32 rows in the keys' rotated basis, rows r = j * H + head, row r sees keys <= pos0 + r / H and none
 // before its window.
@@ -242,7 +231,7 @@ void attend_tile_int8(const float* q, int64_t nq, int64_t H, int64_t G, const ui
         const int64_t r0 = j * H + h * G, cnt = visible - first;
 #define KVPAGE_SCORE(gt) \
   score_rows<gt, D>(q16.data() + (r0 + g0) * D, qs + r0 + g0, kb, row_stride, first, visible, ks, sc + g0 * ss, ss, ls)
-        KVPAGE_BY_GT(KVPAGE_SCORE)
+        KVPAGE_ROW_BATCHES(KVPAGE_SCORE)
 #undef KVPAGE_SCORE
         for (int64_t g = 0; g < G; ++g) {
           ls.step();
@@ -281,7 +270,7 @@ void attend_tile_int8(const float* q, int64_t nq, int64_t H, int64_t G, const ui
         }
 #define KVPAGE_PV(gt) \
   pv_rows<gt, D>(w16.data() + g0 * ws, ws, cnt, vb + first * row_stride, row_stride, acc + (r0 + g0) * D, corr + g0, wscale + g0, ls)
-        KVPAGE_BY_GT(KVPAGE_PV)
+        KVPAGE_ROW_BATCHES(KVPAGE_PV)
 #undef KVPAGE_PV
       }
     }
@@ -289,7 +278,6 @@ void attend_tile_int8(const float* q, int64_t nq, int64_t H, int64_t G, const ui
     t += n;
   }
 }
-#undef KVPAGE_BY_GT
 #endif
 
 }  // namespace kvpage::attn
