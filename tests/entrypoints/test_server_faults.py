@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.fault_server import FATAL_SEED, OUTPUT_FAULT_SEED, SAMPLE_FAULT_SEED
-from tests.helpers.server_util import KEY, metric, request, serve_cmd, server, server_proc, wait_idle
+from tests.helpers.server_util import KEY, metric, request, serve_cmd, server, server_log, server_proc, wait_idle
 
 pytest.importorskip("fastapi")
 
@@ -280,7 +280,7 @@ def test_a_request_that_fails_in_the_engine_fails_alone():
             events = results[f"long{i}"]
             assert events[-1] == "[DONE]" and "error" in events[-2], events[-2:]
         assert proc.wait(timeout=30) == 1
-        assert "injected kernel failure" in proc.stdout.read()
+        assert "injected kernel failure" in server_log(proc)
 
 
 # ------------------------------------------------------------------ shutdown
@@ -314,7 +314,7 @@ def test_sigterm_drains_then_fails_what_is_left_and_exits_0():
             socket.create_connection(("127.0.0.1", port), timeout=2)
         assert proc.wait(timeout=30) == 0
         assert 2.5 < time.time() - t0 < 20
-        log = proc.stdout.read()
+        log = server_log(proc)
         short_text, long_text = b"".join(short).decode(), b"".join(long).decode()
         assert '"finish_reason": "length"' in short_text or '"finish_reason": "stop"' in short_text
         for text in (short_text, long_text):  # each a complete chunked response whose last event is [DONE]

@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,16 +29,28 @@ def serve_cmd(port: int, *extra: str) -> list[str]:
 
 
 def start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    """The server's output goes to an unnamed file, not a pipe: nobody reads a pipe while the test runs, and a
+    full one (64 KiB of log) would block the server's next write, and with it every request."""
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by server_proc, which owns the process)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
                                  **(env or {})})
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def server_log(proc: subprocess.Popen) -> str:
+    """Everything the server wrote so far (stdout and stderr)."""
+    log = proc.log  # type: ignore[attr-defined]
+    log.seek(0)
+    return log.read().decode("utf-8", "replace")
 
 
 def wait_up(proc: subprocess.Popen, port: int, key: str | None = None) -> None:
     deadline = time.time() + 120
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read() if proc.stdout else ''}")
+            raise RuntimeError(f"server exited: {server_log(proc)}")
         try:
             status, _ = request(port, "GET", "/health", key=key)
             if status == 200:
@@ -70,6 +83,8 @@ def server_proc(cmd_for: Callable[..., list[str]], *extra: str, env: dict[str, s
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+        proc.log.close()  # type: ignore[attr-defined]
 
 
 def request(port: int, method: str, path: str, body: bytes | str | dict | None = None,

@@ -380,26 +380,35 @@ def test_backend_packs_int8_pages_where_the_build_has_vnni():
     assert not backend.packs_windows(torch.zeros(2, 4, 16, 3, 64, dtype=torch.bfloat16))
 
 
-def test_stale_build_lock_is_removed_and_a_fresh_one_reported(tmp_path, monkeypatch, caplog):
-    """An interrupted first build leaves torch's lock file behind, and torch would wait for it forever."""
-    import os
-    import time
+def test_orphaned_build_lock_is_removed_and_a_live_build_waited_for(tmp_path, monkeypatch, caplog):
+    """A process killed during a build leaves torch's lock file behind, and torch would wait for it forever;
+    a live build holds the flock, and a second process waits for it (and only for it)."""
+    import fcntl
+    import subprocess
+    import sys
 
     import torch.utils.cpp_extension as cpp
 
     from kvpage.ops import build
 
     monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    lock = tmp_path / "lock"
-    lock.touch()
-    old = time.time() - build.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    build._check_build_lock("x")
-    assert not lock.exists() and "stale kernel build lock" in caplog.text
-    lock.touch()
-    build._check_build_lock("x")
-    assert lock.exists() and "waiting for another process's kernel build" in caplog.text
-    build._check_build_lock("x")  # no lock: nothing to do
+    (tmp_path / "lock").touch()  # torch's file, its writer gone
+    with build._build_lock("x"):
+        assert not (tmp_path / "lock").exists() and "orphaned kernel build lock" in caplog.text
+        # a live holder: another process cannot take the flock until this one lets go
+        probe = ("import fcntl, sys; f = open(sys.argv[1], 'w')\n"
+                 "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(3)")
+        held = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "kvpage.flock")], check=False)
+        assert held.returncode == 3
+    with open(tmp_path / "kvpage.flock") as f:  # released on exit
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f, fcntl.LOCK_UN)
+    # a holder that dies without letting go: the kernel drops its lock, so the next build goes ahead
+    subprocess.run([sys.executable, "-c", "import fcntl, os, sys; f = open(sys.argv[1], 'w'); "
+                    "fcntl.flock(f, fcntl.LOCK_EX); open(sys.argv[2], 'w'); os._exit(9)",
+                    str(tmp_path / "kvpage.flock"), str(tmp_path / "lock")], check=False)
+    with build._build_lock("x"):
+        assert not (tmp_path / "lock").exists()
 
 
 @pytest.mark.parametrize("kv_layout", ["packed", "rows"])

@@ -8,10 +8,12 @@ compiler ``load_kernels`` returns None and logs why; the engine then runs the re
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -42,25 +44,33 @@ def _sources_tag() -> str:
     return digest.hexdigest()[:10]
 
 
-STALE_LOCK_SECONDS = 600.0  # a build takes 1-5 min here; a lock this old was left by an interrupted one
+@contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """Serializes kernel builds across processes with a lock the kernel drops when its holder dies.
 
-
-def _check_build_lock(name: str) -> None:
-    """torch's build waits for as long as the lock file of another build exists, and an interrupted build
-    (Ctrl-C during the first start) leaves it behind: every later start would hang without a word. A lock
-    older than STALE_LOCK_SECONDS is removed (so this start builds); a younger one is reported."""
+    Why: torch's own build lock is a plain file, and its waiters poll for as long as the file exists. A process
+    killed while it holds that file (Ctrl-C during the first build; a server stopped while it checks its build,
+    as tests do) leaves it behind, and every later start waits forever without a word. Every kvpage process
+    takes this flock around torch's build; whoever holds it knows that no live kvpage process holds torch's
+    file, so a file found then is an orphan and is removed."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        logger.warning("removing a stale kernel build lock (%s, %.0f min old: an interrupted build)", lock, age / 60)
-        lock.unlink(missing_ok=True)
-    else:
-        logger.warning("waiting for another process's kernel build (%s); if none is running, delete that file", lock)
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "kvpage.flock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("waiting for another process's kernel build (%s)", build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        orphan = build_dir / "lock"
+        if orphan.exists():
+            logger.warning("removing an orphaned kernel build lock (%s): an interrupted build", orphan)
+            orphan.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load_kernels() -> ModuleType | None:
@@ -72,10 +82,10 @@ def load_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         name = f"kvpage_kernels_{_cpu_tag()}_{_sources_tag()}"
-        _check_build_lock(name)
-        _module = load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                       extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_lock(name):
+            _module = load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, ...
         _error = f"{type(e).__name__}: {e}".splitlines()[0]
         logger.warning("compiled CPU kernels unavailable (%s): using the reference attention backend", _error)

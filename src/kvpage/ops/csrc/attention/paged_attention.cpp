@@ -357,22 +357,20 @@ void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, to
 }
 #endif
 
-// Whether this build and cache can use the packed layout (packed_kv.h; int8 pages: packed_int8.h).
+// Whether this build and cache can use the packed layout (packed_kv.h; int8 pages: packed_int8.h). The cache's
+// own limits come first, so a cache no build could pack is told so on every build.
 void check_packed(const torch::Tensor& kv_cache) {
-  if (kv_cache.scalar_type() == at::kChar) {
-    TORCH_CHECK(KVPAGE_PACKED_INT8, "this build has no packed int8 KV layout (needs AVX512-VNNI and AVX512-BF16)");
-    TORCH_CHECK(kv_cache.size(2) % 16 == 0, "the packed int8 KV layout needs a block size that is a multiple of 16");
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || kv_cache.scalar_type() == at::kBFloat16, "the packed KV layout is bfloat16 (or int8) only");
+  TORCH_CHECK(kv_cache.size(2) % 16 == 0, "the packed KV layout needs a block size that is a multiple of 16");
+  if (int8) {
     const int64_t D = kv_cache.size(4) - 2;
     TORCH_CHECK(D == 64 || D == 128 || D == 256, "the packed int8 KV layout needs head size 64, 128 or 256");
+    TORCH_CHECK(KVPAGE_PACKED_INT8, "this build has no packed int8 KV layout (needs AVX512-VNNI and AVX512-BF16)");
     return;
   }
-#if KVPAGE_PACKED
-  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "the packed KV layout is bfloat16 (or int8) only");
-  TORCH_CHECK(kv_cache.size(2) % 16 == 0, "the packed KV layout needs a block size that is a multiple of 16");
   TORCH_CHECK(kv_cache.size(4) == 64 || kv_cache.size(4) == 128, "the packed KV layout needs head size 64 or 128");
-#else
-  TORCH_CHECK(false, "this build has no packed KV layout (needs AVX512-BF16)");
-#endif
+  TORCH_CHECK(KVPAGE_PACKED, "this build has no packed KV layout (needs AVX512-BF16)");
 }
 
 void check_common(const torch::Tensor& kv_cache) {
