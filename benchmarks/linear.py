@@ -129,7 +129,7 @@ def i8_weights(on: bool) -> list[tuple]:
         return []
     from kvpage.envs import KernelConfig
 
-    lm = load_model(dtype="bfloat16", fast=True, kernel_config=KernelConfig(i8_gemm=True, amx_linear=False))
+    lm = load_model(dtype="bfloat16", fast=True, kernel_config=KernelConfig(i8_gemm="1", amx_linear=False))
     out = []
     for layer in lm.model.layers:
         a, m = layer.self_attn, layer.mlp

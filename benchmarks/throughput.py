@@ -25,6 +25,7 @@ Engines, each in its own process, one after another in this invocation:
   kvpage-4k              kvpage with its KV cache on 4 KiB pages (--no-kv-huge-pages), to measure what 2 MiB pages give
   kvpage-onednn          kvpage with KVPAGE_I8_GEMM=0: oneDNN's bf16 GEMM instead of the int8 GEMM on the quantized
                          blocks (what that GEMM gives, on AVX-512 VNNI CPUs without AMX)
+  kvpage-i8              kvpage with KVPAGE_I8_GEMM=1: the int8 GEMM even where `auto` keeps oneDNN (AMD CPUs)
 A peer that is not installed is reported as skipped, never estimated.
 
 Startup is outside the timed region for every engine. kvpage faults its KV pages in at startup there
@@ -235,6 +236,8 @@ def run_engine(eng: str, reqs: list[dict], args: argparse.Namespace, dtype: str)
         return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_BENCH_HUGE_PAGES": "0"})
     if eng == "kvpage-onednn":
         return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_I8_GEMM": "0"})
+    if eng == "kvpage-i8":
+        return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_I8_GEMM": "1"})
     if eng.startswith("kvpage:"):  # another KV cache dtype (same KV memory: a quantized cache holds more tokens)
         return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_BENCH_KV_DTYPE": eng.split(":", 1)[1]})
     if eng == "kvpage-baseline":  # another checkout's sources, same Python and packages

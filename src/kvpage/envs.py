@@ -33,8 +33,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "compiled call; 'python' keeps the Python layer loop (same bits)", "decode_layers", ("compiled", "python")),
     EnvVar("KVPAGE_AMX_LINEAR", bool, True, "the AMX tile GEMM for bf16 projections where the CPU has AMX; 0 keeps "
            "oneDNN's packed GEMM", "amx_linear"),
-    EnvVar("KVPAGE_I8_GEMM", bool, True, "bf16 models' many-row projections multiply the checkpoint's Q4 / Q8 blocks "
-           "with int8 activation codes (AVX-512 VNNI, CPUs without AMX); 0 keeps oneDNN's bf16 GEMM", "i8_gemm"),
+    EnvVar("KVPAGE_I8_GEMM", str, "auto", "bf16 models' many-row projections multiply the checkpoint's Q4 / Q8 "
+           "blocks with int8 activation codes (AVX-512 VNNI, CPUs without AMX): 'auto' on Intel CPUs, where it is "
+           "2.3-2.8x oneDNN's bf16 GEMM, not on AMD's, where oneDNN's is faster (Zen 5: the int8 GEMM 0.67-0.97x); "
+           "1 wherever the build has it; 0 keeps oneDNN's bf16 GEMM", "i8_gemm", ("auto", "1", "0")),
     EnvVar("KVPAGE_F32_GEMM", bool, True, "kvpage's float32 panel GEMM for float32 projections on AVX2 builds; 0 keeps "
            "oneDNN's", "f32_gemm"),
     EnvVar("KVPAGE_AMX_DECODE", bool, True, "AMX tile products for decode attention where the CPU and OS allow them; "
@@ -88,7 +90,7 @@ class KernelConfig:
     quant_int16: bool = True
     decode_layers: str = "compiled"
     amx_linear: bool = True
-    i8_gemm: bool = True
+    i8_gemm: str = "auto"
     f32_gemm: bool = True
     amx_decode: bool = True
     split_short: bool = True

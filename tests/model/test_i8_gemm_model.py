@@ -1,5 +1,5 @@
-"""SmolLM2 in bf16 with its many-row projections on the int8 GEMM (KernelConfig.i8_gemm, the default on AVX-512
-VNNI CPUs without AMX): every layer projection and the lm head take that path, and the model is at least as
+"""SmolLM2 in bf16 with its many-row projections on the int8 GEMM (KernelConfig.i8_gemm="1"; the default on Intel
+AVX-512 VNNI CPUs without AMX): every layer projection and the lm head take that path, and the model is at least as
 close to float32 as oneDNN's bf16 GEMM is (exact weights, ~16-bit activation codes, against bf16 weights and
 activations)."""
 
@@ -21,7 +21,7 @@ def bf16_pair():
     try:
         for on in (True, False):
             lm = loader.load_model("SmolLM2-135M-Instruct", dtype="bfloat16", fast=True,
-                                   kernel_config=KernelConfig(i8_gemm=on))
+                                   kernel_config=KernelConfig(i8_gemm="1" if on else "0"))
             ops = lm.model.fast_ops
             if ops is None or (not ops.i8_gemm_ok and on):
                 pytest.skip("no int8 GEMM here (it needs an AVX-512 VNNI build)")

@@ -365,6 +365,31 @@ def test_backend_packs_bf16_caches_and_keeps_rows_otherwise():
     assert not CpuPagedAttention(kernels(KernelConfig(kv_layout="rows"))).packed_layout(bf16, torch.bfloat16)
 
 
+@pytest.mark.parametrize(("vendor", "setting", "expected"), [
+    ("GenuineIntel", "auto", True), ("AuthenticAMD", "auto", False), ("AuthenticAMD", "1", True),
+    ("GenuineIntel", "0", False)])
+def test_int8_gemm_auto_follows_the_measurements(monkeypatch, vendor, setting, expected):
+    """`auto` takes the int8 GEMM on Intel CPUs only (on AMD's Zen 5 oneDNN's bf16 GEMM is faster); 1 and 0
+    force either, and a build without it never claims it."""
+    import importlib
+
+    kernels_mod = importlib.import_module("kvpage.ops.kernels")  # the module (kvpage.ops.kernels is also a function)
+
+    class Build:  # what Kernels asks of the compiled module
+        def __init__(self, has_i8: bool) -> None:
+            self.has_i8 = has_i8
+
+        def __getattr__(self, name):
+            return lambda: self.has_i8 if name == "i8_gemm_available" else False
+
+    monkeypatch.setattr(kernels_mod, "cpu_vendor", lambda: vendor)
+    config = KernelConfig(i8_gemm=setting)
+    assert kernels_mod.Kernels(Build(True), config).i8_gemm_ok is expected
+    assert kernels_mod.Kernels(Build(False), config).i8_gemm_ok is False
+    with pytest.raises(ValueError, match="i8_gemm"):
+        KernelConfig(i8_gemm=True)  # the old boolean form is refused by name
+
+
 def test_backend_packs_int8_pages_where_the_build_has_vnni():
     backend = CpuPagedAttention(kernels(KernelConfig()))
     int8 = torch.zeros(2, 4, 16, 3, 66, dtype=torch.int8)

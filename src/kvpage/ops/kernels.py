@@ -18,6 +18,24 @@ Tensor = torch.Tensor
 PARTITION_SIZE = 512  # keys per context partition: long contexts split into this many keys per task
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor string (GenuineIntel, AuthenticAMD, ...), '' where /proc/cpuinfo has none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.split(":", 1)[1].strip() if ":" in line else ""
+
+
+def int8_gemm_pays() -> bool:
+    """Whether the int8 GEMM (gemm_i8.cpp) beats oneDNN's bf16 GEMM here, by what was measured
+    (benchmarks/linear.py --i8, one pass of SmolLM2's projections): on the Intel Xeon without AMX, where
+    vdpbf16ps peaks at ~170 GFLOP/s on two cores, 2.25-2.76x at 8-2048 rows; on the AMD EPYC Zen 5, whose
+    512-bit bf16 products oneDNN runs at ~0.9 TFLOP/s, 0.67-0.97x (2026-11-26). So Intel yes, AMD no."""
+    return cpu_vendor() == "GenuineIntel"
+
+
 class Kernels:
     """The compiled kernels under one configuration (each method says what it computes; ops/csrc/ops.h has the C++)."""
 
@@ -29,7 +47,8 @@ class Kernels:
         self.packed_int8_layout = module.has_packed_int8_layout() and config.kv_layout == "packed"
         self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
         self.f32_gemm_ok = config.f32_gemm and module.f32_gemm_available()
-        self.i8_gemm_ok = config.i8_gemm and module.i8_gemm_available()
+        self.i8_gemm_ok = module.i8_gemm_available() and (
+            config.i8_gemm == "1" or (config.i8_gemm == "auto" and int8_gemm_pays()))
         self.amx_prefill_ok = config.amx_prefill and module.prefill_amx_available()
         self.quant_int16 = config.quant_int16
 

@@ -4,8 +4,8 @@ kvpage's AMX tile GEMM (csrc/linear/linear_amx.cpp) runs the layer projections a
 oneDNN's packed GEMM for 1-1024 rows, 0.97x at 2048, on the AMX Xeon: benchmarks/linear.py, BENCHMARKS.md);
 the kernel configuration's amx_linear=False turns it off (side-by-side runs). On AVX-512 VNNI CPUs without
 AMX, bf16 models with the checkpoint's Q4 / Q8 blocks run their many-row products on those blocks with int8
-activation codes (csrc/linear/gemm_i8.cpp: ~4x oneDNN's bf16 GEMM on the Xeon without AMX; i8_gemm=False
-turns it off).
+activation codes (csrc/linear/gemm_i8.cpp: ~2.5x oneDNN's bf16 GEMM on the Xeon without AMX), where it pays: the
+kernel configuration's i8_gemm ("auto": Intel CPUs; ops/kernels.py int8_gemm_pays) decides.
 """
 
 from __future__ import annotations
