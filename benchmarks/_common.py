@@ -8,6 +8,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from kvpage.cpuinfo import cpuinfo_field
+
 
 def median_seconds(fn: Callable[[], object], reps: int) -> float:
     """Median wall time of ``fn`` over ``reps`` calls, after one untimed warm-up call."""
@@ -53,14 +55,7 @@ def drive(engine, on_step: Callable[[], None] | None = None) -> tuple[int, float
 
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), for the machine line every result is printed with."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def engine_gemm_tflops(dtype: str, rows: int = 256) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpage.cpuinfo import cpu_flags
 from kvpage.dtypes import RUN_DTYPES, kv_cache_name
 from kvpage.envs import KernelConfig
 from kvpage.kv import DEFAULT_BLOCK_SIZE
@@ -15,12 +16,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 def cpu_has_bf16() -> bool:
     """AVX512_BF16 (or AMX-BF16) present: bf16 matrix products are native and about 4x faster than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def resolve_dtype(dtype: str) -> str:

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
+from kvpage.cpuinfo import cpuinfo_field
+
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = sorted(_CSRC.rglob("*.cpp"))  # bindings.cpp and every kernel it binds
@@ -25,10 +27,7 @@ _error: str | None = None
 
 
 def _cpu_tag() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = os.uname().machine
+    flags = cpuinfo_field("flags") or os.uname().machine
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
@@ -67,10 +66,7 @@ def _build_lock(name: str) -> Iterator[None]:
         if orphan.exists():
             logger.warning("removing an orphaned kernel build lock (%s): an interrupted build", orphan)
             orphan.unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield  # closing the file lets go of the flock
 
 
 def load_kernels() -> ModuleType | None:

@@ -11,6 +11,7 @@ from types import ModuleType
 
 import torch
 
+from kvpage.cpuinfo import cpuinfo_field
 from kvpage.envs import KernelConfig, kernel_config
 from kvpage.ops.build import load_kernels
 
@@ -20,12 +21,7 @@ PARTITION_SIZE = 512  # keys per context partition: long contexts split into thi
 
 def cpu_vendor() -> str:
     """The CPU's vendor string (GenuineIntel, AuthenticAMD, ...), '' where /proc/cpuinfo has none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.split(":", 1)[1].strip() if ":" in line else ""
+    return cpuinfo_field("vendor_id")
 
 
 def int8_gemm_pays() -> bool:
