@@ -1,5 +1,7 @@
-"""Attention of whole fresh prompts: kvpage's AMX kernel (prefill_attention) vs torch's SDPA as the engine
-called it before (one call per prompt, enable_gqa, the qkv views as they are).
+"""Attention of whole fresh prompts: kvpage's kernel vs torch's SDPA as the engine called it before (one call
+per prompt, enable_gqa, the qkv views as they are). kvpage's kernel is the AMX prompt kernel
+(prefill_attention) where the CPU has AMX, else the paged kernel over the packed bf16 cache that the step has
+just written (paged_attention; the write is not timed, the engine makes it on either path).
 
 SmolLM2's shape (9 query heads over 3 KV heads, head size 64), bf16, one prompt per call at each length and
 one call for a step's worth of ShareGPT-like prompts (lognormal lengths, median ~160, capped at 1024, as in
@@ -15,6 +17,7 @@ which served them before) vs the prompt kernel reading the cache (prefill_attent
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import platform
@@ -45,8 +48,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     ops = load_kernels()
-    if ops is None or not ops.prefill_amx_available():
-        raise SystemExit("needs the compiled kernels and AMX tile products (CPU with AMX-BF16, Linux >= 5.16)")
+    if ops is None or not (ops.prefill_amx_available() or ops.has_packed_layout()):
+        raise SystemExit("needs the compiled kernels with AMX tile products or the packed bf16 layout")
+    amx = ops.prefill_amx_available()
     rng = random.Random(0)
     step = []  # one step's prompts, up to 2048 tokens (the engine's max_num_batched_tokens)
     while True:
@@ -57,12 +61,14 @@ def main() -> None:
     cases = [(f"{n}", [n]) for n in args.lengths] + [(f"step of {len(step)} prompts ({sum(step)} tokens)", step)]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {HEADS} query heads / {KV_HEADS} KV heads, head size {D}, bf16")
-    print("| prompt tokens | SDPA per prompt (us) | prefill_attention (us) | SDPA / kvpage | kvpage TFLOP/s |")
+    kernel = "prefill_attention (AMX)" if amx else "paged_attention (packed cache)"
+    print(f"| prompt tokens | SDPA per prompt (us) | {kernel} (us) | SDPA / kvpage | kvpage TFLOP/s |")
     print("|---|---:|---:|---:|---:|")
     for name, lengths in cases:
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         q, k, v = views(sum(lengths), seed=len(lengths))
         out = torch.empty(q.shape, dtype=torch.bfloat16)
+        paged = None if amx else packed_prompts(k, v, lengths)
 
         def sdpa(q=q, k=k, v=v, out=out, starts=starts, lengths=lengths) -> float:
             t = time.perf_counter()
@@ -72,15 +78,38 @@ def main() -> None:
                 out[s : s + n] = o[0].transpose(0, 1)
             return time.perf_counter() - t
 
-        def amx(q=q, k=k, v=v, out=out, starts=starts, lengths=lengths) -> float:
+        def kvpage(q=q, k=k, v=v, out=out, starts=starts, lengths=lengths, paged=paged) -> float:
             t = time.perf_counter()
-            ops.prefill_attention(q, k, v, out, starts, lengths, D**-0.5)
+            if paged is None:
+                ops.prefill_attention(q, k, v, out, starts, lengths, D**-0.5)
+            else:
+                ops.paged_attention(q, *paged, D**-0.5, PARTITION_SIZE, True)
             return time.perf_counter() - t
 
-        a, b = alternating_medians(sdpa, amx, args.rounds, warmup=3)
+        a, b = alternating_medians(sdpa, kvpage, args.rounds, warmup=3)
         flops = sum(2 * 2 * HEADS * D * n * (n + 1) / 2 for n in lengths)  # causal q.k and p.v
         print(f"| {name} | {a * 1e6:.0f} | {b * 1e6:.0f} | {a / b:.2f}x | {flops / b / 1e12:.2f} |", flush=True)
-    chunks_after_cached_keys(ops, args.rounds)
+    if amx:
+        chunks_after_cached_keys(ops, args.rounds)
+
+
+def packed_prompts(k: torch.Tensor, v: torch.Tensor, lengths: list[int], bs: int = 16):
+    """The prompts' keys and values in a packed paged cache (16-token blocks, randomly placed), with the block
+    tables, query starts and lengths that paged_attention takes for them."""
+    per = [-(-n // bs) for n in lengths]
+    perm = torch.randperm(sum(per), generator=torch.Generator().manual_seed(1))
+    rows = torch.zeros(2, sum(per), bs, KV_HEADS, D, dtype=torch.bfloat16)
+    tables = torch.zeros(len(lengths), max(per), dtype=torch.int64)
+    b = s = 0
+    for i, (n, nb) in enumerate(zip(lengths, per, strict=True)):
+        ids = perm[b : b + nb]
+        flat = torch.zeros(2, nb * bs, KV_HEADS, D, dtype=torch.bfloat16)
+        flat[0, :n], flat[1, :n] = k[s : s + n], v[s : s + n]
+        rows[:, ids] = flat.view(2, nb, bs, KV_HEADS, D)
+        tables[i, :nb] = ids
+        b, s = b + nb, s + n
+    qsl = torch.tensor([0, *itertools.accumulate(lengths)])
+    return as_block_major(pack_kv_rows(rows)), tables, qsl, torch.tensor(lengths)
 
 
 def chunks_after_cached_keys(ops, rounds: int) -> None:

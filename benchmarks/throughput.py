@@ -26,6 +26,7 @@ Engines, each in its own process, one after another in this invocation:
   kvpage-onednn          kvpage with KVPAGE_I8_GEMM=0: oneDNN's bf16 GEMM instead of the int8 GEMM on the quantized
                          blocks (what that GEMM gives, on AVX-512 VNNI CPUs without AMX)
   kvpage-i8              kvpage with KVPAGE_I8_GEMM=1: the int8 GEMM even where `auto` keeps oneDNN (AMD CPUs)
+  kvpage+VAR=VALUE[+...]  kvpage with kernel switches from docs/envs.md set, e.g. kvpage+KVPAGE_PAGED_PROMPTS=0
 A peer that is not installed is reported as skipped, never estimated.
 
 Startup is outside the timed region for every engine. kvpage faults its KV pages in at startup there
@@ -238,6 +239,20 @@ def run_engine(eng: str, reqs: list[dict], args: argparse.Namespace, dtype: str)
         return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_I8_GEMM": "0"})
     if eng == "kvpage-i8":
         return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_I8_GEMM": "1"})
+    if eng.startswith("kvpage+"):  # kernel switches (docs/envs.md), named and checked by kvpage.envs
+        from kvpage.envs import read
+
+        env = dict(pair.split("=", 1) for pair in eng.split("+")[1:] if "=" in pair)
+        if len(env) != eng.count("+"):
+            raise SystemExit(f"{eng}: expected kvpage+VAR=VALUE[+VAR=VALUE...]")
+        for name in env:
+            try:
+                read(name, env)
+            except KeyError:
+                raise SystemExit(f"{eng}: {name} is not a kvpage variable (docs/envs.md)") from None
+            except ValueError as e:
+                raise SystemExit(f"{eng}: {e}") from None
+        return run_python(sys.executable, KVPAGE, reqs, env)
     if eng.startswith("kvpage:"):  # another KV cache dtype (same KV memory: a quantized cache holds more tokens)
         return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_BENCH_KV_DTYPE": eng.split(":", 1)[1]})
     if eng == "kvpage-baseline":  # another checkout's sources, same Python and packages
@@ -322,12 +337,13 @@ def main() -> None:
     for wl, res in results.items():
         base = res.get("kvpage", {}).get("tok_per_s")
         print(f"\n{wl}")
+        width = max(18, *(len(eng) for eng in res))
         for eng, r in res.items():
             if "skipped" in r:
-                print(f"  {eng:<18} skipped: {r['skipped']}")
+                print(f"  {eng:<{width}} skipped: {r['skipped']}")
             else:
                 ratio = f"kvpage/{eng} = {base / r['tok_per_s']:.2f}x" if base and eng != "kvpage" else ""
-                print(f"  {eng:<18} {r['tok_per_s']:8.1f} tok/s  {ratio}")
+                print(f"  {eng:<{width}} {r['tok_per_s']:8.1f} tok/s  {ratio}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
 

@@ -353,7 +353,7 @@ def test_bf16_step_mixing_decode_cached_chunk_and_fresh_prompt(smol_bf16, prompt
 def test_bf16_mixed_step_without_the_prompt_kernel(load_fast, prompts):
     """Without the prompt kernel the chunk after cached keys goes to the paged kernel over its own slice of the
     batch (rows after the decode's): the same logits as that chunk computed in a step of its own."""
-    lm = load_fast(KernelConfig(amx_prefill=False, prefill_cached=False), dtype="bfloat16")
+    lm = load_fast(KernelConfig(amx_prefill=False, prefill_cached=False, paged_prompts=False), dtype="bfloat16")
     backend = lm.model.layers[0].self_attn.backend
     if not hasattr(backend, "prefill_cached"):
         pytest.skip("needs the compiled CPU attention backend")
@@ -361,3 +361,33 @@ def test_bf16_mixed_step_without_the_prompt_kernel(load_fast, prompts):
     got, a, _, c = _mixed_step(lm, prompts)
     assert torch.equal(got["a"], _last_logits(lm, a, (100,)))
     assert torch.equal(got["c"], _last_logits(lm, c, ()))
+
+
+def test_bf16_fresh_prompts_on_the_paged_kernel_without_amx(load_fast, prompts, hf_greedy):
+    """Without the AMX prompt kernel, packed bf16 caches send whole fresh prompts to the paged kernel (no SDPA
+    group at all); teacher-forced over every test prompt, it agrees with SDPA (paged_prompts=False) on the
+    argmax >= 99% with logits a bf16 rounding apart, and a mixed step still returns each sequence's logits."""
+    paged = load_fast(KernelConfig(amx_prefill=False, prefill_cached=False), dtype="bfloat16")
+    backend = paged.model.layers[0].self_attn.backend
+    if not hasattr(backend, "paged_prompts"):
+        pytest.skip("needs the compiled CPU attention backend")
+    cache = torch.empty(2, 4, 16, 3, 64, dtype=torch.bfloat16)
+    builder = backend.metadata_builder(cache, torch.bfloat16, 9)
+    if not builder.packed:
+        pytest.skip("this build has no packed bf16 layout")
+    assert builder.prefill_min is None
+    sdpa = load_fast(KernelConfig(amx_prefill=False, prefill_cached=False, paged_prompts=False), dtype="bfloat16")
+    assert sdpa.model.layers[0].self_attn.backend.metadata_builder(cache, torch.bfloat16, 9).prefill_min == 64
+    agree = total = 0
+    worst = 0.0
+    for name, ids in prompts.items():
+        seq = ids + hf_greedy[name]
+        full = [teacher_forced_logits(lm, seq) for lm in (paged, sdpa)]
+        agree += int((full[0].argmax(-1) == full[1].argmax(-1)).sum())
+        total += len(seq)
+        worst = max(worst, float((full[0] - full[1]).abs().max()))
+    assert agree / total >= 0.99, (agree, total)
+    assert worst < 1.5, worst
+    got, _, _, c = _mixed_step(paged, prompts)
+    alone = _last_logits(paged, c, ())
+    assert got["c"].argmax() == alone.argmax() and (got["c"] - alone).abs().max() < 1.0
