@@ -56,3 +56,23 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = field(default=None)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One returned beam, as vLLM's ``LLM.beam_search`` gives it: ``tokens`` and ``text`` cover the prompt and
+    the output; ``output_token_ids`` / ``output_text`` the output alone."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str | None
+    output_token_ids: list[int]
+    output_text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # vLLM's field; not computed here
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

@@ -11,6 +11,8 @@ MAX_LOGPROBS = 20
 # A temperature below this is greedy: dividing logits by it would overflow float32 (vLLM's threshold too).
 SAMPLING_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MAX_BEAM_WIDTH = 64  # each beam step ranks beam_width x 2 beam_width candidates in Python
+MAX_LENGTH_PENALTY = 10.0  # a score is divided by length ** length_penalty: keep that a finite float
 
 
 @dataclass
@@ -104,3 +106,55 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings, with vLLM's names (``LLM.beam_search``) plus transformers' ``early_stopping``.
+
+    ``temperature`` shapes the distribution the candidates' log-probabilities come from (0 = the model's own,
+    as 1). ``ignore_eos``: EOS is an ordinary token (it ends nothing); ``min_tokens`` keeps EOS and the stop
+    ids out of the candidates until that many tokens exist. ``n``: how many of the best finished beams come
+    back (default beam_width)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False  # transformers': False (heuristic), True, or "never"
+    n: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(what)
+
+        need(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool) and self.beam_width >= 1,
+             f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        need(self.beam_width <= MAX_BEAM_WIDTH, f"beam_width must be at most {MAX_BEAM_WIDTH}, got {self.beam_width}")
+        n = self.beam_width if self.n is None else self.n
+        need(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= self.beam_width,
+             f"n must be an integer in [1, beam_width={self.beam_width}], got {self.n!r}")
+        self.n = n
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            need(isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
+                 f"{name} must be a finite number, got {value!r}")
+        need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        need(abs(self.length_penalty) <= MAX_LENGTH_PENALTY,
+             f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got {self.length_penalty}")
+        need(self.early_stopping in (True, False, "never"),
+             f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        # the length and stop checks are SamplingParams' own
+        self.sampling_params()
+
+    def sampling_params(self) -> SamplingParams:
+        """The per-sequence settings every beam of the request runs with (final output only)."""
+        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, min_tokens=self.min_tokens,
+                              ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              output_kind="final_only")

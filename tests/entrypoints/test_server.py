@@ -126,6 +126,30 @@ def test_sampling_extras_logprobs_n_and_stop(srv, model_id):
     assert body["usage"]["completion_tokens"] == 6
 
 
+def test_beam_search_matches_offline_beam_search(srv, model_id, offline):
+    """use_beam_search with best_of 4, n 2: the same two best beams as LLM.beam_search, best first."""
+    from kvpage.sampling_params import BeamSearchParams
+
+    want = offline.beam_search([PROMPT], BeamSearchParams(beam_width=4, n=2, max_tokens=8))[0].sequences
+    status, body = request(srv, "POST", "/v1/completions", {
+        "model": model_id, "prompt": PROMPT, "max_tokens": 8, "use_beam_search": True, "n": 2, "best_of": 4})
+    assert status == 200, body
+    assert [c["text"] for c in body["choices"]] == [s.output_text for s in want]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"]["completion_tokens"] == sum(len(s.output_token_ids) for s in want)
+    msgs = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    prompt = offline.get_tokenizer().apply_chat_template(msgs)
+    ids = offline.get_tokenizer().encode(prompt, add_special_tokens=False)
+    want = offline.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=3, max_tokens=12,
+                                                                             length_penalty=0.5))[0].sequences
+    status, body = request(srv, "POST", "/v1/chat/completions", {
+        "model": model_id, "messages": msgs, "max_tokens": 12, "use_beam_search": True, "n": 3,
+        "length_penalty": 0.5})
+    assert status == 200, body
+    assert [c["message"]["content"] for c in body["choices"]] == [s.output_text for s in want]
+    assert [c["finish_reason"] for c in body["choices"]] == [s.finish_reason for s in want]
+
+
 def test_tokenize_detokenize(srv, model_id):
     status, body = request(srv, "POST", "/tokenize", {"model": model_id, "prompt": "Hello world"})
     assert status == 200 and body["count"] == len(body["tokens"]) > 0

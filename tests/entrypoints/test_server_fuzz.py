@@ -68,6 +68,9 @@ SAMPLING = {
     "truncate_prompt_tokens": field(st.integers(1, MAX_LEN), [-1, 0, 2**63]),
     "response_format": field(st.sampled_from([{"type": "text"}, None]), [{"type": "json_object"}]),
     "tools": field(st.sampled_from([[], None]), [[{"type": "function", "function": {"name": "f"}}]]),
+    "use_beam_search": field(st.booleans()),
+    "length_penalty": field(st.floats(-2, 2), [1e300, -1e300]),
+    "early_stopping": field(st.sampled_from([True, False, "never"]), ["soon", 2]),
 }
 
 
@@ -87,7 +90,8 @@ message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "ass
                                                          [{"type": "image_url", "image_url": {"url": "x"}}]])})
 messages = field(st.lists(message, min_size=1, max_size=3), [[], [{"role": "wizard", "content": "x"}]])
 completion = body({"prompt": prompt}, {**SAMPLING, "logprobs": field(st.integers(0, 20), [21, -1]),
-                                       "echo": field(st.just(False), [True]), "best_of": field(st.just(1), [2])})
+                                       "echo": field(st.just(False), [True]),
+                                       "best_of": field(st.integers(1, 4), [0, 5, -1])})
 chat = body({"messages": messages}, {
     **SAMPLING, "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 20), [21]),
     "max_completion_tokens": field(st.integers(1, 12), [0, 10**6]),

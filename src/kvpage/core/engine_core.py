@@ -20,10 +20,12 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvpage.core.beam import BeamGroup, Candidates
 from kvpage.core.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from kvpage.core.sequence import Request, Sequence, SequenceStatus
+from kvpage.errors import KVCapacityError
 from kvpage.outputs import RequestMetrics
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +58,14 @@ class SampleTask:
 class StepWorker(Protocol):
     """What computes a step. ``execute_model`` performs the step's block operations and its forward pass (an
     exception there is fatal); ``sample`` draws one token per target of each task, or gives a task the
-    exception its own settings raised."""
+    exception its own settings raised; ``beam_candidates`` gives each beam task its request's
+    ``beam.keep`` best continuations (token, log-probability; blocked ids left out), best first."""
 
     def execute_model(self, out: SchedulerOutput) -> Any: ...
 
     def sample(self, step: Any, tasks: Seq[SampleTask]) -> list[list[Sample] | BaseException]: ...
+
+    def beam_candidates(self, step: Any, tasks: Seq[SampleTask]) -> list[Candidates | BaseException]: ...
 
 
 class OutputProcessor(Protocol):
@@ -113,8 +118,10 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, worker: StepWorker, processor: OutputProcessor,
                  clock: Callable[[], float] = time.time,
-                 regroup: Callable[[list[SampleTask]], list[SampleTask]] | None = None) -> None:
+                 regroup: Callable[[list[SampleTask]], list[SampleTask]] | None = None,
+                 eos_ids: tuple[int, ...] = ()) -> None:
         self.scheduler = scheduler
+        self.eos_ids = eos_ids  # what ends a beam (unless ignore_eos)
         self.worker = worker
         self.processor = processor
         self.clock = clock
@@ -128,12 +135,18 @@ class EngineCore:
         self.fatal_error: str | None = None
 
     # --------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> Request:
-        """Queue a request the caller has checked (``Scheduler.check_fits``); its first sequence starts waiting."""
+    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
+                    params: SamplingParams | BeamSearchParams, arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> Request:
+        """Queue a request the caller has checked (``Scheduler.check_fits``); its first sequence starts waiting.
+        Beam search settings make it a beam group (KVCapacityError when the pool cannot hold its beams)."""
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam = self._beam_group(len(prompt_ids), params)
+            params = params.sampling_params()
         req = Request(request_id, prompt, prompt_ids, params, self._arrivals,
                       RequestMetrics(self.clock() if arrival_time is None else arrival_time), priority, cache_salt,
-                      use_priority=self.scheduler.config.policy == "priority")
+                      use_priority=self.scheduler.config.policy == "priority", beam=beam)
         self._arrivals += 1
         seq = Sequence(f"{request_id}#0", req, 0, list(prompt_ids), len(prompt_ids))
         self.processor.init_seq(seq)
@@ -141,6 +154,23 @@ class EngineCore:
         self.requests[request_id] = req
         self.scheduler.add(seq)
         return req
+
+    def _beam_group(self, prompt_len: int, bp: BeamSearchParams) -> BeamGroup:
+        limit = self.scheduler.config.max_model_len
+        room = limit - prompt_len
+        max_tokens = min(bp.max_tokens or room, room)
+        kv = self.scheduler.kv
+        # the shared prompt plus every beam's own tail (its blocks after the prompt's last full one)
+        need = kv.blocks_needed(prompt_len) + bp.beam_width * kv.blocks_needed(max_tokens + kv.block_size)
+        if need > kv.num_blocks:
+            raise KVCapacityError(
+                f"beam search over a {prompt_len}-token prompt with beam_width={bp.beam_width} and max_tokens="
+                f"{max_tokens} needs up to {need} KV blocks but the whole pool has {kv.num_blocks}: lower "
+                f"beam_width or max_tokens, or enlarge the KV cache", "beam_width")
+        eos = () if bp.ignore_eos else self.eos_ids
+        stops = tuple(dict.fromkeys([*eos, *(bp.stop_token_ids or [])]))
+        return BeamGroup(bp.beam_width, max_tokens, stops, frozenset(eos), bp.length_penalty, bp.early_stopping,
+                         bp.n or bp.beam_width)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks return at once. An unknown id is ignored."""
@@ -188,6 +218,14 @@ class EngineCore:
         if not out.is_empty:
             self.num_steps += 1
             self._run(out, touched)
+        elif len(self.scheduler.waiting):
+            # An empty step with requests waiting leaves the state as it was: the next would be empty too. The
+            # head of the queue cannot be admitted whatever finishes (a beam group whose beams do not fit
+            # together), so it fails instead of waiting forever.
+            head = self.scheduler.waiting[0].request
+            self.fail_request(head, "this request cannot be scheduled: its beams do not fit the KV pool (or "
+                                    "max_num_seqs) together; enlarge the KV cache, enable prefix caching or lower "
+                                    "beam_width", touched)
         return out, list(touched.values())
 
     def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
@@ -207,6 +245,10 @@ class EngineCore:
         tasks = [self._task(w) for w in out.work if w.completes_prompt and not w.seq.finished]
         if self.regroup is not None:
             tasks = self.regroup(tasks)
+        beams = [t for t in tasks if t.seq.request.beam is not None]
+        if beams:
+            tasks = [t for t in tasks if t.seq.request.beam is None]
+            self._beam_step(step, beams, touched)
         if not tasks:
             return
         try:
@@ -237,7 +279,7 @@ class EngineCore:
         so that every sample keeps its index and its draw)."""
         seq, req = w.seq, w.seq.request
         targets = [seq]
-        if req.params.n > 1 and not req.forked:
+        if req.params.n > 1 and not req.forked and req.beam is None:
             req.forked = True
             for i in range(1, req.params.n):
                 child, ok = self.scheduler.fork(seq, i)
@@ -247,6 +289,66 @@ class EngineCore:
                     req.error = "no KV room for the extra samples of n > 1 under this KV policy"
                 targets.append(child)
         return SampleTask(w, targets)
+
+    # ------------------------------------------------------------ beam search
+    def _beam_step(self, step: Any, tasks: list[SampleTask], touched: dict[str, Request]) -> None:
+        """Each beam offers its continuations; a group whose live beams have all offered takes its step."""
+        try:
+            results = self.worker.beam_candidates(step, tasks)
+        except Exception as e:
+            results = [e] * len(tasks)
+        now = self.clock()
+        for task, cands in zip(tasks, results, strict=True):
+            req = task.seq.request
+            touched[req.request_id] = req
+            if req.finished:
+                continue
+            if isinstance(cands, BaseException):
+                logger.error("beam candidates for request %s failed: %r", req.request_id, cands)
+                self.fail_request(req, f"beam search failed: {type(cands).__name__}: {cands}", touched)
+                continue
+            group = req.beam
+            if not group.cum:  # the prompt's end: the group's first (and only) beam
+                group.start(task.seq.seq_id)
+            if group.offer(task.seq.seq_id, cands):
+                try:
+                    self._advance_beams(req, group, now)
+                except Exception as e:
+                    logger.exception("beam step of request %s failed", req.request_id)
+                    self.fail_request(req, f"beam search failed: {type(e).__name__}: {e}", touched)
+
+    def _advance_beams(self, req: Request, group: BeamGroup, now: float) -> None:
+        """The group's step: prune the beams without a survivor first (their blocks return before anyone
+        forks), then give each parent's first survivor its sequence and fork the others off it."""
+        live = {s.seq_id: s for s in req.seqs if not s.finished and s.seq_id in group.cum}
+        generated = next(iter(live.values())).num_output_tokens
+        survivors = group.advance({sid: s.output_token_ids for sid, s in live.items()}, generated)
+        self.num_generated_tokens += len(live)
+        req.num_generated_tokens += len(live)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        children: dict[str, list] = {}
+        for c in survivors:
+            children.setdefault(c.parent, []).append(c)
+        for sid, seq in live.items():
+            if sid not in children:
+                self.scheduler.finish(seq, "pruned")
+        if group.done:
+            req.metrics.finished_time = now
+            return
+        req.seqs = [s for s in req.seqs if not s.finished]  # pruned beams leave the request
+        for sid, kids in children.items():
+            parent = live[sid]
+            for c in kids[1:]:
+                group.forks += 1
+                child, ok = self.scheduler.fork(parent, group.forks)
+                if not ok:
+                    raise RuntimeError("no KV room to fork a beam under this KV policy")
+                child.token_ids.append(c.token)
+                group.cum[child.seq_id] = c.cum_logprob
+            parent.token_ids.append(kids[0].token)
+            group.cum[sid] = kids[0].cum_logprob
 
     def _append(self, seq: Sequence, draw: Sample, now: float) -> None:
         req = seq.request

@@ -183,6 +183,15 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if seq.request.beam is not None:  # a beam group: every live beam of it at once, or none
+                j = i + 1
+                while j < len(running) and running[j].request is seq.request:
+                    j += 1
+                budget = self._schedule_group(i, j, budget, out)
+                if budget < 0:
+                    break  # the group itself was preempted; everything after it already was
+                i = j
+                continue
             want = seq.num_uncomputed
             n = min(want, budget)
             if n <= 0:
@@ -198,7 +207,7 @@ class Scheduler:
                 alloc = self.kv.allocate_slots(seq, n)
             while alloc is None:
                 victim = running.pop()  # lowest priority, latest arrival: never one scheduled already
-                self._preempt(victim, out)
+                self._preempt_unit(victim, i + 1, out)
                 if victim is seq:
                     break
                 alloc = self.kv.allocate_slots(seq, n)
@@ -229,6 +238,8 @@ class Scheduler:
                     budget -= n
         while len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.request.beam is not None and any(w.seq.request is seq.request for w in out.work):
+                break  # one beam of a group per step: the next one finds this one's blocks in the prefix cache
             hit = self.kv.lookup_prefix(seq)
             want = len(seq.token_ids) - hit.num_tokens
             n = min(want, budget)
@@ -245,13 +256,55 @@ class Scheduler:
             running.add(seq)
             out.work.append(ScheduledWork(seq, n, hit.num_tokens))
             budget -= n
+        if not out.work and len(running) and len(self.waiting) and running[-1].request is not self.waiting[0].request:
+            # Every running sequence is a beam waiting for siblings that cannot come in: the last group in
+            # the queue gives its blocks back (by recompute), so that the first one can complete. (If that is
+            # the waiting group itself, nothing can help it: the step stays empty and the engine fails it.)
+            self._preempt_unit(running.pop(), 0, out)
         return out
+
+    # ------------------------------------------------------------ beam groups
+    def _schedule_group(self, i: int, j: int, budget: int, out: SchedulerOutput) -> int:
+        """Work for the beam group at running[i:j]: every beam that has tokens to compute gets its slots, or
+        the group leaves as a unit (preempted by recompute). Nothing is recorded until every allocation
+        succeeded. Returns the budget left, or -1 if the group was preempted."""
+        running, chunked = self.running, self.config.enable_chunked_prefill
+        plan = []
+        for m in running.items[i:j]:
+            want = m.num_uncomputed
+            n = min(want, budget)
+            if n <= 0 or (not chunked and n < want):
+                continue  # nothing to compute (it waits for its siblings), or no budget left this step
+            alloc = self.kv.allocate_slots(m, n)
+            while alloc is None and len(running) > j:
+                self._preempt_unit(running.pop(), j, out)
+                alloc = self.kv.allocate_slots(m, n)
+            if alloc is None:  # the group is last: it goes, with what it took this step
+                for _ in range(j - i):
+                    self._preempt(running.pop(), out)
+                return -1
+            plan.append((m, n, alloc))
+            budget -= n
+        for m, n, alloc in plan:
+            out.copies.extend(alloc.copies)
+            out.work.append(ScheduledWork(m, n, m.num_computed_tokens))
+        return budget
+
+    def _preempt_unit(self, victim: Sequence, floor: int, out: SchedulerOutput) -> None:
+        """Preempt a victim popped off the running queue; a beam takes its running siblings with it (they are
+        next to it at the end of the queue, down to position ``floor``)."""
+        self._preempt(victim, out)
+        while victim.request.beam is not None and len(self.running) > floor \
+                and self.running[-1].request is victim.request:
+            self._preempt(self.running.pop(), out)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
         seq.request.metrics.num_preemptions += 1
         out.preempted.append(seq)
-        if self.config.preemption_mode == "swap":
+        # Beams go by recompute: they share blocks, which a swap would copy to the host once per beam, and the
+        # group comes back as a unit through the waiting queue.
+        if self.config.preemption_mode == "swap" and seq.request.beam is None:
             mapping = self.kv.swap_out(seq)
             if mapping is not None:
                 out.swap_out.extend(mapping)

@@ -1,7 +1,8 @@
 """Requests and their sequences, as the scheduler sees them (pure Python).
 
 A request holds one sequence until its prompt is computed; with n > 1 it is then forked into n sequences
-that share the prompt's blocks. Each sequence is scheduled, preempted and finished on its own.
+that share the prompt's blocks, and under beam search into its beams (core/beam.py), which fork and prune
+as the search goes. Each sequence is scheduled, preempted and finished on its own.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpage.core.beam import BeamGroup
 from kvpage.outputs import RequestMetrics
 from kvpage.sampling_params import SamplingParams
 
@@ -89,6 +91,7 @@ class Request:
     num_generated_tokens: int = 0  # over all its sequences, pruned ones included
     error: str | None = None
     use_priority: bool = False
+    beam: BeamGroup | None = None  # beam search: the group's state (its live beams are ``seqs`` not finished)
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -10,8 +10,8 @@ from kvpage.engine.arg_utils import EngineArgs
 from kvpage.engine.llm_engine import LLMEngine, PromptInput
 from kvpage.errors import EngineDeadError
 from kvpage.model.registry import DEFAULT_MODEL
-from kvpage.outputs import RequestOutput
-from kvpage.sampling_params import SamplingParams
+from kvpage.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from kvpage.sampling_params import BeamSearchParams, SamplingParams
 
 Messages = list[dict[str, Any]]
 
@@ -27,7 +27,8 @@ class LLM:
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | BeamSearchParams | Sequence[SamplingParams | BeamSearchParams] | None
+        = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
@@ -48,6 +49,27 @@ class LLM:
                 self.engine.step()
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search inside the engine, every prompt at once: the beams of a prompt share its blocks, fork
+        (copy-on-write on the partial last block) and are freed when pruned (vLLM's call and output shape)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"beam_search takes BeamSearchParams, got {type(params).__name__}")
+        outputs = self.generate(prompts, params, use_tqdm)
+        tk = self.engine.tokenizer
+        result = []
+        for ro in outputs:
+            if ro.error:
+                raise RuntimeError(f"beam search for request {ro.request_id} failed: {ro.error}")
+            seqs = []
+            for c in ro.outputs:
+                tokens = ro.prompt_token_ids + c.token_ids
+                seqs.append(BeamSearchSequence(tokens, c.cumulative_logprob or 0.0,
+                                               tk.decode(ro.prompt_token_ids) + c.text, list(c.token_ids),
+                                               c.text, c.finish_reason, c.stop_reason))
+            result.append(BeamSearchOutput(seqs))
+        return result
 
     def chat(
         self,
@@ -80,7 +102,7 @@ class LLM:
     def _params_for(batch: list[PromptInput], sp: SamplingParams | Sequence[SamplingParams] | None):
         if sp is None:
             return [SamplingParams() for _ in batch]
-        if isinstance(sp, SamplingParams):
+        if isinstance(sp, SamplingParams | BeamSearchParams):
             return [sp] * len(batch)
         sp = list(sp)
         if len(sp) != len(batch):

@@ -17,7 +17,7 @@ from kvpage.engine.arg_utils import EngineArgs
 from kvpage.engine.output_processor import TextOutputProcessor, make_request_output
 from kvpage.errors import EngineDeadError, InvalidRequestError, RequestIdInUseError
 from kvpage.outputs import RequestOutput
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling_params import BeamSearchParams, SamplingParams
 from kvpage.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ class LLMEngine:
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
         self.core = EngineCore(self.scheduler, self.worker,
-                               TextOutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len))
+                               TextOutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len),
+                               eos_ids=self.eos_ids)
         # When a list: one entry per step (its scheduled shape and wall seconds), for calibrating the simulator.
         self.step_log: list[dict[str, float]] | None = None
 
@@ -96,10 +97,11 @@ class LLMEngine:
         subclass that says why not. ``fit_context``: max_tokens beyond max_model_len is refused, not cut."""
         return self.scheduler.check_fits(prompt_len, max_tokens, fit_context)
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt: PromptInput,
+                    params: SamplingParams | BeamSearchParams | None = None, arrival_time: float | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
         """Take a request, or raise why not (a ``kvpage.errors.RequestRejected``: nothing was allocated;
-        EngineDeadError once the engine has failed)."""
+        EngineDeadError once the engine has failed). Beam search settings run it as a beam group."""
         if self.fatal_error is not None:
             raise EngineDeadError(self.fatal_error)
         if request_id in self.requests:
@@ -109,7 +111,7 @@ class LLMEngine:
         self.check_request(len(ids), params.max_tokens)
         vocab = self.model_config.vocab_size
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
-            bad = sorted({t for t in getattr(params, name) or () if t >= vocab})
+            bad = sorted({t for t in getattr(params, name, None) or () if t >= vocab})
             if bad:
                 raise InvalidRequestError(f"{name} outside the vocabulary (size {vocab}): {bad[:5]}", name)
         self.core.add_request(request_id, text, ids, params, arrival_time, priority, cache_salt)
@@ -142,7 +144,7 @@ class LLMEngine:
         results = []
         for req in touched:
             try:
-                ro = make_request_output(req)
+                ro = make_request_output(req, self.tokenizer)
             except Exception as e:
                 logger.exception("output of request %s failed", req.request_id)
                 self.core.fail_request(req, f"output failed: {type(e).__name__}: {e}", {})

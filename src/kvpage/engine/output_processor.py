@@ -94,10 +94,12 @@ def _visible_text(seq: Sequence) -> str:
     return st.text[: len(st.text) - hold] if hold > 0 else st.text
 
 
-def make_request_output(req: Request) -> RequestOutput | None:
+def make_request_output(req: Request, tokenizer: KVTokenizer | None = None) -> RequestOutput | None:
     kind = req.params.output_kind
     if kind == "final_only" and not req.finished:
         return None
+    if req.beam is not None:
+        return _beam_output(req, tokenizer)
     outs = []
     for seq in sorted(req.seqs, key=lambda s: s.index):
         st: SeqOutputState = seq.state
@@ -120,5 +122,20 @@ def make_request_output(req: Request) -> RequestOutput | None:
             cumulative_logprob=st.cumulative_logprob if req.params.logprobs is not None else None,
             logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
         ))
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
+                         req.num_cached_tokens, req.metrics, req.error)
+
+
+def _beam_output(req: Request, tokenizer: KVTokenizer | None) -> RequestOutput:
+    """A finished beam search: its best n hypotheses, best first (nothing streams before the end)."""
+    p = req.params
+    outs = []
+    for i, h in enumerate(req.beam.results() if not req.error else []):
+        ids = list(h.token_ids)
+        shown = ids if (h.stop_reason is not None and p.include_stop_str_in_output) or h.finish_reason != "stop" \
+            else ids[:-1]
+        text = tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens) if tokenizer is not None else ""
+        outs.append(CompletionOutput(index=i, text=text, token_ids=ids, cumulative_logprob=h.cum_logprob,
+                                     finish_reason=h.finish_reason, stop_reason=h.stop_reason))
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
                          req.num_cached_tokens, req.metrics, req.error)

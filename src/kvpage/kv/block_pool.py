@@ -141,9 +141,17 @@ class BlockPool:
                 raise AssertionError(f"block {block.block_id} released more often than taken")
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, parent: object, token_ids: tuple[int, ...]) -> None:
-        """Make a full block findable. The first block registered under a hash keeps it."""
-        if block.block_hash is not None or block_hash in self.cached:
+        """Make a full block findable. The first block registered under a hash keeps it, unless it is free and
+        chained to another parent: such a block is unreachable from this chain (lookups check the parent), and
+        a sequence recomputing the chain after a preemption would otherwise never be found again."""
+        if block.block_hash is not None:
             return
+        old = self.cached.get(block_hash)
+        if old is not None:
+            if old.ref_count > 0 or (old.parent == parent and old.token_ids == token_ids):
+                return
+            del self.cached[block_hash]
+            old.clear_hash()
         block.block_hash = block_hash
         block.parent = parent
         block.token_ids = token_ids

@@ -10,6 +10,7 @@ request, so one request's bad settings fail that request alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpage.core.engine_core import Sample
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling_params import SAMPLING_EPS, SamplingParams
 
 if TYPE_CHECKING:
     from kvpage.ops import Kernels
@@ -322,3 +323,24 @@ def _drawn_rows(logits: torch.Tensor, requests: Sequence[SampleRequest], rows: S
         ranks = (lp[None, :] > chosen_lp[:, None]).sum(dim=1) + 1
         results[slots[i]] = [Sample(t, v, r, top) for t, v, r in
                              zip(toks[i][:n], chosen_lp.tolist(), ranks.tolist(), strict=True)]
+
+
+def beam_candidates(logits: torch.Tensor, rows: Sequence[int], temperatures: Sequence[float],
+                    banned: Sequence[Sequence[int]], keep: Sequence[int]) -> list[list[tuple[int, float]]]:
+    """Per row: the ``keep`` most likely tokens and their log-probabilities (float32 log-softmax of the row,
+    divided by its temperature where that is > 0 and not 1), best first; ``banned`` ids never appear."""
+    x = logits[list(rows)].float()
+    scale = torch.tensor([1.0 if t < SAMPLING_EPS else t for t in temperatures], dtype=torch.float32)
+    if bool((scale != 1.0).any()):
+        x = x / scale[:, None]
+    lp = torch.log_softmax(x, dim=-1)
+    for i, ids in enumerate(banned):
+        if ids:
+            lp[i, list(ids)] = -math.inf
+    k = min(max(keep), lp.shape[1])
+    values, ids = lp.topk(k, dim=-1)
+    out = []
+    for i, n in enumerate(keep):
+        vals, toks = values[i, :n].tolist(), ids[i, :n].tolist()
+        out.append([(t, v) for t, v in zip(toks, vals, strict=True) if v != -math.inf])
+    return out

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Sequence as Seq
 
 from kvpage.config import CacheConfig, ModelRunConfig, fast_path, resolve_dtype
+from kvpage.core.beam import Candidates
 from kvpage.core.engine_core import Sample, SampleTask, blocked_ids
 from kvpage.core.scheduler import SchedulerOutput
 from kvpage.envs import kernel_config
@@ -14,7 +15,7 @@ from kvpage.model.loader import load_model
 from kvpage.units import format_bytes
 from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, kv_dtype_name, kv_torch_dtype, model_layout
 from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq, StepLogits
-from kvpage.worker.sampler import SampleRequest, argmax_suffices, sample_isolated, seeded_generator
+from kvpage.worker.sampler import SampleRequest, argmax_suffices, beam_candidates, sample_isolated, seeded_generator
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,8 @@ class Worker:
                                   need_logits=w.completes_prompt) for w in out.work]
         # what each sampling sequence may not draw yet, for this step's argmax decision and its draw
         self._blocked = {w.seq.seq_id: blocked_ids(w.seq, self.eos_ids) for w in out.work if w.completes_prompt}
-        argmax_only = all(argmax_suffices(w.seq.request.params, self._blocked[w.seq.seq_id])
+        argmax_only = all(w.seq.request.beam is None and argmax_suffices(w.seq.request.params,
+                                                                         self._blocked[w.seq.seq_id])
                           for w in out.work if w.completes_prompt)
         return self.runner.execute(batch, ops, argmax_only)
 
@@ -130,3 +132,17 @@ class Worker:
     def sample_requests(self, logits: StepLogits, reqs: list[SampleRequest], rows: list[int],
                         ) -> list[list[Sample] | BaseException]:
         return sample_isolated(logits.logits, reqs, logits.argmax_rows, logits.lse_rows, rows)
+
+    def beam_candidates(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[Candidates | BaseException]:
+        """Each beam's best continuations from its row: float32 log-softmax (at the request's temperature),
+        the ids it may not draw yet left out."""
+        blocked = self._blocked
+        rows, temps, banned, keep = [], [], [], []
+        for t in tasks:
+            seq = t.seq
+            rows.append(logits.row(seq.seq_id))
+            temps.append(seq.request.params.temperature)
+            bl = blocked.get(seq.seq_id)
+            banned.append(blocked_ids(seq, self.eos_ids) if bl is None else bl)
+            keep.append(seq.request.beam.keep)
+        return beam_candidates(logits.logits, rows, temps, banned, keep)

@@ -139,6 +139,9 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             raise APIError(400, f"n={req.n} exceeds this server's limit of {config.max_n}", param="n")
         if req.n < 1:
             raise APIError(400, f"n must be >= 1, got {req.n}", param="n")
+        if req.use_beam_search and req.beam_width() > config.max_n:
+            raise APIError(400, f"a beam width of {req.beam_width()} exceeds this server's limit of {config.max_n}",
+                           param="best_of")
 
     def stream_usage(req: SamplingFields) -> tuple[bool, bool]:
         """(usage in a final chunk, usage in every chunk)."""

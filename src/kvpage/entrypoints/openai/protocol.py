@@ -2,7 +2,9 @@
 
 Unknown fields are ignored, as the OpenAI clients send some this server has no use for; known fields with the
 wrong type or an impossible value become a 400 naming the field, and so do the API's fields that kvpage
-cannot honour (tools, JSON mode, beam search, ...), unless they carry their neutral value.
+cannot honour (tools, JSON mode, ...), unless they carry their neutral value. ``use_beam_search`` (with ``n``,
+``best_of``, ``length_penalty``, ``early_stopping``, as vLLM's server takes them) runs beam search; it does not
+stream, and refuses the sampling fields that have no meaning for it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvpage.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+
+# Sampling fields beam search has no use for, with their neutral values (anything else is a 400 naming it).
+_NOT_FOR_BEAMS: dict[str, Any] = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0),
+                                  "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+                                  "repetition_penalty": (None, 1.0), "stop": (None, "", []), "logit_bias": (None, {}),
+                                  "allowed_token_ids": (None,)}
 
 
 class APIError(Exception):
@@ -53,7 +61,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "structured_outputs": _set,
     "prompt_logprobs": lambda v: v is not None,
     "bad_words": _set,
-    "use_beam_search": _set,
     "audio": _set,
     "modalities": lambda v: v is not None and v != ["text"],
     "prediction": _set,
@@ -102,6 +109,12 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: up to max_model_len)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+
+    def beam_width(self) -> int:
+        return self.n
 
     def token_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -113,7 +126,10 @@ class SamplingFields(BaseModel):
             bias[int(key)] = value
         return bias
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        stream: bool) -> SamplingParams | BeamSearchParams:
+        if self.use_beam_search:
+            return self.beam_search_params(max_tokens, logprobs, stream)
         try:
             return SamplingParams(
                 n=self.n,
@@ -141,6 +157,26 @@ class SamplingFields(BaseModel):
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
 
+    def beam_search_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> BeamSearchParams:
+        if stream:
+            raise APIError(400, "use_beam_search does not stream (the best beams are known only at the end): send "
+                                "stream: false", param="stream")
+        if logprobs is not None:
+            raise APIError(400, "logprobs are not returned with use_beam_search", param="logprobs")
+        for name, neutral in _NOT_FOR_BEAMS.items():
+            if getattr(self, name) not in neutral:
+                raise APIError(400, f"{name} has no meaning with use_beam_search: remove it", param=name)
+        try:
+            return BeamSearchParams(beam_width=self.beam_width(), max_tokens=max_tokens or 16, n=self.n,
+                                    ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                                    temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
+                                    early_stopping=self.early_stopping, stop_token_ids=self.stop_token_ids,
+                                    include_stop_str_in_output=self.include_stop_str_in_output)
+        except ValueError as e:
+            param = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param="best_of" if param in ("beam_width", "n") else param) from None
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -154,10 +190,13 @@ class CompletionRequest(SamplingFields):
             raise APIError(400, "echo is not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of different from n is not supported", param="best_of")
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
+            raise APIError(400, "best_of different from n is supported with use_beam_search only", param="best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
+
+    def beam_width(self) -> int:
+        return self.n if self.best_of is None else self.best_of
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
