@@ -112,6 +112,10 @@ def test_beams_share_the_prompt_blocks_and_pruned_beams_return_theirs(llm, chat_
             assert all(t[:prompt_full] == tables[0][:prompt_full] for t in tables)  # the prompt, shared
             used = eng.kv.num_blocks - eng.kv.num_free_blocks
             peak = max(peak, used)
+            stats = eng.stats()
+            if len(live) > 1:
+                assert stats["kv_blocks_shared"] >= prompt_full
+            assert stats["kv_blocks_per_request"] == used
             # the prompt's full blocks once, plus each beam's own tail
             assert used <= prompt_full + len(live) * (-(-(len(ids) % eng.kv.block_size + LENGTH) // 16) + 1)
         eng.step()

@@ -55,7 +55,8 @@ def test_models_health_metrics(srv, model_id):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
                  "generation_tokens_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
-                 "e2e_request_latency_seconds"):
+                 "e2e_request_latency_seconds", "kv_cache_blocks_shared", "kv_cache_blocks_per_request",
+                 "kv_cache_cow_copies_total"):
         assert f"kvpage:{name}" in text, name
 
 

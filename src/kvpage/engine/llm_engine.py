@@ -174,6 +174,9 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "swap_preemptions": self.scheduler.num_swap_preemptions,
             "cow_copies": s.cow_copies,
+            "kv_blocks_shared": s.shared_blocks,
+            "kv_blocks_per_request": s.used_blocks / max(1, len({seq.request.request_id
+                                                                 for seq in self.scheduler.running})),
             "steps": self.num_steps,
             "generated_tokens": self.num_generated_tokens,
         }

@@ -39,6 +39,7 @@ class KVStats:
     swap_blocks_used: int
     tail_waste_slots: int = 0  # empty slots in partly filled blocks (each sequence's last block)
     reserved_unused_slots: int = 0  # slots of held blocks that hold nothing yet (up-front reservations)
+    shared_blocks: int = 0  # blocks held by more than one sequence (prefix hits, n > 1 samples, beams)
 
     @property
     def utilization(self) -> float:
@@ -112,4 +113,5 @@ def make_stats(m: Any, fill: dict[int, int], logical: int, num_seqs: int, num_sw
         swap_blocks_used=m.num_swap_blocks - len(m._host_free),
         tail_waste_slots=sum(bs - f for f in fill.values() if f),
         reserved_unused_slots=bs * sum(1 for f in fill.values() if not f),
+        shared_blocks=sum(1 for b in pool.blocks if b.ref_count > 1),
     )

@@ -35,6 +35,10 @@ class ServerMetrics:
         self.kv_blocks_used = gauge("kv_cache_blocks_used", "KV blocks held by sequences")
         self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool")
         self.kv_utilization = gauge("kv_cache_utilization_perc", "Live token slots / allocated slots")
+        self.kv_blocks_shared = gauge("kv_cache_blocks_shared", "KV blocks held by more than one sequence "
+                                      "(prefix hits, n > 1 samples, beams)")
+        self.kv_blocks_per_request = gauge("kv_cache_blocks_per_request", "KV blocks in use per running request")
+        self.cow_copies = counter("kv_cache_cow_copies", "Shared blocks copied before a write (copy-on-write)")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.preemptions = counter("num_preemptions", "Sequences preempted (recompute or swap)")
@@ -60,7 +64,9 @@ class ServerMetrics:
         self.kv_blocks_used.labels(m).set(s["kv_blocks_used"])
         self.kv_blocks_total.labels(m).set(s["kv_blocks_total"])
         self.kv_utilization.labels(m).set(s["kv_utilization"])
-        for counter, key in ((self.prefix_queries, "prefix_cache_query_tokens"),
+        self.kv_blocks_shared.labels(m).set(s["kv_blocks_shared"])
+        self.kv_blocks_per_request.labels(m).set(s["kv_blocks_per_request"])
+        for counter, key in ((self.cow_copies, "cow_copies"), (self.prefix_queries, "prefix_cache_query_tokens"),
                              (self.prefix_hits, "prefix_cache_hit_tokens"), (self.preemptions, "preemptions"),
                              (self.generation_tokens, "generated_tokens")):
             delta = s[key] - self._last.get(key, 0)
