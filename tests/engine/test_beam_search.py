@@ -167,3 +167,20 @@ def test_group_keeps_the_best_finished_and_stops_early():
     assert [h.token_ids for h in g.finished] == [(0,), (7, 0)]
     # the best running beam, -0.71 / 2, cannot beat the worst finished, -0.51 / 2: the search is over
     assert nxt == [] and g.done and not g.improvable
+
+
+def test_generate_cli_prints_the_best_beams(llm, capsys):
+    from kvpage.entrypoints.cli import main
+
+    want = llm.beam_search(["The capital of France is"], BeamSearchParams(beam_width=3, n=2, max_tokens=8))[0]
+    code = main(["generate", "The capital of France is", "--beam-width", "3", "-n", "2", "--max-tokens", "8",
+                 "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256", "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    import json
+
+    got = json.loads(out)[0]["outputs"]
+    assert [c["token_ids"] for c in got] == [s.output_token_ids for s in want.sequences]
+    code = main(["generate", "x", "--beam-width", "2", "--stream", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+                 "--max-model-len", "256"])
+    assert code == 2 and "does not stream" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import sys
 import time
 
 from kvpage.engine.arg_utils import EngineArgs
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling_params import BeamSearchParams, SamplingParams
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,18 +37,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-seed", type=int, help="per-request seed: the same seed reproduces the output")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt, n=1)")
     p.add_argument("--json", action="store_true", help="print full RequestOutputs as JSON")
+    p.add_argument("--beam-width", type=int, help="beam search with this many beams (-n of them printed, best "
+                                                  "first; sampling options other than --temperature do not apply)")
+    p.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score = logprob / len ** this")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    params = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-        stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs, seed=args.sample_seed,
-        output_kind="delta" if args.stream else "cumulative",
-    )
+    params: SamplingParams | BeamSearchParams
+    if args.beam_width is not None:
+        if args.stream or args.logprobs is not None or args.stop:
+            raise ValueError("--beam-width does not stream and takes no --logprobs or --stop")
+        params = BeamSearchParams(beam_width=args.beam_width, n=args.n, max_tokens=args.max_tokens,
+                                  min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
+                                  temperature=args.temperature,
+                                  length_penalty=args.length_penalty)
+        args.n = params.n
+    else:
+        params = SamplingParams(
+            n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+            stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs, seed=args.sample_seed,
+            output_kind="delta" if args.stream else "cumulative",
+        )
     if args.stream and (len(args.prompts) != 1 or args.n != 1 or args.json):
         raise ValueError("--stream prints a single completion: give one prompt, -n 1 and no --json")
     from kvpage.engine.llm import LLM
