@@ -11,7 +11,7 @@ Second table: prompt chunks after cached keys (a prefix-cache hit, or the later 
 their keys in the packed paged cache (16-token blocks, randomly placed): the paged kernel (paged_attention,
 which served them before) vs the prompt kernel reading the cache (prefill_attention_paged).
 
-    python benchmarks/prefill.py [--lengths 64 160 220 400 1000] [--rounds 15]
+    python benchmarks/prefill.py [--lengths 64 160 220 400 1000] [--rounds 15] [--gemma]
 """
 
 from __future__ import annotations
@@ -46,11 +46,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 160, 220, 400, 1000])
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--gemma", action="store_true", help="Gemma 3's global layers instead: 4 query heads / 1 KV "
+                    "head of size 256, bf16 rows (no packed layout at that head size), on the paged kernel")
     args = ap.parse_args()
+    global HEADS, KV_HEADS, D
+    if args.gemma:
+        HEADS, KV_HEADS, D = 4, 1, 256
     ops = load_kernels()
     if ops is None or not (ops.prefill_amx_available() or ops.has_packed_layout()):
         raise SystemExit("needs the compiled kernels with AMX tile products or the packed bf16 layout")
-    amx = ops.prefill_amx_available()
+    amx = ops.prefill_amx_available() and not args.gemma
+    packed = not args.gemma
     rng = random.Random(0)
     step = []  # one step's prompts, up to 2048 tokens (the engine's max_num_batched_tokens)
     while True:
@@ -61,14 +67,14 @@ def main() -> None:
     cases = [(f"{n}", [n]) for n in args.lengths] + [(f"step of {len(step)} prompts ({sum(step)} tokens)", step)]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {HEADS} query heads / {KV_HEADS} KV heads, head size {D}, bf16")
-    kernel = "prefill_attention (AMX)" if amx else "paged_attention (packed cache)"
+    kernel = "prefill_attention (AMX)" if amx else f"paged_attention ({'packed' if packed else 'row'} cache)"
     print(f"| prompt tokens | SDPA per prompt (us) | {kernel} (us) | SDPA / kvpage | kvpage TFLOP/s |")
     print("|---|---:|---:|---:|---:|")
     for name, lengths in cases:
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         q, k, v = views(sum(lengths), seed=len(lengths))
         out = torch.empty(q.shape, dtype=torch.bfloat16)
-        paged = None if amx else packed_prompts(k, v, lengths)
+        paged = None if amx else paged_prompts(k, v, lengths, packed)
 
         def sdpa(q=q, k=k, v=v, out=out, starts=starts, lengths=lengths) -> float:
             t = time.perf_counter()
@@ -83,19 +89,19 @@ def main() -> None:
             if paged is None:
                 ops.prefill_attention(q, k, v, out, starts, lengths, D**-0.5)
             else:
-                ops.paged_attention(q, *paged, D**-0.5, PARTITION_SIZE, True)
+                ops.paged_attention(q, *paged, D**-0.5, PARTITION_SIZE, packed)
             return time.perf_counter() - t
 
         a, b = alternating_medians(sdpa, kvpage, args.rounds, warmup=3)
         flops = sum(2 * 2 * HEADS * D * n * (n + 1) / 2 for n in lengths)  # causal q.k and p.v
         print(f"| {name} | {a * 1e6:.0f} | {b * 1e6:.0f} | {a / b:.2f}x | {flops / b / 1e12:.2f} |", flush=True)
-    if amx:
+    if amx and not args.gemma:
         chunks_after_cached_keys(ops, args.rounds)
 
 
-def packed_prompts(k: torch.Tensor, v: torch.Tensor, lengths: list[int], bs: int = 16):
-    """The prompts' keys and values in a packed paged cache (16-token blocks, randomly placed), with the block
-    tables, query starts and lengths that paged_attention takes for them."""
+def paged_prompts(k: torch.Tensor, v: torch.Tensor, lengths: list[int], packed: bool, bs: int = 16):
+    """The prompts' keys and values in a paged cache (16-token blocks, randomly placed; packed or rows), with
+    the block tables, query starts and lengths that paged_attention takes for them."""
     per = [-(-n // bs) for n in lengths]
     perm = torch.randperm(sum(per), generator=torch.Generator().manual_seed(1))
     rows = torch.zeros(2, sum(per), bs, KV_HEADS, D, dtype=torch.bfloat16)
@@ -109,7 +115,7 @@ def packed_prompts(k: torch.Tensor, v: torch.Tensor, lengths: list[int], bs: int
         tables[i, :nb] = ids
         b, s = b + nb, s + n
     qsl = torch.tensor([0, *itertools.accumulate(lengths)])
-    return as_block_major(pack_kv_rows(rows)), tables, qsl, torch.tensor(lengths)
+    return as_block_major(pack_kv_rows(rows) if packed else rows), tables, qsl, torch.tensor(lengths)
 
 
 def chunks_after_cached_keys(ops, rounds: int) -> None:

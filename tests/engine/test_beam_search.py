@@ -95,6 +95,21 @@ def test_block_sizes_and_forced_preemption_never_change_beams(llm, chat_ids, blo
     assert_drained(tight)
 
 
+def test_chunked_prefill_and_prefix_cache_hits_never_change_beams(llm, chat_ids):
+    """A prompt computed in 16-token chunks under a 16-token step budget, then the same prompt again (its blocks
+    found in the prefix cache): the same beams."""
+    params = BeamSearchParams(beam_width=4, max_tokens=LENGTH, min_tokens=LENGTH, length_penalty=0.0)
+    ids = chat_ids["chat_multi"]
+    want = ours(llm, ids, params)
+    small = LLM(kv_cache_memory="64MiB", max_model_len=256, dtype="float32", max_num_batched_tokens=16)
+    first = small.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    again = small.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    for out in (first, again):
+        assert_same_beams([(c.token_ids, c.cumulative_logprob) for c in out.outputs], want)
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= len(ids) // 16 * 16
+    assert_drained(small)
+
+
 def test_beams_share_the_prompt_blocks_and_pruned_beams_return_theirs(llm, chat_ids):
     eng = llm.engine
     ids = chat_ids["chat_multi"]

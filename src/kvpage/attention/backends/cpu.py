@@ -65,9 +65,9 @@ class CpuMetadataBuilder:
         # 16 where chunks read the packed cache with AMX (1.7-3x the paged kernel at 16 rows after 500-2000
         # cached keys, at par near 8), else 64 (the paged kernel; SDPA for longer fresh prompts). A sliding
         # window sends everything to the paged kernel, whose tiles skip what lies before each window; so do
-        # packed bf16 caches without the AMX prompt kernel (benchmarks/prefill.py: the paged kernel 1.7-2.5x
-        # SDPA at 64-2048 tokens on a Zen 5 EPYC).
-        all_paged = window is not None or (self.packed and backend.paged_prompts and not self.prompts_read_cache
+        # bf16 caches without the AMX prompt kernel (benchmarks/prefill.py on a Zen 5 EPYC: the paged kernel
+        # 1.7-2.8x SDPA at 64-2048 tokens over packed blocks, 1.9-3.2x over rows of head size 256).
+        all_paged = window is not None or (backend.paged_prompts and not self.prompts_read_cache
                                            and kv_cache.dtype == torch.bfloat16 and not backend.amx_prefill)
         self.prefill_min: int | None = (None if all_paged
                                         else 16 if self.prompts_read_cache else PREFILL_KERNEL_MIN)
@@ -113,7 +113,7 @@ class CpuPagedAttention:
         # Prompt chunks after cached keys on that kernel too, reading the packed cache; prefill_cached=False
         # sends them to the paged kernel (side-by-side measurements, benchmarks/long_prompt.py).
         self.prefill_cached = self.amx_prefill and ops.config.prefill_cached
-        # Without AMX, fresh prompts over packed bf16 caches on the paged kernel; paged_prompts=False keeps SDPA.
+        # Without AMX, fresh prompts over bf16 caches on the paged kernel; paged_prompts=False keeps SDPA.
         self.paged_prompts = ops.config.paged_prompts
 
     def packed_layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
