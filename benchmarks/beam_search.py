@@ -82,7 +82,8 @@ import json, sys, time
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import BeamSearchParams
 reqs = json.load(sys.stdin)
-llm = LLM(kv_cache_memory="4GiB", max_model_len=2048, kv_prefault=True)
+import os
+llm = LLM(kv_cache_memory="4GiB", max_model_len=2048, kv_prefault=True, dtype=os.environ["KVPAGE_PEER_DTYPE"])
 params = BeamSearchParams(beam_width=reqs["width"], max_tokens=reqs["max_tokens"], ignore_eos=True)
 llm.beam_search([{"prompt_token_ids": reqs["prompts"][0]}], BeamSearchParams(beam_width=2, max_tokens=4))
 t = time.perf_counter()
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip", nargs="*", default=[], choices=["memory", "speed"])
+    ap.add_argument("--dtype", default="auto", help="both engines' dtype (auto: bf16 where the CPU has AVX512_BF16, "
+                    "else float32); float32 shows both searches picking the same beams")
     args = ap.parse_args()
     print(f"machine: {cpu_model()} ({platform.machine()}), {os.cpu_count()} cores")
     from kvpage.engine.llm import LLM
@@ -148,11 +151,11 @@ def main() -> None:
     payload = {"prompts": prompts(args.prompts, llm.get_tokenizer()), "width": args.width,
                "max_tokens": args.max_tokens}
     del llm
-    dtype = str(resolve_dtype("auto")).replace("torch.", "")
+    dtype = str(resolve_dtype(args.dtype)).replace("torch.", "")
     times: dict[str, list[float]] = {"kvpage": [], "vllm": []}
     best: dict[str, list] = {}
     for _ in range(args.rounds):
-        r = run(sys.executable, KVPAGE, payload)
+        r = run(sys.executable, KVPAGE, payload, {"KVPAGE_PEER_DTYPE": dtype})
         times["kvpage"].append(r["seconds"])
         best["kvpage"] = r["best"]
         if args.vllm_python and args.vllm_model:
@@ -172,7 +175,7 @@ def main() -> None:
     if "vllm" in rates:
         same = sum(a == b for a, b in zip(best["kvpage"], best["vllm"], strict=True))
         print(f"  kvpage / vLLM = {rates['kvpage'] / rates['vllm']:.2f}x; best beams identical in {same} of {n} "
-              "(bf16 rounding differs between the engines)")
+              "(in bf16 the engines' roundings differ; near-ties flip)")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,20 @@ def teacher_forced_logits(lm, seq: list[int]) -> torch.Tensor:
     return d.runner.execute([ScheduledSeq("x", seq, 0, d.m.block_table("x"), all_logits=True)])["x"]
 
 
+def teacher_forced_agreement(a, b, prompts, hf_greedy) -> tuple[int, int, float]:
+    """Two models teacher-forced over every prompt and its reference continuation: (positions whose argmax
+    agree, positions, largest logit difference)."""
+    agree = total = 0
+    worst = 0.0
+    for name, ids in prompts.items():
+        seq = ids + hf_greedy[name]
+        got = [teacher_forced_logits(lm, seq) for lm in (a, b)]
+        agree += int((got[0].argmax(-1) == got[1].argmax(-1)).sum())
+        total += len(seq)
+        worst = max(worst, float((got[0] - got[1]).abs().max()))
+    return agree, total, worst
+
+
 def test_bf16_top1_agreement_with_fp32(smol_fp32, smol_bf16, prompts, hf_greedy, record_property):
     """Teacher-forced over prompt + fp32 continuation: bf16's argmax equals fp32's at >= 99% of positions."""
     agree = total = 0
@@ -275,14 +289,7 @@ def test_bf16_paths_without_amx_compute_the_same_function(smol_fp32, smol_bf16, 
                               kernel_config=KernelConfig(amx_linear=False, amx_prefill=False))
     try:
         assert plain is not smol_bf16 and plain.model.layers[0].mlp.gate_up.amx is None
-        agree = total = 0
-        worst = 0.0
-        for name, ids in prompts.items():
-            seq = ids + hf_greedy[name]
-            got = [teacher_forced_logits(lm, seq) for lm in (smol_bf16, plain)]
-            agree += int((got[0].argmax(-1) == got[1].argmax(-1)).sum())
-            total += len(seq)
-            worst = max(worst, float((got[0] - got[1]).abs().max()))
+        agree, total, worst = teacher_forced_agreement(smol_bf16, plain, prompts, hf_greedy)
         print(f"AMX vs fallback bf16: argmax {agree}/{total}, max logit difference {worst:.3f}")
         assert agree / total >= 0.99, (agree, total)
         assert worst < 1.5, worst  # logits of magnitude ~10-30; bf16 paths drift by a few tenths at most
@@ -364,7 +371,7 @@ def test_bf16_mixed_step_without_the_prompt_kernel(load_fast, prompts):
 
 
 def test_bf16_fresh_prompts_on_the_paged_kernel_without_amx(load_fast, prompts, hf_greedy):
-    """Without the AMX prompt kernel, packed bf16 caches send whole fresh prompts to the paged kernel (no SDPA
+    """Without the AMX prompt kernel, bf16 caches send whole fresh prompts to the paged kernel (no SDPA
     group at all); teacher-forced over every test prompt, it agrees with SDPA (paged_prompts=False) on the
     argmax >= 99% with logits a bf16 rounding apart, and a mixed step still returns each sequence's logits."""
     paged = load_fast(KernelConfig(amx_prefill=False, prefill_cached=False), dtype="bfloat16")
@@ -372,20 +379,10 @@ def test_bf16_fresh_prompts_on_the_paged_kernel_without_amx(load_fast, prompts, 
     if not hasattr(backend, "paged_prompts"):
         pytest.skip("needs the compiled CPU attention backend")
     cache = torch.empty(2, 4, 16, 3, 64, dtype=torch.bfloat16)
-    builder = backend.metadata_builder(cache, torch.bfloat16, 9)
-    if not builder.packed:
-        pytest.skip("this build has no packed bf16 layout")
-    assert builder.prefill_min is None
+    assert backend.metadata_builder(cache, torch.bfloat16, 9).prefill_min is None
     sdpa = load_fast(KernelConfig(amx_prefill=False, prefill_cached=False, paged_prompts=False), dtype="bfloat16")
     assert sdpa.model.layers[0].self_attn.backend.metadata_builder(cache, torch.bfloat16, 9).prefill_min == 64
-    agree = total = 0
-    worst = 0.0
-    for name, ids in prompts.items():
-        seq = ids + hf_greedy[name]
-        full = [teacher_forced_logits(lm, seq) for lm in (paged, sdpa)]
-        agree += int((full[0].argmax(-1) == full[1].argmax(-1)).sum())
-        total += len(seq)
-        worst = max(worst, float((full[0] - full[1]).abs().max()))
+    agree, total, worst = teacher_forced_agreement(paged, sdpa, prompts, hf_greedy)
     assert agree / total >= 0.99, (agree, total)
     assert worst < 1.5, worst
     got, _, _, c = _mixed_step(paged, prompts)
