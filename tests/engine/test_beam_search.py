@@ -199,3 +199,25 @@ def test_generate_cli_prints_the_best_beams(llm, capsys):
     code = main(["generate", "x", "--beam-width", "2", "--stream", "--dtype", "float32", "--kv-cache-memory", "64MiB",
                  "--max-model-len", "256"])
     assert code == 2 and "does not stream" in capsys.readouterr().err
+
+
+def test_without_prefix_caching_a_group_that_cannot_come_back_fails_instead_of_hanging(llm, chat_ids):
+    """Without prefix caching a preempted group's beams come back as unshared copies, which a tight pool may
+    never hold together: such a request fails with an error saying so; the others finish with the right beams
+    and nothing leaks."""
+    params = BeamSearchParams(beam_width=4, max_tokens=LENGTH, min_tokens=LENGTH, length_penalty=0.0)
+    want = {name: ours(llm, ids, params) for name, ids in chat_ids.items()}
+    longest = max(len(ids) for ids in chat_ids.values()) + LENGTH
+    blocks = longest + 4 * (LENGTH + 2)
+    tight = LLM(kv_cache_memory=blocks * BLOCK_BYTES_FP32 // 8, block_size=1, max_model_len=longest,
+                dtype="float32", enable_prefix_caching=False)
+    outs = tight.generate([{"prompt_token_ids": ids} for ids in chat_ids.values()], params, use_tqdm=False)
+    failed = 0
+    for name, out in zip(chat_ids, outs, strict=True):
+        if out.error:
+            assert "cannot be scheduled" in out.error and "prefix caching" in out.error
+            failed += 1
+        else:
+            assert_same_beams([(c.token_ids, c.cumulative_logprob) for c in out.outputs], want[name])
+    assert tight.engine.stats()["preemptions"] > 0 and failed < len(outs)
+    assert_drained(tight)

@@ -223,9 +223,9 @@ class EngineCore:
             # head of the queue cannot be admitted whatever finishes (a beam group whose beams do not fit
             # together), so it fails instead of waiting forever.
             head = self.scheduler.waiting[0].request
-            self.fail_request(head, "this request cannot be scheduled: its beams do not fit the KV pool (or "
-                                    "max_num_seqs) together; enlarge the KV cache, enable prefix caching or lower "
-                                    "beam_width", touched)
+            why = ("its beams do not fit the KV pool (or max_num_seqs) together; enlarge the KV cache, enable prefix "
+                   "caching or lower beam_width") if head.beam is not None else "the KV pool cannot take it"
+            self.fail_request(head, f"this request cannot be scheduled: {why}", touched)
         return out, list(touched.values())
 
     def _run(self, out: SchedulerOutput, touched: dict[str, Request]) -> None:
