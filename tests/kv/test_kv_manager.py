@@ -59,6 +59,24 @@ def test_block_pool_rejects_empty_pool():
 
 
 # ------------------------------------------------------------ allocation rules
+def test_a_free_cached_block_of_another_chain_gives_its_hash_to_a_live_one():
+    """The first block registered under a hash keeps it against an identical block of the same chain, and while
+    it is held; a free one chained to another parent gives the hash up (it could never be found from the new
+    chain: lookups check the parent)."""
+    pool = BlockPool(4)
+    a, b, c = pool.get_new_blocks(3)
+    tokens = (1, 2, 3)
+    pool.cache_block(a, b"h", ("parent", 1), tokens)
+    pool.cache_block(b, b"h", ("parent", 2), tokens)  # a is held: it keeps the hash
+    assert pool.lookup(b"h", ("parent", 1), tokens) is a and b.block_hash is None
+    pool.release([a])
+    pool.cache_block(c, b"h", ("parent", 1), tokens)  # same chain: the first one keeps it, free or not
+    assert pool.lookup(b"h", ("parent", 1), tokens) is a and c.block_hash is None
+    pool.cache_block(b, b"h", ("parent", 2), tokens)  # a is free and of another chain: b takes the hash
+    assert pool.lookup(b"h", ("parent", 2), tokens) is b and pool.lookup(b"h", ("parent", 1), tokens) is None
+    assert a.block_hash is None and pool.num_free_blocks == 2
+
+
 def test_allocation_grows_one_block_at_a_time_and_slots_follow_the_formula():
     m = KVCacheManager(8, 4, watermark=0.0)
     a = KVSequence("A", [1, 2, 3])
