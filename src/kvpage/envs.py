@@ -49,8 +49,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "torch's SDPA", "amx_prefill"),
     EnvVar("KVPAGE_PREFILL_CACHED", bool, True, "prompt chunks after cached keys on the AMX prompt kernel, reading the "
            "packed cache; 0 sends them to the paged kernel", "prefill_cached"),
-    EnvVar("KVPAGE_PAGED_PROMPTS", bool, True, "without the AMX prompt kernel, whole fresh prompts over bf16 caches go "
-           "to the paged kernel (1.7-3.2x torch's SDPA on a Zen 5 EPYC); 0 keeps SDPA", "paged_prompts"),
+    EnvVar("KVPAGE_PAGED_PROMPTS", bool, True, "without the AMX prompt kernel, whole fresh prompts over bf16 caches "
+           "go to the paged kernel on AVX512_BF16 CPUs (1.7-3.2x torch's SDPA on a Zen 5 EPYC); 0 keeps SDPA",
+           "paged_prompts"),
     EnvVar("KVPAGE_API_KEY", str, None, "the key `kvpage serve` requires (as --api-key; read by the serve command)"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}

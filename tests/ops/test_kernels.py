@@ -479,7 +479,7 @@ def test_cpu_metadata_is_built_once_per_step_and_serves_every_layer(kv_layout):
         torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
     # Without the AMX prompt kernel (and paged_prompts on, the default) every row goes to the paged kernel.
     plain = CpuPagedAttention(kernels(KernelConfig(kv_layout=kv_layout)))
-    if not plain.amx_prefill:
+    if not plain.amx_prefill and plain.paged_prompts:
         all_paged = plain.metadata_builder(caches[0], torch.bfloat16, heads).build(common)
         assert all_paged.paged_seqs == 5 and all_paged.decode_only and all_paged.plan.num_rows == sum(q_lens)
         layer_cache = pack_kv_rows(caches[0]) if all_paged.packed else caches[0].clone()

@@ -39,7 +39,9 @@ class Kernels:
         self._c = module
         self.config = config
         # What this build and machine can run, asked once.
-        self.packed_layout = module.has_packed_layout() and config.kv_layout == "packed"
+        # AVX-512 BF16 dot products in the attention loops (the packed layout needs them; bf16 rows use them too)
+        self.bf16_dot = module.has_packed_layout()
+        self.packed_layout = self.bf16_dot and config.kv_layout == "packed"
         self.packed_int8_layout = module.has_packed_int8_layout() and config.kv_layout == "packed"
         self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
         self.f32_gemm_ok = config.f32_gemm and module.f32_gemm_available()

@@ -113,8 +113,9 @@ class CpuPagedAttention:
         # Prompt chunks after cached keys on that kernel too, reading the packed cache; prefill_cached=False
         # sends them to the paged kernel (side-by-side measurements, benchmarks/long_prompt.py).
         self.prefill_cached = self.amx_prefill and ops.config.prefill_cached
-        # Without AMX, fresh prompts over bf16 caches on the paged kernel; paged_prompts=False keeps SDPA.
-        self.paged_prompts = ops.config.paged_prompts
+        # Without AMX, fresh prompts over bf16 caches on the paged kernel where its loops have AVX-512 BF16 dot
+        # products (measured faster than SDPA there; AVX2 builds keep SDPA); paged_prompts=False keeps SDPA.
+        self.paged_prompts = ops.config.paged_prompts and ops.bf16_dot
 
     def packed_layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether a cache written and read with activations of `dtype` holds the packed layout: decided by the
