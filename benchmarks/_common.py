@@ -3,8 +3,12 @@ engine's projection GEMM rate)."""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -73,3 +77,18 @@ def engine_gemm_tflops(dtype: str, rows: int = 256) -> float:
     with torch.inference_mode():
         seconds = median_seconds(lambda: lin(a), 15)
     return 2 * rows * 576 * 1536 / seconds / 1e12
+
+
+def run_python(python: str, code: str, reqs: object, env: dict | None = None, timeout: float = 3600) -> dict:
+    """Run ``code`` with ``python`` (an engine in its own process), ``reqs`` as JSON on stdin; its last
+    ``{"seconds": ...}`` line of stdout is the result."""
+    # Run from a neutral directory: with this one as the working directory, a peer that imports a module
+    # named like one of these scripts (vLLM and HF's `kernels` package) would pick up the script instead.
+    proc = subprocess.run([python, "-c", code], input=json.dumps(reqs), capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=tempfile.gettempdir())
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
+    for line in reversed(proc.stdout.strip().splitlines()):  # peers may log to stdout after the result
+        if line.startswith('{"seconds"'):
+            return json.loads(line)
+    raise RuntimeError("no result line in the runner's output")

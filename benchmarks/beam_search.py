@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from _common import cpu_model
+from _common import cpu_model, run_python
 
 BLOCK = 16
 TOPICS = ["a lighthouse keeper", "the water cycle", "a chess opening", "bread baking", "a train journey",
@@ -109,17 +109,6 @@ print(json.dumps({"seconds": dt, "requests": len(outs),
 """
 
 
-def run(python: str, code: str, payload: dict, env: dict | None = None) -> dict:
-    proc = subprocess.run([python, "-c", code], input=json.dumps(payload), capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=3600, cwd=tempfile.gettempdir())
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
-    for line in reversed(proc.stdout.strip().splitlines()):
-        if line.startswith('{"seconds"'):
-            return json.loads(line)
-    raise RuntimeError("no result line")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=os.environ.get("KVPAGE_VLLM_PYTHON"))
@@ -155,13 +144,13 @@ def main() -> None:
     times: dict[str, list[float]] = {"kvpage": [], "vllm": []}
     best: dict[str, list] = {}
     for _ in range(args.rounds):
-        r = run(sys.executable, KVPAGE, payload, {"KVPAGE_PEER_DTYPE": dtype})
+        r = run_python(sys.executable, KVPAGE, payload, {"KVPAGE_PEER_DTYPE": dtype})
         times["kvpage"].append(r["seconds"])
         best["kvpage"] = r["best"]
         if args.vllm_python and args.vllm_model:
-            r = run(args.vllm_python, VLLM, payload, {"KVPAGE_VLLM_MODEL": args.vllm_model, "KVPAGE_PEER_DTYPE": dtype,
-                                                       "VLLM_CPU_KVCACHE_SPACE": "4",
-                                                       "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"})
+            r = run_python(args.vllm_python, VLLM, payload, {
+                "KVPAGE_VLLM_MODEL": args.vllm_model, "KVPAGE_PEER_DTYPE": dtype, "VLLM_CPU_KVCACHE_SPACE": "4",
+                "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"})
             times["vllm"].append(r["seconds"])
             best["vllm"] = r["best"]
     n = len(payload["prompts"])

@@ -46,9 +46,10 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from _common import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,19 +175,6 @@ outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs],
 dt = time.perf_counter() - t
 print(json.dumps({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs), "dtype": dtype}))
 """
-
-
-def run_python(python: str, code: str, reqs: list[dict], env: dict | None = None, timeout: float = 3600) -> dict:
-    # Run from a neutral directory: with this one as the working directory, a peer that imports a module
-    # named like one of these scripts (vLLM and HF's `kernels` package) would pick up the script instead.
-    proc = subprocess.run([python, "-c", code], input=json.dumps(reqs), capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=tempfile.gettempdir())
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
-    for line in reversed(proc.stdout.strip().splitlines()):  # peers may log to stdout after the result
-        if line.startswith('{"seconds"'):
-            return json.loads(line)
-    raise RuntimeError("no result line in the runner's output")
 
 
 def run_llama_server(binary: str, reqs: list[dict], parallel: int, port: int = 8099) -> dict:

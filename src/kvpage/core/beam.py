@@ -74,16 +74,11 @@ class BeamGroup:
             self.pending[seq_id] = candidates
         return len(self.pending) == len(self.cum)
 
-    def forget(self, seq_id: str) -> None:
-        """A beam that will not report (its request failed): drop it from the group."""
-        self.cum.pop(seq_id, None)
-        self.pending.pop(seq_id, None)
-
     def advance(self, tokens_of: dict[str, list[int]], num_generated: int) -> list[Continuation]:
         """One beam step over the pending candidates. ``tokens_of``: each live beam's output tokens so far;
         ``num_generated``: how many each has (the same for all). Returns the next live beams (best first); empty
         when the search is over (``done``)."""
-        flat = [(self.cum[sid] + lp, sid, tok, lp) for sid, cands in self.pending.items() for tok, lp in cands]
+        flat = [(self.cum[sid] + lp, sid, tok) for sid, cands in self.pending.items() for tok, lp in cands]
         flat.sort(key=lambda c: -c[0])  # stable: ties keep beam order, then the candidate's rank
         top = flat[: self.keep]
         new_len = num_generated + 1
@@ -91,7 +86,7 @@ class BeamGroup:
         running: list[Continuation] = []
         new_finished: list[Hypothesis] = []
         full_before = len(self.finished) >= self.width
-        for rank, (score, sid, tok, _) in enumerate(top):
+        for rank, (score, sid, tok) in enumerate(top):
             stops = tok in self.stop_ids
             if not stops and not at_length:
                 if len(running) < self.width:

@@ -62,13 +62,10 @@ class LLM:
         for ro in outputs:
             if ro.error:
                 raise RuntimeError(f"beam search for request {ro.request_id} failed: {ro.error}")
-            seqs = []
-            for c in ro.outputs:
-                tokens = ro.prompt_token_ids + c.token_ids
-                seqs.append(BeamSearchSequence(tokens, c.cumulative_logprob or 0.0,
-                                               tk.decode(ro.prompt_token_ids) + c.text, list(c.token_ids),
-                                               c.text, c.finish_reason, c.stop_reason))
-            result.append(BeamSearchOutput(seqs))
+            prompt_text = tk.decode(ro.prompt_token_ids)
+            result.append(BeamSearchOutput([
+                BeamSearchSequence(ro.prompt_token_ids + c.token_ids, c.cumulative_logprob or 0.0, prompt_text + c.text,
+                                   list(c.token_ids), c.text, c.finish_reason, c.stop_reason) for c in ro.outputs]))
         return result
 
     def chat(

@@ -132,8 +132,9 @@ def _beam_output(req: Request, tokenizer: KVTokenizer | None) -> RequestOutput:
     outs = []
     for i, h in enumerate(req.beam.results() if not req.error else []):
         ids = list(h.token_ids)
-        shown = ids if (h.stop_reason is not None and p.include_stop_str_in_output) or h.finish_reason != "stop" \
-            else ids[:-1]
+        # the token that stopped it stays out of the text, unless it is a stop id the caller wants shown
+        keep_last = h.finish_reason != "stop" or (h.stop_reason is not None and p.include_stop_str_in_output)
+        shown = ids if keep_last else ids[:-1]
         text = tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens) if tokenizer is not None else ""
         outs.append(CompletionOutput(index=i, text=text, token_ids=ids, cumulative_logprob=h.cum_logprob,
                                      finish_reason=h.finish_reason, stop_reason=h.stop_reason))

@@ -113,5 +113,5 @@ def make_stats(m: Any, fill: dict[int, int], logical: int, num_seqs: int, num_sw
         swap_blocks_used=m.num_swap_blocks - len(m._host_free),
         tail_waste_slots=sum(bs - f for f in fill.values() if f),
         reserved_unused_slots=bs * sum(1 for f in fill.values() if not f),
-        shared_blocks=sum(1 for b in pool.blocks if b.ref_count > 1),
+        shared_blocks=sum(1 for bid in fill if pool.blocks[bid].ref_count > 1),
     )

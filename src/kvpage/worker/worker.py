@@ -9,6 +9,7 @@ from kvpage.config import CacheConfig, ModelRunConfig, fast_path, resolve_dtype
 from kvpage.core.beam import Candidates
 from kvpage.core.engine_core import Sample, SampleTask, blocked_ids
 from kvpage.core.scheduler import SchedulerOutput
+from kvpage.core.sequence import Sequence
 from kvpage.envs import kernel_config
 from kvpage.kv import KVCacheManager, KVPoolConfig
 from kvpage.model.loader import load_model
@@ -112,7 +113,6 @@ class Worker:
     def sample(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[list[Sample] | BaseException]:
         """One batched draw for the whole step; a request whose settings fail gets its exception alone."""
         reqs, rows = [], []
-        blocked = self._blocked
         for t in tasks:
             seq = t.seq
             params = seq.request.params
@@ -124,9 +124,8 @@ class Worker:
                         s.rng = seeded_generator(params.seed, s.index)
                 gens = [s.rng for s in t.targets]
             rows.append(logits.row(seq.seq_id))
-            bl = blocked.get(seq.seq_id)
             reqs.append(SampleRequest(params, seq.request.prompt_token_ids, seq.output_token_ids, gens,
-                                      blocked_ids(seq, self.eos_ids) if bl is None else bl))
+                                      self._blocked_for(seq)))
         return self.sample_requests(logits, reqs, rows)
 
     def sample_requests(self, logits: StepLogits, reqs: list[SampleRequest], rows: list[int],
@@ -136,13 +135,16 @@ class Worker:
     def beam_candidates(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[Candidates | BaseException]:
         """Each beam's best continuations from its row: float32 log-softmax (at the request's temperature),
         the ids it may not draw yet left out."""
-        blocked = self._blocked
         rows, temps, banned, keep = [], [], [], []
         for t in tasks:
             seq = t.seq
             rows.append(logits.row(seq.seq_id))
             temps.append(seq.request.params.temperature)
-            bl = blocked.get(seq.seq_id)
-            banned.append(blocked_ids(seq, self.eos_ids) if bl is None else bl)
+            banned.append(self._blocked_for(seq))
             keep.append(seq.request.beam.keep)
         return beam_candidates(logits.logits, rows, temps, banned, keep)
+
+    def _blocked_for(self, seq: Sequence) -> tuple[int, ...]:
+        """What ``seq`` may not draw this step (decided in execute_model; recomputed for a task it did not see)."""
+        bl = self._blocked.get(seq.seq_id)
+        return blocked_ids(seq, self.eos_ids) if bl is None else bl
