@@ -61,7 +61,7 @@ def test_logits_postprocess_fp32(vocab):
     ops = load_kernels()
     logits = torch.randn(6, vocab, generator=g) * 4
     logits[2, 5] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index wins, as torch.argmax
-    out, amax, lse = ops.logits_postprocess(logits, torch.zeros(6, 1), torch.zeros(1, 1))
+    out, amax, lse = ops.logits_postprocess([logits], torch.zeros(6, 1), torch.zeros(1, 1))
     assert torch.equal(out, logits)
     assert torch.equal(amax, logits.argmax(-1))
     assert int(amax[2]) == 5
@@ -76,17 +76,38 @@ def test_logits_postprocess_bf16_recomputes_near_max_entries_exactly():
     h = torch.randn(8, hidden, generator=g)
     exact = h @ weight.float().T
     raw = (h.bfloat16() @ weight.T).to(torch.bfloat16)
-    out, amax, lse = ops.logits_postprocess(raw, h, weight)
+    out, amax, lse = ops.logits_postprocess([raw], h, weight)
     assert torch.equal(amax, exact.argmax(-1))  # bf16 rounding of the matmul output cannot flip the top entry
     for b in range(8):
         top = int(amax[b])
         torch.testing.assert_close(out[b, top], exact[b, top], rtol=1e-5, atol=1e-5)
         assert out[b, top] == out[b].max()
     torch.testing.assert_close(lse, torch.logsumexp(out, -1), rtol=1e-5, atol=1e-5)
-    empty, amax_only, no_lse = ops.logits_postprocess(raw, h, weight, False)  # greedy steps: the argmax alone
+    empty, amax_only, no_lse = ops.logits_postprocess([raw], h, weight, False)  # greedy steps: the argmax alone
     assert torch.equal(amax_only, amax) and empty.numel() == 0 and no_lse.numel() == 0
+    # exact ties: a copy of row 0's top entry at index 0 and at the end; both paths pick the first index
+    tied = weight.clone()
+    top0 = int(amax[0])
+    tied[0] = tied[-1] = weight[top0]
+    raw_tied = (h.bfloat16() @ tied.T).to(torch.bfloat16)
+    full = ops.logits_postprocess([raw_tied], h, tied)[1]
+    only = ops.logits_postprocess([raw_tied], h, tied, False)[1]
+    assert int(full[0]) == int(only[0]) == 0
+    assert torch.equal(full, only)
+    # the logits as uneven column parts (the lm head's vocabulary slices), into a buffer kept across steps
+    cuts = [0, 1000, 1016, 4000, vocab]
+    parts = [raw[:, a:b].contiguous() for a, b in zip(cuts, cuts[1:])]
+    buf = torch.full((9 * vocab + 5,), float("nan"))
+    p_out, p_amax, p_lse = ops.logits_postprocess(parts, h, weight, True, buf)
+    assert p_out.data_ptr() == buf.data_ptr() and p_out.shape == (8, vocab)
+    assert torch.equal(p_out, out) and torch.equal(p_amax, amax) and torch.equal(p_lse, lse)
+    assert torch.equal(ops.logits_postprocess(parts, h, weight, False)[1], amax)
+    f32_parts = [p.float() for p in parts]
+    assert torch.equal(ops.logits_postprocess(f32_parts, h, weight, False)[1], raw.float().argmax(-1))
+    with pytest.raises(RuntimeError, match="at least rows x vocab"):
+        ops.logits_postprocess(parts, h, weight, True, torch.empty(8 * vocab - 1))
     logits32 = torch.randn(5, 1000, generator=g)
-    assert torch.equal(ops.logits_postprocess(logits32, h, weight, False)[1], logits32.argmax(-1))
+    assert torch.equal(ops.logits_postprocess([logits32], h, weight, False)[1], logits32.argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,3 +122,37 @@ def test_silu_mul_matches_torch(dtype):
     assert torch.isfinite(out).all()
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
     torch.testing.assert_close(out, expect, **tol)
+
+
+def test_packed_linear_split_rows_gives_the_same_logits():
+    """An lm head whose oneDNN product runs by vocabulary slices: the same outputs, and the same logits pass."""
+    from kvpage.envs import KernelConfig
+    from kvpage.model.fast_path import packed_logits
+    from kvpage.model.layers.linear import PackedLinear, packing_available
+    from kvpage.model.logits import LogitsBuffer
+    from kvpage.ops import kernels
+
+    if not packing_available():
+        pytest.skip("no bf16 oneDNN packing on this CPU")
+    ops = kernels(KernelConfig(amx_linear=False, quant_max_tokens=0))
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(1000, 64, generator=g) * 0.1).bfloat16()
+    whole, split = PackedLinear(w, None, ops=ops), PackedLinear(w, None, ops=ops, split_rows=384)
+    assert whole.packed is not None and split.packed is None and len(split.packed_parts) == 3
+    h = torch.randn(37, 64, generator=g)
+    parts = list(split.forward_parts(h.bfloat16()))
+    assert [(s, p.shape[1]) for s, p in parts] == [(0, 384), (384, 384), (768, 232)]
+    assert torch.equal(torch.cat([p for _, p in parts], 1), whole(h.bfloat16()))
+    assert torch.equal(split(h.bfloat16()), whole(h.bfloat16()))
+    buffer = LogitsBuffer()
+    for argmax_only in (False, True):
+        a = packed_logits(ops, whole, w, h, argmax_only)
+        for buf in (None, buffer):
+            b = packed_logits(ops, split, w, h, argmax_only, buf)
+            assert torch.equal(a.argmax, b.argmax)
+            if not argmax_only:
+                assert torch.equal(a.logits, b.logits) and torch.equal(a.lse, b.lse)
+        assert torch.equal(a.argmax, (h @ w.float().T).argmax(-1))
+    kept = packed_logits(ops, split, w, h, False, buffer).logits
+    assert kept.data_ptr() == packed_logits(ops, split, w, h[:5], False, buffer).logits.data_ptr()  # reused
+    assert packed_logits(ops, split, w, h[:0], False).logits.shape == (0, 1000)

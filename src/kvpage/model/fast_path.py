@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpage.model.layers.linear import PackedLinear
-from kvpage.model.logits import LogitsResult, logits_result
+from kvpage.model.logits import LogitsBuffer, LogitsResult, logits_result
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.ops import Kernels
 
@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 # tile GEMM (benchmarks/linear.py on the AMX Xeon, 2026-11-25: the tile GEMM 1.16x oneDNN at 128 rows, 1.03x
 # at 192, 0.99x at 256, 0.70x at 384).
 AMX_LOGITS_MAX_ROWS = 192
+# oneDNN's lm-head product by vocabulary slices of this many rows: a slice's bf16 output at 256 rows is 16 MiB,
+# under the 32 MiB up to which glibc's malloc reuses a freed block instead of mapping fresh pages each step.
+LOGITS_SPLIT_ROWS = 32768
 
 
 class FastPath:
@@ -41,7 +44,8 @@ class FastPath:
         weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         self.lm_weight = weight
         self.lm_quant = quant.get("embed_tokens.weight" if model.lm_head is None else "lm_head.weight")
-        self.lm_packed = PackedLinear(weight, None, self.lm_quant, ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS)
+        self.lm_packed = PackedLinear(weight, None, self.lm_quant, ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS,
+                                      split_rows=LOGITS_SPLIT_ROWS)
         self.final_norm_f32 = model.norm.weight.float()  # final hidden stays float32 for exact top logits
         self.plan: list[_FastLayer] = []
         for i, layer in enumerate(model.layers):
@@ -99,7 +103,8 @@ class FastPath:
             h = ops.add_rms_norm(m, residual, p.next_norm, p.next_eps)
         return h
 
-    def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False) -> LogitsResult:
+    def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
+                          buffer: LogitsBuffer | None = None) -> LogitsResult:
         """As the reference model's, from the packed (or, for a few rows, the quantized) lm head."""
         ops, weight = self.ops, self.lm_weight
         lm_quant = self.lm_quant
@@ -107,21 +112,40 @@ class FastPath:
             # float32 logits from the exact quantized weights (one row: 16-bit activation codes, ~2e-5 relative):
             # nothing near the maximum needs recomputing
             raw = ops.quant_linear(hidden, lm_quant.qs, lm_quant.d, lm_quant.m, True)
-            return logits_result(*ops.logits_postprocess(raw, hidden, weight, not argmax_only), argmax_only)
-        return packed_logits(ops, self.lm_packed, weight, hidden, argmax_only)
+            out = None if argmax_only or buffer is None else buffer.view(raw.shape[0], raw.shape[1])
+            return logits_result(*ops.logits_postprocess(raw, hidden, weight, not argmax_only, out), argmax_only)
+        return packed_logits(ops, self.lm_packed, weight, hidden, argmax_only, buffer)
 
 
 def packed_logits(ops: Kernels, lm_packed: PackedLinear, weight: torch.Tensor, hidden: torch.Tensor,
-                  argmax_only: bool) -> LogitsResult:
-    """float32 logits (or only the argmax) from a packed lm head, exact near each row's maximum."""
-    raw = lm_packed(hidden.to(weight.dtype))
-    if raw.shape[0] == 0:
-        return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
-    if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
-        res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only)
-    else:
-        res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only)
-    return logits_result(*res, argmax_only)
+                  argmax_only: bool, buffer: LogitsBuffer | None = None) -> LogitsResult:
+    """float32 logits (or only the argmax) from a packed lm head, exact near each row's maximum; the logits
+    go to ``buffer`` when one is given. A head split by vocabulary slices runs slice by slice, each slice's
+    product followed by its part of the logits pass, so one slice's output is alive at a time."""
+    rows, vocab = hidden.shape[0], lm_packed.out_features
+    if rows == 0:
+        return LogitsResult(torch.zeros(0, vocab), torch.zeros(0, dtype=torch.long), torch.zeros(0))
+    x = hidden.to(weight.dtype)
+    out = None if argmax_only or buffer is None else buffer.view(rows, vocab)
+    if not lm_packed.splits(rows) or weight.dtype != torch.bfloat16:
+        raw = lm_packed(x)
+        if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+            res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only, out)
+        else:
+            res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only, out)
+        return logits_result(*res, argmax_only)
+    h32 = hidden.float()
+    row_max = torch.full((rows,), float("-inf"))
+    best_value, best_index = torch.full((rows,), float("-inf")), torch.full((rows,), -1, dtype=torch.long)
+    if out is None and not argmax_only:
+        out = torch.empty(rows, vocab)
+    for start, raw in lm_packed.forward_parts(x):
+        ops.logits_scan(raw, start, vocab, h32, weight, row_max, best_value, best_index, out)
+        del raw  # before the next slice's product: one slice's output alive at a time
+    if argmax_only:
+        return LogitsResult(None, best_index, None)
+    argmax, lse = ops.logits_finish(out, h32, weight, row_max, True)
+    return LogitsResult(out, argmax, lse)
 
 
 def _pack_attention(layer: DecoderLayer, quant: dict[str, QuantWeight], prefix: str, ops: Kernels) -> None:

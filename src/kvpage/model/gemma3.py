@@ -21,7 +21,7 @@ from torch import nn
 
 from kvpage.attention.backends.base import AttentionBackend
 from kvpage.model.config import SLIDING, ModelConfig
-from kvpage.model.logits import LogitsResult, logits_result
+from kvpage.model.logits import LogitsBuffer, LogitsResult, logits_result
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from kvpage.ops import Kernels
 
@@ -139,7 +139,8 @@ class Gemma3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.compute_logits_ex(hidden).logits
 
-    def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False) -> LogitsResult:
+    def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
+                          buffer: LogitsBuffer | None = None) -> LogitsResult:
         """float32 logits, argmax and log-sum-exp from the tied embeddings (exact near the maximum with bf16
         weights, as model/llama.py)."""
         weight = self.embed_tokens.weight
@@ -148,10 +149,11 @@ class Gemma3ForCausalLM(nn.Module):
             return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         ops = self.ops
         if ops is not None:
+            out = None if argmax_only or buffer is None else buffer.view(raw.shape[0], raw.shape[1])
             if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
-                res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only)
+                res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only, out)
             else:
-                res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only)
+                res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only, out)
             return logits_result(*res, argmax_only)
         logits = raw.float()
         return LogitsResult(logits, logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1))

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvpage.model.fast_path import AMX_LOGITS_MAX_ROWS, packed_logits
+from kvpage.model.fast_path import AMX_LOGITS_MAX_ROWS, LOGITS_SPLIT_ROWS, packed_logits
 from kvpage.model.layers.linear import PackedLinear
-from kvpage.model.logits import LogitsResult
+from kvpage.model.logits import LogitsBuffer, LogitsResult
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.ops import Kernels
 
@@ -75,7 +75,7 @@ class Gemma3FastPath:
             model.norm.weight)]
         self.lm_weight = model.embed_tokens.weight
         self.lm_packed = PackedLinear(self.lm_weight, None, blocks("embed_tokens.weight"), ops=ops,
-                                      amx_max_rows=AMX_LOGITS_MAX_ROWS)
+                                      amx_max_rows=AMX_LOGITS_MAX_ROWS, split_rows=LOGITS_SPLIT_ROWS)
         self.embed_scale = torch.tensor(model.config.hidden_size**0.5, dtype=self.lm_weight.dtype)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -108,5 +108,6 @@ class Gemma3FastPath:
                 h = h.to(dtype)
         return h
 
-    def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False) -> LogitsResult:
-        return packed_logits(self.ops, self.lm_packed, self.lm_weight, hidden, argmax_only)
+    def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
+                          buffer: LogitsBuffer | None = None) -> LogitsResult:
+        return packed_logits(self.ops, self.lm_packed, self.lm_weight, hidden, argmax_only, buffer)

@@ -7,6 +7,7 @@ every call, never as globals. Tests of single kernels may call the raw module (`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
@@ -144,10 +145,24 @@ class Kernels:
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return self._c.silu_mul(gate_up)
 
-    def logits_postprocess(self, logits: Tensor, hidden: Tensor, weight: Tensor,
-                           with_logits: bool) -> list[Tensor]:
-        """float32 logits with exact near-max entries, the argmax and the log-sum-exp."""
-        return self._c.logits_postprocess(logits, hidden, weight, with_logits)
+    def logits_postprocess(self, logits: Tensor | Sequence[Tensor], hidden: Tensor, weight: Tensor,
+                           with_logits: bool, out: Tensor | None = None) -> list[Tensor]:
+        """float32 logits with exact near-max entries, the argmax and the log-sum-exp. ``logits`` may come as
+        column parts (the lm head's vocabulary slices, in order); ``out`` is a float32 buffer kept across steps
+        for the logits (a view of it is returned)."""
+        parts = [logits] if isinstance(logits, Tensor) else list(logits)
+        return self._c.logits_postprocess(parts, hidden, weight, with_logits, out)
+
+    def logits_scan(self, part: Tensor, start: int, vocab: int, hidden: Tensor, weight: Tensor, row_max: Tensor,
+                    best_value: Tensor, best_index: Tensor, out: Tensor | None) -> None:
+        """One vocabulary slice of the logits pass: widened into ``out`` (then logits_finish), or, without
+        ``out``, folded into the running argmax (best_index) with exact values near the running maximum."""
+        self._c.logits_scan(part, start, vocab, hidden, weight, row_max, best_value, best_index, out)
+
+    def logits_finish(self, out: Tensor, hidden: Tensor, weight: Tensor, row_max: Tensor,
+                      bf16_logits: bool) -> list[Tensor]:
+        """(argmax, log-sum-exp) of the logits in ``out``, the entries near each maximum made exact first."""
+        return self._c.logits_finish(out, hidden, weight, row_max, bf16_logits)
 
     # sampling (ops/csrc/sampler.cpp)
     def sample_rows(self, logits: Tensor, rows: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,

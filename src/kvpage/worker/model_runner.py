@@ -10,6 +10,7 @@ import torch
 
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.model.llama import LlamaForCausalLM
+from kvpage.model.logits import LogitsBuffer
 from kvpage.worker.kv_cache import KVCache
 
 
@@ -187,13 +188,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None,
-                argmax_only: bool = False) -> StepLogits:
+                argmax_only: bool = False, logits_buffer: LogitsBuffer | None = None) -> StepLogits:
         """Run one step; float32 logits per sequence that asked: [vocab] for its last token, or
         [tokens, vocab] with ``all_logits``. ``argmax_only`` (every sample of the step is plain greedy, no
-        logprobs): only each row's argmax, which saves writing and scanning [rows, vocab] float32 logits."""
+        logprobs): only each row's argmax, which saves writing and scanning [rows, vocab] float32 logits.
+        With ``logits_buffer`` the logits live in it, valid until the next step that uses it (steps with
+        all-token logits get their own tensor)."""
         self.apply_block_ops(ops)
         prepared = self.prepare(batch)
         hidden = self.forward(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
         all_rows = {s.seq_id for s in batch if s.all_logits}
-        res = self.forward.compute_logits_ex(hidden[prepared.logits_rows], argmax_only and not all_rows)
+        res = self.forward.compute_logits_ex(hidden[prepared.logits_rows], argmax_only and not all_rows,
+                                             None if all_rows else logits_buffer)
         return StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows)

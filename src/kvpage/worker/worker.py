@@ -13,6 +13,7 @@ from kvpage.core.sequence import Sequence
 from kvpage.envs import kernel_config
 from kvpage.kv import KVCacheManager, KVPoolConfig
 from kvpage.model.loader import load_model
+from kvpage.model.logits import LogitsBuffer
 from kvpage.units import format_bytes
 from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, kv_dtype_name, kv_torch_dtype, model_layout
 from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq, StepLogits
@@ -57,6 +58,8 @@ class Worker:
         self.eos_ids = tuple(self.lm.tokenizer.eos_token_ids)
         self.kv: KVCacheManager | None = None  # set by make_kv_manager
         self._blocked: dict[str, tuple[int, ...]] = {}  # the current step's blocked ids per sampling sequence
+        # the steps' float32 logits, in one buffer kept from step to step (sampled before the next step runs)
+        self._logits_buffer = LogitsBuffer()
         logger.info("%s", self.describe())
 
     def describe(self) -> str:
@@ -108,7 +111,7 @@ class Worker:
         argmax_only = all(w.seq.request.beam is None and argmax_suffices(w.seq.request.params,
                                                                          self._blocked[w.seq.seq_id])
                           for w in out.work if w.completes_prompt)
-        return self.runner.execute(batch, ops, argmax_only)
+        return self.runner.execute(batch, ops, argmax_only, self._logits_buffer)
 
     def sample(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[list[Sample] | BaseException]:
         """One batched draw for the whole step; a request whose settings fail gets its exception alone."""

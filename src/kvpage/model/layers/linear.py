@@ -10,6 +10,8 @@ kernel configuration's i8_gemm ("auto": Intel CPUs; ops/kernels.py int8_gemm_pay
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -26,7 +28,8 @@ class PackedLinear(nn.Module):
     otherwise (and above amx_max_rows)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
-                 ops: Kernels | None = None, amx_max_rows: int | None = None, gated: bool = False) -> None:
+                 ops: Kernels | None = None, amx_max_rows: int | None = None, gated: bool = False,
+                 split_rows: int | None = None) -> None:
         super().__init__()
         # gated: weight = [gate; up] and the layer returns silu(x Wg^T) * (x Wu^T), the MLP's input half; the
         # AMX path computes it in its epilogue instead of writing both halves out for silu_mul to read back.
@@ -67,6 +70,14 @@ class PackedLinear(nn.Module):
             self.f32 = ops.f32_pack_weight(weight.contiguous())
         elif (self.amx is None and self.i8 is None) or (self.amx is not None and amx_max_rows is not None):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
+        # split_rows (lm heads): oneDNN's product also by slices of at most this many output features, for
+        # forward_parts: outputs small enough for malloc to reuse step after step, where one [rows, 262144]
+        # bf16 output is a fresh mapping faulted in page by page every step (~20% of the product's time)
+        self.packed_parts: list[tuple[int, torch.Tensor]] = []  # (first output feature, packed slice)
+        if self.packed is not None and split_rows is not None and n > split_rows and bias is None and not gated:
+            self.packed_parts = [(i, torch.ops.mkldnn._reorder_linear_weight(weight[i : i + split_rows].contiguous(),
+                                                                            64)) for i in range(0, n, split_rows)]
+            self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quant
@@ -81,9 +92,26 @@ class PackedLinear(nn.Module):
             return self.ops.i8_linear(x, self.i8[0], self.i8[1], self.n, self.gated, self.bias)
         elif self.f32 is not None:
             out = self.ops.f32_linear(x, self.f32, self.n, self.bias)
+        elif self.packed_parts:
+            return torch.cat([part for _, part in self.forward_parts(x)], dim=1)
         else:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return self.ops.silu_mul(out) if self.gated else out
+
+    def splits(self, rows: int) -> bool:
+        """Whether a call with this many rows runs oneDNN's product slice by slice (forward_parts)."""
+        q = self.quant
+        return bool(self.packed_parts) and rows > self.amx_max_rows and not (q is not None and
+                                                                              rows <= self.quant_max_tokens)
+
+    def forward_parts(self, x: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first output feature, output slice) in order: the slices of split_rows where the call splits,
+        else the whole output. Each slice is computed when asked for and not kept."""
+        if not self.splits(x.shape[0]):
+            yield 0, self.forward(x)
+            return
+        for start, p in self.packed_parts:
+            yield start, torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
 
 
 def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:

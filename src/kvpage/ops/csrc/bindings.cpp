@@ -19,7 +19,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "rms_norm(residual) * weight", py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &rotary_, "in-place rotate-half RoPE on q and k", py::call_guard<py::gil_scoped_release>());
   m.def("logits_postprocess", &logits_postprocess, "float32 logits with exact near-max entries, argmax, logsumexp",
-        py::arg("logits"), py::arg("hidden"), py::arg("weight"), py::arg("with_logits") = true, py::call_guard<py::gil_scoped_release>());
+        py::arg("parts"), py::arg("hidden"), py::arg("weight"), py::arg("with_logits") = true,
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("logits_scan", &logits_scan, "one vocabulary slice of the logits pass (widen into out, or the running argmax)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("logits_finish", &logits_finish, "end of the logits pass over out: exact near-max entries, argmax, logsumexp",
+        py::call_guard<py::gil_scoped_release>());
 
   // attention/plan.cpp, attention/paged_attention.cpp
   // module_local: a second build of these kernels (the portable one the tests load beside the native one)

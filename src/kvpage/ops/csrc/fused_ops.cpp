@@ -3,7 +3,7 @@
 //   add_rms_norm(x, residual, weight, eps) -> out       residual += x (float32), out = norm(residual) * w
 //   rms_norm(residual, weight, eps) -> out              out = norm(residual) * w
 //   rotary_(q, k, cos, sin)                             in place, rotate-half convention
-//   logits_postprocess(logits, hidden, weight)          float32 logits, exact near-max entries, argmax, lse
+//   logits_postprocess(parts, hidden, weight)           float32 logits, exact near-max entries, argmax, lse
 //
 // The residual stream is float32; outputs take the weight's dtype (the projections' input dtype).
 
@@ -148,28 +148,29 @@ float widen_max(const L* x, float* o, int64_t V) {
 #endif
 }
 
-inline float max_of(const float* o, int64_t V) {
+template <typename L>
+float max_of(const L* o, int64_t V) {
 #if KVPAGE_ISA_AVX512
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t v = 0; v < V; v += 16) {
     const __mmask16 k = tail_mask(V - v);
-    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, o + v));
+    m = _mm512_mask_max_ps(m, k, m, load16(o + v, k));
   }
   return _mm512_reduce_max_ps(m);
 #else
   float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t v = 0; v < V; ++v) mx = std::max(mx, o[v]);
+  for (int64_t v = 0; v < V; ++v) mx = std::max(mx, f32(o[v]));
   return mx;
 #endif
 }
 
-template <typename F>
-void for_each_at_least(const float* o, int64_t V, float threshold, F&& fn) {
+template <typename L, typename F>
+void for_each_at_least(const L* o, int64_t V, float threshold, F&& fn) {
 #if KVPAGE_ISA_AVX512
   const __m512 t = _mm512_set1_ps(threshold);
   for (int64_t v = 0; v < V; v += 16) {
     const __mmask16 k = tail_mask(V - v);
-    uint32_t hits = _mm512_mask_cmp_ps_mask(k, _mm512_maskz_loadu_ps(k, o + v), t, _CMP_GE_OQ);
+    uint32_t hits = _mm512_mask_cmp_ps_mask(k, load16(o + v, k), t, _CMP_GE_OQ);
     while (hits != 0) {
       fn(v + __builtin_ctz(hits));
       hits &= hits - 1;
@@ -177,7 +178,7 @@ void for_each_at_least(const float* o, int64_t V, float threshold, F&& fn) {
   }
 #else
   for (int64_t v = 0; v < V; ++v)
-    if (o[v] >= threshold) fn(v);
+    if (f32(o[v]) >= threshold) fn(v);
 #endif
 }
 
@@ -198,63 +199,161 @@ inline float exp_sum(const float* o, int64_t V, float mx) {
 #endif
 }
 
-// One pass over each row of logits: float32 copy, the max, exact float32 recomputation of the entries within
-// bf16 rounding distance of it (h . W[v] from the float32 final hidden state), then argmax and log-sum-exp.
-// With float32 logits nothing needs recomputing. With out == nullptr (greedy steps that want only the
-// argmax) the float32 row goes to a per-thread scratch row that stays in cache, and no log-sum-exp is taken:
-// no [rows, vocab] float32 tensor is written to memory at all.
+// The logits pass, one vocabulary slice (`part`, [B, w], columns start..start+w) at a time, so that the lm
+// head's product can run slice by slice with one slice's output alive at once; logits_finish ends it.
+//   with `out` ([B, V] float32): the part is widened into its columns of out, row_max updated;
+//   without (greedy steps that want only the argmax): nothing is written. For bf16 parts with the weight,
+//   the entries within bf16 rounding distance of the running maximum are recomputed exactly (h . W[v] from
+//   the float32 final hidden state) and the best kept: every entry below max - tol is below the exact value
+//   of the entry that rounded to the max, and the running max never exceeds the final one, so the true
+//   argmax is among the recomputed entries. float32 parts: their maximum, first index on ties.
+struct LogitsPass {
+  const float* hidden;
+  const at::BFloat16* weight;  // nullptr for float32 logits (nothing to recompute)
+  int64_t Hd, V;
+  // h . W[v] in float32, summed in index order
+  float exact(int64_t b, int64_t v) const {
+    const float* h = hidden + b * Hd;
+    const at::BFloat16* w = weight + v * Hd;
+    float s = 0.f;
+    for (int64_t i = 0; i < Hd; ++i) s += h[i] * f32(w[i]);
+    return s;
+  }
+  static float tolerance(float mx) { return std::fabs(mx) / 32.f + 1e-3f; }  // two bf16 ulps either side
+};
+
 template <typename L>
-void postprocess_rows(const L* logits, const float* hidden, const at::BFloat16* weight, int64_t B, int64_t V,
-                      int64_t Hd, float* out, int64_t* amax, float* lse) {
+void scan_rows(const LogitsPass& ps, const L* part, int64_t B, int64_t width, int64_t start, float* row_max,
+               float* best_value, int64_t* best_index, float* out) {
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> scratch(out == nullptr ? V : 0);
     for (int64_t b = b0; b < b1; ++b) {
-      const L* x = logits + b * V;
-      float* o = out == nullptr ? scratch.data() : out + b * V;
-      float mx = widen_max(x, o, V);
-      if (weight != nullptr) {
-        const float tol = std::fabs(mx) / 32.f + 1e-3f;  // two bf16 ulps either side
-        const float* h = hidden + b * Hd;
-        for_each_at_least(o, V, mx - tol, [&](int64_t v) {
-          const at::BFloat16* w = weight + v * Hd;
-          float s = 0.f;
-          for (int64_t i = 0; i < Hd; ++i) s += h[i] * f32(w[i]);
-          o[v] = s;
-        });
-        mx = max_of(o, V);
+      const L* x = part + b * width;
+      if (out != nullptr) {
+        row_max[b] = std::max(row_max[b], widen_max(x, out + b * ps.V + start, width));
+        continue;
       }
-      int64_t best = 0;
-      while (o[best] != mx) ++best;  // first index of the maximum, as torch.argmax
-      amax[b] = best;
-      if (out != nullptr) lse[b] = mx + std::log(exp_sum(o, V, mx));
+      const float mx = std::max(row_max[b], max_of(x, width));
+      row_max[b] = mx;
+      if (ps.weight == nullptr) {  // float32 logits: exact already
+        for_each_at_least(x, width, mx, [&](int64_t v) {
+          if (best_index[b] < 0 || f32(x[v]) > best_value[b]) best_value[b] = f32(x[v]), best_index[b] = start + v;
+        });
+        continue;
+      }
+      for_each_at_least(x, width, mx - LogitsPass::tolerance(mx), [&](int64_t v) {
+        const float s = ps.exact(b, start + v);
+        // ascending columns: the first index wins ties, as torch.argmax
+        if (best_index[b] < 0 || s > best_value[b]) best_value[b] = s, best_index[b] = start + v;
+      });
     }
   });
 }
 
-// Returns (float32 logits, argmax, log-sum-exp); with with_logits=false only the argmax is computed and the
-// other two are empty.
-std::vector<torch::Tensor> logits_postprocess(torch::Tensor logits, torch::Tensor hidden, torch::Tensor weight,
-                                              bool with_logits) {
-  logits = logits.contiguous();
-  const int64_t B = logits.size(0), V = logits.size(1);
-  auto out = torch::empty({with_logits ? B : 0, V}, logits.options().dtype(at::kFloat));
-  auto amax = torch::empty({B}, logits.options().dtype(at::kLong));
-  auto lse = torch::empty({with_logits ? B : 0}, logits.options().dtype(at::kFloat));
-  float* op = with_logits ? out.data_ptr<float>() : nullptr;
-  float* lp = with_logits ? lse.data_ptr<float>() : nullptr;
-  if (logits.scalar_type() == at::kBFloat16) {
-    hidden = hidden.to(at::kFloat).contiguous();
-    weight = weight.contiguous();
-    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.size(0) >= V && weight.size(1) == hidden.size(1),
-                "weight must be the bf16 [vocab, hidden] output matrix");
-    postprocess_rows<at::BFloat16>(logits.data_ptr<at::BFloat16>(), hidden.data_ptr<float>(),
-                                   weight.data_ptr<at::BFloat16>(), B, V, hidden.size(1), op,
-                                   amax.data_ptr<int64_t>(), lp);
-  } else {
-    TORCH_CHECK(logits.scalar_type() == at::kFloat, "logits must be float32 or bfloat16");
-    postprocess_rows<float>(logits.data_ptr<float>(), nullptr, nullptr, B, V, 0, op, amax.data_ptr<int64_t>(), lp);
+LogitsPass logits_pass(torch::Tensor& hidden, torch::Tensor& weight, at::ScalarType dt, int64_t V) {
+  if (dt != at::kBFloat16) {
+    TORCH_CHECK(dt == at::kFloat, "logits must be float32 or bfloat16");
+    return {nullptr, nullptr, 0, V};
   }
-  return {out, amax, lse};
+  hidden = hidden.to(at::kFloat).contiguous();
+  weight = weight.contiguous();
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.size(0) >= V && weight.size(1) == hidden.size(1),
+              "weight must be the bf16 [vocab, hidden] output matrix");
+  return {hidden.data_ptr<float>(), weight.data_ptr<at::BFloat16>(), hidden.size(1), V};
+}
+
+void logits_scan(torch::Tensor part, int64_t start, int64_t vocab, torch::Tensor hidden, torch::Tensor weight,
+                 torch::Tensor row_max, torch::Tensor best_value, torch::Tensor best_index,
+                 c10::optional<torch::Tensor> out) {
+  part = part.contiguous();
+  const int64_t B = part.size(0), W = part.size(1);
+  TORCH_CHECK(part.dim() == 2 && start >= 0 && start + W <= vocab, "part must be [rows, width] inside the vocabulary");
+  TORCH_CHECK(row_max.scalar_type() == at::kFloat && best_value.scalar_type() == at::kFloat &&
+                  best_index.scalar_type() == at::kLong && row_max.numel() == B && best_value.numel() == B &&
+                  best_index.numel() == B && row_max.is_contiguous() && best_value.is_contiguous() &&
+                  best_index.is_contiguous(),
+              "row_max, best_value (float32) and best_index (int64) must hold one entry per row");
+  float* op = nullptr;
+  if (out.has_value() && out->defined()) {
+    TORCH_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() && out->dim() == 2 && out->size(0) == B &&
+                    out->size(1) == vocab,
+                "out must be float32 [rows, vocab], contiguous");
+    op = out->data_ptr<float>();
+  }
+  const LogitsPass ps = logits_pass(hidden, weight, part.scalar_type(), vocab);
+  if (part.scalar_type() == at::kBFloat16)
+    scan_rows(ps, part.data_ptr<at::BFloat16>(), B, W, start, row_max.data_ptr<float>(), best_value.data_ptr<float>(),
+              best_index.data_ptr<int64_t>(), op);
+  else
+    scan_rows(ps, part.data_ptr<float>(), B, W, start, row_max.data_ptr<float>(), best_value.data_ptr<float>(),
+              best_index.data_ptr<int64_t>(), op);
+}
+
+// After every part went into `out`: the entries near each row's maximum recomputed exactly (bf16 logits),
+// then the argmax (first index) and the log-sum-exp. Returns (argmax, lse).
+std::vector<torch::Tensor> logits_finish(torch::Tensor out, torch::Tensor hidden, torch::Tensor weight,
+                                         torch::Tensor row_max, bool bf16_logits) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2, "out must be float32 [rows, vocab]");
+  const int64_t B = out.size(0), V = out.size(1);
+  const LogitsPass ps = logits_pass(hidden, weight, bf16_logits ? at::kBFloat16 : at::kFloat, V);
+  auto amax = torch::empty({B}, out.options().dtype(at::kLong));
+  auto lse = torch::empty({B}, out.options());
+  float* o_all = out.data_ptr<float>();
+  const float* rm = row_max.contiguous().data_ptr<float>();
+  int64_t* ap = amax.data_ptr<int64_t>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* o = o_all + b * V;
+      float mx = rm[b];
+      if (ps.weight != nullptr) {
+        for_each_at_least(o, V, mx - LogitsPass::tolerance(mx), [&](int64_t v) { o[v] = ps.exact(b, v); });
+        mx = max_of(o, V);
+      }
+      int64_t best = 0;
+      while (best + 1 < V && !(o[best] == mx)) ++best;  // first index of the maximum, as torch.argmax
+      ap[b] = best;
+      lp[b] = mx + std::log(exp_sum(o, V, mx));
+    }
+  });
+  return {amax, lse};
+}
+
+// Returns (float32 logits, argmax, log-sum-exp) from the logits given as column parts (scan and finish in one
+// call); with with_logits=false only the argmax is computed and the other two are empty. `out`, if defined, is
+// a float32 buffer with room for [rows, vocab] that the logits are written to (a view of it is returned).
+std::vector<torch::Tensor> logits_postprocess(std::vector<torch::Tensor> parts, torch::Tensor hidden,
+                                              torch::Tensor weight, bool with_logits, c10::optional<torch::Tensor> out_buf) {
+  TORCH_CHECK(!parts.empty(), "logits_postprocess needs at least one part");
+  const at::ScalarType dt = parts[0].scalar_type();
+  const int64_t B = parts[0].size(0);
+  int64_t V = 0;
+  for (const auto& t : parts) {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == B && t.scalar_type() == dt, "logit parts must be [rows, width] of one dtype");
+    V += t.size(1);
+  }
+  auto opts = parts[0].options().dtype(at::kFloat);
+  torch::Tensor out;
+  if (!with_logits) {
+    out = torch::empty({0, V}, opts);
+  } else if (out_buf.has_value() && out_buf->defined()) {
+    TORCH_CHECK(out_buf->scalar_type() == at::kFloat && out_buf->is_contiguous() && out_buf->numel() >= B * V,
+                "out must be a contiguous float32 buffer of at least rows x vocab");
+    out = out_buf->flatten().narrow(0, 0, B * V).view({B, V});
+  } else {
+    out = torch::empty({B, V}, opts);
+  }
+  auto row_max = torch::full({B}, -std::numeric_limits<float>::infinity(), opts);
+  auto best_value = torch::full({B}, -std::numeric_limits<float>::infinity(), opts);
+  auto best_index = torch::full({B}, -1, opts.dtype(at::kLong));
+  int64_t start = 0;
+  for (const auto& t : parts) {
+    logits_scan(t, start, V, hidden, weight, row_max, best_value, best_index,
+                with_logits ? c10::optional<torch::Tensor>(out) : c10::nullopt);
+    start += t.size(1);
+  }
+  if (!with_logits) return {out, best_index.clamp_min(0), torch::empty({0}, opts)};
+  auto res = logits_finish(out, hidden, weight, row_max, dt == at::kBFloat16);
+  return {out, res[0], res[1]};
 }
 
 // silu(gate) * up for gu = [gate | up] rows (the gate_up projection's output), one pass, no temporaries.

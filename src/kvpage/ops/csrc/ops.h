@@ -17,8 +17,14 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 torch::Tensor rms_norm(torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gu);
-std::vector<torch::Tensor> logits_postprocess(torch::Tensor logits, torch::Tensor hidden, torch::Tensor weight,
-                                              bool with_logits);
+std::vector<torch::Tensor> logits_postprocess(std::vector<torch::Tensor> parts, torch::Tensor hidden,
+                                              torch::Tensor weight, bool with_logits,
+                                              c10::optional<torch::Tensor> out_buf);
+void logits_scan(torch::Tensor part, int64_t start, int64_t vocab, torch::Tensor hidden, torch::Tensor weight,
+                 torch::Tensor row_max, torch::Tensor best_value, torch::Tensor best_index,
+                 c10::optional<torch::Tensor> out);
+std::vector<torch::Tensor> logits_finish(torch::Tensor out, torch::Tensor hidden, torch::Tensor weight,
+                                         torch::Tensor row_max, bool bf16_logits);
 
 // Paged attention over the KV cache (attention/paged_attention.cpp; the step's plan: attention/plan.{h,cpp}).
 torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cache,
