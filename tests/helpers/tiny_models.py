@@ -37,14 +37,15 @@ def train_tokenizer(path: Path, vocab_size: int = 320) -> int:
 
 
 def make_hf_model(path: Path, arch: str, *, kv_heads: int = 2, tied: bool = False, rope: dict | None = None,
-                  seed: int = 0, window: int | None = None):
+                  seed: int = 0, window: int | None = None, heads: int = 4, head_dim: int = 16):
     """Save a random model of ``arch`` (llama | qwen2 | mistral) with its tokenizer; return the model.
     ``window``: Mistral's sliding window."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     path.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(path)
-    common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=2,
+    common = dict(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  num_hidden_layers=2,
                   intermediate_size=128, vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=tied,
                   initializer_range=0.2, bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-6)
     if arch == "llama":

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from kvpage.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL, CacheConfig, ModelRunConfig
 from kvpage.core.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from kvpage.distributed.config import DEFAULT_TIMEOUT_S, ParallelConfig
 from kvpage.dtypes import KV_CACHE_CHOICES, RUN_DTYPES
 from kvpage.envs import KernelConfig
 from kvpage.kv import ALLOCATORS, DEFAULT_BLOCK_SIZE
@@ -42,10 +43,27 @@ class EngineArgs:
     attention_backend: str = "auto"
     kv_policy: str = "paged"  # or "static": max-length reservations, the baseline paging is measured against
     kernels: KernelConfig | None = None  # the kernel paths (kvpage.envs); None = the environment's
+    # tensor parallelism (kvpage.distributed): ranks, and where they meet when they span hosts
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    tp_timeout: float = DEFAULT_TIMEOUT_S
 
     def model_config(self) -> ModelRunConfig:
         return ModelRunConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                               attention_backend=self.attention_backend, kernels=self.kernels)
+
+    def parallel_config(self) -> ParallelConfig | None:
+        """None on one rank; under torchrun its environment decides where this process stands."""
+        if self.tensor_parallel_size == 1 and self.nnodes == 1:
+            return None
+        launched = ParallelConfig.from_torchrun(self.tensor_parallel_size, timeout_s=self.tp_timeout)
+        if launched is not None:
+            return launched
+        return ParallelConfig(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr,
+                              self.master_port, self.tp_timeout)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """With the model's context length resolved (the worker knows it): without chunked prefill a step must
@@ -100,6 +118,17 @@ class EngineArgs:
                        help="static = reserve max_model_len per request (baseline for comparisons)")
         g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "reference"],
                        help="auto = compiled CPU kernels when they build, else the reference backend")
+        t = p.add_argument_group("tensor parallelism (torch.distributed, gloo on CPU)")
+        t.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="ranks that split the attention heads, KV heads and MLP (default 1); "
+                            "--kv-cache-memory is then per rank")
+        t.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts the ranks span (default 1)")
+        t.add_argument("--node-rank", type=int, default=d.node_rank,
+                       help="this host's index; node 0 runs the scheduler and the API, the others only follow")
+        t.add_argument("--master-addr", default=d.master_addr, help="node 0's address for the rendezvous")
+        t.add_argument("--master-port", type=int, help="the rendezvous port (default: a free one, one node only)")
+        t.add_argument("--tp-timeout", type=float, default=d.tp_timeout,
+                       help=f"seconds a rank may stay silent before its requests fail (default {d.tp_timeout:.0f})")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -24,6 +24,16 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks now (they also stop when this process exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

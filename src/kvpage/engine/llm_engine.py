@@ -32,7 +32,11 @@ class LLMEngine:
     def __init__(self, args: EngineArgs | None = None) -> None:
         self.args = args = args or EngineArgs()
         torch.manual_seed(args.seed)
-        self.worker = Worker(args.model_config(), args.cache_config())
+        parallel = args.parallel_config()
+        if parallel is not None and not parallel.leads:
+            raise ValueError(f"node_rank {args.node_rank} does not host rank 0: on that host run `kvpage serve` "
+                             "(or generate) with the same flags; it follows node 0")
+        self.worker = Worker(args.model_config(), args.cache_config(), parallel)
         self.tokenizer = self.worker.lm.tokenizer
         # What callers may read about the model (vocabulary, architecture) without reaching into the worker.
         self.model_config = self.worker.lm.config
@@ -156,6 +160,10 @@ class LLMEngine:
         if log is not None and not out.is_empty:
             log.append(step_log_entry(features[0], time.perf_counter() - t0))
         return results
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing on one rank); idempotent."""
+        self.worker.shutdown()
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

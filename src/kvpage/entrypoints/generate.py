@@ -64,10 +64,15 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.stream and (len(args.prompts) != 1 or args.n != 1 or args.json):
         raise ValueError("--stream prints a single completion: give one prompt, -n 1 and no --json")
+    from kvpage.distributed.follower import run_node
     from kvpage.engine.llm import LLM
 
+    engine_args = EngineArgs.from_cli_args(args)
+    parallel = engine_args.parallel_config()
+    if parallel is not None and not parallel.leads:  # another host's ranks: follow node 0 until it stops
+        return run_node(parallel, engine_args.model_config(), engine_args.cache_config())
     t0 = time.perf_counter()
-    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
+    llm = LLM(**dataclasses.asdict(engine_args))
     tk = llm.get_tokenizer()
     prompts = []
     for text in args.prompts:
@@ -91,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
         sys.stdout.write("\n")
         _report(engine, t0, t_ready, first)
+        llm.shutdown()
         return 0
     outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     if args.json:
@@ -102,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
                     print(f"--- prompt {i}, completion {c.index} (finish: {c.finish_reason}) ---")
                 print(c.text)
     _report(llm.engine, t0, t_ready, None)
+    llm.shutdown()
     return 0
 
 

@@ -87,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
     from kvpage.engine.llm_engine import LLMEngine
 
     engine_args = EngineArgs.from_cli_args(args)
+    parallel = engine_args.parallel_config()
+    if parallel is not None and not parallel.leads:  # another host's ranks: follow node 0 until it stops
+        from kvpage.distributed.follower import run_node
+
+        return run_node(parallel, engine_args.model_config(), engine_args.cache_config())
     config = ServerConfig(args.served_model_name or "", key, args.max_n,
                           InputLimits(args.max_body_bytes, args.http_timeout), openapi=not args.no_openapi)
     return serve_engine(lambda: LLMEngine(engine_args), config, args.host, args.port, max_queue=args.max_queue,
@@ -122,6 +127,7 @@ def serve_engine(engine, config, host: str, port: int, max_queue: int | None = N
         server.run()
     finally:
         client.shutdown()
+        engine.shutdown()  # the other tensor-parallel ranks, if any
     if server.exit_code:
         print(f"kvpage: exiting with {server.exit_code}: {client.error}", file=sys.stderr, flush=True)
     else:

@@ -19,6 +19,8 @@ from kvpage.model.quant import QuantWeight
 from kvpage.model.registry import DEFAULT_MODEL, resolve_model_path
 from kvpage.model.rope import rope_inv_freq
 from kvpage.model.tokenizer import KVTokenizer
+from kvpage.distributed.shard import head_shard
+from kvpage.distributed.weights import Take, shard_takes
 from kvpage.model.weights import check_architecture, iter_gguf_tensors, iter_safetensors
 from kvpage.ops import Kernels, kernels
 
@@ -76,16 +78,20 @@ _MAX_CACHED = 3
 
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                attention_backend: str = "auto", fast: bool | None = None,
-               kernel_config: KernelConfig | None = None) -> LoadedModel:
+               kernel_config: KernelConfig | None = None, tp: tuple[int, int] | None = None) -> LoadedModel:
     """Everything from local files; never the network. Engines in one process share a loaded model
     (weights are read-only; each engine owns its KV cache). ``fast``: the fast path (config.fast_path);
-    None = bfloat16 yes, float32 no. ``kernel_config``: the kernel paths (default: the environment's)."""
+    None = bfloat16 yes, float32 no. ``kernel_config``: the kernel paths (default: the environment's).
+    ``tp`` = (rank, size): that tensor-parallel rank's shard alone (kvpage.distributed), never shared, on the
+    plain path (its all-reduces go between the layer's modules)."""
     run_dtype = parse_dtype(dtype)
     kernel_config = kernel_config or envs.kernel_config()
     fast = run_dtype == torch.bfloat16 if fast is None else fast
     path = resolve_model_path(model)
     if path is None:
         raise ValueError(f"{model!r} is a preset (architecture numbers only, no weights): it can be planned, not run")
+    if tp is not None and tp[1] > 1:
+        return _load(model, path, run_dtype, attention_backend, False, kernel_config, tp)
     key = (str(path.resolve()), path.stat().st_mtime_ns, run_dtype, attention_backend, model.lower(), fast,
            kernel_config)
     if key not in _LOADED:
@@ -95,15 +101,26 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     return _LOADED[key]
 
 
+def _shard(cfg: ModelConfig, tp: tuple[int, int] | None) -> tuple[ModelConfig, dict[str, Take] | None]:
+    """The rank's model shape (its query slots, KV heads and MLP slice) and what it reads of each tensor."""
+    if tp is None or tp[1] == 1:
+        return cfg, None
+    shard = head_shard(tp[0], tp[1], cfg.num_attention_heads, cfg.num_kv_heads, cfg.intermediate_size)
+    local = cfg.with_overrides(num_attention_heads=shard.local_heads, num_kv_heads=shard.local_kv_heads,
+                               intermediate_size=cfg.intermediate_size // tp[1])
+    return local, shard_takes(cfg, shard)
+
+
 def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str, fast: bool,
-          kernel_config: KernelConfig) -> LoadedModel:
+          kernel_config: KernelConfig, tp: tuple[int, int] | None = None) -> LoadedModel:
     t0 = time.perf_counter()
     freq_factors = None
     quant: dict[str, QuantWeight] = {}
     if path.is_dir() and (path / "config.json").is_file():
         cfg = config_from_hf_dir(path)
         check_architecture(cfg)
-        tensors = iter_safetensors(path)
+        cfg, takes = _shard(cfg, tp)
+        tensors = iter_safetensors(path, takes)
         tokenizer = KVTokenizer.from_hf_dir(path)
     else:
         if path.is_dir():
@@ -121,7 +138,9 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
         tokenizer = KVTokenizer.from_gguf_fields(fields, source=str(path))
         if not cfg.vocab_size:
             cfg = cfg.with_overrides(vocab_size=len(fields["tokenizer.ggml.tokens"]))
-        tensors = iter_gguf_tensors(reader, path, cfg, quant if fast else None)
+        full = cfg
+        cfg, takes = _shard(cfg, tp)
+        tensors = iter_gguf_tensors(reader, path, full, quant if fast else None, takes)
     if not cfg.intermediate_size or not cfg.hidden_size or not cfg.vocab_size:
         raise ValueError(f"{path}: config lacks hidden_size, intermediate_size or vocab_size")
 

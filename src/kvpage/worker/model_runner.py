@@ -187,6 +187,14 @@ class ModelRunner:
         self.kv_cache.copy_blocks(ops.copies)
 
     @torch.inference_mode()
+    def forward_only(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None) -> None:
+        """A tensor-parallel follower's step: block operations and the forward pass into its KV shard; the
+        logits are rank 0's (every rank ends the pass with the same hidden states)."""
+        self.apply_block_ops(ops)
+        prepared = self.prepare(batch)
+        self.forward(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
+
+    @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None,
                 argmax_only: bool = False, logits_buffer: LogitsBuffer | None = None) -> StepLogits:
         """Run one step; float32 logits per sequence that asked: [vocab] for its last token, or

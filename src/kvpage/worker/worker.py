@@ -10,10 +10,15 @@ from kvpage.core.beam import Candidates
 from kvpage.core.engine_core import Sample, SampleTask, blocked_ids
 from kvpage.core.scheduler import SchedulerOutput
 from kvpage.core.sequence import Sequence
+from kvpage.distributed.config import ParallelConfig
+from kvpage.distributed.group import CommStats, make_row_parallel
+from kvpage.distributed.ranks import RankFailure, RankGroup, StepPlan
+from kvpage.distributed.shard import check_tensor_parallel
 from kvpage.envs import kernel_config
 from kvpage.kv import KVCacheManager, KVPoolConfig
 from kvpage.model.loader import load_model
 from kvpage.model.logits import LogitsBuffer
+from kvpage.model.registry import load_model_config
 from kvpage.units import format_bytes
 from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, kv_dtype_name, kv_torch_dtype, model_layout
 from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq, StepLogits
@@ -23,13 +28,44 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, model_config: ModelRunConfig | None = None, cache_config: CacheConfig | None = None) -> None:
+    """One rank's worker. With ``parallel`` (tensor parallelism, on rank 0's process) it starts the other
+    ranks and sends them each step's plan; ``tp`` = (rank, size) says which shard this worker holds."""
+
+    def __init__(self, model_config: ModelRunConfig | None = None, cache_config: CacheConfig | None = None,
+                 parallel: ParallelConfig | None = None, tp: tuple[int, int] | None = None) -> None:
         self.model_config = mc = model_config or ModelRunConfig()
         self.cache_config = cc = cache_config or CacheConfig()
+        self.ranks: RankGroup | None = None
+        if parallel is not None and parallel.tensor_parallel_size > 1:
+            shape = load_model_config(mc.model)  # a size the model cannot take is refused before any rank starts
+            check_tensor_parallel(shape.num_attention_heads, shape.num_kv_heads, shape.intermediate_size,
+                                  parallel.tensor_parallel_size, shape.name)
+            self.ranks = RankGroup(parallel, (mc, cc))
+            tp = (0, parallel.tensor_parallel_size)
+            try:
+                self._build(mc, cc, tp)
+            except BaseException as e:
+                try:  # tell the other ranks (they stop), then the caller, with rank 0's own error
+                    self.ranks.ready({"error": f"{type(e).__name__}: {e}"})
+                except Exception:
+                    pass
+                finally:
+                    self.ranks.fail()
+                raise e
+            self.ranks.ready({"blocks": self.num_blocks})
+        else:
+            self._build(mc, cc, tp)
+        logger.info("%s", self.describe())
+
+    def _build(self, mc: ModelRunConfig, cc: CacheConfig, tp: tuple[int, int] | None) -> None:
         # The kernel configuration, resolved once here and handed down to the model, backend and kernels.
         self.kernel_config = mc.kernels or kernel_config()
+        self.tp = tp if tp is not None and tp[1] > 1 else None
         self.lm = load_model(mc.model, resolve_dtype(mc.dtype), mc.attention_backend, fast=fast_path(mc.dtype),
-                             kernel_config=self.kernel_config)
+                             kernel_config=self.kernel_config, tp=self.tp)
+        self.comm = CommStats()  # the all-reduces' count, bytes and time (tensor parallelism)
+        if self.tp is not None:
+            make_row_parallel(self.lm.model, self.comm)
         cfg = self.lm.config
         limit = cfg.max_position_embeddings or mc.max_model_len
         if not limit:
@@ -60,7 +96,6 @@ class Worker:
         self._blocked: dict[str, tuple[int, ...]] = {}  # the current step's blocked ids per sampling sequence
         # the steps' float32 logits, in one buffer kept from step to step (sampled before the next step runs)
         self._logits_buffer = LogitsBuffer()
-        logger.info("%s", self.describe())
 
     def describe(self) -> str:
         cc = self.cache_config
@@ -69,13 +104,16 @@ class Worker:
             else ""
         advised = self.kv_cache.huge_page_bytes
         huge = f"; 2 MiB pages advised for {format_bytes(advised)}" if advised else ""
+        cfg = self.lm.config
+        tp = (f"; tensor-parallel rank {self.tp[0]} of {self.tp[1]}: {cfg.num_attention_heads} query / "
+              f"{cfg.num_kv_heads} KV heads and the KV budget per rank") if self.tp else ""
         return (
             f"KV cache: {self.num_blocks} blocks x {cc.block_size} tokens = {self.num_blocks * cc.block_size} tokens "
             f"in "
             f"{format_bytes(self.num_blocks * self.bytes_per_block)} ({kv_dtype_name(self.kv_dtype)}, "
             f"{format_bytes(self.bytes_per_block)}/block){groups}; max concurrency at max_model_len "
             f"{self.max_model_len}: {self.num_blocks / per_seq:.2f}x; swap space: {self.num_swap_blocks} blocks"
-            f"{huge}"
+            f"{huge}{tp}"
         )
 
     def make_kv_manager(self, policy: str = "paged") -> KVCacheManager:
@@ -93,6 +131,8 @@ class Worker:
         every one of them is plain greedy without logprobs, only each row's argmax is computed."""
         ops = BlockOps(out.swap_out, out.swap_in, out.copies)
         if not out.work:
+            if self.ranks is not None:
+                self.ranks.send(StepPlan("ops", ops=ops))
             self.runner.apply_block_ops(ops)
             return None
         if self.layout.hybrid:
@@ -111,7 +151,29 @@ class Worker:
         argmax_only = all(w.seq.request.beam is None and argmax_suffices(w.seq.request.params,
                                                                          self._blocked[w.seq.seq_id])
                           for w in out.work if w.completes_prompt)
-        return self.runner.execute(batch, ops, argmax_only, self._logits_buffer)
+        if self.ranks is None:
+            return self.runner.execute(batch, ops, argmax_only, self._logits_buffer)
+        self.ranks.send(StepPlan("step", batch, ops))
+        try:
+            return self.runner.execute(batch, ops, argmax_only, self._logits_buffer)
+        except Exception as e:
+            if self.ranks.alive and not isinstance(e, RankFailure):
+                raise self.ranks.guard(e) from e
+            raise
+
+    def follow(self, plan: StepPlan) -> None:
+        """A tensor-parallel follower runs rank 0's plan on its own shard and KV tensors."""
+        if plan.kind == "step":
+            self.runner.forward_only(plan.batch, plan.ops)
+        elif plan.kind == "ops":
+            self.runner.apply_block_ops(plan.ops)
+        else:
+            raise ValueError(f"unknown step plan {plan.kind!r}")
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank); idempotent."""
+        if self.ranks is not None:
+            self.ranks.shutdown()
 
     def sample(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[list[Sample] | BaseException]:
         """One batched draw for the whole step; a request whose settings fail gets its exception alone."""

