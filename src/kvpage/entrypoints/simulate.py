@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpage.capacity import KVShape, canonical_dtype, dtype_bytes
+from kvpage.distributed.shard import check_tensor_parallel
 from kvpage.kv import ALLOCATORS
 from kvpage.kv.specs import group_layers
 from kvpage.kv.static import RESERVE_POLICIES
@@ -21,6 +22,7 @@ from kvpage.model.registry import DEFAULT_MODEL, load_model_config
 from kvpage.sim.cost import MACHINE_PROFILES, CostModel, ModelSpec, RooflineCost, load_calibration, load_machine
 from kvpage.sim.report import render_run, render_sweep
 from kvpage.sim.simulator import SimConfig, Simulator
+from kvpage.sim.tp_cost import LINKS, rank_spec, tensor_parallel_cost
 from kvpage.sim.workloads import WORKLOADS, SimRequest, WorkloadSpec, generate, load_trace, write_trace
 from kvpage.units import format_bytes, parse_size
 
@@ -29,6 +31,7 @@ SWEEPABLE = (
     "enable_prefix_caching", "watermark", "preemption", "swap_space", "max_num_seqs", "max_num_batched_tokens",
     "num_requests", "rate", "prefix_len", "num_prefixes", "n", "beam_width", "beam_prune", "sigma",
     "prompt_median", "output_median", "seed", "kv_cache_dtype", "scheduling_policy", "enable_chunked_prefill",
+    "tensor_parallel_size",
 )
 _D = SimConfig()  # the flags' defaults are the configuration's
 
@@ -106,6 +109,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--mem-bandwidth", type=float, help="KV read bandwidth in GB/s (default: the machine profile's)")
     c.add_argument("--step-overhead-ms", type=float)
     c.add_argument("--seq-overhead-ms", type=float)
+    c.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks sharing heads and MLP (kvpage/distributed): each rank's share of the work plus two "
+                        "all-reduces per layer; --kv-memory is then per rank, as for `kvpage plan -tp`")
+    c.add_argument("--link", default="loopback", choices=sorted(LINKS),
+                   help="the links between ranks (default loopback: processes on one host)")
+    c.add_argument("--link-gb-s", type=float, help="all-reduce bandwidth per link in GB/s (default: the link's)")
+    c.add_argument("--link-latency-us", type=float, help="all-reduce latency per hop in microseconds")
 
     o = p.add_argument_group("output")
     o.add_argument("--sweep", action="append", default=[], metavar="PARAM=V1,V2,...",
@@ -155,13 +165,25 @@ def build_cost(args: argparse.Namespace, model: ModelSpec) -> CostModel:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {v}")
             overrides[field] = v * scale
     base = load_machine(args.machine, model.dtype_bytes, overrides.get("gemm_flops"))
-    return RooflineCost(model, dataclasses.replace(base, **overrides), args.block_size)
+    machine = dataclasses.replace(base, **overrides)
+    if args.tensor_parallel_size == 1:
+        return RooflineCost(model, machine, args.block_size)
+    link = LINKS[args.link]
+    for flag, value in (("link_gb_s", args.link_gb_s), ("link_latency_us", args.link_latency_us)):
+        if value is not None and not value > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    link = dataclasses.replace(link, bandwidth=(args.link_gb_s or link.bandwidth / 1e9) * 1e9,
+                               latency=(args.link_latency_us or link.latency * 1e6) * 1e-6)
+    return tensor_parallel_cost(model, machine, args.block_size, args.tensor_parallel_size, link)
 
 
 def build_config(args: argparse.Namespace, model: ModelSpec) -> SimConfig:
     if args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     cfg = _model_config(args.model)
+    check_tensor_parallel(cfg.num_attention_heads, cfg.num_kv_heads, cfg.intermediate_size,
+                          args.tensor_parallel_size, cfg.name)
+    model = rank_spec(model, args.tensor_parallel_size)  # the pool is per rank, as the engine's
     layout = None
     if cfg.layer_types is not None:  # the engine's KV groups: a pool block spans one group's layers
         layout = group_layers([cfg.layer_window(i) for i in range(cfg.num_layers)])
@@ -200,11 +222,13 @@ def simulate(args: argparse.Namespace) -> tuple[dict[str, Any], Setup]:
     setup = build(args)
     model, config, cost = setup.model, setup.config, setup.cost
     result = Simulator(config, setup.requests, cost).run()
+    rank = rank_spec(model, args.tensor_parallel_size)  # KV figures are per rank, as the engine's pools
     report = {
         "workload": args.trace or args.workload,
         "model": model.name,
-        "kv_bytes_per_token": model.kv_bytes_per_token,
-        "kv_memory_bytes": config.num_blocks * args.block_size * model.kv_bytes_per_token // model.num_layers
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "kv_bytes_per_token": rank.kv_bytes_per_token,
+        "kv_memory_bytes": config.num_blocks * args.block_size * rank.kv_bytes_per_token // model.num_layers
         * (config.layout.layers_per_group if config.layout is not None else model.num_layers),
         "config": config.flat(),
         "cost_model": cost.describe(),
@@ -278,10 +302,13 @@ def _header(report: dict[str, Any], args: argparse.Namespace) -> str:
     arrivals = f"Poisson {args.rate:g}/s" if math.isfinite(args.rate) and not args.trace else "trace times" \
         if args.trace else "all at t=0"
     alloc = s["allocator"]
+    tp = report.get("tensor_parallel_size", 1)
+    per_rank = f" per rank ({tp} ranks)" if tp > 1 else ""
     return (
         f"workload   {report['workload']}: {s['requests']} requests, arrivals {arrivals}\n"
-        f"model      {report['model']}, {report['kv_bytes_per_token']} B of KV per token\n"
-        f"pool       {c['num_blocks']} blocks x {c['block_size']} tokens = {format_bytes(report['kv_memory_bytes'])}; "
+        f"model      {report['model']}, {report['kv_bytes_per_token']} B of KV per token{per_rank}\n"
+        f"pool       {c['num_blocks']} blocks x {c['block_size']} tokens = {format_bytes(report['kv_memory_bytes'])}"
+        f"{per_rank}; "
         f"max_model_len {c['max_model_len']}; allocator {alloc}; prefix caching "
         f"{'on' if c['enable_prefix_caching'] and c['allocator'] == 'paged' else 'off'}; watermark {c['watermark']:g}; "
         f"preemption {c['preemption_mode']}; max_num_seqs {c['max_num_seqs']}, "

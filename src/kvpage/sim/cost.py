@@ -80,6 +80,10 @@ MACHINE_PROFILES: dict[str, dict[str, Any]] = {
     # as the CPU has no bf16 instructions and the engine runs float32 there. Out of sample: +4.6% makespan.
     "zen3-avx2": {"gemm_tflops": {"float32": 0.18}, "kv_read_gb_s": 20.7, "read_gb_s": 30.2,
                   "step_overhead_ms": 10.8, "seq_overhead_ms": 0.48},
+    # One A100 SXM 80 GB GPU, modeled from its datasheet (not measured: no GPU here): 312 TFLOP/s dense bf16
+    # taken at ~65%, 2.0 TB/s HBM at ~80%; a GPU engine's step and per-sequence overheads of ~1 ms / 10 us.
+    "a100-sxm": {"gemm_tflops": {"bfloat16": 200.0, "float32": 19.5}, "kv_read_gb_s": 1600.0, "read_gb_s": 1600.0,
+                 "step_overhead_ms": 1.0, "seq_overhead_ms": 0.01},
 }
 
 
