@@ -21,7 +21,6 @@ import statistics
 import time
 
 from _common import cpu_model
-
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
 

@@ -52,6 +52,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("KVPAGE_PAGED_PROMPTS", bool, True, "without the AMX prompt kernel, whole fresh prompts over bf16 caches "
            "go to the paged kernel on AVX512_BF16 CPUs (1.7-3.2x torch's SDPA on a Zen 5 EPYC); 0 keeps SDPA",
            "paged_prompts"),
+    EnvVar("KVPAGE_TP_VOCAB_HEAD", bool, True, "under tensor parallelism each rank multiplies its slice of the lm "
+           "head's vocabulary and rank 0 gathers the logits; 0 keeps the whole head on rank 0 (the others skip it)",
+           "tp_vocab_head"),
     EnvVar("KVPAGE_API_KEY", str, None, "the key `kvpage serve` requires (as --api-key; read by the serve command)"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
@@ -101,6 +104,7 @@ class KernelConfig:
     amx_prefill: bool = True
     prefill_cached: bool = True
     paged_prompts: bool = True
+    tp_vocab_head: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -45,7 +45,7 @@ def _greedy(model: str, tp: int, max_tokens: int = 12, n: int = 1, **kw) -> list
 
 
 def _no_rank_processes() -> bool:
-    out = subprocess.run(["pgrep", "-f", "kvpage.distributed.follower"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", "kvpage.worker.follower"], capture_output=True, text=True)
     return out.stdout.strip() == ""
 
 

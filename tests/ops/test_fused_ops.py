@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,7 +98,7 @@ def test_logits_postprocess_bf16_recomputes_near_max_entries_exactly():
     assert torch.equal(full, only)
     # the logits as uneven column parts (the lm head's vocabulary slices), into a buffer kept across steps
     cuts = [0, 1000, 1016, 4000, vocab]
-    parts = [raw[:, a:b].contiguous() for a, b in zip(cuts, cuts[1:])]
+    parts = [raw[:, a:b].contiguous() for a, b in itertools.pairwise(cuts)]
     buf = torch.full((9 * vocab + 5,), float("nan"))
     p_out, p_amax, p_lse = ops.logits_postprocess(parts, h, weight, True, buf)
     assert p_out.data_ptr() == buf.data_ptr() and p_out.shape == (8, vocab)

@@ -10,7 +10,7 @@ import pytest
 from kvpage.core.step import StepFeatures
 from kvpage.entrypoints.cli import main
 from kvpage.sim.cost import ModelSpec, RooflineCost, load_machine
-from kvpage.sim.tp_cost import LINKS, LinkSpec, allreduce_seconds, rank_spec, tensor_parallel_cost
+from kvpage.sim.tp_cost import LINKS, LinkSpec, allreduce_seconds, gather_seconds, rank_spec, tensor_parallel_cost
 
 LLAMA8B = ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, 2.0, 131072)
 
@@ -18,7 +18,7 @@ LLAMA8B = ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, 2.0, 1310
 def test_rank_spec_shares_heads_mlp_and_kv():
     r = rank_spec(LLAMA8B, 4)
     assert (r.num_attention_heads, r.num_kv_heads, r.intermediate_size) == (8, 2, 3584)
-    assert r.kv_bytes_per_token == 131072 // 4 and r.head_params == LLAMA8B.head_params  # the lm head stays whole
+    assert r.kv_bytes_per_token == 131072 // 4 and r.head_params == LLAMA8B.head_params // 4  # vocabulary slice
     rep = rank_spec(ModelSpec("x", 2, 64, 6, 3, 16, 128, 100, 4.0, 384), 2)  # 3 KV heads over 2: replicated
     assert rep.num_kv_heads == 3 and rep.kv_bytes_per_token == 384
 
@@ -35,8 +35,9 @@ def test_step_is_the_rank_share_plus_two_allreduces_per_layer():
     one = RooflineCost(LLAMA8B, machine).parts(f)
     tp = tensor_parallel_cost(LLAMA8B, machine, 16, 4, LINKS["nvlink3"]).parts(f)
     assert tp["linear"] < one["linear"] and tp["attention"] == pytest.approx(one["attention"] / 4)
-    assert tp["lm_head"] == one["lm_head"]
+    assert tp["lm_head"] == pytest.approx(one["lm_head"] / 4)
     assert tp["allreduce"] == pytest.approx(2 * 32 * allreduce_seconds(64 * 4096 * 2, 4, LINKS["nvlink3"]))
+    assert tp["gather"] == pytest.approx(gather_seconds(64 * 128256 * 2, 4, LINKS["nvlink3"]))
 
 
 def test_cli_pool_per_rank_equals_the_planners(capsys):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from kvpage.distributed.config import ParallelConfig
@@ -44,10 +46,8 @@ def init_group(config: ParallelConfig, rank: int, store: dist.Store) -> None:
 
 def leave_group() -> None:
     if dist.is_initialized():
-        try:
+        with contextlib.suppress(Exception):  # a group whose peers are gone cannot say goodbye
             dist.destroy_process_group()
-        except Exception:  # a group whose peers are gone cannot say goodbye
-            pass
 
 
 class AllReduceLinear(nn.Module):
@@ -77,3 +77,32 @@ def make_row_parallel(model: nn.Module, stats: CommStats) -> int:
         layer.mlp.down_proj = AllReduceLinear(layer.mlp.down_proj, stats)
         n += 2
     return n
+
+
+class VocabParallelHead:
+    """The lm head split by vocabulary: each rank multiplies its slice of the rows, rank 0 gathers the slices
+    into the whole [rows, vocab] logits (the other ranks get None). Called as ``F.linear(x, weight)`` is."""
+
+    def __init__(self, weight: torch.Tensor, rank: int, size: int, stats: CommStats) -> None:
+        vocab = weight.shape[0]
+        per = -(-vocab // size)
+        self.widths = [max(0, min(vocab, (r + 1) * per) - min(vocab, r * per)) for r in range(size)]
+        start = min(vocab, rank * per)
+        self.slice = weight[start : start + self.widths[rank]]
+        self.rank, self.stats = rank, stats
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor | None:
+        part = F.linear(x, self.slice)
+        t = time.perf_counter()
+        if self.rank == 0:
+            parts = [part] + [torch.empty(x.shape[0], w, dtype=part.dtype) for w in self.widths[1:]]
+            dist.gather(part, parts, dst=0)
+            out = torch.cat(parts, dim=1)
+        else:
+            dist.gather(part, None, dst=0)
+            out = None
+        st = self.stats
+        st.seconds += time.perf_counter() - t
+        st.calls += 1
+        st.bytes += x.shape[0] * sum(self.widths[1:]) * part.element_size()
+        return out

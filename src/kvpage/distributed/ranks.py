@@ -9,6 +9,7 @@ copies and swaps before it) is what every rank executes, so block tables agree b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -47,10 +48,8 @@ def threads_per_rank(config: ParallelConfig) -> int:
 
 def die_with_parent() -> None:
     """Linux: this process gets SIGKILL when the process that started it exits (no orphans)."""
-    try:
+    with contextlib.suppress(Exception):  # not Linux: the broken group still ends the rank
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 def exchange_ready(rank: int, size: int, status: dict) -> list[dict]:
@@ -67,9 +66,9 @@ def exchange_ready(rank: int, size: int, status: dict) -> list[dict]:
 
 
 def start_rank(rank: int, config: ParallelConfig, follower_args: tuple) -> subprocess.Popen:
-    """A follower rank as a fresh Python process (``python -m kvpage.distributed.follower``; its settings
+    """A follower rank as a fresh Python process (``python -m kvpage.worker.follower``; its settings
     pickled on stdin): no re-import of the caller's main module, as multiprocessing's spawn would do."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvpage.distributed.follower"], stdin=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "kvpage.worker.follower"], stdin=subprocess.PIPE)
     assert proc.stdin is not None
     proc.stdin.write(pickle.dumps((rank, config, *follower_args)))
     proc.stdin.close()
@@ -145,14 +144,10 @@ class RankGroup:
         """Stop every rank; idempotent."""
         if self.alive:
             self.alive = False
-            try:
+            with contextlib.suppress(Exception):  # a broken group: the ranks are killed below
                 dist.broadcast_object_list([StepPlan("stop")], src=0)
-            except Exception:
-                pass
             for p in self.procs.values():
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
             leave_group()
         self._kill()

@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.stream and (len(args.prompts) != 1 or args.n != 1 or args.json):
         raise ValueError("--stream prints a single completion: give one prompt, -n 1 and no --json")
-    from kvpage.distributed.follower import run_node
     from kvpage.engine.llm import LLM
+    from kvpage.worker.follower import run_node
 
     engine_args = EngineArgs.from_cli_args(args)
     parallel = engine_args.parallel_config()

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     parallel = engine_args.parallel_config()
     if parallel is not None and not parallel.leads:  # another host's ranks: follow node 0 until it stops
-        from kvpage.distributed.follower import run_node
+        from kvpage.worker.follower import run_node
 
         return run_node(parallel, engine_args.model_config(), engine_args.cache_config())
     config = ServerConfig(args.served_model_name or "", key, args.max_n,

@@ -13,6 +13,7 @@ Parameter names follow Hugging Face's; GGUF norms store 1 + w and are shifted ba
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,6 +109,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.rotary_local = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta, None))
         self.sliding = [cfg.layer_type(i) == SLIDING for i in range(cfg.num_layers)]
         self.ops: Kernels | None = None
+        self.lm_product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear  # as llama.py's
         self.fast = None  # the fast path, where the loader enabled it (model/gemma3_fast.py)
 
     @property
@@ -144,7 +146,7 @@ class Gemma3ForCausalLM(nn.Module):
         """float32 logits, argmax and log-sum-exp from the tied embeddings (exact near the maximum with bf16
         weights, as model/llama.py)."""
         weight = self.embed_tokens.weight
-        raw = F.linear(hidden.to(weight.dtype), weight)
+        raw = self.lm_product(hidden.to(weight.dtype), weight)
         if raw.shape[0] == 0:
             return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         ops = self.ops

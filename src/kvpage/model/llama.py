@@ -7,6 +7,7 @@ as they are and GGUF tensors are renamed to them. The arithmetic follows transfo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,6 +98,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors))
         self.ops: Kernels | None = None  # the compiled kernels, where they build (set by the loader)
         self.fast: FastPath | None = None  # the fast path, where the loader enabled it (model/fast_path.py)
+        # the lm head's product (x, weight) -> raw logits; tensor parallelism's vocabulary-parallel one computes
+        # a rank's slice and gathers the slices on rank 0 (distributed/group.py)
+        self.lm_product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
 
     @property
     def fast_ops(self) -> Kernels | None:
@@ -132,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         ops = self.ops
-        raw = F.linear(hidden.to(weight.dtype), weight)
+        raw = self.lm_product(hidden.to(weight.dtype), weight)
         if raw.shape[0] == 0:
             return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         if ops is not None:

@@ -11,6 +11,7 @@ import torch
 
 from kvpage import dtypes, envs
 from kvpage.attention.backends import get_attention_backend
+from kvpage.distributed.shard import head_shard
 from kvpage.envs import KernelConfig
 from kvpage.model.config import ModelConfig, config_from_gguf, config_from_hf_dir, gguf_fields, open_gguf
 from kvpage.model.gemma3 import Gemma3ForCausalLM
@@ -19,8 +20,7 @@ from kvpage.model.quant import QuantWeight
 from kvpage.model.registry import DEFAULT_MODEL, resolve_model_path
 from kvpage.model.rope import rope_inv_freq
 from kvpage.model.tokenizer import KVTokenizer
-from kvpage.distributed.shard import head_shard
-from kvpage.distributed.weights import Take, shard_takes
+from kvpage.model.tp_weights import Take, shard_takes
 from kvpage.model.weights import check_architecture, iter_gguf_tensors, iter_safetensors
 from kvpage.ops import Kernels, kernels
 

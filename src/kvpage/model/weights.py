@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from kvpage.distributed.weights import Take, take_for, take_gguf, take_tensor
 from kvpage.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvpage.model.tp_weights import Take, take_for, take_gguf, take_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def iter_gguf_tensors(reader: Any, path: Path, cfg: ModelConfig, quant: dict[str
 
     With ``quant``, matrices stored as Q4_0 / Q4_1 / Q8_0 are also kept there as repacked blocks
     (``kvpage.model.quant.QuantWeight``) under the same parameter name. With ``takes`` (a tensor-parallel
-    rank's shard, kvpage.distributed.weights) only the rank's rows and columns are read and decoded.
+    rank's shard, kvpage.model.tp_weights) only the rank's rows and columns are read and decoded.
     """
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
@@ -123,7 +123,7 @@ def iter_safetensors(path: Path, takes: dict[str, Take] | None = None) -> Iterat
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 name = key[len("model."):] if key.startswith("model.") else key
                 if "rotary_emb.inv_freq" in name:
                     continue

@@ -1,15 +1,18 @@
-"""Step time under tensor parallelism: one rank's share of the work plus the all-reduces between ranks.
+"""Step time under tensor parallelism: one rank's share of the work plus the communication between ranks.
 
-Each rank multiplies its slice of every projection (query heads, KV heads or their replicas, MLP columns),
-reads its KV shard, and, as kvpage does, rank 0 alone applies the whole lm head to the final hidden state
-(every rank holds it after the last all-reduce). Two all-reduces per layer (after the attention output and
-after the MLP's down projection) sum [tokens, hidden] activations; a ring all-reduce over N ranks moves
-2 (N - 1) / N of the buffer through each link and takes 2 (N - 1) hops:
+Each rank multiplies its slice of every projection (query heads, KV heads or their replicas, MLP columns)
+and of the lm head's vocabulary, and reads its KV shard, as kvpage's ranks do. Two all-reduces per layer
+(after the attention output and after the MLP's down projection) sum [tokens, hidden] activations; a ring
+all-reduce over N ranks moves 2 (N - 1) / N of the buffer through each link and takes 2 (N - 1) hops:
 
     t_allreduce(bytes) = 2 (N - 1) * latency + 2 (N - 1) / N * bytes / bandwidth
 
+and rank 0 gathers the other ranks' logits slices once per step, (N - 1) / N of [rows, vocab]:
+
+    t_gather(bytes) = (N - 1) * latency + (N - 1) / N * bytes / bandwidth
+
 The step is the per-rank roofline (kvpage.sim.cost) of the sharded model plus that communication, with no
-overlap between the two (kvpage's ranks wait at each all-reduce).
+overlap between the two (kvpage's ranks wait at each collective).
 """
 
 from __future__ import annotations
@@ -41,17 +44,24 @@ LINKS: dict[str, LinkSpec] = {
 
 def rank_spec(model: ModelSpec, size: int) -> ModelSpec:
     """One rank's share of the model: its query heads, its KV heads (all of them where they do not divide),
-    its MLP columns; the lm head stays whole (rank 0's)."""
+    its MLP columns, its slice of the vocabulary."""
     kv, _ = kv_heads_per_rank(model.num_kv_heads, size)
     kv_bytes = model.kv_bytes_per_token * kv // model.num_kv_heads
     return replace(model, num_attention_heads=model.num_attention_heads // size, num_kv_heads=kv,
-                   intermediate_size=model.intermediate_size // size, kv_bytes_per_token=kv_bytes)
+                   intermediate_size=model.intermediate_size // size, kv_bytes_per_token=kv_bytes,
+                   vocab_size=-(-model.vocab_size // size))
 
 
 def allreduce_seconds(nbytes: float, size: int, link: LinkSpec) -> float:
     if size == 1:
         return 0.0
     return 2 * (size - 1) * link.latency + 2 * (size - 1) / size * nbytes / link.bandwidth
+
+
+def gather_seconds(nbytes: float, size: int, link: LinkSpec) -> float:
+    if size == 1:
+        return 0.0
+    return (size - 1) * link.latency + (size - 1) / size * nbytes / link.bandwidth
 
 
 @dataclass(frozen=True)
@@ -62,10 +72,14 @@ class TensorParallelCost:
     hidden_size: int
     activation_bytes: float
 
+    vocab_size: int = 0
+
     def parts(self, f: StepFeatures) -> dict[str, float]:
         parts = self.rank.parts(f)
         per_call = f.num_tokens * self.hidden_size * self.activation_bytes
         parts["allreduce"] = 2 * self.rank.model.num_layers * allreduce_seconds(per_call, self.size, self.link)
+        parts["gather"] = gather_seconds(f.logit_rows * self.vocab_size * self.activation_bytes, self.size,
+                                         self.link) if f.logit_rows else 0.0
         return parts
 
     def step_seconds(self, f: StepFeatures) -> float:
@@ -78,4 +92,4 @@ class TensorParallelCost:
 
 def tensor_parallel_cost(model: ModelSpec, machine, block_size: int, size: int, link: LinkSpec) -> TensorParallelCost:
     return TensorParallelCost(RooflineCost(rank_spec(model, size), machine, block_size), size, link,
-                              model.hidden_size, model.dtype_bytes)
+                              model.hidden_size, model.dtype_bytes, model.vocab_size)

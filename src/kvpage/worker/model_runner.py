@@ -187,12 +187,13 @@ class ModelRunner:
         self.kv_cache.copy_blocks(ops.copies)
 
     @torch.inference_mode()
-    def forward_only(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None) -> None:
-        """A tensor-parallel follower's step: block operations and the forward pass into its KV shard; the
-        logits are rank 0's (every rank ends the pass with the same hidden states)."""
+    def forward_only(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None) -> torch.Tensor:
+        """A tensor-parallel follower's step: block operations and the forward pass into its KV shard. Returns
+        the hidden states of the rows rank 0 computes logits for (every rank ends the pass with the same)."""
         self.apply_block_ops(ops)
         prepared = self.prepare(batch)
-        self.forward(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
+        hidden = self.forward(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
+        return hidden[prepared.logits_rows]
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None,

@@ -11,7 +11,7 @@ from kvpage.core.engine_core import Sample, SampleTask, blocked_ids
 from kvpage.core.scheduler import SchedulerOutput
 from kvpage.core.sequence import Sequence
 from kvpage.distributed.config import ParallelConfig
-from kvpage.distributed.group import CommStats, make_row_parallel
+from kvpage.distributed.group import CommStats, VocabParallelHead, make_row_parallel
 from kvpage.distributed.ranks import RankFailure, RankGroup, StepPlan
 from kvpage.distributed.shard import check_tensor_parallel
 from kvpage.envs import kernel_config
@@ -63,9 +63,15 @@ class Worker:
         self.tp = tp if tp is not None and tp[1] > 1 else None
         self.lm = load_model(mc.model, resolve_dtype(mc.dtype), mc.attention_backend, fast=fast_path(mc.dtype),
                              kernel_config=self.kernel_config, tp=self.tp)
-        self.comm = CommStats()  # the all-reduces' count, bytes and time (tensor parallelism)
+        self.comm = CommStats()  # the all-reduces' and the logits gather's count, bytes and time (tensor parallelism)
+        self.vocab_head: VocabParallelHead | None = None
         if self.tp is not None:
             make_row_parallel(self.lm.model, self.comm)
+            if self.kernel_config.tp_vocab_head:
+                model = self.lm.model
+                weight = model.embed_tokens.weight if getattr(model, "lm_head", None) is None else model.lm_head.weight
+                self.vocab_head = VocabParallelHead(weight, self.tp[0], self.tp[1], self.comm)
+                model.lm_product = self.vocab_head
         cfg = self.lm.config
         limit = cfg.max_position_embeddings or mc.max_model_len
         if not limit:
@@ -164,7 +170,9 @@ class Worker:
     def follow(self, plan: StepPlan) -> None:
         """A tensor-parallel follower runs rank 0's plan on its own shard and KV tensors."""
         if plan.kind == "step":
-            self.runner.forward_only(plan.batch, plan.ops)
+            rows = self.runner.forward_only(plan.batch, plan.ops)
+            if self.vocab_head is not None:  # this rank's slice of the logits, to rank 0
+                self.vocab_head(rows.to(self.lm.dtype))
         elif plan.kind == "ops":
             self.runner.apply_block_ops(plan.ops)
         else:

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from kvpage.config import CacheConfig, ModelRunConfig
 from kvpage.distributed.config import ParallelConfig
 from kvpage.distributed.group import init_group, leave_group, open_store
-from kvpage.distributed.ranks import StepPlan, die_with_parent, exchange_ready, threads_per_rank
+from kvpage.distributed.ranks import StepPlan, die_with_parent, exchange_ready, start_rank, threads_per_rank
+from kvpage.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ def follower_main(rank: int, config: ParallelConfig, model_config: ModelRunConfi
     store = open_store(config, rank)
     store.add("joined", 1)
     init_group(config, rank, store)
-    from kvpage.worker.worker import Worker
 
     try:
         worker = Worker(model_config, cache_config, tp=(rank, config.tensor_parallel_size))
@@ -55,8 +55,6 @@ def follower_main(rank: int, config: ParallelConfig, model_config: ModelRunConfi
 
 def run_node(config: ParallelConfig, model_config: ModelRunConfig, cache_config: CacheConfig) -> int:
     """A node (or a torchrun process) without rank 0: its ranks follow until rank 0 stops them."""
-    from kvpage.distributed.ranks import start_rank
-
     ranks = config.local_ranks
     procs = [start_rank(r, config, (model_config, cache_config)) for r in ranks[1:]]
     code = follower_main(ranks[0], config, model_config, cache_config, spawned=False)
