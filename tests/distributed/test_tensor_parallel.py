@@ -152,3 +152,21 @@ def test_gemma3_tp2_matches_tp1():
     kw = dict(max_model_len=256, kv_cache_memory="128MiB")
     assert _greedy("gemma-3-270m", 2, max_tokens=12, **kw) == _greedy("gemma-3-270m", 1, max_tokens=12, **kw)
     assert _no_rank_processes()
+
+
+def test_server_with_two_ranks_serves_and_stops_them(tiny_models):
+    """`kvpage serve -tp 2`: completions as one rank's, and SIGTERM stops every rank."""
+    from tests.helpers.server_util import KEY, request, server_proc, serve_cmd
+
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with server_proc(serve_cmd, "--model", tiny_models["kv2"], "--dtype", "float32", "-tp", "2",
+                     "--api-key", KEY) as (port, proc):
+        status, out = request(port, "POST", "/v1/completions", body)
+        assert status == 200, out
+        proc.terminate()
+        assert proc.wait(30) == 0
+    assert _no_rank_processes()
+    with LLM(tiny_models["kv2"], dtype="float32", kv_cache_memory="64MiB", max_model_len=256) as llm:
+        one = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].text
+    assert out["choices"][0]["text"] == one
