@@ -160,7 +160,7 @@ def test_server_with_two_ranks_serves_and_stops_them(tiny_models):
 
     body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with server_proc(serve_cmd, "--model", tiny_models["kv2"], "--dtype", "float32", "-tp", "2",
-                     "--api-key", KEY) as (port, proc):
+                     "--max-model-len", "256", "--api-key", KEY) as (port, proc):
         status, out = request(port, "POST", "/v1/completions", body)
         assert status == 200, out
         proc.terminate()
