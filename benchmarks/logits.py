@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
-from _common import cpu_model
 
+from _common import cpu_model
 from kvpage.envs import KernelConfig
 from kvpage.model.fast_path import LOGITS_SPLIT_ROWS, packed_logits
 from kvpage.model.layers.linear import PackedLinear
@@ -50,10 +51,10 @@ def main() -> None:
         buffer = LogitsBuffer()
         for rows in args.rows:
             h = torch.randn(rows, hidden, generator=g)
-            a = median_ms(lambda: packed_logits(ops, whole, w, h, True), args.rounds)
-            b = median_ms(lambda: packed_logits(ops, sliced, w, h, True), args.rounds)
-            c = median_ms(lambda: packed_logits(ops, whole, w, h, False), args.rounds)
-            d = median_ms(lambda: packed_logits(ops, sliced, w, h, False, buffer), args.rounds)
+            a = median_ms(partial(packed_logits, ops, whole, w, h, True), args.rounds)
+            b = median_ms(partial(packed_logits, ops, sliced, w, h, True), args.rounds)
+            c = median_ms(partial(packed_logits, ops, whole, w, h, False), args.rounds)
+            d = median_ms(partial(packed_logits, ops, sliced, w, h, False, buffer), args.rounds)
             print(f"{name + ' ' + str(vocab):>16} {rows:>5} {a:14.1f} {b:7.1f} {c:15.1f} {d:14.1f}")
 
 

@@ -156,7 +156,7 @@ def test_gemma3_tp2_matches_tp1():
 
 def test_server_with_two_ranks_serves_and_stops_them(tiny_models):
     """`kvpage serve -tp 2`: completions as one rank's, and SIGTERM stops every rank."""
-    from tests.helpers.server_util import KEY, request, server_proc, serve_cmd
+    from tests.helpers.server_util import KEY, request, serve_cmd, server_proc
 
     body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with server_proc(serve_cmd, "--model", tiny_models["kv2"], "--dtype", "float32", "-tp", "2",
