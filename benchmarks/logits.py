@@ -11,13 +11,11 @@ Shapes: SmolLM2's head (49,152 x 576) and Gemma 3's (262,144 x 640), random bf16
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from functools import partial
 
 import torch
 
-from _common import cpu_model
+from _common import cpu_model, median_seconds
 from kvpage.envs import KernelConfig
 from kvpage.model.fast_path import LOGITS_SPLIT_ROWS, packed_logits
 from kvpage.model.layers.linear import PackedLinear
@@ -26,13 +24,7 @@ from kvpage.ops import kernels
 
 
 def median_ms(fn, rounds: int) -> float:
-    fn()
-    ts = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    return median_seconds(fn, rounds) * 1e3
 
 
 def main() -> None:

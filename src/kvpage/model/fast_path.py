@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpage.model.layers.linear import PackedLinear
-from kvpage.model.logits import LogitsBuffer, LogitsResult, logits_result
+from kvpage.model.logits import LogitsBuffer, LogitsResult, postprocess_raw
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.ops import Kernels
 
@@ -112,8 +112,7 @@ class FastPath:
             # float32 logits from the exact quantized weights (one row: 16-bit activation codes, ~2e-5 relative):
             # nothing near the maximum needs recomputing
             raw = ops.quant_linear(hidden, lm_quant.qs, lm_quant.d, lm_quant.m, True)
-            out = None if argmax_only or buffer is None else buffer.view(raw.shape[0], raw.shape[1])
-            return logits_result(*ops.logits_postprocess(raw, hidden, weight, not argmax_only, out), argmax_only)
+            return postprocess_raw(ops, raw, hidden, weight, argmax_only, buffer)
         return packed_logits(ops, self.lm_packed, weight, hidden, argmax_only, buffer)
 
 
@@ -126,14 +125,9 @@ def packed_logits(ops: Kernels, lm_packed: PackedLinear, weight: torch.Tensor, h
     if rows == 0:
         return LogitsResult(torch.zeros(0, vocab), torch.zeros(0, dtype=torch.long), torch.zeros(0))
     x = hidden.to(weight.dtype)
-    out = None if argmax_only or buffer is None else buffer.view(rows, vocab)
     if not lm_packed.splits(rows) or weight.dtype != torch.bfloat16:
-        raw = lm_packed(x)
-        if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
-            res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only, out)
-        else:
-            res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only, out)
-        return logits_result(*res, argmax_only)
+        return postprocess_raw(ops, lm_packed(x), hidden, weight, argmax_only, buffer)
+    out = None if argmax_only or buffer is None else buffer.view(rows, vocab)
     h32 = hidden.float()
     row_max = torch.full((rows,), float("-inf"))
     best_value, best_index = torch.full((rows,), float("-inf")), torch.full((rows,), -1, dtype=torch.long)

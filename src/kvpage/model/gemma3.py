@@ -22,7 +22,7 @@ from torch import nn
 
 from kvpage.attention.backends.base import AttentionBackend
 from kvpage.model.config import SLIDING, ModelConfig
-from kvpage.model.logits import LogitsBuffer, LogitsResult, logits_result
+from kvpage.model.logits import LogitsBuffer, LogitsResult, postprocess_raw
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from kvpage.ops import Kernels
 
@@ -151,11 +151,6 @@ class Gemma3ForCausalLM(nn.Module):
             return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         ops = self.ops
         if ops is not None:
-            out = None if argmax_only or buffer is None else buffer.view(raw.shape[0], raw.shape[1])
-            if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
-                res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only, out)
-            else:
-                res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only, out)
-            return logits_result(*res, argmax_only)
+            return postprocess_raw(ops, raw, hidden, weight, argmax_only, buffer)
         logits = raw.float()
         return LogitsResult(logits, logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1))

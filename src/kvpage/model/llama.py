@@ -16,7 +16,7 @@ from torch import nn
 
 from kvpage.attention.backends.base import AttentionBackend
 from kvpage.model.config import ModelConfig
-from kvpage.model.logits import LogitsBuffer, LogitsResult, logits_result
+from kvpage.model.logits import LogitsBuffer, LogitsResult, postprocess_raw
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from kvpage.ops import Kernels
 
@@ -140,12 +140,7 @@ class LlamaForCausalLM(nn.Module):
         if raw.shape[0] == 0:
             return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         if ops is not None:
-            out = None if argmax_only or buffer is None else buffer.view(raw.shape[0], raw.shape[1])
-            if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
-                res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only, out)
-            else:
-                res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only, out)
-            return logits_result(*res, argmax_only)
+            return postprocess_raw(ops, raw, hidden, weight, argmax_only, buffer)
         logits = raw.float()
         if weight.dtype != torch.float32:
             top = logits.max(dim=-1, keepdim=True).values

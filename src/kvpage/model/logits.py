@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvpage.ops import Kernels
 
 
 @dataclass
@@ -17,6 +21,18 @@ class LogitsResult:
 def logits_result(logits: torch.Tensor, argmax: torch.Tensor, lse: torch.Tensor, argmax_only: bool) -> LogitsResult:
     """The kernels' (logits, argmax, lse), with the logits dropped when only the argmax was asked for."""
     return LogitsResult(None, argmax, None) if argmax_only else LogitsResult(logits, argmax, lse)
+
+
+def postprocess_raw(ops: Kernels, raw: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                    argmax_only: bool, buffer: LogitsBuffer | None) -> LogitsResult:
+    """The compiled logits pass over one step's raw lm-head output: bf16 outputs of bf16 weights get their
+    near-max entries recomputed exactly from the float32 hidden state; the logits go to ``buffer`` if given."""
+    out = None if argmax_only or buffer is None else buffer.view(raw.shape[0], raw.shape[1])
+    if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only, out)
+    else:
+        res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only, out)
+    return logits_result(*res, argmax_only)
 
 
 class LogitsBuffer:
