@@ -60,14 +60,15 @@ def test_tiny_models_match_one_rank(tiny_models, name, tp):
 
 def test_smollm2_tp3_matches_tp1_with_prefix_cache_chunks_and_preemption():
     """SmolLM2 at 3 ranks (9 query / 3 KV heads: one KV head each), float32: the same tokens as one rank with
-    prefix caching, prompts split over 8-token steps, and a pool small enough to preempt."""
+    prefix caching, prompts split over 8-token steps, n = 2 forks, and a pool small enough to preempt."""
     kw = dict(max_num_batched_tokens=8, block_size=4, max_model_len=64)
-    one = _greedy("SmolLM2-135M-Instruct", 1, max_tokens=16, **kw)
+    one = _greedy("SmolLM2-135M-Instruct", 1, max_tokens=16, n=2, **kw)
     # 20 blocks per rank (one KV head of 64 floats x 30 layers x 4 tokens = 60 KiB a block): four requests of
     # ~26 tokens (7 blocks each) cannot all stay
     with LLM("SmolLM2-135M-Instruct", dtype="float32", tensor_parallel_size=3, kv_cache_memory="1200KiB",
              **kw) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, n=2, ignore_eos=True),
+                            use_tqdm=False)
         stats = llm.engine.stats()
         blocks = llm.engine.kv.num_blocks
     assert [[list(c.token_ids) for c in o.outputs] for o in outs] == one
