@@ -66,19 +66,17 @@ def gather_seconds(nbytes: float, size: int, link: LinkSpec) -> float:
 
 @dataclass(frozen=True)
 class TensorParallelCost:
-    rank: RooflineCost  # the roofline of one rank's share (rank_spec)
+    rank: RooflineCost  # the roofline of one rank's share (rank_spec): hidden size and dtype as the model's
     size: int
     link: LinkSpec
-    hidden_size: int
-    activation_bytes: float
-
-    vocab_size: int = 0
+    vocab_size: int  # the whole vocabulary (the rank's spec holds its slice)
 
     def parts(self, f: StepFeatures) -> dict[str, float]:
         parts = self.rank.parts(f)
-        per_call = f.num_tokens * self.hidden_size * self.activation_bytes
-        parts["allreduce"] = 2 * self.rank.model.num_layers * allreduce_seconds(per_call, self.size, self.link)
-        parts["gather"] = gather_seconds(f.logit_rows * self.vocab_size * self.activation_bytes, self.size,
+        m = self.rank.model
+        per_call = f.num_tokens * m.hidden_size * m.dtype_bytes
+        parts["allreduce"] = 2 * m.num_layers * allreduce_seconds(per_call, self.size, self.link)
+        parts["gather"] = gather_seconds(f.logit_rows * self.vocab_size * m.dtype_bytes, self.size,
                                          self.link) if f.logit_rows else 0.0
         return parts
 
@@ -91,5 +89,4 @@ class TensorParallelCost:
 
 
 def tensor_parallel_cost(model: ModelSpec, machine, block_size: int, size: int, link: LinkSpec) -> TensorParallelCost:
-    return TensorParallelCost(RooflineCost(rank_spec(model, size), machine, block_size), size, link,
-                              model.hidden_size, model.dtype_bytes, model.vocab_size)
+    return TensorParallelCost(RooflineCost(rank_spec(model, size), machine, block_size), size, link, model.vocab_size)
