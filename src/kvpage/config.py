@@ -12,6 +12,7 @@ from kvpage.units import parse_size
 
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_KV_OFFLOAD_DISK = "8GiB"
 
 
 def cpu_has_bf16() -> bool:
@@ -51,6 +52,15 @@ class CacheConfig:
     # nearly every block read is a TLB miss (bf16 decode attention at 64 x 8K on a Zen 3: 1.42x faster). None =
     # with kv_prefault only: a huge page faulted in mid-run can stall a step (measured on a Xeon, 2026-11-23).
     kv_huge_pages: bool | None = None
+    # Tiers below the pool for evicted prefix blocks (kv/offload.py, docs/kv_offload.md): host memory (shared
+    # with swap_space), and a directory of block files bounded by kv_offload_disk that outlives the engine.
+    kv_offload_memory: int | str = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk: int | str | None = None  # default with a directory: DEFAULT_KV_OFFLOAD_DISK
+
+    @property
+    def offload(self) -> bool:
+        return bool(self.kv_offload_memory) or self.kv_offload_dir is not None
 
     @property
     def huge_pages(self) -> bool:
@@ -61,6 +71,18 @@ class CacheConfig:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
         object.__setattr__(self, "swap_space", parse_size(self.swap_space))
+        object.__setattr__(self, "kv_offload_memory", parse_size(self.kv_offload_memory))
+        if self.kv_offload_disk is not None and self.kv_offload_dir is None:
+            raise ValueError("kv_offload_disk bounds the disk tier: give its directory too (kv_offload_dir)")
+        if self.kv_offload_dir is not None:
+            if not str(self.kv_offload_dir).strip():
+                raise ValueError("kv_offload_dir is empty: give a directory for the disk tier")
+            disk = parse_size(DEFAULT_KV_OFFLOAD_DISK if self.kv_offload_disk is None else self.kv_offload_disk)
+            if disk <= 0:
+                raise ValueError(f"kv_offload_disk must be positive, got {self.kv_offload_disk}")
+            object.__setattr__(self, "kv_offload_disk", disk)
+        if self.offload and not self.enable_prefix_caching:
+            raise ValueError("the KV offload tiers hold prefix-cache blocks: they need prefix caching enabled")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         object.__setattr__(self, "kv_cache_dtype", kv_cache_name(str(self.kv_cache_dtype)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from kvpage.core.sequence import Sequence, SequenceStatus
 from kvpage.errors import InvalidRequestError, KVCapacityError, PromptTooLongError
@@ -72,6 +72,9 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # the tiers below the pool (kv/offload.py): host stores ride in swap_out, host loads in swap_in
+    persists: list[tuple[int, Any]] = field(default_factory=list)  # (device block, TierEntry) -> a disk file
+    disk_loads: list[tuple[bytes, int]] = field(default_factory=list)  # (bytes read from disk, device block)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -79,7 +82,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.work and not self.swap_out and not self.swap_in and not self.copies
+        return not (self.work or self.swap_out or self.swap_in or self.copies or self.persists or self.disk_loads)
 
 
 class _Queue:
@@ -175,6 +178,17 @@ class Scheduler:
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
+        self.kv.begin_step()
+        out = self._schedule()
+        ops = self.kv.take_tier_ops()
+        if ops:
+            out.swap_out.extend(ops.stores)
+            out.swap_in.extend(ops.loads)
+            out.persists.extend(ops.persists)
+            out.disk_loads.extend(ops.disk_loads)
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(copies=self._pending_copies)
         self._pending_copies = []
         budget = self.config.max_num_batched_tokens
@@ -249,12 +263,13 @@ class Scheduler:
             if alloc is None:
                 break  # first come, first served: later arrivals wait behind it
             self.waiting.pop(0)
-            seq.num_computed_tokens = hit.num_tokens
+            cached = alloc.num_cached_tokens  # the hit, or less where a disk block failed its check
+            seq.num_computed_tokens = cached
             if seq.request.metrics.first_scheduled_time is None and seq.index == 0:
-                seq.request.num_cached_tokens = hit.num_tokens
+                seq.request.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             running.add(seq)
-            out.work.append(ScheduledWork(seq, n, hit.num_tokens))
+            out.work.append(ScheduledWork(seq, n, cached))
             budget -= n
         if not out.work and len(running) and len(self.waiting) and running[-1].request is not self.waiting[0].request:
             # Every running sequence is a beam waiting for siblings that cannot come in: the last group in

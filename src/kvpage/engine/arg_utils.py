@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from typing import Any
 
 from kvpage.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL, CacheConfig, ModelRunConfig
 from kvpage.core.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicy
@@ -32,6 +33,13 @@ class EngineArgs:
     swap_space: str | int = 0
     kv_prefault: bool = False
     kv_huge_pages: bool | None = None  # None: with kv_prefault
+    # tiers below the pool for evicted prefix blocks (docs/kv_offload.md)
+    kv_offload_memory: str | int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk: str | int | None = None
+    # KV events for routers: a ZeroMQ PUB endpoint, and/or a callable taking each step's list of events
+    kv_events_endpoint: str | None = None
+    kv_events_callback: Any = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
@@ -77,7 +85,11 @@ class EngineArgs:
         return CacheConfig(block_size=self.block_size, kv_cache_memory=size_gib_default(self.kv_cache_memory),
                            kv_cache_dtype=self.kv_cache_dtype, swap_space=size_gib_default(self.swap_space),
                            enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark,
-                           kv_prefault=self.kv_prefault, kv_huge_pages=self.kv_huge_pages)
+                           kv_prefault=self.kv_prefault, kv_huge_pages=self.kv_huge_pages,
+                           kv_offload_memory=size_gib_default(self.kv_offload_memory),
+                           kv_offload_dir=self.kv_offload_dir,
+                           kv_offload_disk=None if self.kv_offload_disk is None else
+                           size_gib_default(self.kv_offload_disk))
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -105,6 +117,16 @@ class EngineArgs:
                             "scattered blocks; default: when --kv-prefault is on, as for `kvpage serve`)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching)
+        o = p.add_argument_group("KV tiers below the pool (prefix blocks the pool evicts)")
+        o.add_argument("--kv-offload-memory", default=str(d.kv_offload_memory),
+                       help="host memory for evicted prefix blocks, shared with --swap-space (bare number = GiB)")
+        o.add_argument("--kv-offload-dir", help="directory of evicted prefix blocks: survives restarts of an engine "
+                                                "with the same model, KV dtype and block size")
+        o.add_argument("--kv-offload-disk", help="most disk the directory's blocks may use (bare number = GiB; "
+                                                 "default 8GiB)")
+        o.add_argument("--kv-events-endpoint",
+                       help="publish KV events (BlockStored, BlockRemoved, AllBlocksCleared) on this ZeroMQ PUB "
+                            "endpoint, e.g. tcp://*:5557 (vLLM's format)")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                        help=f"most sequences in one step (default {d.max_num_seqs}; 128 for `kvpage serve`)")
         g.add_argument("--max-num-batched-tokens", type=int,

@@ -28,6 +28,10 @@ class LLM:
         """Stop the other tensor-parallel ranks now (they also stop when this process exits)."""
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (pool, host and disk tiers); returns how many entries went."""
+        return self.engine.reset_prefix_cache()
+
     def __enter__(self) -> LLM:
         return self
 

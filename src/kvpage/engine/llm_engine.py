@@ -14,8 +14,10 @@ from kvpage.core.scheduler import Scheduler
 from kvpage.core.sequence import Request
 from kvpage.core.step import StepFeatures, step_log_entry
 from kvpage.engine.arg_utils import EngineArgs
+from kvpage.engine.kv_events import KVEventCallback, ZmqEventPublisher, publish
 from kvpage.engine.output_processor import TextOutputProcessor, make_request_output
 from kvpage.errors import EngineDeadError, InvalidRequestError, RequestIdInUseError
+from kvpage.kv.events import DevicePoolEvents, KVEventSink
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
 from kvpage.worker.worker import Worker
@@ -42,6 +44,10 @@ class LLMEngine:
         self.model_config = self.worker.lm.config
         self.max_model_len = self.worker.max_model_len
         self.kv = self.worker.make_kv_manager(args.kv_policy)
+        self.event_sinks: list[KVEventCallback] = []
+        self.events: KVEventSink | None = None
+        if args.kv_events_endpoint or args.kv_events_callback is not None:
+            self._open_events(args)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
         self.core = EngineCore(self.scheduler, self.worker,
@@ -49,6 +55,32 @@ class LLMEngine:
                                eos_ids=self.eos_ids)
         # When a list: one entry per step (its scheduled shape and wall seconds), for calibrating the simulator.
         self.step_log: list[dict[str, float]] | None = None
+
+    def _open_events(self, args: EngineArgs) -> None:
+        if args.kv_events_callback is not None:
+            if not callable(args.kv_events_callback):
+                raise ValueError("kv_events_callback must be callable (it takes a list of KV events)")
+            self.event_sinks.append(args.kv_events_callback)
+        if args.kv_events_endpoint:
+            self.event_sinks.append(ZmqEventPublisher(args.kv_events_endpoint))
+        self.events = KVEventSink(self.kv.block_size)
+        self.kv.pool.listeners.append(DevicePoolEvents(self.events))
+        tiers = getattr(self.kv, "tiers", None)
+        if tiers is not None:
+            tiers.set_events(self.events)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block in the pool and the tiers below it (vLLM's reset_prefix_cache);
+        running requests keep their blocks. Returns how many entries went."""
+        n = self.kv.reset_prefix_cache()
+        self._publish_events()
+        return n
+
+    def _publish_events(self) -> None:
+        if self.events is not None:
+            events = self.events.drain()
+            if events:
+                publish(events, self.event_sinks)
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -111,6 +143,12 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestIdInUseError(f"request id {request_id!r} is already in use", "request_id")
         params = params or SamplingParams()
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            if cache_salt is not None and cache_salt != prompt["cache_salt"]:
+                raise InvalidRequestError("two different cache_salt values for one request", "cache_salt")
+            cache_salt = prompt["cache_salt"]
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         text, ids = self._prompt_ids(prompt)
         self.check_request(len(ids), params.max_tokens)
         vocab = self.model_config.vocab_size
@@ -159,11 +197,16 @@ class LLMEngine:
             self.core.forget(req)
         if log is not None and not out.is_empty:
             log.append(step_log_entry(features[0], time.perf_counter() - t0))
+        self._publish_events()
         return results
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing on one rank); idempotent."""
+        """Stop the other tensor-parallel ranks (nothing on one rank), finish the disk tier's writes; idempotent."""
         self.worker.shutdown()
+        for sink in self.event_sinks:
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
@@ -187,4 +230,5 @@ class LLMEngine:
                                                                  for seq in self.scheduler.running})),
             "steps": self.num_steps,
             "generated_tokens": self.num_generated_tokens,
+            **(tiers.stats() if (tiers := getattr(self.kv, "tiers", None)) is not None else {}),
         }

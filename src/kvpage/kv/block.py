@@ -14,8 +14,8 @@ DEFAULT_BLOCK_SIZE = 16  # tokens per block: the engine's, the simulator's and t
 class KVBlock:
     """Bookkeeping for one physical block (no tensor data lives here)."""
 
-    __slots__ = ("ahead_of", "block_hash", "block_id", "epoch", "next_free", "parent", "prev_free", "ref_count",
-                 "token_ids")
+    __slots__ = ("ahead_of", "block_hash", "block_id", "epoch", "next_free", "parent", "parent_hash", "prev_free",
+                 "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -25,6 +25,7 @@ class KVBlock:
         # never rests on a hash comparison alone; ``epoch`` counts the cached identities this block has had.
         self.block_hash: bytes | None = None
         self.parent: object = None
+        self.parent_hash: bytes | None = None  # the chain's previous hash (its root hash for a first block)
         self.token_ids: tuple[int, ...] | None = None
         self.epoch = 0
         self.prev_free: KVBlock | None = None
@@ -35,6 +36,7 @@ class KVBlock:
     def clear_hash(self) -> None:
         self.block_hash = None
         self.parent = None
+        self.parent_hash = None
         self.token_ids = None
 
     @property

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from kvpage.kv.block import FreeBlockQueue, KVBlock
 from kvpage.kv.prefix_hash import BlockHash
 
 # Free blocks set aside behind a growing sequence's last block, so that its next blocks are consecutive.
 AHEAD_BLOCKS = 8
+
+
+class PoolListener(Protocol):
+    """Told of the prefix cache's changes: a block became findable, is about to lose its hash because the pool
+    hands it out again (its bytes are still intact until this step's block operations run), or every hash went."""
+
+    def block_stored(self, block: KVBlock) -> None: ...
+
+    def block_evicted(self, block: KVBlock) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 class BlockPool:
@@ -34,6 +46,7 @@ class BlockPool:
         self.ahead_queue = FreeBlockQueue([])
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.listeners: list[PoolListener] = []  # the offload tiers, the KV event stream
 
     @property
     def num_free_blocks(self) -> int:
@@ -70,6 +83,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    for listener in self.listeners:
+                        listener.block_evicted(block)
                 block.clear_hash()
                 self.num_evictions += 1
             block.ref_count = 1
@@ -140,7 +155,8 @@ class BlockPool:
             elif block.ref_count < 0:
                 raise AssertionError(f"block {block.block_id} released more often than taken")
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash, parent: object, token_ids: tuple[int, ...]) -> None:
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, parent: object, token_ids: tuple[int, ...],
+                    parent_hash: BlockHash | None = None) -> None:
         """Make a full block findable. The first block registered under a hash keeps it, unless it is free and
         chained to another parent: such a block is unreachable from this chain (lookups check the parent), and
         a sequence recomputing the chain after a preemption would otherwise never be found again."""
@@ -151,12 +167,17 @@ class BlockPool:
             if old.ref_count > 0 or (old.parent == parent and old.token_ids == token_ids):
                 return
             del self.cached[block_hash]
+            for listener in self.listeners:
+                listener.block_evicted(old)
             old.clear_hash()
         block.block_hash = block_hash
         block.parent = parent
+        block.parent_hash = parent_hash
         block.token_ids = token_ids
         block.epoch += 1
         self.cached[block_hash] = block
+        for listener in self.listeners:
+            listener.block_stored(block)
 
     def lookup(self, block_hash: BlockHash, parent: object, token_ids: tuple[int, ...]) -> KVBlock | None:
         """A cached block for this prefix, verified on content and on the exact parent (the chain's isolation
@@ -172,4 +193,6 @@ class BlockPool:
         for block in self.cached.values():
             block.clear_hash()
         self.cached.clear()
+        for listener in self.listeners:
+            listener.cleared()
         return n

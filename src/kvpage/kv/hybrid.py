@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from kvpage.kv.block import DEFAULT_BLOCK_SIZE
 from kvpage.kv.block_pool import BlockPool
+from kvpage.kv.host_tier import HostTier
 from kvpage.kv.invariants import check_host, check_pool, check_tables
 from kvpage.kv.paged import KVCacheManager, _sid
 from kvpage.kv.protocol import NO_HIT, NOTHING, Allocation, PrefixHit
@@ -39,7 +40,7 @@ class HybridKVManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.max_model_len = max_model_len
         self.num_swap_blocks = num_swap_blocks
-        self._host_free = list(range(num_swap_blocks - 1, -1, -1))
+        self._host_free = HostTier(num_swap_blocks)
         self.groups: list[KVCacheManager] = []
         for g, group in enumerate(layout.groups):
             kw = dict(watermark=0.0, enable_prefix_caching=enable_prefix_caching, num_swap_blocks=num_swap_blocks,
@@ -123,6 +124,13 @@ class HybridKVManager:
 
     def reset_prefix_cache(self) -> int:
         return sum(g.reset_prefix_cache() for g in self.groups)
+
+    def begin_step(self) -> None:
+        self._host_free.begin_step()
+
+    def take_tier_ops(self) -> None:
+        """No tiers below the pool for several KV groups yet (docs/kv_offload.md)."""
+        return None
 
     # -------------------------------------------------------------- allocation
     def allocate_slots(self, seq: SequenceLike, num_new_tokens: int,

@@ -91,9 +91,10 @@ def check_pool(pool: BlockPool, refs: dict[int, int], owners: set[str]) -> None:
 def check_host(managers: Sequence[KVCacheManager], num_swap_blocks: int) -> None:
     """The host tier, shared by ``managers``: each host block free or owned once."""
     host_used = [h for m in managers for s in m._swapped.values() for h in s.host_blocks if h is not None]
-    host_free: Iterable[int] = managers[0]._host_free
+    host = managers[0]._host_free
+    host_free: Iterable[int] = list(host)
     assert len(set(host_used)) == len(host_used), "a host block is owned twice"
     assert not set(host_used) & set(host_free), "a host block is both free and owned"
-    assert len(host_used) + len(managers[0]._host_free) == num_swap_blocks, "host free + used != total"
+    assert len(host_used) + host.num_unowned == num_swap_blocks, "host free + used != total"
     for m in managers:
         assert not set(m._seqs) & set(m._swapped), "a sequence is both running and swapped"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvpage.kv.block import DEFAULT_BLOCK_SIZE
 from kvpage.kv.hybrid import HybridKVManager
+from kvpage.kv.offload import PrefixTiers
 from kvpage.kv.paged import KVCacheManager
 from kvpage.kv.protocol import NO_HIT, Allocation, KVManager, PrefixHit
 from kvpage.kv.sliding import SlidingWindowKVManager
@@ -57,9 +58,18 @@ class KVPoolConfig:
             raise ValueError(f"unknown reservation policy {self.static_reserve!r}: choose one of "
                              f"{', '.join(RESERVE_POLICIES)}")
 
-    def build(self, max_model_len: int | None, layout: KVLayout | None = None) -> KVCacheManager:
+    def build(self, max_model_len: int | None, layout: KVLayout | None = None,
+              tiers: PrefixTiers | None = None) -> KVCacheManager:
         """The manager for a model of this KV ``layout`` (None: one full-attention group): several groups share
-        one pool under a hybrid manager, one sliding-window group is a sliding-window manager."""
+        one pool under a hybrid manager, one sliding-window group is a sliding-window manager. ``tiers``: host and
+        disk tiers below the pool (one full-attention group, the paged policy)."""
+        if tiers is not None:
+            if self.allocator != "paged" or (layout is not None and (layout.hybrid or layout.groups[0].spec.window)):
+                raise ValueError("KV offload tiers need the paged policy over one full-attention KV group")
+            return KVCacheManager(self.num_blocks, self.block_size, max_model_len=max_model_len,
+                                  watermark=self.watermark, num_swap_blocks=self.num_swap_blocks,
+                                  model_id=self.model_id, enable_prefix_caching=self.enable_prefix_caching,
+                                  tiers=tiers)
         if layout is not None and (layout.hybrid or layout.groups[0].spec.window is not None):
             if self.allocator == "static":  # every group reserves the whole length: the baseline
                 if max_model_len is None:

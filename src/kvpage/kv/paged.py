@@ -13,11 +13,12 @@ holds K/V that was really computed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvpage.kv.block import DEFAULT_BLOCK_SIZE, KVBlock
 from kvpage.kv.block_pool import BlockPool
+from kvpage.kv.host_tier import HostTier
 from kvpage.kv.invariants import check_invariants
+from kvpage.kv.offload import PrefixTiers, TierOps
+from kvpage.kv.paged_swap import PagedSwap, _SeqState, _sid, _SwappedState
 from kvpage.kv.prefix_hash import BlockHash, HashFn, block_hash, root_hash, sha256_digest
 from kvpage.kv.protocol import NO_HIT, NOTHING, Allocation, PrefixHit
 from kvpage.kv.sequence import SequenceLike
@@ -25,29 +26,7 @@ from kvpage.kv.slot_mapping import cdiv, slot_mapping
 from kvpage.kv.stats import KVCounters, KVStats, make_stats
 
 
-def _sid(seq: SequenceLike | str) -> str:
-    return seq if isinstance(seq, str) else seq.seq_id
-
-
-class _SeqState:
-    __slots__ = ("hashes", "num_tokens", "root", "table")
-
-    def __init__(self, table: list[KVBlock], num_tokens: int, hashes: list[BlockHash], root: BlockHash) -> None:
-        self.table = table
-        self.num_tokens = num_tokens  # tokens that have a slot
-        self.hashes = hashes  # chained hashes of the leading full blocks
-        self.root = root
-
-
-@dataclass
-class _SwappedState:
-    host_blocks: list[int]
-    num_tokens: int
-    hashes: list[BlockHash]
-    root: BlockHash
-
-
-class KVCacheManager:
+class KVCacheManager(PagedSwap):
     """Paged allocation: a sequence holds ceil(tokens / block_size) blocks, shared where possible.
 
     ``watermark`` is a fraction of the pool kept free when *admitting* a sequence (a new one, or a
@@ -68,11 +47,13 @@ class KVCacheManager:
         hash_fn: HashFn = sha256_digest,
         pool: BlockPool | None = None,
         group: int = 0,
-        host_free: list[int] | None = None,
+        host_free: HostTier | None = None,
+        tiers: PrefixTiers | None = None,
     ) -> None:
         """``pool``, ``group`` and ``host_free``: one KV group of a hybrid manager (kv/hybrid.py), sharing the
-        device pool and the host free list with the others; its prefix hashes and set-aside blocks are keyed by
-        the group so that groups never find each other's blocks."""
+        device pool and the host tier with the others; its prefix hashes and set-aside blocks are keyed by
+        the group so that groups never find each other's blocks. ``tiers``: the host and disk tiers below the
+        pool for evicted prefix blocks (its host tier is then the swap space too)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -93,8 +74,17 @@ class KVCacheManager:
         self.model_id = model_id
         self.hash_fn = hash_fn
         self.num_swap_blocks = num_swap_blocks
-        # pop() hands out 0, 1, 2, ...; shared by the groups of a hybrid manager
-        self._host_free = host_free if host_free is not None else list(range(num_swap_blocks - 1, -1, -1))
+        # swap slots (and offloaded prefix blocks); shared by the groups of a hybrid manager
+        self.tiers = tiers
+        if tiers is not None:
+            if not enable_prefix_caching:
+                raise ValueError("KV offload tiers keep prefix-cache blocks: enable prefix caching to use them")
+            host_free = tiers.host
+            self.pool.listeners.append(tiers)
+        self._host_free = host_free if host_free is not None else HostTier(num_swap_blocks)
+        if self._host_free.num_slots != num_swap_blocks:
+            raise ValueError(f"the host tier has {self._host_free.num_slots} slots, not num_swap_blocks="
+                             f"{num_swap_blocks}")
         self._seqs: dict[str, _SeqState] = {}
         self._swapped: dict[str, _SwappedState] = {}
         self.counters = KVCounters()
@@ -180,6 +170,7 @@ class KVCacheManager:
         ident: object = self._root_key(seq)
         blocks: list[KVBlock] = []
         hashes: list[BlockHash] = []
+        i = 0
         for i in range(max_blocks):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk, self.hash_fn)
@@ -189,7 +180,18 @@ class KVCacheManager:
             blocks.append(block)
             hashes.append(h)
             parent, ident = h, block.identity
-        return PrefixHit(tuple(blocks), tuple(hashes), len(blocks) * bs)
+        if self.tiers is None or len(blocks) == max_blocks:
+            return PrefixHit(tuple(blocks), tuple(hashes), len(blocks) * bs)
+        loads = []  # the pool's hit ends at block i: the tiers below may go on
+        for j in range(i, max_blocks):
+            chunk = tuple(tokens[j * bs : (j + 1) * bs])
+            h = block_hash(parent, chunk, self.hash_fn)
+            found = self.tiers.find(h, parent, chunk, self._root_key(seq) if j == 0 else None)
+            if found is None:
+                break
+            loads.append(found)
+            parent = h
+        return PrefixHit(tuple(blocks), tuple(hashes), (len(blocks) + len(loads)) * bs, loads=tuple(loads))
 
     def cache_computed_blocks(self, seq: SequenceLike, num_computed_tokens: int | None = None) -> int:
         """Register the sequence's newly full, computed blocks in the prefix cache; returns how many."""
@@ -209,18 +211,28 @@ class KVCacheManager:
         for i in range(start, full):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk, hash_fn)
-            pool.cache_block(table[i], h, table[i - 1].identity if i else self._root_key(seq), chunk)
+            pool.cache_block(table[i], h, table[i - 1].identity if i else self._root_key(seq), chunk, parent)
             hashes.append(h)
             parent = h
         return full - start
 
     def reset_prefix_cache(self) -> int:
-        """Forget all cached hashes; running sequences keep their blocks. Returns the count dropped."""
+        """Forget all cached hashes, in the pool and the tiers below it; running sequences keep their blocks.
+        Returns the count dropped."""
         for state in self._seqs.values():
             state.hashes.clear()
         for swapped in self._swapped.values():
             swapped.hashes.clear()
-        return self.pool.reset_prefix_cache()
+        n = self.tiers.clear() if self.tiers is not None else 0
+        return self.pool.reset_prefix_cache() + n
+
+    def begin_step(self) -> None:
+        """A new engine step: host slots read by the last step's loads and swap-ins may be reused."""
+        self._host_free.begin_step()
+
+    def take_tier_ops(self) -> TierOps | None:
+        """The tier copies this step's allocations planned (stores of evicted blocks, loads of tier hits)."""
+        return self.tiers.take_ops() if self.tiers is not None else None
 
     # -------------------------------------------------------------- allocation
     def allocate_slots(
@@ -297,14 +309,25 @@ class KVCacheManager:
         revived = sum(1 for b in held if b.ref_count == 0)
         if self.pool.num_free_blocks - num_new_blocks - revived < self._admission_reserve():
             return None
+        cached = hit.num_tokens
+        payloads: list = []
+        if hit.loads:  # a disk block that fails its check ends the hit there (the tokens after it are computed)
+            self.tiers.hold(hit.loads)
+            payloads = self.tiers.read(hit.loads)
+            cached -= (len(hit.loads) - len(payloads)) * self.block_size
+            total = cached + num_new_tokens
+            num_new_blocks = self.blocks_needed(total) - len(hit.blocks)
         self.pool.touch(held)
         new = self.pool.get_new_blocks(max(num_new_blocks, 0), after=self._last_block(hit.blocks),
                                        owner=self._owner(sid))
         self._seqs[sid] = _SeqState(list(hit.blocks) + new, total, list(hit.hashes), self._root(seq))
+        if payloads:  # the loads run before this step's forward pass: findable at once, as swapped-in blocks are
+            self.tiers.load(hit.loads, payloads, new)
+            self.cache_computed_blocks(seq, cached)
         if self.enable_prefix_caching:
             self.counters.prefix_query_tokens += len(seq.token_ids)
-            self.counters.prefix_hit_tokens += hit.num_tokens
-        return Allocation(tuple(b.block_id for b in new), (), hit.num_tokens)
+            self.counters.prefix_hit_tokens += cached
+        return Allocation(tuple(b.block_id for b in new), (), cached)
 
     def _admission_reserve(self) -> int:
         """Blocks an admission must leave free. With nothing running there is nothing to protect, and
@@ -339,53 +362,6 @@ class KVCacheManager:
         self.pool.touch(b for b in pstate.table if b is not None)
         self._seqs[cid] = _SeqState(list(pstate.table), pstate.num_tokens, list(pstate.hashes), pstate.root)
         return NOTHING
-
-    # -------------------------------------------------------------------- swap
-    def swap_out(self, seq: SequenceLike | str) -> list[tuple[int, int]] | None:
-        """Move a running sequence to the host pool: (device, host) copies, or None if it is full."""
-        sid = _sid(seq)
-        state = self._state(sid)
-        n = len(state.table)
-        if n > len(self._host_free):
-            return None
-        host = [self._host_free.pop() for _ in range(n)]
-        mapping = [(b.block_id, h) for b, h in zip(state.table, host, strict=True)]
-        del self._seqs[sid]
-        self._release_table(sid, state)  # shared blocks stay with their other owners
-        self._swapped[sid] = _SwappedState(host, state.num_tokens, state.hashes, state.root)
-        self.counters.blocks_swapped_out += n
-        return mapping
-
-    def swap_in(self, seq: SequenceLike) -> list[tuple[int, int]] | None:
-        """Bring a swapped sequence back: (host, device) copies, or None if the device lacks room."""
-        sid = seq.seq_id
-        swapped = self._swapped_state(sid)
-        host = swapped.host_blocks
-        # Full blocks whose cached copy is still on the device need no transfer: share them instead.
-        # Only a run from the first block can be verified (each block names its exact parent).
-        resident: dict[int, KVBlock] = {}
-        ident, bs, tokens = self._root_key(seq), self.block_size, seq.token_ids
-        for i, h in enumerate(swapped.hashes):
-            block = self.pool.lookup(h, ident, tuple(tokens[i * bs : (i + 1) * bs]))
-            if block is None:
-                break
-            resident[i] = block
-            ident = block.identity
-        n_copy = len(host) - len(resident)
-        revived = sum(1 for b in resident.values() if b.ref_count == 0)
-        if self.pool.num_free_blocks - n_copy - revived < self._admission_reserve():
-            return None
-        self.pool.touch(resident.values())
-        fresh = iter(self.pool.get_new_blocks(n_copy))
-        table = [resident[i] if i in resident else next(fresh) for i in range(len(host))]
-        del self._swapped[sid]
-        self._host_free.extend(reversed(host))
-        mapping = [(h, b.block_id) for i, (h, b) in enumerate(zip(host, table, strict=True)) if i not in resident]
-        self._seqs[sid] = _SeqState(table, swapped.num_tokens, [], swapped.root)
-        # Copied full blocks become findable again (their K/V arrives before any read of this step).
-        self.cache_computed_blocks(seq, len(swapped.hashes) * self.block_size)
-        self.counters.blocks_swapped_in += n_copy
-        return mapping
 
     # ------------------------------------------------------------------- stats
     def fills(self) -> tuple[dict[int, int], int]:

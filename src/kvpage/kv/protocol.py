@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvpage.kv.block import KVBlock
+from kvpage.kv.offload import TierOps
 from kvpage.kv.prefix_hash import BlockHash
 from kvpage.kv.sequence import SequenceLike
 from kvpage.kv.stats import KVStats
@@ -19,12 +20,15 @@ from kvpage.kv.stats import KVStats
 @dataclass(frozen=True)
 class PrefixHit:
     """The longest run of cached full blocks matching a sequence's tokens (a sliding-window group's hit has
-    None where its window does not reach). A hybrid manager's hit carries one hit per KV group in ``groups``."""
+    None where its window does not reach). A hybrid manager's hit carries one hit per KV group in ``groups``.
+    ``loads``: the blocks after ``blocks`` found in the host or disk tier (kv/offload.py), counted in
+    ``num_tokens``; admission loads them into fresh blocks."""
 
     blocks: tuple[KVBlock | None, ...]
     hashes: tuple[BlockHash, ...]
     num_tokens: int
     groups: tuple[PrefixHit, ...] = ()
+    loads: tuple = ()
 
     @property
     def block_ids(self) -> list[int]:
@@ -94,6 +98,10 @@ class KVManager(Protocol):
     def swap_in(self, seq: SequenceLike) -> list[tuple[int, int]] | None: ...
 
     def reset_prefix_cache(self) -> int: ...
+
+    def begin_step(self) -> None: ...
+
+    def take_tier_ops(self) -> TierOps | None: ...
 
     def stats(self) -> KVStats: ...
 

@@ -100,7 +100,7 @@ class SlidingWindowKVManager(KVCacheManager):
                 h = block_hash(parent, chunk, self.hash_fn)
                 hashes.append(h)
                 if state.table[i] is not None:
-                    self.pool.cache_block(state.table[i], h, self._parent(seq, hashes, i), chunk)
+                    self.pool.cache_block(state.table[i], h, self._parent(seq, hashes, i), chunk, parent)
                     registered += 1
                 parent = h
         self._drop_passed(seq.seq_id, n)

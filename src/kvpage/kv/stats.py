@@ -110,7 +110,7 @@ def make_stats(m: Any, fill: dict[int, int], logical: int, num_seqs: int, num_sw
         blocks_swapped_out=c.blocks_swapped_out,
         blocks_swapped_in=c.blocks_swapped_in,
         swap_blocks_total=m.num_swap_blocks,
-        swap_blocks_used=m.num_swap_blocks - len(m._host_free),
+        swap_blocks_used=m.num_swap_blocks - m._host_free.num_unowned,
         tail_waste_slots=sum(bs - f for f in fill.values() if f),
         reserved_unused_slots=bs * sum(1 for f in fill.values() if not f),
         shared_blocks=sum(1 for bid in fill if pool.blocks[bid].ref_count > 1),

@@ -164,6 +164,30 @@ class KVCache:
                 s_layer, d_layer = s_layer.view(torch.uint8), d_layer.view(torch.uint8)
             d_layer[:, dst] = s_layer[:, src]  # the gather copies every source before any write
 
+    @property
+    def block_nbytes(self) -> int:
+        """The bytes of one pool block over every tensor: what a disk-tier file carries."""
+        return sum(t[:, 0].numel() * t.element_size() for t in self.tensors)
+
+    def _block_bytes(self, t: torch.Tensor, block: int) -> torch.Tensor:
+        """One block of one tensor as a flat byte view (block-major storage: one contiguous stretch)."""
+        return t.transpose(0, 1)[block].reshape(-1).view(torch.uint8)
+
+    def read_block(self, block: int) -> bytes:
+        """A device block's bytes (every tensor, in order) for the disk tier."""
+        return b"".join(self._block_bytes(t, block).numpy().tobytes() for t in self.tensors)
+
+    def write_block(self, block: int, payload: bytes) -> None:
+        """Fill a device block from ``read_block``'s bytes."""
+        if len(payload) != self.block_nbytes:
+            raise ValueError(f"a block is {self.block_nbytes} bytes here, got {len(payload)}")
+        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        off = 0
+        for t in self.tensors:
+            dst = self._block_bytes(t, block)
+            dst.copy_(src[off: off + dst.numel()])
+            off += dst.numel()
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: device block src -> device block dst (in every tensor: the block's group's layers)."""
         self._move(self.tensors, self.tensors, pairs)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +12,10 @@ from kvpage.attention.metadata import AttentionMetadata
 from kvpage.model.llama import LlamaForCausalLM
 from kvpage.model.logits import LogitsBuffer
 from kvpage.worker.kv_cache import KVCache
+
+
+def _no_disk_tier(entry: Any, payload: bytes) -> None:
+    raise RuntimeError("a block was sent to the disk tier but this engine has none (kv_offload_dir unset)")
 
 
 @dataclass
@@ -44,6 +48,8 @@ class BlockOps:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    persists: list[tuple[int, Any]] = field(default_factory=list)  # (device block, TierEntry): to the disk tier
+    disk_loads: list[tuple[bytes, int]] = field(default_factory=list)  # (bytes from the disk tier, device block)
 
 
 @dataclass
@@ -93,6 +99,7 @@ class ModelRunner:
         self.forward = model.fast or model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        self.persist: Callable[[Any, bytes], None] = _no_disk_tier
         layout = self.layout = kv_cache.layout
         attn = model.layers[0].self_attn
         # One builder per KV group: it splits and plans each step once for all the group's layers. The groups
@@ -179,11 +186,17 @@ class ModelRunner:
                              layer_metas, torch.tensor(rows, dtype=torch.long), slices)
 
     def apply_block_ops(self, ops: BlockOps | None) -> None:
-        """In the order the KV manager's plans require: swap out, swap in, copy-on-write."""
+        """In the order the KV manager's plans require: device -> host (swap-outs, prefix offloads), device ->
+        disk (the bytes are taken now, written by the disk tier's thread), host -> device (swap-ins, prefix
+        loads), disk -> device, copy-on-write: every read of a block comes before any write into it."""
         if ops is None:
             return
         self.kv_cache.swap_out(ops.swap_out)
+        for block, entry in ops.persists:
+            self.persist(entry, self.kv_cache.read_block(block))
         self.kv_cache.swap_in(ops.swap_in)
+        for payload, block in ops.disk_loads:
+            self.kv_cache.write_block(block, payload)
         self.kv_cache.copy_blocks(ops.copies)
 
     @torch.inference_mode()

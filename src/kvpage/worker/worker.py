@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
+from pathlib import Path
 
 from kvpage.config import CacheConfig, ModelRunConfig, fast_path, resolve_dtype
 from kvpage.core.beam import Candidates
@@ -16,6 +17,9 @@ from kvpage.distributed.ranks import RankFailure, RankGroup, StepPlan
 from kvpage.distributed.shard import check_tensor_parallel
 from kvpage.envs import kernel_config
 from kvpage.kv import KVCacheManager, KVPoolConfig
+from kvpage.kv.disk_tier import DiskTier
+from kvpage.kv.host_tier import HostTier
+from kvpage.kv.offload import PrefixTiers
 from kvpage.model.loader import load_model
 from kvpage.model.logits import LogitsBuffer
 from kvpage.model.registry import load_model_config
@@ -91,7 +95,11 @@ class Worker:
                 f"({self.num_blocks * cc.block_size} tokens), less than one sequence of max_model_len="
                 f"{self.max_model_len}: raise kv_cache_memory or lower max_model_len"
             )
-        self.num_swap_blocks = int(cc.swap_space) // self.bytes_per_block
+        # one host tier: swapped blocks and offloaded prefix blocks share its slots
+        self.num_offload_blocks = int(cc.kv_offload_memory) // self.bytes_per_block
+        self.num_swap_blocks = int(cc.swap_space) // self.bytes_per_block + self.num_offload_blocks
+        if cc.offload:
+            self._check_offload(cc)
         self.kv_cache = KVCache(cfg, self.num_blocks, cc.block_size, self.kv_dtype, self.num_swap_blocks, self.layout,
                                 huge_pages=cc.huge_pages)
         if cc.kv_prefault:
@@ -122,20 +130,50 @@ class Worker:
             f"{huge}{tp}"
         )
 
+    def _check_offload(self, cc: CacheConfig) -> None:
+        """The tiers below the pool serve one full-attention KV group on one rank (for now): say so up front."""
+        if self.tp is not None:
+            raise ValueError("KV offload tiers (kv_offload_memory / kv_offload_dir) do not work with tensor "
+                             "parallelism yet: use one rank, or drop the offload flags")
+        if self.layout.hybrid or self.layout.groups[0].spec.window is not None:
+            raise ValueError(f"KV offload tiers do not work yet for {self.lm.config.name}'s sliding-window KV "
+                             f"groups ({self.layout.describe()}): drop the offload flags")
+        if cc.kv_offload_memory and not self.num_offload_blocks:
+            raise ValueError(f"kv_offload_memory={format_bytes(int(cc.kv_offload_memory))} holds no block "
+                             f"({format_bytes(self.bytes_per_block)} each)")
+
     def make_kv_manager(self, policy: str = "paged") -> KVCacheManager:
         """``paged`` (the engine) or ``static`` (contiguous max-length reservations: the baseline); the worker
         reads its block tables from it."""
         cc = self.cache_config
+        tiers = None
+        if cc.offload:
+            if policy != "paged":
+                raise ValueError("KV offload tiers keep prefix-cache blocks: they need the paged KV policy")
+            tiers = self._make_tiers(cc)
         self.kv = KVPoolConfig(self.num_blocks, cc.block_size, policy, num_swap_blocks=self.num_swap_blocks,
                                enable_prefix_caching=cc.enable_prefix_caching, watermark=cc.watermark,
-                               model_id=str(self.lm.path)).build(self.max_model_len, self.layout)
+                               model_id=str(self.lm.path)).build(self.max_model_len, self.layout, tiers)
         return self.kv
+
+    def _make_tiers(self, cc: CacheConfig) -> PrefixTiers:
+        host = HostTier(self.num_swap_blocks, offload=self.num_offload_blocks > 0)
+        disk = None
+        if cc.kv_offload_dir is not None:
+            cfg, t = self.lm.config, self.kv_cache.tensors[0]
+            identity = {"model": str(self.lm.path), "kv_dtype": kv_dtype_name(self.kv_dtype),
+                        "block_size": cc.block_size, "tensors": len(self.kv_cache.tensors),
+                        "kv_heads": cfg.num_kv_heads, "row": int(t.shape[-1]),
+                        "packed": any(getattr(b, "packed", False) for b in self.runner.builders)}
+            disk = DiskTier(Path(cc.kv_offload_dir).expanduser(), identity, int(cc.kv_offload_disk))
+            self.runner.persist = disk.put
+        return PrefixTiers(host, disk, cc.block_size, self.kv_cache.block_nbytes)
 
     # ------------------------------------------------------------ StepWorker
     def execute_model(self, out: SchedulerOutput) -> StepLogits | None:
         """The step's block operations, then its forward pass: logits for every sequence that samples. When
         every one of them is plain greedy without logprobs, only each row's argmax is computed."""
-        ops = BlockOps(out.swap_out, out.swap_in, out.copies)
+        ops = BlockOps(out.swap_out, out.swap_in, out.copies, out.persists, out.disk_loads)
         if not out.work:
             if self.ranks is not None:
                 self.ranks.send(StepPlan("ops", ops=ops))
@@ -179,9 +217,16 @@ class Worker:
             raise ValueError(f"unknown step plan {plan.kind!r}")
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do on one rank); idempotent."""
+        """Stop the other tensor-parallel ranks (nothing to do on one rank) and finish the disk tier's writes;
+        idempotent."""
         if self.ranks is not None:
             self.ranks.shutdown()
+        tiers = getattr(self.kv, "tiers", None)
+        if tiers is not None:
+            for block, entry in tiers.unpersisted(list(self.kv.pool.cached.values())):
+                tiers.disk.put(entry, self.kv_cache.read_block(block))
+            tiers.close()
+            self.kv.tiers = None
 
     def sample(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[list[Sample] | BaseException]:
         """One batched draw for the whole step; a request whose settings fail gets its exception alone."""

@@ -161,6 +161,13 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        """Forget every cached prefix block: the pool, the host and the disk tier (vLLM's admin endpoint)."""
+        check_auth(request, config.api_key)
+        n = await client.call(lambda eng: eng.reset_prefix_cache())
+        return JSONResponse({"status": "ok", "entries_cleared": n})
+
     @app.get("/openapi.json")
     async def openapi(request: Request) -> Response:
         check_auth(request, config.api_key)

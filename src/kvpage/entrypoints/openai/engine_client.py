@@ -61,6 +61,14 @@ class _AbortAll:
     reason: str
 
 
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps (admin actions such as resetting the prefix cache)."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
 def _deliver(items: list[tuple[asyncio.Queue, Item]]) -> None:
     for q, item in items:
         q.put_nowait(item)
@@ -130,6 +138,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` run on the engine thread between two steps; its result (or exception)."""
+        cmd = _Call(fn)
+        with self._lock:
+            if self.error is not None or not self._thread.is_alive():
+                raise EngineDeadError(self.error or "the engine thread is not running")
+            self._commands.put(cmd)
+        return await asyncio.wrap_future(cmd.done)
+
     def drain(self, reason: str) -> None:
         """Refuse new requests from now on (open ones go on)."""
         with self._lock:
@@ -146,8 +163,14 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------- engine side
-    def _apply(self, cmd: _Add | _Abort | _AbortAll) -> None:
+    def _apply(self, cmd: _Add | _Abort | _AbortAll | _Call) -> None:
         eng = self.engine
+        if isinstance(cmd, _Call):
+            try:
+                cmd.done.set_result(cmd.fn(eng))
+            except Exception as e:
+                cmd.done.set_exception(e)
+            return
         if isinstance(cmd, _Abort):
             if cmd.request_id in eng.requests:
                 eng.abort_request(cmd.request_id)
@@ -255,7 +278,7 @@ class AsyncEngine:
                 except queue.Empty:
                     break
         for cmd in pending:
-            if isinstance(cmd, _Add) and not cmd.done.done():
+            if isinstance(cmd, _Add | _Call) and not cmd.done.done():
                 cmd.done.set_exception(error)
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Item]]] = {}
         for loop, q in self._sinks.values():

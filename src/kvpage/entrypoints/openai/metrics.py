@@ -41,6 +41,14 @@ class ServerMetrics:
         self.cow_copies = counter("kv_cache_cow_copies", "Shared blocks copied before a write (copy-on-write)")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.tier_hits = counter("prefix_cache_hits_by_tier", "Prompt tokens found in the prefix cache, by the tier "
+                                 "that held them (device pool, host memory, disk)", ["tier"])
+        self.tier_blocks = Gauge("kvpage:kv_offload_blocks", "Prefix blocks held below the pool, by tier",
+                                 [*lab, "tier"], registry=r)
+        self.disk_bytes = gauge("kv_offload_disk_bytes", "Bytes of the disk tier's block files")
+        self.disk_problems = counter("kv_offload_disk_problems", "Disk tier files ignored (other model, dtype, "
+                                     "block size or format), blocks that failed their checksum, failed writes",
+                                     ["kind"])
         self.preemptions = counter("num_preemptions", "Sequences preempted (recompute or swap)")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
@@ -51,6 +59,7 @@ class ServerMetrics:
         self.step_time = histogram("engine_step_seconds", "Duration of one engine step")
         self.model = model_name
         self._last: dict[str, Any] = {}
+        self._last_tier: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
 
     def on_step(self, client: Any, outs: list[RequestOutput], step_seconds: float) -> None:
@@ -72,6 +81,7 @@ class ServerMetrics:
             delta = s[key] - self._last.get(key, 0)
             if delta > 0:
                 counter.labels(m).inc(delta)
+        self._tiers(s)
         self._last = dict(s)
         if step_seconds:
             self.step_time.labels(m).observe(step_seconds)
@@ -96,6 +106,28 @@ class ServerMetrics:
                 for reason in reasons:
                     self.request_success.labels(m, reason).inc()
                 self._last_token_time.pop(rid, None)
+
+    def _tiers(self, s: dict[str, Any]) -> None:
+        """Per-tier hits and sizes, when the engine has tiers below the pool."""
+        if "host_hit_tokens" not in s:
+            return
+        m = self.model
+        below = s["host_hit_tokens"] + s["disk_hit_tokens"]
+        for tier, value in (("device", s["prefix_cache_hit_tokens"] - below), ("host", s["host_hit_tokens"]),
+                            ("disk", s["disk_hit_tokens"])):
+            delta = value - self._last_tier.get(tier, 0)
+            if delta > 0:
+                self.tier_hits.labels(m, tier).inc(delta)
+            self._last_tier[tier] = value
+        self.tier_blocks.labels(m, "host").set(s["host_tier_blocks"])
+        if "disk_tier_blocks" in s:
+            self.tier_blocks.labels(m, "disk").set(s["disk_tier_blocks"])
+            self.disk_bytes.labels(m).set(s["disk_tier_bytes"])
+            for kind, key in (("ignored_file", "disk_ignored_files"), ("corrupt_block", "disk_corrupt_blocks"),
+                              ("write_error", "disk_write_errors")):
+                delta = s[key] - self._last.get(key, 0)
+                if delta > 0:
+                    self.disk_problems.labels(m, kind).inc(delta)
 
     def add_prompt_tokens(self, n: int) -> None:
         self.prompt_tokens.labels(self.model).inc(n)

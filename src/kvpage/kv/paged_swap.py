@@ -1,0 +1,97 @@
+"""Swapping a paged manager's sequences to the host tier and back, and the per-sequence state both sides keep.
+
+Split from paged.py; ``PagedSwap`` is a base of ``KVCacheManager`` and reads its pool, host tier and tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvpage.kv.block import KVBlock
+from kvpage.kv.prefix_hash import BlockHash
+from kvpage.kv.sequence import SequenceLike
+
+if TYPE_CHECKING:
+    from kvpage.kv.block_pool import BlockPool
+    from kvpage.kv.host_tier import HostTier
+    from kvpage.kv.stats import KVCounters
+
+
+def _sid(seq: SequenceLike | str) -> str:
+    return seq if isinstance(seq, str) else seq.seq_id
+
+
+class _SeqState:
+    __slots__ = ("hashes", "num_tokens", "root", "table")
+
+    def __init__(self, table: list[KVBlock], num_tokens: int, hashes: list[BlockHash], root: BlockHash) -> None:
+        self.table = table
+        self.num_tokens = num_tokens  # tokens that have a slot
+        self.hashes = hashes  # chained hashes of the leading full blocks
+        self.root = root
+
+
+@dataclass
+class _SwappedState:
+    host_blocks: list[int]
+    num_tokens: int
+    hashes: list[BlockHash]
+    root: BlockHash
+
+
+class PagedSwap:
+    """swap_out / swap_in of ``KVCacheManager`` (the attributes below are the manager's)."""
+
+    pool: BlockPool
+    block_size: int
+    counters: KVCounters
+    _host_free: HostTier
+    _seqs: dict[str, _SeqState]
+    _swapped: dict[str, _SwappedState]
+
+    def swap_out(self, seq: SequenceLike | str) -> list[tuple[int, int]] | None:
+        """Move a running sequence to the host pool: (device, host) copies, or None if it is full."""
+        sid = _sid(seq)
+        state = self._state(sid)
+        n = len(state.table)
+        if n > len(self._host_free):
+            return None
+        host = [self._host_free.pop() for _ in range(n)]
+        mapping = [(b.block_id, h) for b, h in zip(state.table, host, strict=True)]
+        del self._seqs[sid]
+        self._release_table(sid, state)  # shared blocks stay with their other owners
+        self._swapped[sid] = _SwappedState(host, state.num_tokens, state.hashes, state.root)
+        self.counters.blocks_swapped_out += n
+        return mapping
+
+    def swap_in(self, seq: SequenceLike) -> list[tuple[int, int]] | None:
+        """Bring a swapped sequence back: (host, device) copies, or None if the device lacks room."""
+        sid = seq.seq_id
+        swapped = self._swapped_state(sid)
+        host = swapped.host_blocks
+        # Full blocks whose cached copy is still on the device need no transfer: share them instead.
+        # Only a run from the first block can be verified (each block names its exact parent).
+        resident: dict[int, KVBlock] = {}
+        ident, bs, tokens = self._root_key(seq), self.block_size, seq.token_ids
+        for i, h in enumerate(swapped.hashes):
+            block = self.pool.lookup(h, ident, tuple(tokens[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            resident[i] = block
+            ident = block.identity
+        n_copy = len(host) - len(resident)
+        revived = sum(1 for b in resident.values() if b.ref_count == 0)
+        if self.pool.num_free_blocks - n_copy - revived < self._admission_reserve():
+            return None
+        self.pool.touch(resident.values())
+        fresh = iter(self.pool.get_new_blocks(n_copy))
+        table = [resident[i] if i in resident else next(fresh) for i in range(len(host))]
+        del self._swapped[sid]
+        self._host_free.release_after_read(reversed(host))
+        mapping = [(h, b.block_id) for i, (h, b) in enumerate(zip(host, table, strict=True)) if i not in resident]
+        self._seqs[sid] = _SeqState(table, swapped.num_tokens, [], swapped.root)
+        # Copied full blocks become findable again (their K/V arrives before any read of this step).
+        self.cache_computed_blocks(seq, len(swapped.hashes) * self.block_size)
+        self.counters.blocks_swapped_in += n_copy
+        return mapping

@@ -1,0 +1,334 @@
+"""The tiers below the pool (kv/offload.py, host_tier.py, disk_tier.py), torch-free: evicted prefix blocks go
+down, lookups continue into the tiers, loads and stores are ordered so that no block is read after it was
+overwritten, salts never meet, and the disk tier survives restarts and refuses what does not match."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpage.kv import KVCacheManager
+from kvpage.kv.disk_tier import LOCK_NAME, DiskTier
+from kvpage.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, DevicePoolEvents, KVEventSink
+from kvpage.kv.host_tier import HostTier
+from kvpage.kv.offload import PrefixTiers
+from kvpage.kv.prefix_hash import block_hash, root_hash
+from kvpage.kv.sequence import KVSequence
+
+BS = 4
+PAYLOAD = 40
+IDENT = {"model": "m", "kv_dtype": "bfloat16", "block_size": BS}
+
+
+def make(tmp_path, blocks=8, host=6, disk=True, disk_bytes=1 << 20, events=None):
+    d = DiskTier(tmp_path / "tier", IDENT, disk_bytes) if disk else None
+    tiers = PrefixTiers(HostTier(host, offload=host > 0), d, BS, PAYLOAD, events)
+    return KVCacheManager(blocks, BS, num_swap_blocks=host, tiers=tiers, watermark=0.0)
+
+
+class Blocks:
+    """The bytes the worker would move, as tags: each device block / host slot holds the chain hash of the
+    tokens written into it, applied in the worker's order of operations."""
+
+    def __init__(self, m: KVCacheManager) -> None:
+        self.m = m
+        self.dev: dict[int, bytes | None] = {}
+        self.host: dict[int, bytes | None] = {}
+
+    def step(self, seqs: list[KVSequence], frees: list[KVSequence] = ()) -> None:
+        m = self.m
+        for s in frees:
+            m.free(s)
+        m.begin_step()
+        allocs = {}
+        for s in seqs:
+            hit = m.lookup_prefix(s)
+            alloc = m.allocate_slots(s, len(s.token_ids) - hit.num_tokens, hit)
+            assert alloc is not None
+            allocs[s.seq_id] = alloc
+        ops = m.take_tier_ops()
+        # the worker's order: device -> host, device -> disk, host -> device, disk -> device, then the forward pass
+        for dev, slot in ops.stores:
+            self.host[slot] = self.dev.get(dev)
+        for dev, entry in ops.persists:
+            tag = self.dev.get(dev)
+            assert tag == entry.block_hash, "a block went to disk after it was overwritten"
+            m.tiers.disk.put(entry, tag + b"\0" * (PAYLOAD - len(tag)))
+        for slot, dev in ops.loads:
+            self.dev[dev] = self.host.get(slot)
+        for payload, dev in ops.disk_loads:
+            self.dev[dev] = payload[:32]
+        for s in seqs:
+            cached = allocs[s.seq_id].num_cached_tokens
+            table = m.block_table(s.seq_id)
+            for i, h in enumerate(chain(s)):
+                if (i + 1) * BS <= cached:
+                    assert self.dev.get(table[i]) == h, f"{s.seq_id}: block {i} loaded with the wrong content"
+                else:
+                    self.dev[table[i]] = h  # computed by the forward pass
+            m.cache_computed_blocks(s, len(s.token_ids))
+        if m.tiers.disk is not None:
+            m.tiers.disk.flush()
+        m.check_invariants()
+
+
+def chain(s: KVSequence) -> list[bytes]:
+    parent = root_hash("", None, s.cache_salt)
+    out = []
+    for i in range(len(s.token_ids) // BS):
+        parent = block_hash(parent, s.token_ids[i * BS: (i + 1) * BS])
+        out.append(parent)
+    return out
+
+
+def seq(name, tokens, salt=None):
+    return KVSequence(name, list(tokens), cache_salt=salt)
+
+
+PROMPTS = [[p * 100 + i for i in range(13)] for p in range(5)]  # 3 full blocks + 1 token each
+
+
+def test_evicted_blocks_come_back_from_the_host_tier(tmp_path):
+    m = make(tmp_path, disk=False, host=16)
+    b = Blocks(m)
+    for r, p in enumerate(PROMPTS):  # each 4 blocks; an 8-block pool holds two
+        s = seq(f"a{r}", p)
+        b.step([s])
+        b.step([], [s])
+    assert m.tiers.counters.blocks_offloaded > 0
+    s = seq("again", PROMPTS[0])
+    hit = m.lookup_prefix(s)
+    # the chain's head may still be in the pool (tails are evicted first): the rest comes from the host
+    assert hit.num_tokens == 12 and len(hit.blocks) + len(hit.loads) == 3
+    assert hit.loads and all(h.medium == "host" for h in hit.loads)
+    b.step([s])
+    assert m.tiers.counters.host_hit_tokens == BS * len(hit.loads)
+    assert m.stats().prefix_hit_tokens == 12
+
+
+def test_disk_tier_serves_after_a_restart_and_salts_never_meet(tmp_path):
+    m = make(tmp_path, host=0)
+    b = Blocks(m)
+    for r, p in enumerate(PROMPTS):
+        s = seq(f"a{r}", p, salt="alice")
+        b.step([s])
+        b.step([], [s])
+    m.tiers.close()
+    m2 = make(tmp_path, host=0)  # a new engine on the same directory
+    assert len(m2.tiers.disk) == m.tiers.counters.blocks_persisted > 0
+    assert m2.lookup_prefix(seq("bob", PROMPTS[0], salt="bob")).num_tokens == 0
+    assert m2.lookup_prefix(seq("none", PROMPTS[0])).num_tokens == 0
+    s = seq("alice", PROMPTS[0], salt="alice")
+    assert m2.lookup_prefix(s).num_tokens == 12
+    Blocks(m2).step([s])  # loads the bytes written before the restart: checked against the chain
+    assert m2.tiers.counters.disk_hit_tokens == 12
+    m2.tiers.close()
+
+
+def test_disk_files_of_another_identity_or_damaged_are_ignored_and_counted(tmp_path):
+    m = make(tmp_path, host=0)
+    b = Blocks(m)
+    for r, p in enumerate(PROMPTS):
+        s = seq(f"a{r}", p)
+        b.step([s])
+        b.step([], [s])
+    m.tiers.close()
+    files = sorted((tmp_path / "tier").glob("*.kvblock"))
+    assert files
+    other = DiskTier(tmp_path / "tier", {**IDENT, "block_size": 8}, 1 << 20)
+    assert len(other) == 0 and other.counters.ignored_files == len(files)
+    other.close()
+    # a damaged header is ignored at start; a damaged payload fails its checksum when read
+    files[0].write_bytes(b"garbage")
+    with open(files[1], "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xfe\xfd")
+    d = DiskTier(tmp_path / "tier", IDENT, 1 << 20)
+    assert d.counters.ignored_files == 1 and len(d) == len(files) - 1
+    bad = bytes.fromhex(files[1].name.split(".")[0])
+    assert d.read(bad, PAYLOAD) is None and d.counters.corrupt_blocks == 1
+    assert not files[1].exists() and len(d) == len(files) - 2
+    truncated = files[2]
+    truncated.write_bytes(truncated.read_bytes()[:-5])
+    assert d.read(bytes.fromhex(truncated.name.split(".")[0]), PAYLOAD) is None and d.counters.corrupt_blocks == 2
+    d.close()
+
+
+def test_a_failed_disk_block_ends_the_hit_there(tmp_path):
+    m = make(tmp_path, host=0)
+    b = Blocks(m)
+    for r, p in enumerate(PROMPTS):
+        s = seq(f"a{r}", p)
+        b.step([s])
+        b.step([], [s])
+    m.tiers.close()
+    m2 = make(tmp_path, host=0)
+    s = seq("x", PROMPTS[0])
+    hashes = chain(s)
+    path = tmp_path / "tier" / (hashes[1].hex() + ".kvblock")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert m2.lookup_prefix(s).num_tokens == 12  # the index does not read payloads
+    hit = m2.lookup_prefix(s)
+    alloc = m2.allocate_slots(s, 1, hit)
+    assert alloc.num_cached_tokens == 4  # block 0 loaded; block 1 failed its check; the rest is computed
+    assert m2.num_tokens("x") == 5
+    m2.check_invariants()
+    m2.tiers.close()
+
+
+def test_disk_bound_is_never_exceeded(tmp_path):
+    m = make(tmp_path, host=0, disk_bytes=2500)
+    b = Blocks(m)
+    for r in range(12):
+        s = seq(f"a{r}", PROMPTS[r % 5])
+        b.step([s])
+        b.step([], [s])
+        d = m.tiers.disk
+        on_disk = sum(p.stat().st_size for p in (tmp_path / "tier").glob("*.kvblock"))
+        assert on_disk == d.used_bytes <= 2500
+    assert m.tiers.disk.counters.evictions > 0
+    m.tiers.close()
+
+
+def test_a_second_engine_on_one_directory_runs_without_it(tmp_path):
+    first = DiskTier(tmp_path / "t", IDENT, 1 << 20)
+    second = DiskTier(tmp_path / "t", IDENT, 1 << 20)
+    assert first.enabled and not second.enabled
+    assert "in use by another kvpage engine" in second.status
+    second.close()
+    first.close()
+    third = DiskTier(tmp_path / "t", IDENT, 1 << 20)  # the lock went with the first
+    assert third.enabled
+    third.close()
+    assert (tmp_path / "t" / LOCK_NAME).exists()
+
+
+def test_write_failures_are_counted_and_stop_on_a_read_only_directory(tmp_path, monkeypatch):
+    m = make(tmp_path, host=0)
+    d = m.tiers.disk
+
+    def full(path, head, payload):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskTier, "_write_file", staticmethod(full))
+    b = Blocks(m)
+    for r, p in enumerate(PROMPTS):
+        s = seq(f"a{r}", p)
+        b.step([s])
+        b.step([], [s])
+    assert d.counters.write_errors > 0 and d.writable and len(d) == 0
+    assert not list((tmp_path / "tier").glob("*.tmp"))
+
+    def read_only(path, head, payload):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(DiskTier, "_write_file", staticmethod(read_only))
+    for r, p in enumerate(PROMPTS):
+        s = seq(f"b{r}", p)
+        b.step([s])
+        b.step([], [s])
+    assert not d.writable and d.status == "read-only"
+    m.tiers.close()
+
+
+def test_read_only_directory_is_served_not_written(tmp_path, monkeypatch):
+    m = make(tmp_path, host=0)
+    b = Blocks(m)
+    for r, p in enumerate(PROMPTS):
+        s = seq(f"a{r}", p)
+        b.step([s])
+        b.step([], [s])
+    m.tiers.close()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if mode == os.W_OK else real(p, mode))
+    m2 = make(tmp_path, host=0)
+    assert not m2.tiers.disk.writable and m2.tiers.disk.status == "read-only"
+    s = seq("x", PROMPTS[0])
+    Blocks(m2).step([s])
+    assert m2.tiers.counters.disk_hit_tokens == 12 and not m2.tiers.counters.blocks_persisted
+    m2.tiers.close()
+
+
+def test_events_rebuild_every_tier(tmp_path):
+    sink = KVEventSink(BS)
+    m = make(tmp_path, events=sink)
+    m.pool.listeners.append(DevicePoolEvents(sink))
+    b = Blocks(m)
+    for r in range(9):
+        s = seq(f"a{r}", PROMPTS[r % 5], salt="s" if r % 3 == 0 else None)
+        b.step([s])
+        b.step([], [s])
+    seen: dict[str, set[bytes]] = {"device": set(), "host": set(), "disk": set()}
+    for e in sink.drain():
+        if isinstance(e, BlockStored):
+            seen[e.medium].update(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            seen[e.medium].difference_update(e.block_hashes)
+    assert seen["device"] == set(m.pool.cached)
+    assert seen["host"] == set(m.tiers.host.cached)
+    assert seen["disk"] == set(m.tiers.disk.hashes())
+    assert m.reset_prefix_cache() > 0
+    events = sink.drain()
+    assert any(isinstance(e, AllBlocksCleared) for e in events)
+    assert not m.pool.cached and not m.tiers.host.cached and not len(m.tiers.disk)
+    m.tiers.close()
+
+
+def test_swap_and_offload_share_the_host_tier(tmp_path):
+    m = make(tmp_path, blocks=8, host=4, disk=False)
+    b = Blocks(m)
+    s = seq("a", PROMPTS[0])
+    b.step([s])
+    b.step([], [s])
+    t = seq("b", PROMPTS[1])
+    b.step([t])  # evicts a's blocks into the host tier (the pool has 8 blocks, a and b 4 each: no eviction yet)
+    u = seq("c", PROMPTS[2])
+    b.step([u])
+    assert len(m.tiers.host.cached) > 0
+    mapping = m.swap_out("b")  # swap-out takes slots, evicting prefix entries when none is free
+    assert mapping is not None and len(mapping) == 4
+    m.check_invariants()
+    assert len(m.tiers.host.cached) == 0
+    m.free("b")
+    m.check_invariants()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 4), st.booleans(), st.integers(0, 3)), min_size=1, max_size=25),
+       st.integers(0, 6), st.booleans())
+def test_every_loaded_block_holds_its_prefix(tmp_path_factory, plan, host, disk):
+    """Random admissions, departures and salts over a small pool, host tier and disk tier: every block a
+    sequence gets from any tier holds exactly its chain's content, and the invariants hold after each step."""
+    tmp = tmp_path_factory.mktemp("tiers")
+    m = make(tmp, blocks=10, host=host, disk=disk, disk_bytes=3000)
+    b = Blocks(m)
+    live: list[KVSequence] = []
+    for k, (p, salted, suffix) in enumerate(plan):
+        tokens = PROMPTS[p][: 9 + suffix]
+        s = seq(f"s{k}", tokens, salt="x" if salted else None)
+        frees = live[:-1] if len(live) > 1 else []  # keep at most two holders
+        live = live[len(frees):]
+        b.step([], frees)
+        if m.blocks_to_allocate(s, len(tokens) - m.lookup_prefix(s).num_tokens, m.lookup_prefix(s)) \
+                > m.num_free_blocks:
+            continue
+        b.step([s])
+        live.append(s)
+    for s in live:
+        m.free(s)
+    m.check_invariants()
+    assert m.num_free_blocks == m.num_blocks
+    if m.tiers.disk is not None:
+        m.tiers.close()
+
+
+def test_tiers_need_prefix_caching():
+    with pytest.raises(ValueError, match="enable prefix caching"):
+        KVCacheManager(8, BS, num_swap_blocks=2, enable_prefix_caching=False,
+                       tiers=PrefixTiers(HostTier(2, offload=True), None, BS, PAYLOAD))
