@@ -66,7 +66,7 @@ def request(prompt: list[int]) -> tuple[float, int, int]:
 
 def serve(args, extra: list[str], log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvpage.entrypoints.cli", "serve", "--port", str(PORT), "--served-model-name", "m",
-           "--model", args.model, "--max-model-len", "2048", "--kv-cache-memory", str(args.pool_bytes), *extra]
+           "--model", args.model, "--max-model-len", "2048", "--kv-cache-memory", f"{args.pool_bytes}B", *extra]
     proc = launch(cmd, log)
     wait_healthy(PORT, proc)
     return proc
@@ -106,7 +106,7 @@ def main() -> None:
     def rotation(k0: int) -> list[list[int]]:
         return [systems[i] + [rng.randrange(1000, 40000) for _ in range(24)] for i in range(args.prompts)]
 
-    offload = f"{args.prompts * blocks_per_prompt * bb * 5 // 4}"
+    offload = f"{args.prompts * blocks_per_prompt * bb * 5 // 4}B"
     work = Path(tempfile.mkdtemp(prefix="kvpage-offload-"))
     cases = {"none": [], "host": ["--kv-offload-memory", offload],
              "disk": ["--kv-offload-dir", str(work / "disk"), "--kv-offload-disk", offload]}
