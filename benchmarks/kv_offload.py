@@ -87,6 +87,38 @@ def measure(requests: list[list[int]]) -> dict:
             "hit_rate": sum(r[1] for r in rows) / sum(r[2] for r in rows), "requests": len(rows)}
 
 
+def copy_costs(model: str, blocks: int = 63, reps: int = 9) -> dict[str, float]:
+    """Milliseconds to move one prompt's blocks (63 = a 1,000-token prompt) between the pool and the tiers, as
+    the worker does inside a step: device -> host, host -> device, device -> bytes for the disk writer, bytes ->
+    device (in the same process as a server's step, so run it when nothing else is)."""
+    import torch
+
+    from kvpage.model.registry import load_model_config
+    from kvpage.worker.kv_cache import KVCache
+
+    cfg = load_model_config(model)
+    cache = KVCache(cfg, 4 * blocks, 16, torch.bfloat16, num_host_blocks=2 * blocks)
+    for t in cache.tensors + cache.host_tensors:
+        t.normal_()
+    dev = list(range(blocks, 2 * blocks))
+    pairs = list(zip(dev, range(blocks), strict=True))
+    payloads = [cache.read_block(b) for b in dev]
+    ops = {"device -> host": lambda: cache.swap_out(pairs),
+           "host -> device": lambda: cache.swap_in([(h, d) for d, h in pairs]),
+           "device -> bytes (disk writer)": lambda: [cache.read_block(b) for b in dev],
+           "bytes -> device (disk load)": lambda: [cache.write_block(b, p) for b, p in zip(dev, payloads, strict=True)]}
+    out = {}
+    for name, fn in ops.items():
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = 1000 * statistics.median(times)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -96,7 +128,14 @@ def main() -> None:
     p.add_argument("--rotations", type=int, default=2)
     p.add_argument("--cases", nargs="+", default=["none", "host", "disk", "restart"])
     p.add_argument("--json", type=Path)
+    p.add_argument("--copies-only", action="store_true", help="only the block copy costs")
     args = p.parse_args()
+    nbytes = block_bytes(args.model, "auto") * 63
+    copies = copy_costs(args.model)
+    print(f"moving 63 blocks ({nbytes / 2**20:.1f} MiB, bf16):",
+          ", ".join(f"{k} {v:.2f} ms" for k, v in copies.items()), flush=True)
+    if args.copies_only:
+        return
     rng = random.Random(0)
     bb = block_bytes(args.model, "auto")
     blocks_per_prompt = -(-(args.prompt_tokens + 24 + 8) // 16)

@@ -151,3 +151,57 @@ def test_offload_flags_that_cannot_work_are_refused():
         engine(kv_offload_memory=1000)
     with pytest.raises(ValueError, match="paged KV policy"):
         engine(kv_offload_memory="64MiB", kv_policy="static")
+
+
+@pytest.fixture(scope="module")
+def tiny_window(tmp_path_factory):
+    """A tiny random Mistral with a 24-position sliding window: its one KV group drops blocks as it slides."""
+    from tests.helpers.tiny_models import make_hf_model
+
+    path = tmp_path_factory.mktemp("mistral-window")
+    make_hf_model(path, "mistral", kv_heads=2, window=24)
+    return str(path)
+
+
+def test_sliding_window_group_loads_its_window_from_the_tiers(tiny_window, tmp_path):
+    """Only the blocks the window at the hit point still reads are loaded; tokens equal the uncached run's."""
+    r = random.Random(1)
+    prompts = [[r.randrange(3, 300) for _ in range(60)] for _ in range(6)]
+    kw = dict(model=tiny_window, dtype="float32", block_size=4, max_model_len=128, kv_cache_memory=60 * 1024)
+    ref = [t for t, _ in run(LLM(enable_prefix_caching=False, **kw), prompts)]
+    d = str(tmp_path / "kv")
+    llm = LLM(kv_offload_memory=200 * 1024, kv_offload_dir=d, **kw)
+    assert [t for t, _ in run(llm, prompts)] == ref
+    again = run(llm, prompts)
+    assert [t for t, _ in again] == ref and all(c == 56 for _, c in again)
+    s = llm.engine.stats()
+    assert s["host_hit_tokens"] > 0 and s["blocks_loaded_host"] <= 6 * 7  # the window's blocks, not all 14
+    llm.engine.kv.check_invariants()
+    llm.shutdown()
+    llm = LLM(kv_offload_dir=d, **kw)  # restarted: the window's blocks come from disk
+    out = run(llm, prompts)
+    assert [t for t, _ in out] == ref and all(c == 56 for _, c in out)
+    assert llm.engine.stats()["disk_hit_tokens"] > 0
+    llm.shutdown()
+
+
+@pytest.mark.slow
+def test_gemma3_hybrid_groups_through_the_tiers(tmp_path):
+    """Gemma 3 (five sliding-window layers to one global): prompts longer than the 512-position window come back
+    from the host tier and, after a restart, from disk, with the uncached run's greedy tokens (float32)."""
+    r = random.Random(5)
+    prompts = [[2] + [r.randrange(1000, 200000) for _ in range(620)] for _ in range(4)]
+    kw = dict(model="gemma-3-270m", dtype="float32", max_model_len=768, kv_cache_memory="64MiB")
+    ref = [t for t, _ in run(LLM(enable_prefix_caching=False, **kw), prompts)]
+    d = str(tmp_path / "kv")
+    llm = LLM(kv_offload_memory="256MiB", kv_offload_dir=d, **kw)
+    run(llm, prompts)
+    again = run(llm, prompts)
+    assert [t for t, _ in again] == ref and all(c == 608 for _, c in again)
+    assert llm.engine.stats()["host_hit_tokens"] >= 3 * 608
+    llm.shutdown()
+    llm = LLM(kv_offload_dir=d, **kw)
+    out = run(llm, prompts)
+    assert [t for t, _ in out] == ref and all(c == 608 for _, c in out)
+    llm.engine.kv.check_invariants()
+    llm.shutdown()

@@ -15,6 +15,7 @@ from kvpage.kv.block import DEFAULT_BLOCK_SIZE
 from kvpage.kv.block_pool import BlockPool
 from kvpage.kv.host_tier import HostTier
 from kvpage.kv.invariants import check_host, check_pool, check_tables
+from kvpage.kv.offload import PrefixTiers, TierOps
 from kvpage.kv.paged import KVCacheManager, _sid
 from kvpage.kv.protocol import NO_HIT, NOTHING, Allocation, PrefixHit
 from kvpage.kv.sequence import SequenceLike
@@ -28,7 +29,7 @@ class HybridKVManager:
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, *,
                  watermark: float = 0.01, enable_prefix_caching: bool = True, num_swap_blocks: int = 0,
-                 max_model_len: int | None = None, model_id: str = "") -> None:
+                 max_model_len: int | None = None, model_id: str = "", tiers: PrefixTiers | None = None) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark}")
         self.layout = layout
@@ -40,12 +41,13 @@ class HybridKVManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.max_model_len = max_model_len
         self.num_swap_blocks = num_swap_blocks
-        self._host_free = HostTier(num_swap_blocks)
+        self.tiers = tiers  # the host and disk tiers below the pool, shared by every group
+        self._host_free = tiers.host if tiers is not None else HostTier(num_swap_blocks)
         self.groups: list[KVCacheManager] = []
         for g, group in enumerate(layout.groups):
             kw = dict(watermark=0.0, enable_prefix_caching=enable_prefix_caching, num_swap_blocks=num_swap_blocks,
                       max_model_len=max_model_len, model_id=model_id, pool=self.pool, group=g,
-                      host_free=self._host_free)
+                      host_free=self._host_free, tiers=tiers)
             if group.spec.window is None:
                 self.groups.append(KVCacheManager(num_blocks, block_size, **kw))  # type: ignore[arg-type]
             else:
@@ -117,7 +119,8 @@ class HybridKVManager:
         if limit is None or hit.num_tokens <= limit:
             return hit
         k = limit // self.block_size
-        return PrefixHit(hit.blocks[:k], hit.hashes[:k], k * self.block_size) if k else NO_HIT
+        return PrefixHit(hit.blocks[:k], hit.hashes[:k], k * self.block_size,
+                         loads=tuple(t for t in hit.loads if t.index < k)) if k else NO_HIT
 
     def cache_computed_blocks(self, seq: SequenceLike, num_computed_tokens: int | None = None) -> int:
         return sum(g.cache_computed_blocks(seq, num_computed_tokens) for g in self.groups)
@@ -128,9 +131,8 @@ class HybridKVManager:
     def begin_step(self) -> None:
         self._host_free.begin_step()
 
-    def take_tier_ops(self) -> None:
-        """No tiers below the pool for several KV groups yet (docs/kv_offload.md)."""
-        return None
+    def take_tier_ops(self) -> TierOps | None:
+        return self.tiers.take_ops() if self.tiers is not None else None
 
     # -------------------------------------------------------------- allocation
     def allocate_slots(self, seq: SequenceLike, num_new_tokens: int,
@@ -149,6 +151,8 @@ class HybridKVManager:
         # Every group's hit blocks are held before any group takes new ones, which could evict them otherwise.
         pinned = [b for h in hits if h is not None for b in h.blocks if b is not None]
         self.pool.touch(pinned)
+        if self.tiers is not None:  # and every group's tier hits, before any group's new blocks evict host entries
+            self.tiers.hold(tuple(t for h in hits if h is not None for t in h.loads))
         new: list[int] = []
         copies: list[tuple[int, int]] = []
         cached = 0
@@ -160,6 +164,8 @@ class HybridKVManager:
             copies += alloc.copies
             cached = alloc.num_cached_tokens
         self.pool.release(pinned)
+        if self.tiers is not None and any(h is not None and h.loads for h in hits):
+            self.tiers.count_hit([h.loads for h in hits if h is not None])
         if admitting and self.enable_prefix_caching:
             self.counters.prefix_query_tokens += len(seq.token_ids)
             self.counters.prefix_hit_tokens += prefix_hit.num_tokens if prefix_hit else 0

@@ -21,14 +21,15 @@ ALLOCATORS = ("paged", "static")
 
 def make_kv_manager(policy: str, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, *,
                     max_model_len: int | None = None, watermark: float = 0.01, num_swap_blocks: int = 0,
-                    model_id: str = "", enable_prefix_caching: bool = True, reserve: str = "max") -> KVCacheManager:
+                    model_id: str = "", enable_prefix_caching: bool = True, reserve: str = "max",
+                    tiers: PrefixTiers | None = None) -> KVCacheManager:
     """``paged`` or ``static`` by name (for the engine, the CLI, the simulator and benchmarks); the static
     baseline never shares blocks, so ``enable_prefix_caching`` applies to ``paged`` only. Both satisfy
     ``KVManager``, all the scheduler relies on; tools that inspect a pool (the tracer) may use the rest."""
     if policy == "paged":
         return KVCacheManager(num_blocks, block_size, max_model_len=max_model_len, watermark=watermark,
                               num_swap_blocks=num_swap_blocks, model_id=model_id,
-                              enable_prefix_caching=enable_prefix_caching)
+                              enable_prefix_caching=enable_prefix_caching, tiers=tiers)
     if policy == "static":
         if max_model_len is None:
             raise ValueError("the static reservation policy needs max_model_len")
@@ -63,13 +64,8 @@ class KVPoolConfig:
         """The manager for a model of this KV ``layout`` (None: one full-attention group): several groups share
         one pool under a hybrid manager, one sliding-window group is a sliding-window manager. ``tiers``: host and
         disk tiers below the pool (one full-attention group, the paged policy)."""
-        if tiers is not None:
-            if self.allocator != "paged" or (layout is not None and (layout.hybrid or layout.groups[0].spec.window)):
-                raise ValueError("KV offload tiers need the paged policy over one full-attention KV group")
-            return KVCacheManager(self.num_blocks, self.block_size, max_model_len=max_model_len,
-                                  watermark=self.watermark, num_swap_blocks=self.num_swap_blocks,
-                                  model_id=self.model_id, enable_prefix_caching=self.enable_prefix_caching,
-                                  tiers=tiers)
+        if tiers is not None and self.allocator != "paged":
+            raise ValueError("KV offload tiers keep prefix-cache blocks: they need the paged KV policy")
         if layout is not None and (layout.hybrid or layout.groups[0].spec.window is not None):
             if self.allocator == "static":  # every group reserves the whole length: the baseline
                 if max_model_len is None:
@@ -79,13 +75,16 @@ class KVPoolConfig:
                                                 num_swap_blocks=self.num_swap_blocks, model_id=self.model_id,
                                                 layout=layout)
             kw = dict(watermark=self.watermark, enable_prefix_caching=self.enable_prefix_caching,
-                      num_swap_blocks=self.num_swap_blocks, max_model_len=max_model_len, model_id=self.model_id)
+                      num_swap_blocks=self.num_swap_blocks, max_model_len=max_model_len, model_id=self.model_id,
+                      tiers=tiers)
             if layout.hybrid:
                 return HybridKVManager(layout, self.num_blocks, self.block_size, **kw)  # type: ignore[return-value]
             return SlidingWindowKVManager(self.num_blocks, self.block_size, window=layout.groups[0].spec.window,
                                           **kw)  # type: ignore[arg-type]
         kw: dict = {"reserve": self.static_reserve} if self.allocator == "static" else {
             "enable_prefix_caching": self.enable_prefix_caching}
+        if tiers is not None:
+            kw["tiers"] = tiers
         return make_kv_manager(self.allocator, self.num_blocks, self.block_size, max_model_len=max_model_len,
                                watermark=self.watermark, num_swap_blocks=self.num_swap_blocks,
                                model_id=self.model_id, **kw)

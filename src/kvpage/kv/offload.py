@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 
 from kvpage.kv.block import KVBlock
 from kvpage.kv.disk_tier import DiskTier
@@ -36,10 +37,13 @@ class TierOps:
 
 @dataclass(frozen=True)
 class TierHit:
-    """A block found below the pool: in a host slot, or on disk (slot None)."""
+    """A block found below the pool for table position ``index``: in a host slot, or on disk (slot None; its
+    checked bytes in ``payload`` once staged)."""
 
     entry: TierEntry
     slot: int | None
+    index: int = -1
+    payload: bytes | None = None
 
     @property
     def medium(self) -> str:
@@ -70,9 +74,12 @@ class PrefixTiers:
     """The host and disk tiers of one KV manager (one full-attention group) and their per-step operations."""
 
     def __init__(self, host: HostTier, disk: DiskTier | None, block_size: int, payload_bytes: int,
-                 events: KVEventSink | None = None) -> None:
+                 events: KVEventSink | None = None, staged_bytes: int = 256 << 20) -> None:
         self.host = host
         self.disk = disk
+        # disk payloads read and checked by a lookup, kept until loaded (a waiting request looks up every step)
+        self._staged: OrderedDict[BlockHash, bytes] = OrderedDict()
+        self.max_staged = max(64, staged_bytes // max(1, payload_bytes))
         self.block_size = block_size
         self.payload_bytes = payload_bytes
         self.counters = TierCounters()
@@ -118,15 +125,33 @@ class PrefixTiers:
 
     # ----------------------------------------------------------------- lookups
     def find(self, block_hash: BlockHash, parent_hash: BlockHash, token_ids: tuple[int, ...],
-             root_keys: tuple | None) -> TierHit | None:
-        """This exact block in the host tier, else on disk. Pure."""
+             root_keys: tuple | None, index: int) -> TierHit | None:
+        """This exact block in the host tier, else in the disk tier's index (its bytes not read yet: ``stage``)."""
         root = root_check(root_keys) if root_keys is not None else None
         slot = self.host.find(block_hash, parent_hash, token_ids, root)
         if slot is not None:
-            return TierHit(self.host.cached[block_hash][1], slot)
+            return TierHit(self.host.cached[block_hash][1], slot, index)
         if self.disk is not None and self.disk.find(block_hash, parent_hash, token_ids, root):
-            return TierHit(TierEntry(block_hash, parent_hash, token_ids, root), None)
+            return TierHit(TierEntry(block_hash, parent_hash, token_ids, root), None, index)
         return None
+
+    def stage(self, hit: TierHit) -> TierHit | None:
+        """A hit ready to load: a host hit as it is, a disk hit with its bytes read and checked (None if they
+        fail: the file is gone and counted)."""
+        if hit.slot is not None or hit.payload is not None:
+            return hit
+        h = hit.entry.block_hash
+        payload = self._staged.get(h)
+        if payload is None:
+            payload = self.disk.read(h, self.payload_bytes) if self.disk is not None else None
+            if payload is None:
+                return None
+            self._staged[h] = payload
+            while len(self._staged) > self.max_staged:
+                self._staged.popitem(last=False)
+        else:
+            self._staged.move_to_end(h)
+        return replace(hit, payload=payload)
 
     def hold(self, hits: tuple[TierHit, ...]) -> None:
         """Keep this admission's host hits from eviction until the step's loads have read them."""
@@ -134,31 +159,25 @@ class PrefixTiers:
             if h.slot is not None:
                 self.host.hold(h.entry.block_hash)
 
-    def read(self, hits: tuple[TierHit, ...]) -> list[bytes | None]:
-        """The disk hits' bytes (None for host hits), up to the first that fails its check: the hit ends there."""
-        out: list[bytes | None] = []
-        for h in hits:
-            if h.slot is not None:
-                out.append(None)
-                continue
-            payload = self.disk.read(h.entry.block_hash, self.payload_bytes) if self.disk is not None else None
-            if payload is None:
-                break
-            out.append(payload)
-        return out
-
-    def load(self, hits: tuple[TierHit, ...], payloads: list[bytes | None], blocks: list[KVBlock]) -> None:
-        """Plan the loads of the first ``len(payloads)`` hits into ``blocks`` (fresh device blocks)."""
-        bs = self.block_size
-        for h, payload, block in zip(hits, payloads, blocks, strict=False):
+    def load(self, hits: tuple[TierHit, ...], blocks: list[KVBlock]) -> None:
+        """Plan the loads of staged ``hits`` into ``blocks`` (fresh device blocks, one each)."""
+        for h, block in zip(hits, blocks, strict=True):
+            payload = h.payload
+            self._staged.pop(h.entry.block_hash, None)
             if h.slot is not None:
                 self._ops.loads.append((h.slot, block.block_id))
-                self.counters.host_hit_tokens += bs
                 self.counters.blocks_loaded_host += 1
             else:
                 self._ops.disk_loads.append((payload, block.block_id))
-                self.counters.disk_hit_tokens += bs
                 self.counters.blocks_loaded_disk += 1
+
+    def count_hit(self, per_group_loads: list[tuple[TierHit, ...]]) -> None:
+        """One admission's prompt tokens loaded from each tier: a token counts once, under the tier its KV group
+        with the most loads used (several groups load the same positions of a hybrid model)."""
+        host = max(sum(1 for t in loads if t.slot is not None) for loads in per_group_loads)
+        disk = max(sum(1 for t in loads if t.slot is None) for loads in per_group_loads)
+        self.counters.host_hit_tokens += host * self.block_size
+        self.counters.disk_hit_tokens += disk * self.block_size
 
     # ------------------------------------------------------------------- steps
     def take_ops(self) -> TierOps:
@@ -168,6 +187,7 @@ class PrefixTiers:
     def clear(self) -> int:
         """Forget every block below the pool (reset_prefix_cache)."""
         n = self.host.clear()
+        self._staged.clear()
         if self.disk is not None:
             n += self.disk.clear()
         return n

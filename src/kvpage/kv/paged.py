@@ -63,6 +63,7 @@ class KVCacheManager(PagedSwap):
         if max_model_len is not None and max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         self.block_size = block_size
+        self._own_pool = pool is None
         self.pool = pool if pool is not None else BlockPool(num_blocks)
         self.num_blocks = num_blocks = self.pool.num_blocks
         self.group = group
@@ -80,7 +81,8 @@ class KVCacheManager(PagedSwap):
             if not enable_prefix_caching:
                 raise ValueError("KV offload tiers keep prefix-cache blocks: enable prefix caching to use them")
             host_free = tiers.host
-            self.pool.listeners.append(tiers)
+            if tiers not in self.pool.listeners:  # the groups of a hybrid manager share one
+                self.pool.listeners.append(tiers)
         self._host_free = host_free if host_free is not None else HostTier(num_swap_blocks)
         if self._host_free.num_slots != num_swap_blocks:
             raise ValueError(f"the host tier has {self._host_free.num_slots} slots, not num_swap_blocks="
@@ -186,7 +188,8 @@ class KVCacheManager(PagedSwap):
         for j in range(i, max_blocks):
             chunk = tuple(tokens[j * bs : (j + 1) * bs])
             h = block_hash(parent, chunk, self.hash_fn)
-            found = self.tiers.find(h, parent, chunk, self._root_key(seq) if j == 0 else None)
+            found = self.tiers.find(h, parent, chunk, self._root_key(seq) if j == 0 else None, j)
+            found = found and self.tiers.stage(found)
             if found is None:
                 break
             loads.append(found)
@@ -288,7 +291,8 @@ class KVCacheManager(PagedSwap):
         if state is None:
             hit = prefix_hit or NO_HIT
             revived = sum(1 for b in hit.blocks if b is not None and b.ref_count == 0)
-            return max(self.blocks_needed(hit.num_tokens + num_new_tokens) - len(hit.blocks), 0) + revived
+            k = hit.num_tokens // bs
+            return max(self.blocks_needed(hit.num_tokens + num_new_tokens) - k + len(hit.loads), 0) + revived
         if num_new_tokens == 0:
             return 0
         table, n = state.table, state.num_tokens
@@ -305,29 +309,39 @@ class KVCacheManager(PagedSwap):
             if block is not None and block.block_hash != h:
                 raise RuntimeError("stale prefix hit: a block was evicted between lookup and allocation")
         total = hit.num_tokens + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(hit.blocks)
+        k = hit.num_tokens // self.block_size  # the hit's table: pool blocks, None where dropped or loaded
+        num_new_blocks = self.blocks_needed(total) - k + len(hit.loads)
         revived = sum(1 for b in held if b.ref_count == 0)
         if self.pool.num_free_blocks - num_new_blocks - revived < self._admission_reserve():
             return None
-        cached = hit.num_tokens
-        payloads: list = []
-        if hit.loads:  # a disk block that fails its check ends the hit there (the tokens after it are computed)
-            self.tiers.hold(hit.loads)
-            payloads = self.tiers.read(hit.loads)
-            cached -= (len(hit.loads) - len(payloads)) * self.block_size
-            total = cached + num_new_tokens
-            num_new_blocks = self.blocks_needed(total) - len(hit.blocks)
         self.pool.touch(held)
+        table = list(hit.blocks) + [None] * (k - len(hit.blocks))
+        if hit.loads:
+            self.tiers.hold(hit.loads)
         new = self.pool.get_new_blocks(max(num_new_blocks, 0), after=self._last_block(hit.blocks),
                                        owner=self._owner(sid))
-        self._seqs[sid] = _SeqState(list(hit.blocks) + new, total, list(hit.hashes), self._root(seq))
-        if payloads:  # the loads run before this step's forward pass: findable at once, as swapped-in blocks are
-            self.tiers.load(hit.loads, payloads, new)
-            self.cache_computed_blocks(seq, cached)
+        loaded, new = new[:len(hit.loads)], new[len(hit.loads):]
+        for load, block in zip(hit.loads, loaded, strict=True):
+            table[load.index] = block
+        hashes = list(hit.hashes)
+        self._seqs[sid] = _SeqState(table + new, total, hashes, self._root(seq))
+        if hit.loads:  # the loads run before this step's forward pass: findable at once, as swapped-in blocks are
+            self.tiers.load(hit.loads, loaded)
+            self._register_loads(seq, table, hashes, hit.loads)
+            if self._own_pool:  # a hybrid manager counts for all its groups
+                self.tiers.count_hit([hit.loads])
         if self.enable_prefix_caching:
             self.counters.prefix_query_tokens += len(seq.token_ids)
-            self.counters.prefix_hit_tokens += cached
-        return Allocation(tuple(b.block_id for b in new), (), cached)
+            self.counters.prefix_hit_tokens += hit.num_tokens
+        return Allocation(tuple(b.block_id for b in loaded + new), (), hit.num_tokens)
+
+    def _register_loads(self, seq: SequenceLike, table: list, hashes: list[BlockHash], loads: tuple) -> None:
+        """Loaded blocks enter the pool's prefix cache (a full-attention chain's loads follow its pool blocks)."""
+        for load in loads:
+            i, e = load.index, load.entry
+            self.pool.cache_block(table[i], e.block_hash, table[i - 1].identity if i else self._root_key(seq),
+                                  e.token_ids, e.parent_hash)
+            hashes.append(e.block_hash)
 
     def _admission_reserve(self) -> int:
         """Blocks an admission must leave free. With nothing running there is nothing to protect, and

@@ -14,6 +14,7 @@ gone): a block is found by its chained hash, its own token ids and its parent's 
 from __future__ import annotations
 
 from kvpage.kv.block import DEFAULT_BLOCK_SIZE, KVBlock
+from kvpage.kv.offload import TierHit
 from kvpage.kv.paged import KVCacheManager, _SeqState, _SwappedState
 from kvpage.kv.prefix_hash import BlockHash, block_hash
 from kvpage.kv.protocol import NO_HIT, PrefixHit
@@ -65,25 +66,52 @@ class SlidingWindowKVManager(KVCacheManager):
         if max_tokens is not None:
             limit = min(limit, max_tokens // bs)
         hashes: list[BlockHash] = []
-        found: list[KVBlock | None] = []
+        found: list[KVBlock | TierHit | None] = []  # pool blocks, else blocks in the tiers below it
         parent = self._root(seq)
         for i in range(limit):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk, self.hash_fn)
             hashes.append(h)
-            found.append(self.pool.lookup(h, self._parent(seq, hashes, i), chunk))
+            block = self.pool.lookup(h, self._parent(seq, hashes, i), chunk)
+            if block is None and self.tiers is not None:
+                block = self.tiers.find(h, parent, chunk, self._root_key(seq) if i == 0 else None, i)
+            found.append(block)
             parent = h
-        run = 0  # cached blocks ending at block k - 1
+        while True:
+            k = self._longest_window(found, limit)
+            if not k:
+                return NO_HIT
+            first = self.first_needed_block(k * bs)
+            failed = False
+            for i in range(first, k):  # a disk block whose bytes fail their check is a miss: choose again
+                f = found[i]
+                if isinstance(f, TierHit):
+                    found[i] = staged = self.tiers.stage(f)
+                    failed = failed or staged is None
+            if not failed:
+                break
+        blocks = tuple(f if i >= first and isinstance(f, KVBlock) else None for i, f in enumerate(found[:k]))
+        loads = tuple(f for f in found[first:k] if isinstance(f, TierHit))
+        return PrefixHit(blocks, tuple(hashes[:k]), k * bs, loads=loads)
+
+    def _longest_window(self, found: list, limit: int) -> int:
+        """The most blocks k whose window (the blocks the query at k * block_size reads) is all found."""
+        run = 0  # found blocks ending at block k - 1
         runs = []
         for b in found:
             run = run + 1 if b is not None else 0
             runs.append(run)
         for k in range(limit, 0, -1):
-            first = self.first_needed_block(k * bs)
-            if runs[k - 1] >= k - first:
-                blocks = tuple(None if i < first else found[i] for i in range(k))
-                return PrefixHit(blocks, tuple(hashes[:k]), k * bs)
-        return NO_HIT
+            if runs[k - 1] >= k - self.first_needed_block(k * self.block_size):
+                return k
+        return 0
+
+    def _register_loads(self, seq: SequenceLike, table: list, hashes: list[BlockHash], loads: tuple) -> None:
+        """Loaded window blocks enter the pool's cache, chained by hash (``hashes`` already holds the hit's)."""
+        for load in loads:
+            e = load.entry
+            self.pool.cache_block(table[load.index], e.block_hash, self._parent(seq, hashes, load.index),
+                                  e.token_ids, e.parent_hash)
 
     def cache_computed_blocks(self, seq: SequenceLike, num_computed_tokens: int | None = None) -> int:
         """Register newly full blocks (chained by hash), then release the blocks the window has passed."""
@@ -134,7 +162,7 @@ class SlidingWindowKVManager(KVCacheManager):
         table: list[KVBlock | None] = [next(fresh) if h is not None else None for h in swapped.host_blocks]
         del self._swapped[sid]
         mapping = [(swapped.host_blocks[i], table[i].block_id) for i in held]  # type: ignore[union-attr]
-        self._host_free.extend(reversed([h for h in swapped.host_blocks if h is not None]))
+        self._host_free.release_after_read(reversed([h for h in swapped.host_blocks if h is not None]))
         self._seqs[sid] = _SeqState(table, swapped.num_tokens, [], swapped.root)
         # copied full blocks become findable again (their K/V arrives before any read of this step)
         self.cache_computed_blocks(seq, len(swapped.hashes) * self.block_size)

@@ -131,13 +131,10 @@ class Worker:
         )
 
     def _check_offload(self, cc: CacheConfig) -> None:
-        """The tiers below the pool serve one full-attention KV group on one rank (for now): say so up front."""
+        """The tiers below the pool serve one rank (for now): say so up front."""
         if self.tp is not None:
             raise ValueError("KV offload tiers (kv_offload_memory / kv_offload_dir) do not work with tensor "
                              "parallelism yet: use one rank, or drop the offload flags")
-        if self.layout.hybrid or self.layout.groups[0].spec.window is not None:
-            raise ValueError(f"KV offload tiers do not work yet for {self.lm.config.name}'s sliding-window KV "
-                             f"groups ({self.layout.describe()}): drop the offload flags")
         if cc.kv_offload_memory and not self.num_offload_blocks:
             raise ValueError(f"kv_offload_memory={format_bytes(int(cc.kv_offload_memory))} holds no block "
                              f"({format_bytes(self.bytes_per_block)} each)")
