@@ -105,8 +105,8 @@ def copy_costs(model: str, blocks: int = 63, reps: int = 9) -> dict[str, float]:
     payloads = [cache.read_block(b) for b in dev]
     ops = {"device -> host": lambda: cache.swap_out(pairs),
            "host -> device": lambda: cache.swap_in([(h, d) for d, h in pairs]),
-           "device -> bytes (disk writer)": lambda: [cache.read_block(b) for b in dev],
-           "bytes -> device (disk load)": lambda: [cache.write_block(b, p) for b, p in zip(dev, payloads, strict=True)]}
+           "device -> bytes (disk writer)": lambda: cache.read_blocks(dev),
+           "bytes -> device (disk load)": lambda: cache.write_blocks(list(zip(payloads, dev, strict=True)))}
     out = {}
     for name, fn in ops.items():
         fn()

@@ -123,6 +123,11 @@ def as_block_major(cache: torch.Tensor, huge_pages: bool = False) -> torch.Tenso
     return out.copy_(cache)
 
 
+def _block_rows(t: torch.Tensor) -> torch.Tensor:
+    """A ``[2, num_blocks, ...]`` cache tensor's block-major storage as ``[num_blocks, bytes]`` (a view)."""
+    return t.transpose(0, 1).reshape(t.shape[1], -1).view(torch.uint8)
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  num_host_blocks: int = 0, layout: KVLayout | None = None, huge_pages: bool = False) -> None:
@@ -160,33 +165,44 @@ class KVCache:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
         for s_layer, d_layer in zip(src_layers, dst_layers, strict=True):
-            if s_layer.element_size() == 1:  # int8 / fp8 pages: moved as bytes (scales included)
-                s_layer, d_layer = s_layer.view(torch.uint8), d_layer.view(torch.uint8)
-            d_layer[:, dst] = s_layer[:, src]  # the gather copies every source before any write
+            # whole blocks of the block-major storage, as rows of bytes: one contiguous stretch per block
+            s_rows, d_rows = _block_rows(s_layer), _block_rows(d_layer)
+            d_rows.index_copy_(0, dst, s_rows.index_select(0, src))  # every source read before any write
 
     @property
     def block_nbytes(self) -> int:
         """The bytes of one pool block over every tensor: what a disk-tier file carries."""
         return sum(t[:, 0].numel() * t.element_size() for t in self.tensors)
 
-    def _block_bytes(self, t: torch.Tensor, block: int) -> torch.Tensor:
-        """One block of one tensor as a flat byte view (block-major storage: one contiguous stretch)."""
-        return t.transpose(0, 1)[block].reshape(-1).view(torch.uint8)
+    def read_blocks(self, blocks: Sequence[int]) -> list[bytes]:
+        """Device blocks' bytes (every tensor, in order) for the disk tier."""
+        if not blocks:
+            return []
+        ids = torch.tensor(list(blocks), dtype=torch.long)
+        parts = [_block_rows(t).index_select(0, ids).numpy() for t in self.tensors]
+        return [b"".join(p[i].tobytes() for p in parts) for i in range(len(blocks))]
 
     def read_block(self, block: int) -> bytes:
-        """A device block's bytes (every tensor, in order) for the disk tier."""
-        return b"".join(self._block_bytes(t, block).numpy().tobytes() for t in self.tensors)
+        return self.read_blocks([block])[0]
+
+    def write_blocks(self, items: Sequence[tuple[bytes, int]]) -> None:
+        """Fill device blocks from ``read_blocks``' bytes: (payload, block) pairs."""
+        if not items:
+            return
+        n = self.block_nbytes
+        rows = [_block_rows(t) for t in self.tensors]
+        for payload, block in items:
+            if len(payload) != n:
+                raise ValueError(f"a block is {n} bytes here, got {len(payload)}")
+            src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            off = 0
+            for r in rows:
+                width = r.shape[1]
+                r[block].copy_(src[off: off + width])
+                off += width
 
     def write_block(self, block: int, payload: bytes) -> None:
-        """Fill a device block from ``read_block``'s bytes."""
-        if len(payload) != self.block_nbytes:
-            raise ValueError(f"a block is {self.block_nbytes} bytes here, got {len(payload)}")
-        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        off = 0
-        for t in self.tensors:
-            dst = self._block_bytes(t, block)
-            dst.copy_(src[off: off + dst.numel()])
-            off += dst.numel()
+        self.write_blocks([(payload, block)])
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: device block src -> device block dst (in every tensor: the block's group's layers)."""

@@ -192,11 +192,12 @@ class ModelRunner:
         if ops is None:
             return
         self.kv_cache.swap_out(ops.swap_out)
-        for block, entry in ops.persists:
-            self.persist(entry, self.kv_cache.read_block(block))
+        if ops.persists:
+            payloads = self.kv_cache.read_blocks([block for block, _ in ops.persists])
+            for (_, entry), payload in zip(ops.persists, payloads, strict=True):
+                self.persist(entry, payload)
         self.kv_cache.swap_in(ops.swap_in)
-        for payload, block in ops.disk_loads:
-            self.kv_cache.write_block(block, payload)
+        self.kv_cache.write_blocks(ops.disk_loads)
         self.kv_cache.copy_blocks(ops.copies)
 
     @torch.inference_mode()
