@@ -18,6 +18,7 @@ from kvpage.engine.kv_events import KVEventCallback, ZmqEventPublisher, publish
 from kvpage.engine.output_processor import TextOutputProcessor, make_request_output
 from kvpage.errors import EngineDeadError, InvalidRequestError, RequestIdInUseError
 from kvpage.kv.events import DevicePoolEvents, KVEventSink
+from kvpage.kv.snapshot import pool_snapshot
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
 from kvpage.worker.worker import Worker
@@ -75,6 +76,12 @@ class LLMEngine:
         n = self.kv.reset_prefix_cache()
         self._publish_events()
         return n
+
+    def pool_snapshot(self) -> dict[str, Any]:
+        """The block pool as data (kv/snapshot.py) with the engine's stats: the dashboard's frame. Call it between
+        steps (the server does, on the engine thread)."""
+        return {"t": time.time(), "stats": self.stats(), "pool": pool_snapshot(self.kv),
+                "waiting": [s.request.request_id for s in self.scheduler.waiting.items[:256]]}
 
     def _publish_events(self) -> None:
         if self.events is not None:
@@ -222,6 +229,12 @@ class LLMEngine:
             "prefix_cache_hit_rate": s.prefix_hit_rate,
             "prefix_cache_query_tokens": s.prefix_query_tokens,
             "prefix_cache_hit_tokens": s.prefix_hit_tokens,
+            "kv_blocks_cached_free": s.cached_free_blocks,
+            "kv_tail_waste_slots": s.tail_waste_slots,
+            "kv_reserved_unused_slots": s.reserved_unused_slots,
+            "kv_live_tokens": s.live_tokens,
+            "kv_blocks_swapped_out": s.blocks_swapped_out,
+            "kv_blocks_swapped_in": s.blocks_swapped_in,
             "preemptions": self.scheduler.num_preemptions,
             "swap_preemptions": self.scheduler.num_swap_preemptions,
             "cow_copies": s.cow_copies,

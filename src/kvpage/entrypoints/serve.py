@@ -33,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
                    help="largest request body accepted, refused with 413 while it is read (default 16 MiB)")
     p.add_argument("--no-openapi", action="store_true", help="do not serve /openapi.json")
+    p.add_argument("--no-dashboard", action="store_true",
+                   help="do not serve /dashboard (the live KV pool page) and its snapshot and event stream")
     p.add_argument("--max-queue", type=int, help="answer 429 once this many requests wait to be scheduled")
     p.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
@@ -93,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
         return run_node(parallel, engine_args.model_config(), engine_args.cache_config())
     config = ServerConfig(args.served_model_name or "", key, args.max_n,
-                          InputLimits(args.max_body_bytes, args.http_timeout), openapi=not args.no_openapi)
+                          InputLimits(args.max_body_bytes, args.http_timeout), openapi=not args.no_openapi,
+                          dashboard=not args.no_dashboard)
     return serve_engine(lambda: LLMEngine(engine_args), config, args.host, args.port, max_queue=args.max_queue,
                         shutdown_timeout=args.shutdown_timeout, http_timeout=args.http_timeout,
                         log_level=args.uvicorn_log_level)

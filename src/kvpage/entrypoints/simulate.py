@@ -122,6 +122,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"run once per value and print a table (repeat for a grid); PARAM is one of "
                         f"{', '.join(s.replace('_', '-') for s in SWEEPABLE)}")
     o.add_argument("--json", action="store_true", help="print the report as JSON")
+    o.add_argument("--html", metavar="FILE", help="write the run under static reservation and under paging, side by "
+                                                  "side, as a self-contained page with a step slider")
     o.add_argument("--png", metavar="DIR", help="write memory-over-time, waste-vs-block-size and "
                                                 "hit-rate-vs-sharing pictures into DIR")
     p.set_defaults(func=run, _parser=p)
@@ -294,7 +296,25 @@ def run(args: argparse.Namespace) -> int:
         print(render_run(report["summary"]), end="")
     if args.png:
         _pictures(setup, Path(args.png), args.seed)
+    if args.html:
+        _replay(setup, Path(args.html), report)
     return 0
+
+
+def _replay(setup: Setup, path: Path, report: dict[str, Any]) -> None:
+    """The same requests under static reservation and paging, recorded and written side by side."""
+    from kvpage.sim.replay import FrameRecorder, page_html, side_by_side
+    from kvpage.sim.simulator import Simulator
+
+    runs = {}
+    for alloc in ("static", "paged"):
+        sim = Simulator(setup.config.replace(allocator=alloc), setup.requests, setup.cost)
+        sim.recorder = FrameRecorder()
+        sim.run()
+        runs[alloc] = sim.recorder.frames
+    title = f"kvpage simulate: {report['workload']} on {report['model']}, static reservation against paging"
+    path.write_text(page_html(side_by_side(runs), title), encoding="utf-8")
+    print(f"wrote {path}")
 
 
 def _header(report: dict[str, Any], args: argparse.Namespace) -> str:

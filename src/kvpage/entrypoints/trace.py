@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=["paged", "static"], help="override the allocation policy")
     p.add_argument("--max-model-len", type=int, help="needed by --policy static")
     p.add_argument("--png", help="also draw the pool over time to this PNG file")
+    p.add_argument("--html", help="also write the run as a self-contained page with a step slider (the dashboard "
+                                  "of `kvpage serve`, replaying each step's pool and block tables)")
     p.add_argument("--dump-scenario", action="store_true", help="print the built-in scenario as JSON and exit")
     p.set_defaults(func=run)
 
@@ -53,4 +55,19 @@ def run(args: argparse.Namespace) -> int:
 
         draw_pool_timeline(records, args.png)
         print(f"\nwrote {args.png}")
+    if args.html:
+        name = scenario.get("name") or args.scenario or f"the built-in {args.builtin} scenario"
+        write_trace_html(records, args.html, f"kvpage trace: {name}")
+        print(f"\nwrote {args.html}")
     return 0
+
+
+def write_trace_html(records, path: str, title: str) -> None:
+    from pathlib import Path
+
+    from kvpage.sim.replay import page_html, stats_fields
+
+    frames = [{"label": f"{rec.index}. {rec.description}", "events": ([rec.note] if rec.note else []) + rec.events,
+               "stats": stats_fields(rec.stats, running=len(rec.block_tables), swapped=len(rec.host_tables)),
+               "pool": rec.frame} for rec in records]
+    Path(path).write_text(page_html(frames, title), encoding="utf-8")

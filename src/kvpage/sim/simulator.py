@@ -23,6 +23,7 @@ from kvpage.kv.specs import KVLayout
 from kvpage.sampling_params import SamplingParams
 from kvpage.sim.cost import CostModel
 from kvpage.sim.cost_worker import CostModelWorker, SimClock
+from kvpage.sim.replay import FrameRecorder
 from kvpage.sim.result import RequestRecord, SimResult, StepSample
 from kvpage.sim.workloads import SimRequest, TokenSource
 
@@ -102,6 +103,7 @@ class Simulator:
         self.result = SimResult(config, cost.describe())
         self._requests: dict[str, tuple[SimRequest, Request]] = {}
         self._beam_fork_failures = 0
+        self.recorder: FrameRecorder | None = None  # set to keep frames of the pool for an HTML replay
 
     # ---------------------------------------------------------------- run
     def run(self, max_steps: int = 10_000_000) -> SimResult:
@@ -169,6 +171,8 @@ class Simulator:
             self.clock.now, seconds, len(sched.running), len(sched.waiting), len(sched.swapped), s.allocated_slots,
             s.live_tokens, s.logical_tokens, s.tail_waste_slots, s.reserved_unused_slots, external, f.num_tokens,
         ))
+        if self.recorder is not None:
+            self.recorder.record(kv, sched, self.clock.now)
 
     # --------------------------------------------------------------- beams
     def _reshuffle_beams(self, tasks: list[SampleTask]) -> list[SampleTask]:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpage.kv import KVCacheManager, KVPoolConfig, KVSequence, make_kv_manager, token_location
+from kvpage.kv.snapshot import pool_snapshot
 from kvpage.kv.specs import single_group
 from kvpage.kv.stats import KVStats
 
@@ -100,6 +101,7 @@ class StepRecord:
     host_tables: dict[str, list[int]] = field(default_factory=dict)
     pool: list[BlockView] = field(default_factory=list)
     stats: KVStats | None = None
+    frame: dict[str, Any] | None = None  # the pool as the dashboard draws it (kv/snapshot.py)
 
 
 class ScenarioError(ValueError):
@@ -316,6 +318,7 @@ class TraceRunner:
             for b in self.m.pool.blocks
         ]
         rec.stats = self.m.stats()
+        rec.frame = pool_snapshot(self.m)
 
 
 def _describe(step: Any) -> str:

@@ -23,6 +23,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvpage.entrypoints.openai.dashboard import install as install_dashboard
 from kvpage.entrypoints.openai.engine_client import AsyncEngine
 from kvpage.entrypoints.openai.http_input import InputLimits, check_auth, parse
 from kvpage.entrypoints.openai.metrics import ServerMetrics
@@ -59,6 +60,7 @@ class ServerConfig:
     max_n: int = 16
     limits: InputLimits = field(default_factory=InputLimits)
     openapi: bool = True  # /openapi.json, behind the API key like every other route but /health and /metrics
+    dashboard: bool = True  # /dashboard: the live KV pool page, its snapshot and event stream (dashboard.py)
 
 
 def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -72,6 +74,8 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
     metrics.on_step(client, [], 0.0)  # gauges exist from start-up, not from the first request
     runner = RequestRunner(client, metrics)
     created = int(time.time())
+    if config.dashboard:
+        install_dashboard(app, client, config.model_name, config.api_key)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(APIError)

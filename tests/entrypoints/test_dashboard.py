@@ -1,0 +1,124 @@
+"""The live KV dashboard of `kvpage serve` and its replays: the routes and their key rule, the snapshot's
+agreement with the engine, the page in headless Chromium under load (its numbers against /metrics, no console
+errors), and the trace / simulate replays stepped through end to end."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.helpers.browser import CHROMIUM
+from tests.helpers.server_util import KEY, metric, request, server
+
+pytest.importorskip("fastapi")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (sh scripts/browser.sh)")
+
+
+@pytest.fixture(scope="module")
+def srv():
+    with server("--api-key", KEY, "--max-num-seqs", "16") as port:
+        yield port
+
+
+def test_routes_keep_the_key_rule(srv):
+    assert request(srv, "GET", "/dashboard", key=None)[0] == 401
+    assert request(srv, "GET", "/dashboard/snapshot", key=None)[0] == 401
+    assert request(srv, "GET", f"/dashboard?key={KEY}x", key=None)[0] == 401
+    status, html = request(srv, "GET", f"/dashboard?key={KEY}", key=None)
+    assert status == 200 and "<canvas" in html and "http" not in html.split("<script>")[1].split("fetch(")[0]
+    status, snap = request(srv, "GET", "/dashboard/snapshot")
+    assert status == 200
+    pool, stats = snap["pool"], snap["stats"]
+    assert len(pool["state"]) == pool["num_blocks"] == stats["kv_blocks_total"]
+    assert pool["counts"]["used"] + pool["counts"]["shared"] == stats["kv_blocks_used"]
+    assert isinstance(snap["history"], list)
+
+
+def test_no_dashboard_flag():
+    with server("--no-dashboard") as port:
+        assert request(port, "GET", "/dashboard")[0] == 404
+        assert request(port, "GET", "/dashboard/snapshot")[0] == 404
+
+
+def _load(port: int, stop: threading.Event) -> None:
+    while not stop.is_set():
+        request(port, "POST", "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time",
+                                                  "max_tokens": 160, "temperature": 1.0, "ignore_eos": True})
+
+
+@needs_chromium
+def test_live_page_shows_what_metrics_say(srv, tmp_path):
+    from tests.helpers.browser import Browser
+
+    stop = threading.Event()
+    workers = [threading.Thread(target=_load, args=(srv, stop), daemon=True) for _ in range(6)]
+    for w in workers:
+        w.start()
+    samples: list[tuple[float, float, float]] = []  # (time, running, blocks used) from /metrics
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((time.time(), metric(srv, "kvpage:num_requests_running"),
+                            metric(srv, "kvpage:kv_cache_blocks_used")))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    browser = Browser()
+    try:
+        time.sleep(1.0)
+        sampler.start()
+        browser.open(f"http://127.0.0.1:{srv}/dashboard?key={KEY}")
+        browser.wait_for("document.getElementById('v-blocks-total').textContent !== '-'")
+        checks = 0
+        for _ in range(6):
+            time.sleep(0.4)
+            t = time.time()
+            running = int(browser.eval("document.getElementById('v-running').textContent"))
+            used = int(browser.eval("document.getElementById('v-blocks-used').textContent"))
+            time.sleep(0.4)
+            # an update is 0.25 s: the page's figures are what /metrics said within one update of the read
+            # (blocks in use change every few steps, faster than /metrics can be polled: within their range)
+            near = [s for s in samples if abs(s[0] - t) <= 0.6]
+            assert any(s[1] == running for s in near), (running, near)
+            assert min(s[2] for s in near) <= used <= max(s[2] for s in near), (used, near)
+            checks += running > 0
+        assert checks, "the page never showed a running request under load"
+        rows = browser.eval("document.querySelectorAll('#req-body tr').length")
+        assert rows >= 1
+        browser.eval("document.querySelector('#req-body tr').click()")  # pin a request's table
+        assert browser.eval("document.querySelector('#req-body tr.pinned') !== null")
+        assert not browser.errors, browser.errors
+    finally:
+        stop.set()
+        browser.close()
+
+
+@needs_chromium
+def test_replays_step_through_every_step(tmp_path):
+    from kvpage.entrypoints.cli import main
+    from tests.helpers.browser import Browser
+
+    trace, sim = tmp_path / "trace.html", tmp_path / "sim.html"
+    assert main(["trace", "--html", str(trace)]) == 0
+    assert main(["simulate", "--num-requests", "40", "--kv-memory", "48MiB", "--html", str(sim)]) == 0
+    browser = Browser()
+    try:
+        for path, panels in ((trace, 1), (sim, 2)):
+            browser.open(path.as_uri())
+            browser.wait_for("document.getElementById('step-label').textContent.startsWith('step 1 of')")
+            n = browser.eval("+document.getElementById('slider').max + 1")
+            assert n > 1
+            for i in range(n):
+                browser.eval(f"window.kvpageShow({i})")
+                label = browser.eval("document.getElementById('step-label').textContent")
+                assert label.startswith(f"step {i + 1} of {n}")
+            assert browser.eval("document.querySelectorAll('#grids canvas.grid:not(.hostgrid)').length") == panels
+            assert not browser.errors, (path.name, browser.errors)
+        # the trace's last step: every sequence finished, every block back
+        browser.open(trace.as_uri())
+        browser.eval("window.kvpageShow(+document.getElementById('slider').max)")
+        assert browser.eval("document.getElementById('v-blocks-used').textContent") == "0"
+    finally:
+        browser.close()
