@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -77,6 +78,28 @@ def test_smollm2_tp3_matches_tp1_with_prefix_cache_chunks_and_preemption():
                            "--dtype", "float32", "--kv-memory", "1200KiB", "--block-size", "4", "--context-len", "64",
                            "-tp", "3", "--json"], capture_output=True, text=True, check=True)
     assert json.loads(plan.stdout)["num_blocks"] == blocks == 20  # the planner's blocks per rank
+    assert _no_rank_processes()
+
+
+def test_host_tier_under_tensor_parallelism(tiny_models):
+    """Evicted prefix blocks go to every rank's host tier and come back from it: the same tokens as one rank
+    without any cache; the disk tier is refused by name."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(40)] for _ in range(4)]  # 10 blocks of 4 each
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = dict(dtype="float32", block_size=4, max_model_len=64)
+    with LLM(tiny_models["kv2"], kv_cache_memory="64MiB", enable_prefix_caching=False, **kw) as llm:
+        ref = [list(o.outputs[0].token_ids) for o in (llm.generate([p], sp, use_tqdm=False)[0] for p in prompts)]
+    # per rank: one KV head of 16 floats x 2 layers x 4 tokens x K and V = 1 KiB a block; 20 blocks hold two prompts
+    with LLM(tiny_models["kv2"], tensor_parallel_size=2, kv_cache_memory="20KiB", kv_offload_memory="64KiB",
+             **kw) as llm:
+        for _ in range(2):
+            outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+            assert [list(o.outputs[0].token_ids) for o in outs] == ref
+        assert [o.num_cached_tokens for o in outs] == [36] * 4
+        assert llm.engine.stats()["host_hit_tokens"] > 0
+    with pytest.raises(ValueError, match="disk tier"):
+        LLM(tiny_models["kv2"], tensor_parallel_size=2, kv_cache_memory="20KiB", kv_offload_dir="/tmp/x", **kw)
     assert _no_rank_processes()
 
 

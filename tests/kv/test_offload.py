@@ -103,13 +103,18 @@ def seq(name, tokens, salt=None):
 PROMPTS = [[p * 100 + i for i in range(13)] for p in range(5)]  # 3 full blocks + 1 token each
 
 
+def run_all(b: Blocks, name: str = "a", salt: str | None = None) -> None:
+    """Every prompt once, one at a time (admitted, computed, finished): the pool evicts the oldest ones."""
+    for r, p in enumerate(PROMPTS):
+        s = seq(f"{name}{r}", p, salt)
+        b.step([s])
+        b.step([], [s])
+
+
 def test_evicted_blocks_come_back_from_the_host_tier(tmp_path):
     m = make(tmp_path, disk=False, host=16)
     b = Blocks(m)
-    for r, p in enumerate(PROMPTS):  # each 4 blocks; an 8-block pool holds two
-        s = seq(f"a{r}", p)
-        b.step([s])
-        b.step([], [s])
+    run_all(b)  # each 4 blocks; an 8-block pool holds two
     assert m.tiers.counters.blocks_offloaded > 0
     s = seq("again", PROMPTS[0])
     hit = m.lookup_prefix(s)
@@ -124,10 +129,7 @@ def test_evicted_blocks_come_back_from_the_host_tier(tmp_path):
 def test_disk_tier_serves_after_a_restart_and_salts_never_meet(tmp_path):
     m = make(tmp_path, host=0)
     b = Blocks(m)
-    for r, p in enumerate(PROMPTS):
-        s = seq(f"a{r}", p, salt="alice")
-        b.step([s])
-        b.step([], [s])
+    run_all(b, salt="alice")
     m.tiers.close()
     m2 = make(tmp_path, host=0)  # a new engine on the same directory
     assert len(m2.tiers.disk) == m.tiers.counters.blocks_persisted > 0
@@ -143,10 +145,7 @@ def test_disk_tier_serves_after_a_restart_and_salts_never_meet(tmp_path):
 def test_disk_files_of_another_identity_or_damaged_are_ignored_and_counted(tmp_path):
     m = make(tmp_path, host=0)
     b = Blocks(m)
-    for r, p in enumerate(PROMPTS):
-        s = seq(f"a{r}", p)
-        b.step([s])
-        b.step([], [s])
+    run_all(b)
     m.tiers.close()
     files = sorted((tmp_path / "tier").glob("*.kvblock"))
     assert files
@@ -172,10 +171,7 @@ def test_disk_files_of_another_identity_or_damaged_are_ignored_and_counted(tmp_p
 def test_a_failed_disk_block_ends_the_hit_there(tmp_path):
     m = make(tmp_path, host=0)
     b = Blocks(m)
-    for r, p in enumerate(PROMPTS):
-        s = seq(f"a{r}", p)
-        b.step([s])
-        b.step([], [s])
+    run_all(b)
     m.tiers.close()
     m2 = make(tmp_path, host=0)
     s = seq("x", PROMPTS[0])
@@ -229,10 +225,7 @@ def test_write_failures_are_counted_and_stop_on_a_read_only_directory(tmp_path, 
 
     monkeypatch.setattr(DiskTier, "_write_file", staticmethod(full))
     b = Blocks(m)
-    for r, p in enumerate(PROMPTS):
-        s = seq(f"a{r}", p)
-        b.step([s])
-        b.step([], [s])
+    run_all(b)
     assert d.counters.write_errors > 0 and d.writable and len(d) == 0
     assert not list((tmp_path / "tier").glob("*.tmp"))
 
@@ -240,10 +233,7 @@ def test_write_failures_are_counted_and_stop_on_a_read_only_directory(tmp_path, 
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(DiskTier, "_write_file", staticmethod(read_only))
-    for r, p in enumerate(PROMPTS):
-        s = seq(f"b{r}", p)
-        b.step([s])
-        b.step([], [s])
+    run_all(b, "b")
     assert not d.writable and d.status == "read-only"
     m.tiers.close()
 
@@ -251,10 +241,7 @@ def test_write_failures_are_counted_and_stop_on_a_read_only_directory(tmp_path, 
 def test_read_only_directory_is_served_not_written(tmp_path, monkeypatch):
     m = make(tmp_path, host=0)
     b = Blocks(m)
-    for r, p in enumerate(PROMPTS):
-        s = seq(f"a{r}", p)
-        b.step([s])
-        b.step([], [s])
+    run_all(b)
     m.tiers.close()
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if mode == os.W_OK else real(p, mode))

@@ -263,7 +263,7 @@ class Scheduler:
             if alloc is None:
                 break  # first come, first served: later arrivals wait behind it
             self.waiting.pop(0)
-            cached = alloc.num_cached_tokens  # the hit, or less where a disk block failed its check
+            cached = alloc.num_cached_tokens  # the hit: from the pool and the tiers below it
             seq.num_computed_tokens = cached
             if seq.request.metrics.first_scheduled_time is None and seq.index == 0:
                 seq.request.num_cached_tokens = cached

@@ -270,6 +270,9 @@ def _parse_sweep(parser: argparse.ArgumentParser, spec: str) -> tuple[str, list[
 
 def run(args: argparse.Namespace) -> int:
     sweeps = [_parse_sweep(args._parser, s) for s in args.sweep]
+    if sweeps and args.html:
+        raise ValueError("--html replays one setting (under static reservation and paging, side by side): drop "
+                         "--sweep, or run once per setting")
     if args.save_trace:
         write_trace(build_requests(args), args.save_trace)
     if sweeps:

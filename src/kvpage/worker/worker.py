@@ -131,10 +131,11 @@ class Worker:
         )
 
     def _check_offload(self, cc: CacheConfig) -> None:
-        """The tiers below the pool serve one rank (for now): say so up front."""
-        if self.tp is not None:
-            raise ValueError("KV offload tiers (kv_offload_memory / kv_offload_dir) do not work with tensor "
-                             "parallelism yet: use one rank, or drop the offload flags")
+        """The disk tier serves one rank (for now): say so up front. The host tier works on any number: its
+        stores and loads are block copies every rank applies to its own shard, as swaps are."""
+        if self.tp is not None and cc.kv_offload_dir is not None:
+            raise ValueError("the KV disk tier (kv_offload_dir) does not work with tensor parallelism yet: each "
+                             "rank would need its own files; use kv_offload_memory (the host tier) or one rank")
         if cc.kv_offload_memory and not self.num_offload_blocks:
             raise ValueError(f"kv_offload_memory={format_bytes(int(cc.kv_offload_memory))} holds no block "
                              f"({format_bytes(self.bytes_per_block)} each)")
