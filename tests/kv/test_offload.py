@@ -15,7 +15,7 @@ from kvpage.kv import KVCacheManager, KVPoolConfig
 from kvpage.kv.disk_tier import LOCK_NAME, DiskTier
 from kvpage.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, DevicePoolEvents, KVEventSink
 from kvpage.kv.host_tier import HostTier
-from kvpage.kv.offload import PrefixTiers
+from kvpage.kv.offload import PrefixTiers, TierOps
 from kvpage.kv.prefix_hash import block_hash, root_hash
 from kvpage.kv.sequence import KVSequence
 from kvpage.kv.specs import group_layers
@@ -42,48 +42,57 @@ class Blocks:
         self.dev: dict[int, bytes | None] = {}
         self.host: dict[int, bytes | None] = {}
 
-    def step(self, seqs: list[KVSequence], frees: list[KVSequence] = ()) -> bool:
-        """One engine step; False (nothing changed) when an admission does not fit."""
+    def step(self, seqs: list[KVSequence], frees: list[KVSequence] = (), swap_out: list[KVSequence] = (),
+             swap_in: list[KVSequence] = ()) -> list[KVSequence]:
+        """One engine step, in the scheduler's order: swap-outs, swap-ins, then admissions (the first that does
+        not fit ends them, as first come first served does). Returns the sequences admitted or swapped in."""
         m = self.m
         for s in frees:
             m.free(s)
         m.begin_step()
-        allocs = {}
+        outs, ins, done, allocs = [], [], [], {}
+        for s in swap_out:
+            outs += m.swap_out(s) or []
+        for s in swap_in:
+            mapping = m.swap_in(s)
+            if mapping is not None:
+                ins += mapping
+                done.append(s)
         for s in seqs:
             hit = m.lookup_prefix(s)
             alloc = m.allocate_slots(s, len(s.token_ids) - hit.num_tokens, hit)
             if alloc is None:
-                assert len(seqs) == 1 and not m.take_tier_ops()
-                return False
+                break
             allocs[s.seq_id] = alloc
-        ops = m.take_tier_ops()
+            done.append(s)
+        ops = m.take_tier_ops() or TierOps()
         # the worker's order: device -> host, device -> disk, host -> device, disk -> device, then the forward pass
-        for dev, slot in ops.stores:
+        for dev, slot in [*outs, *ops.stores]:
             self.host[slot] = self.dev.get(dev)
         for dev, entry in ops.persists:
             tag = self.dev.get(dev)
             assert tag == entry.block_hash, "a block went to disk after it was overwritten"
             m.tiers.disk.put(entry, tag + b"\0" * (PAYLOAD - len(tag)))
-        for slot, dev in ops.loads:
+        for slot, dev in [*ins, *ops.loads]:
             self.dev[dev] = self.host.get(slot)
         for payload, dev in ops.disk_loads:
             self.dev[dev] = payload[:32]
         groups = getattr(m, "groups", [m])
-        for s in seqs:
-            cached = allocs[s.seq_id].num_cached_tokens
+        for s in done:
+            cached = allocs[s.seq_id].num_cached_tokens if s.seq_id in allocs else len(s.token_ids)
             for g, table in zip(groups, m.block_tables(s.seq_id), strict=True):
                 for i, h in enumerate(chain(s, g)):
                     if table[i] < 0:  # a window dropped it
                         continue
                     if (i + 1) * BS <= cached:
-                        assert self.dev.get(table[i]) == h, f"{s.seq_id}: block {i} loaded with the wrong content"
+                        assert self.dev.get(table[i]) == h, f"{s.seq_id}: block {i} holds the wrong content"
                     else:
                         self.dev[table[i]] = h  # computed by the forward pass
             m.cache_computed_blocks(s, len(s.token_ids))
         if m.tiers.disk is not None:
             m.tiers.disk.flush()
         m.check_invariants()
-        return True
+        return done
 
 
 def chain(s: KVSequence, group: KVCacheManager | None = None) -> list[bytes]:
@@ -301,30 +310,47 @@ LAYOUTS = {"full": None, "sliding": [6, 6], "hybrid": [6, None, 6]}
 LONG = [[p * 100 + 50 + i for i in range(25)] for p in range(5)]  # up to 6 full blocks: windows drop some
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.integers(0, 4), st.booleans(), st.integers(0, 3)), min_size=1, max_size=25),
-       st.integers(0, 6), st.booleans(), st.sampled_from(sorted(LAYOUTS)))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 4), st.booleans(), st.integers(0, 3), st.sampled_from(["one", "two", "swap"])),
+                min_size=1, max_size=25),
+       st.integers(0, 8), st.booleans(), st.sampled_from(sorted(LAYOUTS)))
 def test_every_loaded_block_holds_its_prefix(tmp_path_factory, plan, host, disk, layout):
-    """Random admissions, departures and salts over a small pool, host tier and disk tier, for one full-attention
-    group, one sliding-window group (window 6 = 2 blocks) and both together: every block a sequence gets from any
-    tier holds exactly its chain's content, and the invariants hold after each step."""
+    """Random admissions (one or two in a step), departures, salts, and swap-outs brought back in the same step
+    as an admission, over a small pool whose host slots serve swap and offload alike, with or without a disk
+    tier, for one full-attention group, one sliding-window group (window 6 = 2 blocks) and both together: every
+    block a sequence gets from any tier or from a swap holds exactly its chain's content, and the invariants hold
+    after each step."""
     tmp = tmp_path_factory.mktemp("tiers")
     m = make(tmp, blocks=22 if layout == "hybrid" else 14, host=host, disk=disk, disk_bytes=3000,
              windows=LAYOUTS[layout])
     b = Blocks(m)
     live: list[KVSequence] = []
-    for k, (p, salted, suffix) in enumerate(plan):
-        tokens = LONG[p][: 9 + 5 * suffix]
-        s = seq(f"s{k}", tokens, salt="x" if salted else None)
+    swapped: list[KVSequence] = []
+    for k, (p, salted, suffix, kind) in enumerate(plan):
+        new = [seq(f"s{k}", LONG[p][: 9 + 5 * suffix], "x" if salted else None)]
+        if kind == "two":
+            new.append(seq(f"t{k}", LONG[(p + 1) % 5][: 9 + 5 * (3 - suffix)], "x" if not salted else None))
         frees = live[:-1] if len(live) > 1 else []  # keep at most two holders
         live = live[len(frees):]
         b.step([], frees)
-        if b.step([s]):
+        if kind == "swap" and live and not swapped:
+            victim = live.pop()
+            b.step([], swap_out=[victim])
+            if m.is_swapped(victim.seq_id):
+                swapped.append(victim)
+            else:
+                live.append(victim)
+        back = swapped[:1] if kind != "swap" else []
+        done = b.step(new, swap_in=back)
+        for s in done:
+            if s in back:
+                swapped.remove(s)
             live.append(s)
-    for s in live:
+    for s in live + swapped:
         m.free(s)
+    m.begin_step()  # host slots a swap-in read come back from the next step on
     m.check_invariants()
-    assert m.num_free_blocks == m.num_blocks
+    assert m.num_free_blocks == m.num_blocks and m.num_free_swap_blocks == m.num_swap_blocks
     if m.tiers.disk is not None:
         m.tiers.close()
 
