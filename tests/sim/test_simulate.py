@@ -129,6 +129,16 @@ def test_prefix_isolation_between_distinct_prefixes():
     assert s["prefix_blocks_total"] == 20 * 4 and s["prefix_blocks_saved"] == 0
 
 
+def test_host_tier_brings_back_what_a_small_pool_evicts():
+    """Rotating system prompts over a pool that holds a few: the host tier (--kv-offload-memory) turns the
+    evicted ones into hits, its copies are charged as swaps, and every block still comes back."""
+    reqs = [req(f"r{i}", 1000 + 16, 4, arrival=float(i), prefix_id=i % 10, prefix_len=1000) for i in range(60)]
+    base = run(reqs, num_blocks=300, max_num_seqs=4).summary()
+    tier = run(reqs, num_blocks=300, max_num_seqs=4, offload_blocks=800).summary()
+    assert base["prefix_hit_rate"] < 0.1 < 0.75 < tier["prefix_hit_rate"]
+    assert tier["host_tier_hit_rate"] > 0.7 and base["host_tier_hit_rate"] == 0
+
+
 def test_beam_forks_copy_on_write_and_return_every_block():
     reqs = generate(WorkloadSpec("beam", 12, beam_width=4, max_output=40))
     s = run(reqs, num_blocks=512, beam_prune=0.5).summary()

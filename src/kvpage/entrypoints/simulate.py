@@ -31,7 +31,7 @@ SWEEPABLE = (
     "enable_prefix_caching", "watermark", "preemption", "swap_space", "max_num_seqs", "max_num_batched_tokens",
     "num_requests", "rate", "prefix_len", "num_prefixes", "n", "beam_width", "beam_prune", "sigma",
     "prompt_median", "output_median", "seed", "kv_cache_dtype", "scheduling_policy", "enable_chunked_prefill",
-    "tensor_parallel_size",
+    "tensor_parallel_size", "kv_offload_memory",
 )
 _D = SimConfig()  # the flags' defaults are the configuration's
 
@@ -87,6 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--watermark", type=float, default=_D.kv.watermark)
     k.add_argument("--preemption", default=_D.scheduler.preemption_mode, choices=["recompute", "swap"])
     k.add_argument("--swap-space", default="0", help="host pool for swap preemption, with units")
+    k.add_argument("--kv-offload-memory", default="0",
+                   help="host tier for prefix blocks the pool evicts, with units (docs/kv_offload.md); their "
+                        "copies are charged at memory bandwidth like swaps")
     k.add_argument("--max-num-seqs", type=int, default=_D.scheduler.max_num_seqs)
     k.add_argument("--max-num-batched-tokens", type=int, default=_D.scheduler.max_num_batched_tokens)
     k.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -197,10 +200,13 @@ def build_config(args: argparse.Namespace, model: ModelSpec) -> SimConfig:
     swap = parse_size(args.swap_space) // block_bytes if str(args.swap_space) != "0" else 0
     if args.preemption == "swap" and not swap:
         raise ValueError("--preemption swap needs a host pool: give --swap-space (e.g. 1GiB)")
+    offload = parse_size(args.kv_offload_memory) // block_bytes if str(args.kv_offload_memory) != "0" else 0
+    if str(args.kv_offload_memory) != "0" and not offload:
+        raise ValueError(f"--kv-offload-memory {args.kv_offload_memory} holds no block of {format_bytes(block_bytes)}")
     return SimConfig.of(
         allocator=args.allocator, static_reserve=args.static_reserve, block_size=args.block_size,
         num_blocks=num_blocks, max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        watermark=args.watermark, preemption_mode=args.preemption, num_swap_blocks=swap,
+        watermark=args.watermark, preemption_mode=args.preemption, num_swap_blocks=swap, offload_blocks=offload,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
         beam_prune=args.beam_prune, seed=args.seed, layout=layout,

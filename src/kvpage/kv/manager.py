@@ -5,9 +5,11 @@ The scheduler, the engine and the simulator see either only through ``kv.protoco
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvpage.kv.block import DEFAULT_BLOCK_SIZE
+from kvpage.kv.host_tier import HostTier
 from kvpage.kv.hybrid import HybridKVManager
 from kvpage.kv.offload import PrefixTiers
 from kvpage.kv.paged import KVCacheManager
@@ -51,6 +53,9 @@ class KVPoolConfig:
     enable_prefix_caching: bool = True  # paged only
     watermark: float = 0.01
     model_id: str = ""  # an isolation key of the prefix hashes
+    # host slots for prefix blocks the pool evicts (kv/offload.py), beside num_swap_blocks in one host tier: the
+    # simulator's --kv-offload-memory (the engine's worker builds its tiers itself, disk included)
+    offload_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.allocator not in ALLOCATORS:
@@ -64,6 +69,13 @@ class KVPoolConfig:
         """The manager for a model of this KV ``layout`` (None: one full-attention group): several groups share
         one pool under a hybrid manager, one sliding-window group is a sliding-window manager. ``tiers``: host and
         disk tiers below the pool (one full-attention group, the paged policy)."""
+        if self.offload_blocks and tiers is None:
+            if self.allocator != "paged" or not self.enable_prefix_caching:
+                return dataclasses.replace(self, offload_blocks=0).build(max_model_len, layout)  # nothing to keep
+            tiers = PrefixTiers(HostTier(self.num_swap_blocks + self.offload_blocks, offload=True), None,
+                                self.block_size, 0)
+            return dataclasses.replace(self, num_swap_blocks=self.num_swap_blocks + self.offload_blocks,
+                                       offload_blocks=0).build(max_model_len, layout, tiers)
         if tiers is not None and self.allocator != "paged":
             raise ValueError("KV offload tiers keep prefix-cache blocks: they need the paged KV policy")
         if layout is not None and (layout.hybrid or layout.groups[0].spec.window is not None):

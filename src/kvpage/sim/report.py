@@ -28,7 +28,8 @@ def render_run(s: dict[str, Any]) -> str:
         + (f"; {s['fork_failures']} forks refused for lack of room" if s["fork_failures"] else ""),
         f"prefix cache hit rate {_pct(s['prefix_hit_rate'])} of prompt tokens; shared-prefix blocks saved "
         f"{s['prefix_blocks_saved']} of {s['prefix_blocks_total']}"
-        + (f" ({_pct(s['prefix_blocks_saved_fraction'])})" if s["prefix_blocks_total"] else ""),
+        + (f" ({_pct(s['prefix_blocks_saved_fraction'])})" if s["prefix_blocks_total"] else "")
+        + (f"; from the host tier {_pct(s['host_tier_hit_rate'])}" if s.get("host_tier_hit_rate") else ""),
         f"sharing      {_pct(s['sharing_saved_fraction'])} of logical token slots stored once "
         f"(prefix hits and forks); copy-on-write copies {s['cow_copies']}; evictions {s['evictions']}",
         f"throughput   {s['throughput_tok_s']:.1f} output tok/s, {s['requests_per_s']:.2f} req/s; "

@@ -73,6 +73,7 @@ class SimResult:
     prefix_blocks_total: int = 0  # full blocks of declared shared prefixes, over all requests
     cow_copies: int = 0
     evictions: int = 0
+    host_hit_tokens: int = 0  # prompt tokens loaded from the host tier below the pool (--kv-offload-memory)
 
     # ------------------------------------------------------------- summary
     def summary(self) -> dict[str, Any]:
@@ -114,6 +115,7 @@ class SimResult:
             "swap_preemptions": self.num_swap_preemptions,
             "fork_failures": self.fork_failures,
             "prefix_hit_rate": self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0,
+            "host_tier_hit_rate": self.host_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0,
             "prefix_blocks_saved": saved,
             "prefix_blocks_total": self.prefix_blocks_total,
             "prefix_blocks_saved_fraction": saved / self.prefix_blocks_total if self.prefix_blocks_total else 0.0,

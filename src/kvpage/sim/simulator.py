@@ -139,6 +139,9 @@ class Simulator:
         r.fork_failures = core.num_fork_failures + self._beam_fork_failures
         r.prefix_query_tokens, r.prefix_hit_tokens = s.prefix_query_tokens, s.prefix_hit_tokens
         r.cow_copies, r.evictions = s.cow_copies, s.evictions
+        tiers = getattr(self.kv, "tiers", None)
+        if tiers is not None:
+            r.host_hit_tokens = tiers.counters.host_hit_tokens
         r.requests = [RequestRecord(spec.request_id, spec.prompt_len, spec.output_len, spec.num_samples, req.metrics,
                                     req.num_cached_tokens, req.num_generated_tokens)
                       for spec, req in self._requests.values()]
