@@ -18,15 +18,15 @@ from kvpage.kv.block_pool import BlockPool
 from kvpage.kv.host_tier import HostTier
 from kvpage.kv.invariants import check_invariants
 from kvpage.kv.offload import PrefixTiers, TierOps
-from kvpage.kv.paged_swap import PagedSwap, _SeqState, _sid, _SwappedState
+from kvpage.kv.paged_seqs import PagedSeqs, _SeqState, _sid, _SwappedState
 from kvpage.kv.prefix_hash import BlockHash, HashFn, block_hash, root_hash, sha256_digest
 from kvpage.kv.protocol import NO_HIT, NOTHING, Allocation, PrefixHit
 from kvpage.kv.sequence import SequenceLike
 from kvpage.kv.slot_mapping import cdiv, slot_mapping
-from kvpage.kv.stats import KVCounters, KVStats, make_stats
+from kvpage.kv.stats import KVCounters
 
 
-class KVCacheManager(PagedSwap):
+class KVCacheManager(PagedSeqs):
     """Paged allocation: a sequence holds ceil(tokens / block_size) blocks, shared where possible.
 
     ``watermark`` is a fraction of the pool kept free when *admitting* a sequence (a new one, or a
@@ -378,26 +378,6 @@ class KVCacheManager(PagedSwap):
         return NOTHING
 
     # ------------------------------------------------------------------- stats
-    def fills(self) -> tuple[dict[int, int], int]:
-        """Tokens stored in each held block (a shared block counts its fullest holder), and the tokens the held
-        blocks would store unshared (each sequence's, up to its blocks)."""
-        bs = self.block_size
-        fill: dict[int, int] = {}
-        logical = 0
-        for state in self._seqs.values():
-            for i, block in enumerate(state.table):
-                if block is None:
-                    continue
-                f = min(bs, max(0, state.num_tokens - i * bs))
-                logical += f
-                if f > fill.get(block.block_id, -1):
-                    fill[block.block_id] = f
-        return fill, logical
-
-    def stats(self) -> KVStats:
-        fill, logical = self.fills()
-        return make_stats(self, fill, logical, len(self._seqs), len(self._swapped), self.counters)
-
     def check_invariants(self) -> None:
         """Raise AssertionError if a bookkeeping invariant (docs/architecture.md) is broken."""
         check_invariants(self)

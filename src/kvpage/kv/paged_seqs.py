@@ -1,6 +1,7 @@
-"""Swapping a paged manager's sequences to the host tier and back, and the per-sequence state both sides keep.
+"""A paged manager's sequences: the state it keeps per sequence, swapping them to the host tier and back, and
+what their blocks hold (fills, stats).
 
-Split from paged.py; ``PagedSwap`` is a base of ``KVCacheManager`` and reads its pool, host tier and tables.
+Split from paged.py; ``PagedSeqs`` is a base of ``KVCacheManager`` and reads its pool, host tier and tables.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 from kvpage.kv.block import KVBlock
 from kvpage.kv.prefix_hash import BlockHash
 from kvpage.kv.sequence import SequenceLike
+from kvpage.kv.stats import KVStats, make_stats
 
 if TYPE_CHECKING:
     from kvpage.kv.block_pool import BlockPool
@@ -40,8 +42,8 @@ class _SwappedState:
     root: BlockHash
 
 
-class PagedSwap:
-    """swap_out / swap_in of ``KVCacheManager`` (the attributes below are the manager's)."""
+class PagedSeqs:
+    """swap_out / swap_in, fills and stats of ``KVCacheManager`` (the attributes below are the manager's)."""
 
     pool: BlockPool
     block_size: int
@@ -95,3 +97,24 @@ class PagedSwap:
         self.cache_computed_blocks(seq, len(swapped.hashes) * self.block_size)
         self.counters.blocks_swapped_in += n_copy
         return mapping
+
+    # ------------------------------------------------------------------- stats
+    def fills(self) -> tuple[dict[int, int], int]:
+        """Tokens stored in each held block (a shared block counts its fullest holder), and the tokens the held
+        blocks would store unshared (each sequence's, up to its blocks)."""
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        logical = 0
+        for state in self._seqs.values():
+            for i, block in enumerate(state.table):
+                if block is None:
+                    continue
+                f = min(bs, max(0, state.num_tokens - i * bs))
+                logical += f
+                if f > fill.get(block.block_id, -1):
+                    fill[block.block_id] = f
+        return fill, logical
+
+    def stats(self) -> KVStats:
+        fill, logical = self.fills()
+        return make_stats(self, fill, logical, len(self._seqs), len(self._swapped), self.counters)
