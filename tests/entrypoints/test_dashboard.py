@@ -43,9 +43,10 @@ def test_no_dashboard_flag():
 
 
 def _load(port: int, stop: threading.Event) -> None:
-    while not stop.is_set():
-        request(port, "POST", "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time",
-                                                  "max_tokens": 160, "temperature": 1.0, "ignore_eos": True})
+    """One long request: while the six of them decode, the running count holds still (a count that changes
+    between two polls of /metrics could be missed by them, and the page would seem wrong)."""
+    request(port, "POST", "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time",
+                                              "max_tokens": 400, "temperature": 1.0, "ignore_eos": True})
 
 
 @needs_chromium
@@ -67,7 +68,9 @@ def test_live_page_shows_what_metrics_say(srv, tmp_path):
     sampler = threading.Thread(target=sample, daemon=True)
     browser = Browser()
     try:
-        time.sleep(1.0)
+        deadline = time.time() + 30
+        while metric(srv, "kvpage:num_requests_running") < len(workers) and time.time() < deadline:
+            time.sleep(0.1)
         sampler.start()
         browser.open(f"http://127.0.0.1:{srv}/dashboard?key={KEY}")
         browser.wait_for("document.getElementById('v-blocks-total').textContent !== '-'")
