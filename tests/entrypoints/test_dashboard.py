@@ -123,5 +123,17 @@ def test_replays_step_through_every_step(tmp_path):
         browser.open(trace.as_uri())
         browser.eval("window.kvpageShow(+document.getElementById('slider').max)")
         assert browser.eval("document.getElementById('v-blocks-used').textContent") == "0"
+        assert browser.eval("getComputedStyle(document.getElementById('by-group-box')).display") == "none"
+        # Gemma 3's six KV groups: the pool coloured by group, each group's blocks counted in the legend
+        gemma = tmp_path / "gemma.html"
+        assert main(["simulate", "--model", "gemma-3-270m", "--num-requests", "20", "--kv-memory", "48MiB",
+                     "--html", str(gemma)]) == 0
+        browser.open(gemma.as_uri())
+        browser.wait_for("document.getElementById('step-label').textContent.startsWith('step 1 of')")
+        browser.eval("window.kvpageShow(Math.floor(+document.getElementById('slider').max / 2))")
+        browser.eval("document.getElementById('by-group').click()")
+        legend = browser.eval("document.getElementById('group-legend').textContent")
+        assert legend.count("group ") == 6 and "(full)" in legend and "(sliding(512))" in legend
+        assert not browser.errors, browser.errors
     finally:
         browser.close()
