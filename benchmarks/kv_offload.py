@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_model
+from _common import cpu_model, median_seconds
 from online import launch, wait_healthy
 
 PORT = 8010
@@ -102,21 +102,12 @@ def copy_costs(model: str, blocks: int = 63, reps: int = 9) -> dict[str, float]:
         t.normal_()
     dev = list(range(blocks, 2 * blocks))
     pairs = list(zip(dev, range(blocks), strict=True))
-    payloads = [cache.read_block(b) for b in dev]
+    payloads = cache.read_blocks(dev)
     ops = {"device -> host": lambda: cache.swap_out(pairs),
            "host -> device": lambda: cache.swap_in([(h, d) for d, h in pairs]),
            "device -> bytes (disk writer)": lambda: cache.read_blocks(dev),
            "bytes -> device (disk load)": lambda: cache.write_blocks(list(zip(payloads, dev, strict=True)))}
-    out = {}
-    for name, fn in ops.items():
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = 1000 * statistics.median(times)
-    return out
+    return {name: 1000 * median_seconds(fn, reps) for name, fn in ops.items()}
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The disk tier: evicted prefix blocks as files, LRU within a byte bound, found again after a restart.
 
 One file per block, named by its chained prefix hash. A file holds a header (format version, the engine's
-identity: model, KV dtype, block size, the KV shape; the block's parent hash, tokens and root keys; the
+identity: model, KV dtype, block size, the KV shape; the block's parent hash and tokens; the
 payload's length and CRC-32) and the block's bytes. At start the directory's headers are read into an index;
 a file of another format, identity or a damaged header is ignored and counted, never served, and a payload
 whose checksum fails at load time is a miss (the file is removed). Writes go through a background thread
@@ -167,14 +167,13 @@ class DiskTier:
         with self._lock:
             return block_hash in self._index or block_hash in self._pending
 
-    def find(self, block_hash: BlockHash, parent_hash: BlockHash, token_ids: tuple[int, ...],
-             root: str | None) -> bool:
+    def find(self, block_hash: BlockHash, parent_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
         """Whether a verified file for this exact block is on disk (its payload is checked when read)."""
         if not self.enabled:
             return False
         with self._lock:
             d = self._index.get(block_hash)
-            return d is not None and d.entry.matches(parent_hash, token_ids, root)
+            return d is not None and d.entry.matches(parent_hash, token_ids)
 
     def read(self, block_hash: BlockHash, payload_bytes: int) -> bytes | None:
         """The block's bytes, checksum verified, or None (missing, damaged: counted, the file removed)."""
@@ -210,7 +209,7 @@ class DiskTier:
             self._pending.add(entry.block_hash)
         self._queue.put((entry, payload))
 
-    def flush(self, timeout: float | None = None) -> None:
+    def flush(self) -> None:
         """Wait until every queued write is done (tests, shutdown)."""
         if self._thread is not None:
             self._queue.join()
@@ -230,7 +229,7 @@ class DiskTier:
         h = entry.block_hash
         path = self.directory / (h.hex() + _SUFFIX)
         meta = {"identity": self._ident, "hash": h.hex(), "parent": entry.parent_hash.hex(),
-                "tokens": list(entry.token_ids), "root": entry.root,
+                "tokens": list(entry.token_ids), "first": entry.first,
                 "payload_bytes": len(payload), "crc32": zlib.crc32(payload)}
         header = json.dumps(meta, separators=(",", ":")).encode()
         size = _HEAD.size + len(header) + len(payload)
@@ -304,6 +303,8 @@ class DiskTier:
         return len(hashes)
 
     def close(self) -> None:
+        """Finish the queued writes and let the directory go; idempotent (later blocks are not written)."""
+        self.enabled = self.writable = False
         if self._thread is not None:
             self.flush()
             self._queue.put(None)
@@ -333,8 +334,5 @@ def _read_header(f) -> dict:
 
 
 def _entry_of(meta: dict) -> TierEntry:
-    root = meta["root"]
-    if root is not None and not isinstance(root, str):
-        raise ValueError("root check is not a digest")
     return TierEntry(bytes.fromhex(meta["hash"]), bytes.fromhex(meta["parent"]), tuple(int(t) for t in meta["tokens"]),
-                     root)
+                     bool(meta["first"]))

@@ -28,15 +28,15 @@ class TierEntry:
     """A prefix block below the pool: what it holds (its chain position and tokens), not where."""
 
     block_hash: BlockHash
-    parent_hash: BlockHash  # the previous block's hash, or the chain's root hash for the first block
+    # the previous block's hash; for a chain's first block its root hash, a digest of the isolation keys (model,
+    # adapter, cache_salt: kv/prefix_hash.py), so matching the parent checks those keys too
+    parent_hash: BlockHash
     token_ids: tuple[int, ...]
-    root: str | None  # a digest of the chain's isolation keys, for the first block of a chain (else None)
+    first: bool = False  # the first block of its chain (its events name no parent)
 
-    def matches(self, parent_hash: BlockHash, token_ids: tuple[int, ...], root: str | None) -> bool:
-        """Verified on content, on the parent and, for a first block, on the isolation keys themselves: a
-        hash match alone is never a hit."""
-        return (self.token_ids == token_ids and self.parent_hash == parent_hash
-                and (root is None or self.root == root))
+    def matches(self, parent_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
+        """Verified on content and on the parent, not on the block's own hash alone."""
+        return self.token_ids == token_ids and self.parent_hash == parent_hash
 
 
 class HostTier:
@@ -49,8 +49,7 @@ class HostTier:
         self.offload = offload
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self.cached: OrderedDict[BlockHash, tuple[int, TierEntry]] = OrderedDict()  # LRU first
-        self._slot_hash: dict[int, BlockHash] = {}
-        self._held: set[int] = set()  # slots a pending read of this step needs: not reusable until begin_step
+        self._held: set[int] = set()  # prefix entries a load of this step reads: not evicted until begin_step
         self._after_read: list[int] = []
         self.on_removed: Callable[[list[BlockHash]], None] | None = None
         self.num_evictions = 0
@@ -58,8 +57,8 @@ class HostTier:
 
     # ------------------------------------------------------------- list-like
     def __len__(self) -> int:
-        """Slots a swap-out may take now: free ones and evictable prefix entries."""
-        return len(self._free) + sum(1 for s, _ in self.cached.values() if s not in self._held)
+        """Slots a swap-out may take now: free ones and evictable prefix entries (held ones are all cached)."""
+        return len(self._free) + len(self.cached) - len(self._held)
 
     def __iter__(self) -> Iterator[int]:
         """Every slot no swapped sequence owns (free, prefix entries, released this step)."""
@@ -111,15 +110,13 @@ class HostTier:
         if slot is None:
             return None
         self.cached[entry.block_hash] = (slot, entry)
-        self._slot_hash[slot] = entry.block_hash
         self.num_stored += 1
         return slot
 
-    def find(self, block_hash: BlockHash, parent_hash: BlockHash, token_ids: tuple[int, ...],
-             root: str | None) -> int | None:
+    def find(self, block_hash: BlockHash, parent_hash: BlockHash, token_ids: tuple[int, ...]) -> int | None:
         """The slot holding this exact block, or None. Pure."""
         hit = self.cached.get(block_hash)
-        if hit is None or not hit[1].matches(parent_hash, token_ids, root):
+        if hit is None or not hit[1].matches(parent_hash, token_ids):
             return None
         return hit[0]
 
@@ -140,7 +137,7 @@ class HostTier:
             else:
                 self._free.append(slot)
         self.cached.clear()
-        self._slot_hash.clear()
+        self._held.clear()
         return n
 
     def _take(self) -> int | None:
@@ -149,7 +146,6 @@ class HostTier:
         for h, (slot, _) in self.cached.items():
             if slot not in self._held:
                 del self.cached[h]
-                del self._slot_hash[slot]
                 self.num_evictions += 1
                 if self.on_removed is not None:
                     self.on_removed([h])

@@ -69,13 +69,11 @@ class KVPoolConfig:
         """The manager for a model of this KV ``layout`` (None: one full-attention group): several groups share
         one pool under a hybrid manager, one sliding-window group is a sliding-window manager. ``tiers``: host and
         disk tiers below the pool (one full-attention group, the paged policy)."""
-        if self.offload_blocks and tiers is None:
-            if self.allocator != "paged" or not self.enable_prefix_caching:
-                return dataclasses.replace(self, offload_blocks=0).build(max_model_len, layout)  # nothing to keep
-            tiers = PrefixTiers(HostTier(self.num_swap_blocks + self.offload_blocks, offload=True), None,
-                                self.block_size, 0)
-            return dataclasses.replace(self, num_swap_blocks=self.num_swap_blocks + self.offload_blocks,
-                                       offload_blocks=0).build(max_model_len, layout, tiers)
+        if self.offload_blocks and tiers is None and self.allocator == "paged" and self.enable_prefix_caching:
+            swap = self.num_swap_blocks + self.offload_blocks  # one host tier: swap slots and offload slots
+            tiers = PrefixTiers(HostTier(swap, offload=True), None, self.block_size, 0)
+            return dataclasses.replace(self, num_swap_blocks=swap, offload_blocks=0).build(max_model_len, layout,
+                                                                                           tiers)
         if tiers is not None and self.allocator != "paged":
             raise ValueError("KV offload tiers keep prefix-cache blocks: they need the paged KV policy")
         if layout is not None and (layout.hybrid or layout.groups[0].spec.window is not None):

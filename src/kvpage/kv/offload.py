@@ -10,8 +10,6 @@ step (``take_ops``). Torch-free: the worker moves the bytes.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
@@ -61,13 +59,7 @@ class TierCounters:
 
 
 def _entry(block: KVBlock) -> TierEntry:
-    return TierEntry(block.block_hash, block.parent_hash or b"", block.token_ids,
-                     root_check(block.parent) if is_chain_start(block.parent) else None)
-
-
-def root_check(root_keys: tuple) -> str:
-    """What a tier keeps of a chain's isolation keys: a digest (a cache salt is never written in the clear)."""
-    return hashlib.sha256(json.dumps(["kvpage-root-check", *root_keys]).encode()).hexdigest()
+    return TierEntry(block.block_hash, block.parent_hash or b"", block.token_ids, is_chain_start(block.parent))
 
 
 class PrefixTiers:
@@ -92,7 +84,7 @@ class PrefixTiers:
         self.host.on_removed = (lambda hs: events.removed(hs, "host")) if events else None
         if self.disk is not None:
             self.disk.on_removed = (lambda hs: events.removed(hs, "disk")) if events else None
-            self.disk.on_stored = (lambda e: events.stored(e.block_hash, None if e.root else e.parent_hash,
+            self.disk.on_stored = (lambda e: events.stored(e.block_hash, None if e.first else e.parent_hash,
                                                            e.token_ids, "disk")) if events else None
 
     # ------------------------------------------------------ the pool's listener
@@ -107,7 +99,7 @@ class PrefixTiers:
             self._ops.stores.append((block.block_id, slot))
             self.counters.blocks_offloaded += 1
             if self.events is not None:
-                self.events.stored(entry.block_hash, None if entry.root else entry.parent_hash, entry.token_ids,
+                self.events.stored(entry.block_hash, None if entry.first else entry.parent_hash, entry.token_ids,
                                    "host")
         if self.disk is not None and self.disk.enabled and self.disk.writable and not self.disk.has(entry.block_hash):
             self._ops.persists.append((block.block_id, entry))
@@ -125,14 +117,13 @@ class PrefixTiers:
 
     # ----------------------------------------------------------------- lookups
     def find(self, block_hash: BlockHash, parent_hash: BlockHash, token_ids: tuple[int, ...],
-             root_keys: tuple | None, index: int) -> TierHit | None:
+             index: int) -> TierHit | None:
         """This exact block in the host tier, else in the disk tier's index (its bytes not read yet: ``stage``)."""
-        root = root_check(root_keys) if root_keys is not None else None
-        slot = self.host.find(block_hash, parent_hash, token_ids, root)
+        slot = self.host.find(block_hash, parent_hash, token_ids)
         if slot is not None:
             return TierHit(self.host.cached[block_hash][1], slot, index)
-        if self.disk is not None and self.disk.find(block_hash, parent_hash, token_ids, root):
-            return TierHit(TierEntry(block_hash, parent_hash, token_ids, root), None, index)
+        if self.disk is not None and self.disk.find(block_hash, parent_hash, token_ids):
+            return TierHit(TierEntry(block_hash, parent_hash, token_ids, index == 0), None, index)
         return None
 
     def stage(self, hit: TierHit) -> TierHit | None:

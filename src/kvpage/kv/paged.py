@@ -188,7 +188,7 @@ class KVCacheManager(PagedSeqs):
         for j in range(i, max_blocks):
             chunk = tuple(tokens[j * bs : (j + 1) * bs])
             h = block_hash(parent, chunk, self.hash_fn)
-            found = self.tiers.find(h, parent, chunk, self._root_key(seq) if j == 0 else None, j)
+            found = self.tiers.find(h, parent, chunk, j)
             found = found and self.tiers.stage(found)
             if found is None:
                 break

@@ -74,7 +74,7 @@ class SlidingWindowKVManager(KVCacheManager):
             hashes.append(h)
             block = self.pool.lookup(h, self._parent(seq, hashes, i), chunk)
             if block is None and self.tiers is not None:
-                block = self.tiers.find(h, parent, chunk, self._root_key(seq) if i == 0 else None, i)
+                block = self.tiers.find(h, parent, chunk, i)
             found.append(block)
             parent = h
         while True:

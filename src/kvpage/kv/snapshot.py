@@ -48,14 +48,14 @@ def pool_snapshot(m: Any, request_of: Callable[[str], str] | None = None, max_ta
             tables.append({"seq": sid, "request": name(sid), "tokens": groups[0]._seqs[sid].num_tokens,
                            "tables": per_group})
     host = m._host_free
-    swapped_slots = sorted(h for s in groups[0]._swapped.values() for h in s.host_blocks if h is not None) \
-        if len(groups) == 1 else sorted(h for grp in groups for s in grp._swapped.values()
-                                        for h in s.host_blocks if h is not None)
     host_state = ["f"] * host.num_slots
     for slot, _ in host.cached.values():
         host_state[slot] = "c"
-    for slot in swapped_slots:
-        host_state[slot] = "w"
+    for grp in groups:  # every group's swapped blocks share the host tier
+        for s in grp._swapped.values():
+            for slot in s.host_blocks:
+                if slot is not None:
+                    host_state[slot] = "w"
     layout = getattr(m, "layout", None)
     kinds = [g.spec.kind for g in layout.groups] if layout is not None else (
         ["sliding"] if getattr(m, "window", None) else ["full"])

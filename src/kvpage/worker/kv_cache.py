@@ -182,9 +182,6 @@ class KVCache:
         parts = [_block_rows(t).index_select(0, ids).numpy() for t in self.tensors]
         return [b"".join(p[i].tobytes() for p in parts) for i in range(len(blocks))]
 
-    def read_block(self, block: int) -> bytes:
-        return self.read_blocks([block])[0]
-
     def write_blocks(self, items: Sequence[tuple[bytes, int]]) -> None:
         """Fill device blocks from ``read_blocks``' bytes: (payload, block) pairs."""
         if not items:
@@ -201,8 +198,6 @@ class KVCache:
                 r[block].copy_(src[off: off + width])
                 off += width
 
-    def write_block(self, block: int, payload: bytes) -> None:
-        self.write_blocks([(payload, block)])
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: device block src -> device block dst (in every tensor: the block's group's layers)."""

@@ -221,10 +221,10 @@ class Worker:
             self.ranks.shutdown()
         tiers = getattr(self.kv, "tiers", None)
         if tiers is not None:
-            for block, entry in tiers.unpersisted(list(self.kv.pool.cached.values())):
-                tiers.disk.put(entry, self.kv_cache.read_block(block))
+            todo = tiers.unpersisted(list(self.kv.pool.cached.values()))
+            for (_, entry), payload in zip(todo, self.kv_cache.read_blocks([b for b, _ in todo]), strict=True):
+                tiers.disk.put(entry, payload)
             tiers.close()
-            self.kv.tiers = None
 
     def sample(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[list[Sample] | BaseException]:
         """One batched draw for the whole step; a request whose settings fail gets its exception alone."""
