@@ -18,7 +18,7 @@
 namespace kvpage::attn {
 
 // Runs CALL(n) over the G query rows of a KV head in batches of at most four (g0: the batch's first row), n a
-// compile-time constant: the register budget of one pass of the int8 loops (quant_int8.h, packed_int8.h).
+// compile-time constant: the register budget of one pass of the int8 loops (quant_loop.h, packed_int8.h).
 #define KVPAGE_ROW_BATCHES(CALL)            \
   for (int64_t g0 = 0; g0 < G; g0 += 4) {   \
     switch (std::min<int64_t>(4, G - g0)) { \

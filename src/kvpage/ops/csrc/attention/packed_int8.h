@@ -1,6 +1,6 @@
 // The packed int8 KV layout and the AVX-512 VNNI attention kernel that reads it.
 //
-// Why: in the row layout (quant_int8.h) each token's codes are contiguous, so the scores need a horizontal sum
+// Why: in the row layout (quant_loop.h) each token's codes are contiguous, so the scores need a horizontal sum
 // per key and the codes must be widened to int16 before every multiply-add; on one thread that arithmetic,
 // not memory, set the int8 loop's time (13.8 ms in cache against 15.6 ms from memory at 32 seqs x 8K on the
 // Xeon without AMX). Here the page holds each 16-key group in vpdpbusd's operand order, arranged when a token

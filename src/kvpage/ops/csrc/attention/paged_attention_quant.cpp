@@ -12,7 +12,7 @@
 #include "attention/merge.h"
 #include "attention/packed_int8.h"
 #include "attention/plan.h"
-#include "attention/quant_int8.h"
+#include "attention/quant_loop.h"
 #include "attention/quant_rows.h"
 
 #include <cstdint>
@@ -76,9 +76,9 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
 #endif
 #if KVPAGE_ISA_AVX2
 #define KVPAGE_QUANT_TILE(d)                                                                                   \
-  if constexpr (C == KVCode::kInt8 && d > 0)                                                                   \
-    attend_tile_int8<d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride, kv_heads, \
-                        tk.pos0, k_begin, k_end, pa, pm, pl, plan.window);                                     \
+  if constexpr (d > 0)                                                                                         \
+    attend_tile_codes<C, d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,     \
+                            kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window);                       \
   else                                                                                                         \
     attend_tile_quant<C, d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,     \
                             kv_heads, D, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, plan.window)
@@ -185,9 +185,11 @@ const char* paged_attention_quant(const torch::Tensor& query, const torch::Tenso
               "query must be float32 or bfloat16");
   by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, packed, out);
   if (packed) return "avx512-int8-packed";  // check_packed: int8 pages on a KVPAGE_PACKED_INT8 build
-  const int64_t D = query.size(2);  // run_quant's templated head sizes take the integer loop for int8
-  const bool int8_loop = kv_cache.scalar_type() == at::kChar && (D == 64 || D == 128 || D == 256);
-  return !KVPAGE_ISA_AVX2 ? "generic-quant" : int8_loop ? "avx2-int8-quant" : "avx2-quant";
+  const int64_t D = query.size(2);  // run_quant's templated head sizes take quant_loop.h's loop
+  if (!KVPAGE_ISA_AVX2) return "generic-quant";
+  if (D != 64 && D != 128 && D != 256) return "avx2-quant";
+  if (kv_cache.scalar_type() == at::kChar) return "avx2-int8-quant";
+  return KVPAGE_ISA_AVX512BF16 ? "avx2-fp8-quant-dpbf16" : "avx2-fp8-quant";
 }
 
 void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
