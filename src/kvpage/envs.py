@@ -43,8 +43,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "0 keeps the AVX-512 loops", "amx_decode"),
     EnvVar("KVPAGE_SPLIT_SHORT", bool, True, "one stream's short contexts are cut over the threads; 0 keeps one task "
            "per sequence", "split_short"),
-    EnvVar("KVPAGE_KV_LAYOUT", str, "packed", "bf16 and int8 KV blocks in the packed operand order of the dot-product "
-           "instructions; 'rows' keeps the row layout", "kv_layout", ("packed", "rows")),
+    EnvVar("KVPAGE_KV_LAYOUT", str, "auto", "bf16 and int8 KV blocks in the packed operand order of the dot-product "
+           "instructions ('packed') or as rows ('rows'); 'auto': packed on Intel CPUs, rows on AMD's, where the row "
+           "loops stream long contexts faster (Zen 5, 64 x 8K keys: bf16 0.69x, int8 0.81x the packed loops' time)",
+           "kv_layout", ("auto", "packed", "rows")),
     EnvVar("KVPAGE_AMX_PREFILL", bool, True, "fresh prompts' attention with AMX tiles where the CPU has them; 0 keeps "
            "torch's SDPA", "amx_prefill"),
     EnvVar("KVPAGE_PREFILL_CACHED", bool, True, "prompt chunks after cached keys on the AMX prompt kernel, reading the "
@@ -100,7 +102,7 @@ class KernelConfig:
     f32_gemm: bool = True
     amx_decode: bool = True
     split_short: bool = True
-    kv_layout: str = "packed"
+    kv_layout: str = "auto"
     amx_prefill: bool = True
     prefill_cached: bool = True
     paged_prompts: bool = True

@@ -353,7 +353,7 @@ def test_packed_layout_rejects_what_it_cannot_hold():
 
 
 def test_backend_packs_bf16_caches_and_keeps_rows_otherwise():
-    backend = CpuPagedAttention(kernels(KernelConfig()))
+    backend = CpuPagedAttention(kernels(KernelConfig(kv_layout="packed")))
     if not load_kernels().has_packed_layout():
         pytest.skip("this build has no packed layout (no AVX512-BF16)")
     bf16 = torch.zeros(2, 4, 16, 3, 64, dtype=torch.bfloat16)
@@ -390,8 +390,35 @@ def test_int8_gemm_auto_follows_the_measurements(monkeypatch, vendor, setting, e
         KernelConfig(i8_gemm=True)  # the old boolean form is refused by name
 
 
+@pytest.mark.parametrize(("vendor", "setting", "expected"), [
+    ("GenuineIntel", "auto", True), ("AuthenticAMD", "auto", False), ("AuthenticAMD", "packed", True),
+    ("GenuineIntel", "rows", False)])
+def test_kv_layout_auto_follows_the_measurements(monkeypatch, vendor, setting, expected):
+    """`auto` packs bf16 and int8 pages on Intel CPUs and keeps rows on AMD's (where the row loops stream long
+    contexts faster); packed and rows force either; a build without the packed kernels never claims them."""
+    import importlib
+
+    kernels_mod = importlib.import_module("kvpage.ops.kernels")
+
+    class Build:  # a build with (or without) both packed layouts
+        def __init__(self, has: bool) -> None:
+            self.has = has
+
+        def __getattr__(self, name):
+            return lambda: self.has if name in ("has_packed_layout", "has_packed_int8_layout") else False
+
+    monkeypatch.setattr(kernels_mod, "cpu_vendor", lambda: vendor)
+    config = KernelConfig(kv_layout=setting)
+    ops = kernels_mod.Kernels(Build(True), config)
+    assert ops.packed_layout is expected and ops.packed_int8_layout is expected
+    ops = kernels_mod.Kernels(Build(False), config)
+    assert ops.packed_layout is False and ops.packed_int8_layout is False
+    with pytest.raises(ValueError, match="kv_layout"):
+        KernelConfig(kv_layout="pack")
+
+
 def test_backend_packs_int8_pages_where_the_build_has_vnni():
-    backend = CpuPagedAttention(kernels(KernelConfig()))
+    backend = CpuPagedAttention(kernels(KernelConfig(kv_layout="packed")))
     int8 = torch.zeros(2, 4, 16, 3, 66, dtype=torch.int8)
     has = load_kernels().has_packed_int8_layout()
     assert backend.packed_layout(int8, torch.float32) == has  # any activation dtype: the kernel quantizes q

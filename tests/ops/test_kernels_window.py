@@ -94,7 +94,7 @@ def test_window_plans_skip_whole_blocks_and_partitions():
 
 
 def test_packed_layout_refuses_a_window():
-    ops = kernels(KernelConfig())
+    ops = kernels(KernelConfig(kv_layout="packed"))
     if not ops.packed_layout:
         pytest.skip("no packed layout in this build")
     cache = torch.zeros(2, 4, 16, 1, 64, dtype=torch.bfloat16)

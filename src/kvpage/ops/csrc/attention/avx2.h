@@ -1,5 +1,6 @@
-// The AVX2 + FMA main loop for machines without AVX-512: 8-lane float32 arithmetic over float32, float16
-// and bf16 caches in the row layout.
+// The AVX2 + FMA main loop: 8-lane float32 arithmetic over float32, float16 and bf16 caches in the row layout.
+// Every AVX2 build (AVX-512 ones too) runs it for row-layout decode tasks: its prefetch spread over the block's
+// work streams the cache faster than the AVX-512 row loop (attention/paged_attention.cpp says where).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -17,7 +18,7 @@
 
 namespace kvpage::attn {
 
-#if KVPAGE_ISA_AVX2_ONLY
+#if KVPAGE_ISA_AVX2
 // Eight KV elements as float32: float32 rows load as they are; float16 widens exactly in one F16C conversion
 // (every AVX2 CPU has F16C; the scalar path otherwise). bf16 rows go through load16 below.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -34,7 +34,7 @@ using kvpage::reset_partials;
 #if KVPAGE_ISA_AVX512
 using kvpage::exp16;
 #endif
-#if KVPAGE_ISA_AVX2_ONLY
+#if KVPAGE_ISA_AVX2
 using kvpage::exp8;
 #endif
 using kvpage::to_float;

@@ -127,10 +127,13 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #if KVPAGE_ISA_AMX
   use_amx_pairs = use_amx_packed && D == 64 && H <= 16;
 #endif
+  // Row-layout tasks of a head size the AVX2 loop is built for take it on every AVX2 build (AVX-512 ones too),
+  // except prompt tiles of a bf16 cache with bf16 queries, where dpbf16 does 4x the multiply-adds per
+  // instruction (attend_tile_bf16): decode streams the cache, and on a Zen 5 at 64 sequences x 8K keys the AVX2
+  // loop reads bf16 rows in half the AVX-512 row loop's time (and float16 rows in a seventh of the generic one's).
+  const bool avx2_sizes = KVPAGE_ISA_AVX2 && !packed && (D == 64 || D == 128 || D == 256);
   g_decode_kernel = use_amx_pairs ? "amx-pairs" : use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
-                  : (use_dp && (D == 64 || D == 128 || D == 256)) ? "avx512-rows"
-                  : (KVPAGE_ISA_AVX2_ONLY && (D == 64 || D == 128 || D == 256)) ? avx2_kernel_name<KV>()
-                  : "generic";
+                  : avx2_sizes ? avx2_kernel_name<KV>() : "generic";
   auto work = [&](int64_t begin, int64_t end) {
 #if KVPAGE_ISA_AMX
     if (use_amx) kvpage::amx_configure(G);
@@ -146,10 +149,13 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       const Task& tk = tasks[ti];
       const Q* qrows = qptr + tk.row0 * H * D;
       const at::BFloat16* const* qb = nullptr;
+      // this task on the AVX2 loop (the AMX row kernel keeps the decode tasks it takes)
+      const bool avx2_task = avx2_sizes && (!use_dp || tk.nq == 1) && !(use_amx && tk.nq == 1);
       if (use_dp) {
         for (int64_t r = 0; r < tk.nq * H; ++r) qptrs[r] = reinterpret_cast<const at::BFloat16*>(qrows + r * D);
         qb = qptrs.data();
-      } else {
+      }
+      if (!use_dp || avx2_task) {
         for (int64_t i = 0; i < tk.nq * H * D; ++i) qbuf[i] = to_float(qrows[i]) * static_cast<float>(scale);
       }
       const auto [k_begin, k_end] = tk.keys(partition_size);
@@ -201,6 +207,20 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
         }
       }
 #endif
+#if KVPAGE_ISA_AVX2
+      if (avx2_task) {
+        if (D == 64)
+          attend_tile_avx2<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                   kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
+        else if (D == 128)
+          attend_tile_avx2<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                    kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
+        else
+          attend_tile_avx2<KV, 256>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                    kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
+        continue;
+      }
+#endif
 #if KVPAGE_ISA_AVX512BF16
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
 #if KVPAGE_ISA_AMX
@@ -228,20 +248,6 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
                                   k_begin, k_end, pa, pm, pl, scratch, sc, window);
           continue;
         }
-      }
-#endif
-#if KVPAGE_ISA_AVX2_ONLY
-      if (D == 64 || D == 128 || D == 256) {
-        if (D == 64)
-          attend_tile_avx2<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
-                                   kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
-        else if (D == 128)
-          attend_tile_avx2<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
-                                    kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
-        else
-          attend_tile_avx2<KV, 256>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
-                                    kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
-        continue;
       }
 #endif
       if (D == 64)
