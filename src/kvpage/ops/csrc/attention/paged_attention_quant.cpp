@@ -188,8 +188,8 @@ const char* paged_attention_quant(const torch::Tensor& query, const torch::Tenso
   const int64_t D = query.size(2);  // run_quant's templated head sizes take quant_loop.h's loop
   if (!KVPAGE_ISA_AVX2) return "generic-quant";
   if (D != 64 && D != 128 && D != 256) return "avx2-quant";
-  if (kv_cache.scalar_type() == at::kChar) return "avx2-int8-quant";
-  return KVPAGE_ISA_AVX512BF16 ? "avx2-fp8-quant-dpbf16" : "avx2-fp8-quant";
+  if (kv_cache.scalar_type() == at::kChar) return KVPAGE_ISA_AVX512 ? "avx512-int8-quant" : "avx2-int8-quant";
+  return KVPAGE_ISA_AVX512BF16 ? "avx512-fp8-quant" : "avx2-fp8-quant";
 }
 
 void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,

@@ -1,6 +1,6 @@
-// The main loop for quantized rows of one-byte codes (int8, fp8 e4m3, fp8 e5m2; AVX2, and AVX-512 builds run it
-// too). Sixteen codes at a time are widened to 16-bit lanes and multiplied pairwise into 8 accumulator lanes,
-// never dequantized to a float32 row first:
+// The main loop for quantized rows of one-byte codes (int8, fp8 e4m3, fp8 e5m2): 16 codes at a time on AVX2
+// builds, 32 on AVX-512 ones (Lanes256 / Lanes512), widened to 16-bit lanes and multiplied pairwise into
+// 32-bit accumulator lanes, never dequantized to a float32 row first:
 //   int8     int16 x int16 -> int32 (VNNI's fused multiply-add where the CPU has it), exact: the query row is
 //            quantized once per task to int16 (scale = absmax / 32767, 2^-16 of its range: far below the keys'
 //            own int8 step), and each block's weights times the value rows' scales to int16 against their
@@ -89,9 +89,27 @@ inline void to_bf16_lifted(const float* x, int64_t n, float lift, int16_t* out) 
   }
 }
 
+// The 16-bit lane moves of the 256-bit loops (kW = 16 codes at a time).
+struct Lanes256 {
+  static __m256i load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static __m256i pair(const int16_t* w) { return attn::pair(w); }
+  static __m256i zlanes() { return _mm256_setzero_si256(); }
+  static __m256i unlo(__m256i a, __m256i b) { return _mm256_unpacklo_epi16(a, b); }
+  static __m256i unhi(__m256i a, __m256i b) { return _mm256_unpackhi_epi16(a, b); }
+  // a[0, 16) <- a x corr + wscale x the sums: lo holds dims 0-3 | 8-11, hi dims 4-7 | 12-15 (unlo / unhi)
+  static void finish(__m256 lo, __m256 hi, float* a, float corr, float wscale) {
+    const __m256 vc = _mm256_set1_ps(corr), vw = _mm256_set1_ps(wscale);
+    const __m256 d0 = _mm256_permute2f128_ps(lo, hi, 0x20), d1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(d0, vw, _mm256_mul_ps(_mm256_loadu_ps(a), vc)));
+    _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(d1, vw, _mm256_mul_ps(_mm256_loadu_ps(a + 8), vc)));
+  }
+};
+
 // How int8 codes enter the multiply-adds (see the file's head): int16 lanes, int32 sums.
-struct Int8Lanes {
+struct Int8Lanes : Lanes256 {
   using Acc = __m256i;
+  using V = __m256i;                  // 16-bit lanes
+  static constexpr int64_t kW = 16;   // codes per widen
   static Acc zero() { return _mm256_setzero_si256(); }
   static __m256i widen(const uint8_t* p) { return _mm256_cvtepi8_epi16(load16(p)); }
   static Acc madd(Acc acc, __m256i a, __m256i b) {
@@ -102,8 +120,9 @@ struct Int8Lanes {
 #endif
   }
   static __m128 hsum4(Acc a0, Acc a1, Acc a2, Acc a3) { return _mm_cvtepi32_ps(hsum4_epi32(a0, a1, a2, a3)); }
-  static __m256 lo_dims(Acc lo, Acc hi) { return _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x20)); }
-  static __m256 hi_dims(Acc lo, Acc hi) { return _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x31)); }
+  static void finish(Acc lo, Acc hi, float* a, float corr, float wscale) {
+    Lanes256::finish(_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi), a, corr, wscale);
+  }
   // A query row -> its 16-bit lanes; returns what a dot product with codes is multiplied by (before k_scale).
   static float query(const float* x, int64_t n, int16_t* out) { return quantize_i16(x, out, n); }
   // A block's weights x value scales (>= 0, largest `top`) -> 16-bit lanes; returns their sum's factor.
@@ -115,9 +134,11 @@ struct Int8Lanes {
 
 // How fp8 codes enter them (see the file's head): bf16 lanes, float32 sums.
 template <KVCode C>
-struct Fp8Lanes {
+struct Fp8Lanes : Lanes256 {
   static_assert(C != KVCode::kInt8, "int8 codes take Int8Lanes");
   using Acc = __m256;
+  using V = __m256i;
+  static constexpr int64_t kW = 16;
   static constexpr int kShift = C == KVCode::kE4M3 ? 4 : 5;  // code bits 0-6 -> bf16 exponent and mantissa
   static constexpr int16_t kKeep = C == KVCode::kE4M3 ? static_cast<int16_t>(0x87F0) : static_cast<int16_t>(0x8FE0);
   static constexpr float kCode = C == KVCode::kE4M3 ? 0x1p120f : 0x1p112f;  // value = bf16 lane x kCode
@@ -139,8 +160,7 @@ struct Fp8Lanes {
 #endif
   }
   static __m128 hsum4(Acc a0, Acc a1, Acc a2, Acc a3) { return hsum4_ps(a0, a1, a2, a3); }
-  static __m256 lo_dims(Acc lo, Acc hi) { return _mm256_permute2f128_ps(lo, hi, 0x20); }
-  static __m256 hi_dims(Acc lo, Acc hi) { return _mm256_permute2f128_ps(lo, hi, 0x31); }
+
   static float query(const float* x, int64_t n, int16_t* out) {
     to_bf16_lifted(x, n, kLift, out);
     return kCode / kLift;
@@ -154,10 +174,104 @@ struct Fp8Lanes {
   }
 };
 
+#if KVPAGE_ISA_AVX512
+// The 512-bit loops (kW = 32 codes at a time; head sizes that are multiples of 32): half the instructions of the
+// 256-bit ones for the same codes, which the loop needs where it, not memory, sets the pace (Zen 5, 64 x 8K
+// keys: the 256-bit int8 loop took 8.8 ms with every block in cache and 9.8 ms from memory).
+struct Lanes512 {
+  static __m512i load(const int16_t* p) { return _mm512_loadu_si512(reinterpret_cast<const void*>(p)); }
+  static __m512i pair(const int16_t* w) {
+    int32_t x;
+    std::memcpy(&x, w, sizeof(x));
+    return _mm512_set1_epi32(x);
+  }
+  static __m512i zlanes() { return _mm512_setzero_si512(); }
+  static __m512i unlo(__m512i a, __m512i b) { return _mm512_unpacklo_epi16(a, b); }
+  static __m512i unhi(__m512i a, __m512i b) { return _mm512_unpackhi_epi16(a, b); }
+  static __m512i widen_raw(const uint8_t* p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  // a[0, 32) <- a x corr + wscale x the sums: 128-bit chunk k of lo holds dims 8k .. 8k + 3, of hi 8k + 4 .. 8k + 7
+  static void finish(__m512 lo, __m512 hi, float* a, float corr, float wscale) {
+    const __m512 vc = _mm512_set1_ps(corr), vw = _mm512_set1_ps(wscale);
+    const __m512 t0 = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));  // lo0 lo1 hi0 hi1
+    const __m512 t1 = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));  // lo2 lo3 hi2 hi3
+    const __m512 d0 = _mm512_shuffle_f32x4(t0, t0, _MM_SHUFFLE(3, 1, 2, 0));  // dims 0-15
+    const __m512 d1 = _mm512_shuffle_f32x4(t1, t1, _MM_SHUFFLE(3, 1, 2, 0));  // dims 16-31
+    _mm512_storeu_ps(a, _mm512_fmadd_ps(d0, vw, _mm512_mul_ps(_mm512_loadu_ps(a), vc)));
+    _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(d1, vw, _mm512_mul_ps(_mm512_loadu_ps(a + 16), vc)));
+  }
+};
+
+struct Int8Lanes512 : Lanes512 {
+  using Acc = __m512i;
+  using V = __m512i;
+  static constexpr int64_t kW = 32;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static V widen(const uint8_t* p) { return widen_raw(p); }
+  static Acc madd(Acc acc, V a, V b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+  }
+  static __m256i half_sum(Acc a) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+  }
+  static __m128 hsum4(Acc a0, Acc a1, Acc a2, Acc a3) {
+    return _mm_cvtepi32_ps(hsum4_epi32(half_sum(a0), half_sum(a1), half_sum(a2), half_sum(a3)));
+  }
+  static void finish(Acc lo, Acc hi, float* a, float corr, float wscale) {
+    Lanes512::finish(_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi), a, corr, wscale);
+  }
+  static float query(const float* x, int64_t n, int16_t* out) { return Int8Lanes::query(x, n, out); }
+  static float weights(const float* x, int64_t n, float top, int16_t* out) {
+    return Int8Lanes::weights(x, n, top, out);
+  }
+};
+
+#if KVPAGE_ISA_AVX512BF16
 template <KVCode C>
-struct CodeLanesOf { using type = Fp8Lanes<C>; };
+struct Fp8Lanes512 : Lanes512 {
+  using F = Fp8Lanes<C>;
+  using Acc = __m512;
+  using V = __m512i;
+  static constexpr int64_t kW = 32;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static V widen(const uint8_t* p) {
+    return _mm512_and_si512(_mm512_slli_epi16(widen_raw(p), F::kShift), _mm512_set1_epi16(F::kKeep));
+  }
+  static Acc madd(Acc acc, V a, V b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+  static __m256 half_sum(Acc a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+  static __m128 hsum4(Acc a0, Acc a1, Acc a2, Acc a3) {
+    return hsum4_ps(half_sum(a0), half_sum(a1), half_sum(a2), half_sum(a3));
+  }
+  static float query(const float* x, int64_t n, int16_t* out) { return F::query(x, n, out); }
+  static float weights(const float* x, int64_t n, float top, int16_t* out) { return F::weights(x, n, top, out); }
+};
+#endif
+#endif
+
+// The lanes a build reads codes C with: 512-bit where it has AVX-512 (and, for fp8, AVX512_BF16), else 256-bit.
+template <KVCode C>
+struct CodeLanesOf {
+#if KVPAGE_ISA_AVX512BF16
+  using type = Fp8Lanes512<C>;
+#else
+  using type = Fp8Lanes<C>;
+#endif
+};
 template <>
-struct CodeLanesOf<KVCode::kInt8> { using type = Int8Lanes; };
+struct CodeLanesOf<KVCode::kInt8> {
+#if KVPAGE_ISA_AVX512
+  using type = Int8Lanes512;
+#else
+  using type = Int8Lanes;
+#endif
+};
 template <KVCode C>
 using CodeLanes = typename CodeLanesOf<C>::type;
 
@@ -190,11 +304,11 @@ inline void dot_keys(const int16_t* q16, const uint8_t* k, int64_t row_stride, _
   Acc acc[KT][GT];
   for (int kk = 0; kk < KT; ++kk)
     for (int g = 0; g < GT; ++g) acc[kk][g] = L::zero();
-  for (int64_t c = 0; c < D; c += 16) {
-    __m256i kv[KT];
+  for (int64_t c = 0; c < D; c += L::kW) {
+    typename L::V kv[KT];
     for (int kk = 0; kk < KT; ++kk) kv[kk] = L::widen(k + kk * row_stride + c);
     for (int g = 0; g < GT; ++g) {
-      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + g * D + c));
+      const typename L::V qv = L::load(q16 + g * D + c);
       for (int kk = 0; kk < KT; ++kk) acc[kk][g] = L::madd(acc[kk][g], kv[kk], qv);
     }
   }
@@ -233,38 +347,32 @@ template <class L, int GT, int64_t D>
 inline void pv_rows(const int16_t* wq, int64_t ws, int64_t n, const uint8_t* v, int64_t row_stride, float* acc,
                     const float* corr, const float* wscale, LineStream& ls) {
   const int64_t full = n / 2;
-  for (int64_t c = 0; c < D; c += 16) {
+  using V = typename L::V;
+  for (int64_t c = 0; c < D; c += L::kW) {
     ls.step();
     typename L::Acc lo[GT], hi[GT];
     for (int g = 0; g < GT; ++g) lo[g] = hi[g] = L::zero();
     const uint8_t* vr = v + c;
     for (int64_t p = 0; p < full; ++p, vr += 2 * row_stride) {
-      const __m256i a = L::widen(vr), b = L::widen(vr + row_stride);
-      // lanes: x = dims 0-3 | 8-11 and y = dims 4-7 | 12-15, each as (token 2p, token 2p + 1) pairs
-      const __m256i x = _mm256_unpacklo_epi16(a, b), y = _mm256_unpackhi_epi16(a, b);
+      const V a = L::widen(vr), b = L::widen(vr + row_stride);
+      // per 128-bit chunk k: x = dims 8k .. 8k + 3 and y = 8k + 4 .. 8k + 7, each as (token 2p, 2p + 1) pairs
+      const V x = L::unlo(a, b), y = L::unhi(a, b);
       for (int g = 0; g < GT; ++g) {
-        const __m256i w = pair(wq + g * ws + 2 * p);
+        const V w = L::pair(wq + g * ws + 2 * p);
         lo[g] = L::madd(lo[g], x, w);
         hi[g] = L::madd(hi[g], y, w);
       }
     }
     if (n & 1) {
-      const __m256i a = L::widen(vr), z = _mm256_setzero_si256();
-      const __m256i x = _mm256_unpacklo_epi16(a, z), y = _mm256_unpackhi_epi16(a, z);
+      const V a = L::widen(vr), z = L::zlanes();
+      const V x = L::unlo(a, z), y = L::unhi(a, z);
       for (int g = 0; g < GT; ++g) {
-        const __m256i w = pair(wq + g * ws + 2 * full);
+        const V w = L::pair(wq + g * ws + 2 * full);
         lo[g] = L::madd(lo[g], x, w);
         hi[g] = L::madd(hi[g], y, w);
       }
     }
-    for (int g = 0; g < GT; ++g) {
-      const __m256 vc = _mm256_set1_ps(corr[g]), vw = _mm256_set1_ps(wscale[g]);
-      float* a = acc + g * D + c;
-      const __m256 d0 = L::lo_dims(lo[g], hi[g]);  // dims c .. c + 7
-      const __m256 d1 = L::hi_dims(lo[g], hi[g]);  // dims c + 8 .. c + 15
-      _mm256_storeu_ps(a, _mm256_fmadd_ps(d0, vw, _mm256_mul_ps(_mm256_loadu_ps(a), vc)));
-      _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(d1, vw, _mm256_mul_ps(_mm256_loadu_ps(a + 8), vc)));
-    }
+    for (int g = 0; g < GT; ++g) L::finish(lo[g], hi[g], acc + g * D + c, corr[g], wscale[g]);
   }
 }
 
@@ -276,8 +384,8 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
                       const uint8_t* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
                       int64_t kv_heads, int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m,
                       float* l, int64_t window) {
-  static_assert(D % 16 == 0, "rows are read 16 codes at a time");
   using L = CodeLanes<C>;
+  static_assert(D % L::kW == 0, "rows are read kW codes at a time");
   const int64_t head_stride = D + kScaleBytes, row_stride = kv_heads * head_stride;
   const int64_t R = nq * H, ws = block_size + 2;  // 16-bit weights per row: a block's tokens and a trailing 0
   thread_local std::vector<int16_t> q16, w16;
