@@ -1,6 +1,7 @@
 // The AVX2 + FMA main loop: 8-lane float32 arithmetic over float32, float16 and bf16 caches in the row layout.
-// Every AVX2 build (AVX-512 ones too) runs it for row-layout decode tasks: its prefetch spread over the block's
-// work streams the cache faster than the AVX-512 row loop (attention/paged_attention.cpp says where).
+// AVX-512 builds run it too, for row-layout tasks that would otherwise take the generic loop and for bf16
+// decode on AMD CPUs, where its prefetch spread over the block's work streams the cache faster than the
+// AVX-512 row loop (attention/paged_attention.cpp says where).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -73,6 +73,16 @@ struct AttentionOptions {
   bool amx_decode;  // AMX tile products for decode tasks where the CPU and OS allow them
 };
 
+// Whether this process runs on an AMD CPU (asked once; the row-layout bf16 decode choice below).
+inline bool amd_cpu() {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+#else
+  return false;
+#endif
+}
+
 // Which kernel served the last call's decode tasks (diagnostics and tests).
 const char* g_decode_kernel = "none";
 
@@ -127,13 +137,19 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #if KVPAGE_ISA_AMX
   use_amx_pairs = use_amx_packed && D == 64 && H <= 16;
 #endif
-  // Row-layout tasks of a head size the AVX2 loop is built for take it on every AVX2 build (AVX-512 ones too),
-  // except prompt tiles of a bf16 cache with bf16 queries, where dpbf16 does 4x the multiply-adds per
-  // instruction (attend_tile_bf16): decode streams the cache, and on a Zen 5 at 64 sequences x 8K keys the AVX2
-  // loop reads bf16 rows in half the AVX-512 row loop's time (and float16 rows in a seventh of the generic one's).
+  // Row-layout tasks of a head size the AVX2 loop is built for take it on every AVX2 build (AVX-512 ones too)
+  // where the alternative is the generic loop (float32 and float16 caches, float32 queries: on a Zen 5 float16
+  // rows in a seventh of the generic loop's time). bf16 caches with bf16 queries keep the AVX-512 row loop
+  // (dpbf16: 4x the multiply-adds per instruction) for prompt tiles everywhere and for decode on Intel CPUs,
+  // where the packed layout was built because arithmetic, not memory, limited decode; on AMD CPUs decode
+  // streams the cache, and at 64 sequences x 8K keys on a Zen 5 the AVX2 loop reads bf16 rows in half the
+  // AVX-512 row loop's time (ops/kernels.py packed_layout_pays keeps rows there for the same reason).
   const bool avx2_sizes = KVPAGE_ISA_AVX2 && !packed && (D == 64 || D == 128 || D == 256);
+  const bool avx2_bf16_decode = KVPAGE_ISA_AVX2_ONLY || amd_cpu();
   g_decode_kernel = use_amx_pairs ? "amx-pairs" : use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
-                  : avx2_sizes ? avx2_kernel_name<KV>() : "generic";
+                  : (avx2_sizes && (!use_dp || avx2_bf16_decode)) ? avx2_kernel_name<KV>()
+                  : (use_dp && (D == 64 || D == 128 || D == 256)) ? "avx512-rows"
+                  : "generic";
   auto work = [&](int64_t begin, int64_t end) {
 #if KVPAGE_ISA_AMX
     if (use_amx) kvpage::amx_configure(G);
@@ -150,7 +166,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       const Q* qrows = qptr + tk.row0 * H * D;
       const at::BFloat16* const* qb = nullptr;
       // this task on the AVX2 loop (the AMX row kernel keeps the decode tasks it takes)
-      const bool avx2_task = avx2_sizes && (!use_dp || tk.nq == 1) && !(use_amx && tk.nq == 1);
+      const bool avx2_task = avx2_sizes && (!use_dp || (avx2_bf16_decode && tk.nq == 1)) && !(use_amx && tk.nq == 1);
       if (use_dp) {
         for (int64_t r = 0; r < tk.nq * H; ++r) qptrs[r] = reinterpret_cast<const at::BFloat16*>(qrows + r * D);
         qb = qptrs.data();
