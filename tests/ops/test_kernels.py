@@ -411,6 +411,7 @@ def test_kv_layout_auto_follows_the_measurements(monkeypatch, vendor, setting, e
     config = KernelConfig(kv_layout=setting)
     ops = kernels_mod.Kernels(Build(True), config)
     assert ops.packed_layout is expected and ops.packed_int8_layout is expected
+    assert ops.avx2_row_decode is (vendor == "AuthenticAMD")  # bf16 rows decode on the AVX2 loop where rows pay
     ops = kernels_mod.Kernels(Build(False), config)
     assert ops.packed_layout is False and ops.packed_int8_layout is False
     with pytest.raises(ValueError, match="kv_layout"):

@@ -55,6 +55,9 @@ class Kernels:
         # AVX-512 BF16 dot products in the attention loops (the packed layout needs them; bf16 rows use them too)
         self.bf16_dot = module.has_packed_layout()
         packed = config.kv_layout == "packed" or (config.kv_layout == "auto" and packed_layout_pays())
+        # bf16 rows' decode on the AVX2 loop (AVX-512 builds keep their own row loop otherwise): where the same
+        # measurements keep rows, since that loop is what streams them faster there
+        self.avx2_row_decode = not packed_layout_pays()
         self.packed_layout = self.bf16_dot and packed
         self.packed_int8_layout = module.has_packed_int8_layout() and packed
         self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
@@ -94,7 +97,8 @@ class Kernels:
 
     def paged_attention(self, query: Tensor, kv_cache: Tensor, plan, scale: float, packed: bool) -> Tensor:
         """Varlen causal attention of a flat batch over the paged cache, under the step's plan."""
-        return self._c.paged_attention_planned(query, kv_cache, plan, scale, packed, self.config.amx_decode)
+        return self._c.paged_attention_planned(query, kv_cache, plan, scale, packed, self.config.amx_decode,
+                                               self.avx2_row_decode)
 
     def prefill_attention(self, query: Tensor, key: Tensor, value: Tensor, out: Tensor, starts: list[int],
                           lengths: list[int], scale: float) -> None:
@@ -111,7 +115,7 @@ class Kernels:
                       head_dim: int, scale: float):
         """An empty compiled decode layer stack (csrc/decode_layers.h); layers are added with add_layer."""
         return self._c.DecodeLayers(first_norm, first_eps, num_heads, num_kv_heads, head_dim, scale,
-                                    self.config.amx_decode)
+                                    self.config.amx_decode, self.avx2_row_decode)
 
     # linear layers (csrc/linear/)
     def quant_linear(self, x: Tensor, qs: Tensor, d: Tensor, m: Tensor | None, float_out: bool = False,

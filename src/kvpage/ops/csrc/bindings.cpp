@@ -42,13 +42,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("window") = 0);
   m.def("paged_attention_planned", &paged_attention_planned, "paged_attention of one layer under a step's plan",
         py::arg("query"), py::arg("kv_cache"), py::arg("plan"), py::arg("scale"), py::arg("packed") = false,
-        py::arg("amx_decode") = true, py::call_guard<py::gil_scoped_release>());
+        py::arg("amx_decode") = true, py::arg("avx2_row_decode") = false, py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", py::arg("key"),
         py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("packed") = false, py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "varlen causal attention over a paged KV cache", py::arg("query"),
         py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("partition_size"), py::arg("packed") = false, py::arg("split_short") = true,
-        py::arg("amx_decode") = true, py::call_guard<py::gil_scoped_release>());
+        py::arg("amx_decode") = true, py::arg("avx2_row_decode") = false, py::call_guard<py::gil_scoped_release>());
   m.def("last_decode_kernel", &last_decode_kernel, "the kernel that served the last paged_attention call's decode tasks");
   m.def("has_packed_layout", &has_packed_layout, "whether this build has the packed bf16 KV layout (packed_kv.h)");
   m.def("has_packed_int8_layout", &has_packed_int8_layout,
@@ -114,9 +114,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<kvpage::DecodeLayers>(m, "DecodeLayers",
                                    "a decode-only few-token step's decoder layers in one call (quantized weights)",
                                    py::module_local())
-      .def(py::init<torch::Tensor, double, int64_t, int64_t, int64_t, double, bool>(),
+      .def(py::init<torch::Tensor, double, int64_t, int64_t, int64_t, double, bool, bool>(),
            py::arg("first_norm"), py::arg("first_eps"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("head_dim"), py::arg("scale"), py::arg("amx_decode") = true)
+           py::arg("head_dim"), py::arg("scale"), py::arg("amx_decode") = true, py::arg("avx2_row_decode") = false)
       .def("add_layer", &kvpage::DecodeLayers::add_layer, py::arg("mats"), py::arg("post_norm"), py::arg("eps"),
            py::arg("next_norm"), py::arg("next_eps"))
       .def("num_layers", &kvpage::DecodeLayers::num_layers)

@@ -11,9 +11,10 @@ torch::Tensor QuantMat::operator()(const torch::Tensor& x, bool int16, bool gate
 }
 
 DecodeLayers::DecodeLayers(torch::Tensor first_norm, double first_eps, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, double scale, bool amx_decode)
+                           int64_t head_dim, double scale, bool amx_decode,
+                           bool avx2_row_decode)
     : first_norm_(std::move(first_norm)), first_eps_(first_eps), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
-      head_dim_(head_dim), scale_(scale), amx_decode_(amx_decode) {
+      head_dim_(head_dim), scale_(scale), amx_decode_(amx_decode), avx2_row_decode_(avx2_row_decode) {
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && num_heads % num_kv_heads == 0,
               "bad head counts");
 }
@@ -49,7 +50,8 @@ torch::Tensor DecodeLayers::run(torch::Tensor residual, const torch::Tensor& cos
     const torch::Tensor v = qkv.narrow(1, q_out + kv_out, kv_out).view({T, num_kv_heads_, head_dim_});
     rotary_(q, k, cos, sin);
     reshape_and_cache(k, v, kv_caches[i], slot_mapping, packed);
-    const torch::Tensor a = paged_attention_planned(q, kv_caches[i], plan, scale_, packed, amx_decode_);
+    const torch::Tensor a = paged_attention_planned(q, kv_caches[i], plan, scale_, packed, amx_decode_,
+                                                          avx2_row_decode_);
     h = add_rms_norm(L.o(a.view({T, q_out}), int16), residual, L.post_norm, L.eps);
     h = add_rms_norm(L.down(L.gate_up(h, int16, true), int16), residual, L.next_norm, L.next_eps);
   }

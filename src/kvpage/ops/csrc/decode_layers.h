@@ -38,9 +38,9 @@ struct DecodeLayer {
 
 class DecodeLayers {
  public:
-  // amx_decode: the attention option of the kernel configuration (paged_attention_planned's argument).
+  // amx_decode, avx2_row_decode: the attention options of the kernel configuration (paged_attention_planned's).
   DecodeLayers(torch::Tensor first_norm, double first_eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double scale, bool amx_decode);
+               double scale, bool amx_decode, bool avx2_row_decode);
 
   // mats: qs, d, m of qkv, o, gate_up, down in that order (m None for Q8).
   void add_layer(const std::vector<c10::optional<torch::Tensor>>& mats, torch::Tensor post_norm, double eps,
@@ -59,7 +59,7 @@ class DecodeLayers {
   double first_eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
-  bool amx_decode_;
+  bool amx_decode_, avx2_row_decode_;
   std::vector<DecodeLayer> layers_;
 };
 

@@ -29,12 +29,13 @@ std::vector<torch::Tensor> logits_finish(torch::Tensor out, torch::Tensor hidden
 // Paged attention over the KV cache (attention/paged_attention.cpp; the step's plan: attention/plan.{h,cpp}).
 torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cache,
                                       const kvpage::attn::AttentionPlan& plan, double scale, bool packed,
-                                      bool amx_decode);
+                                      bool amx_decode, bool avx2_row_decode);
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                        bool packed);
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                              int64_t partition_size, bool packed, bool split_short, bool amx_decode);
+                              int64_t partition_size, bool packed, bool split_short, bool amx_decode,
+                              bool avx2_row_decode);
 // Quantized KV pages: int8 / fp8 codes with a bfloat16 scale per row (attention/paged_attention_quant.cpp);
 // packed: int8 pages in the packed layout (attention/packed_int8.h). paged_attention_quant returns the name of
 // the main loop it ran.

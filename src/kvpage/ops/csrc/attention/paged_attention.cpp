@@ -71,17 +71,8 @@ void dispatch_decode_amx(int64_t G, const at::BFloat16* q, int64_t kv_heads, con
 // rather than held in a global (KVPAGE_SPLIT_SHORT is the plan's: attention/plan.h).
 struct AttentionOptions {
   bool amx_decode;  // AMX tile products for decode tasks where the CPU and OS allow them
+  bool avx2_row_decode;  // bf16 row-layout decode on the AVX2 loop on AVX-512 builds (ops/kernels.py says where)
 };
-
-// Whether this process runs on an AMD CPU (asked once; the row-layout bf16 decode choice below).
-inline bool amd_cpu() {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
-#else
-  return false;
-#endif
-}
 
 // Which kernel served the last call's decode tasks (diagnostics and tests).
 const char* g_decode_kernel = "none";
@@ -143,9 +134,9 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
   // (dpbf16: 4x the multiply-adds per instruction) for prompt tiles everywhere and for decode on Intel CPUs,
   // where the packed layout was built because arithmetic, not memory, limited decode; on AMD CPUs decode
   // streams the cache, and at 64 sequences x 8K keys on a Zen 5 the AVX2 loop reads bf16 rows in half the
-  // AVX-512 row loop's time (ops/kernels.py packed_layout_pays keeps rows there for the same reason).
+  // AVX-512 row loop's time (the caller's avx2_row_decode: ops/kernels.py, with the layout choice).
   const bool avx2_sizes = KVPAGE_ISA_AVX2 && !packed && (D == 64 || D == 128 || D == 256);
-  const bool avx2_bf16_decode = KVPAGE_ISA_AVX2_ONLY || amd_cpu();
+  const bool avx2_bf16_decode = KVPAGE_ISA_AVX2_ONLY || opt.avx2_row_decode;
   g_decode_kernel = use_amx_pairs ? "amx-pairs" : use_amx_packed ? "amx-packed" : packed ? "avx512-packed" : use_amx ? "amx-rows"
                   : (avx2_sizes && (!use_dp || avx2_bf16_decode)) ? avx2_kernel_name<KV>()
                   : (use_dp && (D == 64 || D == 128 || D == 256)) ? "avx512-rows"
@@ -441,8 +432,8 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
 }
 
 torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cache, const AttentionPlan& plan,
-                                      double scale, bool packed, bool amx_decode) {
-  const AttentionOptions opt{amx_decode};
+                                      double scale, bool packed, bool amx_decode, bool avx2_row_decode) {
+  const AttentionOptions opt{amx_decode, avx2_row_decode};
   check_common(kv_cache);
   if (packed) {
     check_packed(kv_cache);
@@ -491,12 +482,13 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
-                              int64_t partition_size, bool packed, bool split_short, bool amx_decode) {
+                              int64_t partition_size, bool packed, bool split_short, bool amx_decode,
+                              bool avx2_row_decode) {
   check_common(kv_cache);
   TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, dim]");
   const auto plan = plan_attention(block_tables, query_start_loc, seq_lens, query.size(1), kv_cache.size(1),
                                    kv_cache.size(2), partition_size, split_short);
-  return paged_attention_planned(query, kv_cache, *plan, scale, packed, amx_decode);
+  return paged_attention_planned(query, kv_cache, *plan, scale, packed, amx_decode, avx2_row_decode);
 }
 
 std::string last_decode_kernel() { return g_decode_kernel; }

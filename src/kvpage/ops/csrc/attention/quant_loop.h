@@ -35,11 +35,12 @@ namespace kvpage::attn {
 #if KVPAGE_ISA_AVX2
 constexpr float kI16Max = 32767.f;
 
-// Two int16 weights (tokens i, i + 1) in every 32-bit lane, as madd pairs them with interleaved codes.
-inline __m256i pair(const int16_t* w) {
+// Two int16 weights (tokens i, i + 1) as one 32-bit word, which the lanes' pair() puts in every 32-bit lane,
+// as madd pairs them with interleaved codes.
+inline int32_t pair_bits(const int16_t* w) {
   int32_t x;
   std::memcpy(&x, w, sizeof(x));
-  return _mm256_set1_epi32(x);
+  return x;
 }
 
 // x (n floats) -> int16 codes with x ~= code x scale; returns the scale (0 for a zero row).
@@ -92,7 +93,7 @@ inline void to_bf16_lifted(const float* x, int64_t n, float lift, int16_t* out) 
 // The 16-bit lane moves of the 256-bit loops (kW = 16 codes at a time).
 struct Lanes256 {
   static __m256i load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static __m256i pair(const int16_t* w) { return attn::pair(w); }
+  static __m256i pair(const int16_t* w) { return _mm256_set1_epi32(pair_bits(w)); }
   static __m256i zlanes() { return _mm256_setzero_si256(); }
   static __m256i unlo(__m256i a, __m256i b) { return _mm256_unpacklo_epi16(a, b); }
   static __m256i unhi(__m256i a, __m256i b) { return _mm256_unpackhi_epi16(a, b); }
@@ -180,11 +181,7 @@ struct Fp8Lanes : Lanes256 {
 // keys: the 256-bit int8 loop took 8.8 ms with every block in cache and 9.8 ms from memory).
 struct Lanes512 {
   static __m512i load(const int16_t* p) { return _mm512_loadu_si512(reinterpret_cast<const void*>(p)); }
-  static __m512i pair(const int16_t* w) {
-    int32_t x;
-    std::memcpy(&x, w, sizeof(x));
-    return _mm512_set1_epi32(x);
-  }
+  static __m512i pair(const int16_t* w) { return _mm512_set1_epi32(pair_bits(w)); }
   static __m512i zlanes() { return _mm512_setzero_si512(); }
   static __m512i unlo(__m512i a, __m512i b) { return _mm512_unpacklo_epi16(a, b); }
   static __m512i unhi(__m512i a, __m512i b) { return _mm512_unpackhi_epi16(a, b); }
@@ -408,7 +405,7 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
     const int64_t n = std::min(block_size - off, k_end - t);
     const int64_t phys = table[t / block_size];
     LineStream ls(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin, k_end,
-                  kv_heads * (2 + G + n / 3 + D / 16));  // about the step() calls of this block
+                  kv_heads * (2 + G + n / 3 + D / L::kW));  // about the step() calls of this block
     for (int64_t h = 0; h < kv_heads; ++h) {
       ls.step();
       const uint8_t* kb = kcache + phys * block_stride + off * row_stride + h * head_stride;
