@@ -36,18 +36,6 @@ inline float quantize_i16(const float* x, int16_t* out, int64_t n) {
   return amax / kI16Max;
 }
 
-// x[0, n) -> int16 at out: round(x x inv), x >= 0 (weights times scales, so at most 32767 after scaling).
-inline void to_i16(const float* x, int64_t n, float inv, int16_t* out) {
-  const __m256 vi = _mm256_set1_ps(inv);
-  int64_t k = 0;
-  for (; k + 8 <= n; k += 8) {
-    const __m256i c32 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vi));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k),
-                     _mm_packs_epi32(_mm256_castsi256_si128(c32), _mm256_extracti128_si256(c32, 1)));
-  }
-  for (; k < n; ++k) out[k] = static_cast<int16_t>(std::nearbyint(std::min(kI16Max, x[k] * inv)));
-}
-
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
 // The four totals of a0..a3 (eight lanes each), lane k = a_k's.
@@ -60,17 +48,19 @@ inline __m128 hsum4_ps(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
+// Eight floats -> their bf16 bits, rounded to nearest even.
+inline __m128i bf16_bits8(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i r = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)));
+  const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(b, r), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
 // x (n floats, n a multiple of 8) times `lift` -> bf16 bits at out, rounded to nearest even.
 inline void to_bf16_lifted(const float* x, int64_t n, float lift, int16_t* out) {
   const __m256 vl = _mm256_set1_ps(lift);
-  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
-  for (int64_t k = 0; k < n; k += 8) {
-    const __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + k), vl));
-    const __m256i r = _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b, 16), one));
-    const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(b, r), 16);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k),
-                     _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-  }
+  for (int64_t k = 0; k < n; k += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), bf16_bits8(_mm256_mul_ps(_mm256_loadu_ps(x + k), vl)));
 }
 
 // The 16-bit lane moves of the 256-bit loops (kW = 16 codes at a time).
@@ -109,12 +99,13 @@ struct Int8Lanes : Lanes256 {
   }
   // A query row -> its 16-bit lanes; returns what a dot product with codes is multiplied by (before k_scale).
   static float query(const float* x, int64_t n, int16_t* out) { return quantize_i16(x, out, n); }
-  // A block's weights x value scales (>= 0, largest `top`) -> 16-bit lanes; returns their sum's factor.
-  static float weights(const float* x, int64_t n, float top, int16_t* out) {
-    to_i16(x, n, weight_inv(top), out);
-    return weight_factor(top);
+  // Weights x value scales (>= 0, at most `top`) -> 16-bit lanes, 8 at a time or one: u x inv rounded, with
+  // inv = weight_inv(top); the lanes' sums times weight_factor(top) are the products' sums.
+  static __m128i weights8(__m256 u, __m256 inv) {
+    const __m256i c32 = _mm256_cvtps_epi32(_mm256_mul_ps(u, inv));
+    return _mm_packs_epi32(_mm256_castsi256_si128(c32), _mm256_extracti128_si256(c32, 1));
   }
-  // what products up to `top` are multiplied by for their 16-bit lanes, and what those lanes' sums are by
+  static int16_t weight1(float u, float inv) { return static_cast<int16_t>(std::nearbyint(std::min(kI16Max, u * inv))); }
   static float weight_inv(float top) { return top > 0.f ? kI16Max / top : 0.f; }
   static float weight_factor(float top) { return top / kI16Max; }
 };
@@ -152,13 +143,9 @@ struct Fp8Lanes : Lanes256 {
     to_bf16_lifted(x, n, kLift, out);
     return kCode / kLift;
   }
-  static float weights(const float* x, int64_t n, float top, int16_t* out) {
-    (void)top;
-    int64_t k = n & ~int64_t{7};
-    to_bf16_lifted(x, k, kLift, out);
-    for (; k < n; ++k) out[k] = static_cast<int16_t>(c10::BFloat16(x[k] * kLift).x);
-    return kCode / kLift;
-  }
+  // As Int8Lanes': bf16 lanes of the lifted products, whatever their bound.
+  static __m128i weights8(__m256 u, __m256 lift) { return bf16_bits8(_mm256_mul_ps(u, lift)); }
+  static int16_t weight1(float u, float lift) { return static_cast<int16_t>(c10::BFloat16(u * lift).x); }
   static float weight_inv(float) { return kLift; }
   static float weight_factor(float) { return kCode / kLift; }
 };

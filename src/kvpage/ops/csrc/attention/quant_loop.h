@@ -143,57 +143,77 @@ inline void pv_rows(const int16_t* wq, int64_t ws, int64_t n, const uint8_t* v, 
 // The softmax step of one block for the G query rows of a KV head (rows r0 .. r0 + G - 1 of m, l; scores sc[g][i]
 // for keys [first, visible)): running maxima and sums updated, corr[g] the old partials' factor, and each row's
 // weights times the value rows' scales (vs) in 16-bit lanes at w16 + g * ws (a 0 after an odd count), whose
-// sum is multiplied by wscale[g]. 8 lanes at a time; each row's weights scaled to their own largest.
+// sum is multiplied by wscale[g]. The weights are taken against the block's own maximum, exp(s - bmax) <= 1
+// with 1 reached, and the block's factor exp(bmax - m) goes to the sums and the denominator: so the products
+// can be scaled to the block's largest value scale (`inv`, `factor`: the lanes' weight_inv / weight_factor of
+// it, once per block and KV head) without a division and a second pass per row, and without losing the
+// lanes' range when a whole block weighs little against the running maximum. Against each row's own largest
+// product int8's attention output is ~20% closer to the reference's (median 3.6e-5 against 4.3e-5 relative, 8 x
+// 4K keys), both ~1% of the codes' own rounding; scaled to the running maximum instead it was 4x further, and
+// SmolLM2's int8 top-1 fell from 99.37% to 98.75% (800 positions). 8 lanes at a time; both factors of up to
+// 4 rows in one exp.
 template <class L>
-inline void block_weights(float* sc, int64_t ss, int64_t first, int64_t visible, const float* vs, int64_t G,
-                          float* m, float* l, float* corr, float* wscale, int16_t* w16, int64_t ws, LineStream& ls) {
+inline void block_weights(const float* sc, int64_t ss, int64_t first, int64_t visible, const float* vs, float inv,
+                          float factor, int64_t G, float* m, float* l, float* corr, float* wscale, int16_t* w16,
+                          int64_t ws, LineStream& ls) {
   const int64_t cnt = visible - first;
+  float bmax[kMaxGroup], bscale[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
-    ls.step();
-    float* s = sc + g * ss;
+    const float* s = sc + g * ss;
     __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t i = first;
     for (; i + 8 <= visible; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
-    float bmax = kvpage::hmax8(vmax);
-    for (; i < visible; ++i) bmax = std::max(bmax, s[i]);
-    const float new_m = std::max(m[g], bmax);
-    corr[g] = exp_neg(m[g] - new_m);
-    // weights exp(s - m), summed in float32; then times each value row's scale, kept in s
-    const __m256 vm = _mm256_set1_ps(new_m);
-    __m256 vsum = _mm256_setzero_ps(), umax = _mm256_setzero_ps();
-    for (i = first; i + 8 <= visible; i += 8) {
+    float mx = kvpage::hmax8(vmax);
+    for (; i < visible; ++i) mx = std::max(mx, s[i]);
+    bmax[g] = mx;
+  }
+  if (G <= 4) {  // lanes 0-3 the old partials' factors, 4-7 the blocks'; lanes past G are exp(0)
+    const __m128 mo = _mm_setr_ps(m[0], G > 1 ? m[1] : 0.f, G > 2 ? m[2] : 0.f, G > 3 ? m[3] : 0.f);
+    const __m128 bm = _mm_setr_ps(bmax[0], G > 1 ? bmax[1] : 0.f, G > 2 ? bmax[2] : 0.f, G > 3 ? bmax[3] : 0.f);
+    const __m128 mn = _mm_max_ps(mo, bm);
+    const __m256 e = kvpage::exp8(_mm256_set_m128(_mm_sub_ps(bm, mn), _mm_sub_ps(mo, mn)));
+    float mnew[4];
+    _mm_storeu_ps(corr, _mm256_castps256_ps128(e));  // corr has room for 16
+    _mm_storeu_ps(bscale, _mm256_extractf128_ps(e, 1));
+    _mm_storeu_ps(mnew, mn);
+    for (int64_t g = 0; g < G; ++g) m[g] = mnew[g];
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      const float mn = std::max(m[g], bmax[g]);
+      corr[g] = exp_neg(m[g] - mn);
+      bscale[g] = exp_neg(bmax[g] - mn);
+      m[g] = mn;
+    }
+  }
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (int64_t g = 0; g < G; ++g) {
+    ls.step();
+    const float* s = sc + g * ss;
+    int16_t* wq = w16 + g * ws;
+    const __m256 vm = _mm256_set1_ps(bmax[g]);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t i = first;
+    for (; i + 8 <= visible; i += 8) {
       const __m256 w = kvpage::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
       vsum = _mm256_add_ps(vsum, w);
-      const __m256 u = _mm256_mul_ps(w, _mm256_loadu_ps(vs + i));
-      umax = _mm256_max_ps(umax, u);
-      _mm256_storeu_ps(s + i, u);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + (i - first)), L::weights8(_mm256_mul_ps(w, _mm256_loadu_ps(vs + i)), vinv));
     }
-    float sum = kvpage::hsum8(vsum), top = kvpage::hmax8(umax);
+    float sum = kvpage::hsum8(vsum);
     for (; i < visible; ++i) {
-      const float w = exp_neg(s[i] - new_m);
+      const float w = exp_neg(s[i] - bmax[g]);
       sum += w;
-      s[i] = w * vs[i];
-      top = std::max(top, s[i]);
+      wq[i - first] = L::weight1(w * vs[i], inv);
     }
-    l[g] = l[g] * corr[g] + sum;
-    m[g] = new_m;
-    int16_t* wq = w16 + g * ws;
-    wscale[g] = L::weights(s + first, cnt, top, wq);
+    l[g] = l[g] * corr[g] + bscale[g] * sum;
+    wscale[g] = factor * bscale[g];
     if (cnt & 1) wq[cnt] = 0;
   }
 }
 
 #if KVPAGE_ISA_AVX512
-// The same step 16 lanes at a time (masked at the ends), the 16-bit weights written as they are computed. The
-// weights are taken against the block's own maximum, exp(s - bmax) <= 1 with 1 reached, and the block's factor
-// exp(bmax - m) goes to the sums (wscale) and the denominator: so the products can be scaled to the block's
-// largest value scale (`inv`, `factor`: the lanes' weight_inv / weight_factor of it, once per block and KV
-// head) without a division and a second pass per row, and without losing the lanes' range when a whole block
-// weighs little against the running maximum. The old partials' and the blocks' factors of up to 8 rows are one
-// 16-lane exp (the maxima gathered in a register: read back from memory, they stalled on the stores).
-// Against each row's own largest product (the 8-lane step's scale) int8's attention output is ~20% further
-// from the reference's (median 4.3e-5 against 3.6e-5 relative, 8 x 4K keys), ~1% of the codes' own rounding;
-// scaled to the running maximum instead it was 4x further, and SmolLM2's int8 top-1 fell from 99.37% to 98.75%.
+// The same step (block_weights) 16 lanes at a time, masked at the ends, the 16-bit weights written as they are
+// computed; both factors of up to 8 rows in one exp, the rows' block maxima gathered in a register (read back
+// from memory, they stalled on the stores).
 template <class L>
 inline void block_weights16(const float* sc, int64_t ss, int64_t first, int64_t visible, const float* vs, float inv,
                             float factor, int64_t G, float* m, float* l, float* corr, float* wscale, int16_t* w16,
@@ -327,7 +347,7 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
           vtop = std::max(vtop, vs[i]);
         }
       }
-      [[maybe_unused]] const float winv = L::weight_inv(vtop), wfactor = L::weight_factor(vtop);
+      const float winv = L::weight_inv(vtop), wfactor = L::weight_factor(vtop);
       ls.step();
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
@@ -343,7 +363,7 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
           block_weights16<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls);
         else
 #endif
-          block_weights<L>(sc, ss, first, visible, vs, G, m + r0, l + r0, corr, wscale, w16p, ws, ls);
+          block_weights<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls);
 #define KVPAGE_PV(gt) \
   pv_rows<L, gt, D>(w16p + g0 * ws, ws, cnt, vb + first * row_stride, row_stride, acc + (r0 + g0) * D, corr + g0, wscale + g0, ls)
         KVPAGE_ROW_BATCHES(KVPAGE_PV)
