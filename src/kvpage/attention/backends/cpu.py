@@ -1,8 +1,10 @@
 """The compiled CPU paged-attention backend: the kernels of kvpage.ops behind the backend seam.
 
 Decode rows go to the paged kernel; whole fresh prompts and prompt chunks after cached keys go to the AMX
-prompt kernels where the CPU has them (torch's SDPA otherwise). ``CpuMetadataBuilder`` makes those choices
-and plans the paged kernel's tasks once per step; ``forward`` only follows them, layer after layer.
+prompt kernels where the CPU has them, else to the paged kernel (fresh prompts over quantized pages: over a
+scratch bf16 cache of their own K/V) or, on builds without AVX512_BF16, torch's SDPA. ``CpuMetadataBuilder``
+makes those choices and plans the paged kernel's tasks once per step; ``forward`` only follows them, layer
+after layer.
 """
 
 from __future__ import annotations
