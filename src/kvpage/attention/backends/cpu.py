@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -43,11 +44,11 @@ class CpuAttentionMetadata:
     fresh_prefills: tuple[tuple[int, int], ...]
     plan: Any  # ops AttentionPlan of the paged group (None when it is empty)
     cached_plan: Any = None  # the chunks after cached keys on the paged kernel (when no prompt kernel takes them)
-    # quantized pages: the whole fresh prompts' plan over a scratch bf16 cache of their own K/V, and where each
-    # prompt's rows start in it (CpuMetadataBuilder.fresh_on_scratch)
+    # quantized pages: the whole fresh prompts' plan over a scratch bf16 cache of their own K/V, that cache (one
+    # per step, every layer overwrites it) and where each prompt's rows start in it (fresh_on_scratch)
     fresh_plan: Any = None
+    fresh_scratch: torch.Tensor | None = None
     fresh_first_rows: tuple[int, ...] = ()
-    fresh_scratch_blocks: int = 0
 
     @property
     def decode_only(self) -> bool:
@@ -67,7 +68,7 @@ class CpuMetadataBuilder:
         self.ops = backend.ops
         self.num_heads = num_heads
         self.window = window
-        self.num_blocks, self.block_size = kv_cache.shape[1], kv_cache.shape[2]
+        self.num_blocks, self.block_size, self.kv_heads = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
         self.head_dim = head_dim_of(kv_cache)
         self.packed = allow_packed and backend.packed_layout(kv_cache, dtype)
         self.prompts_read_cache = self.packed and backend.prompts_read_cache(kv_cache, dtype)
@@ -119,15 +120,15 @@ class CpuMetadataBuilder:
         """The fresh prompts' plan over the scratch cache: prompt p in blocks [b_p, b_p + ceil(n_p / B))."""
         lens = [n for _, n in meta.fresh_prefills]
         counts = [-(-n // SCRATCH_BLOCK) for n in lens]
-        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        firsts = [0, *accumulate(counts)]
         tables = torch.zeros(len(lens), max(counts), dtype=torch.long)
-        for i, (b, c) in enumerate(zip(firsts, counts, strict=True)):
-            tables[i, :c] = torch.arange(b, b + c)
-        qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-        meta.fresh_scratch_blocks = sum(counts)
-        meta.fresh_first_rows = tuple(b * SCRATCH_BLOCK for b in firsts)
-        meta.fresh_plan = self.ops.plan_attention(tables, qsl, torch.tensor(lens), self.num_heads,
-                                                  meta.fresh_scratch_blocks, SCRATCH_BLOCK, None)
+        for i, c in enumerate(counts):
+            tables[i, :c] = torch.arange(firsts[i], firsts[i] + c)
+        meta.fresh_first_rows = tuple(b * SCRATCH_BLOCK for b in firsts[:-1])
+        meta.fresh_scratch = torch.empty(2, firsts[-1], SCRATCH_BLOCK, self.kv_heads, self.head_dim,
+                                         dtype=torch.bfloat16)
+        meta.fresh_plan = self.ops.plan_attention(tables, torch.tensor([0, *accumulate(lens)]), torch.tensor(lens),
+                                                  self.num_heads, firsts[-1], SCRATCH_BLOCK, None)
 
 
 class CpuPagedAttention:
@@ -215,13 +216,12 @@ class CpuPagedAttention:
     def _fresh_on_scratch(self, query, key, value, out, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
         """Whole fresh prompts over quantized pages: their own K/V copied into a bf16 scratch cache (rows) and
         read by the paged kernel under the step's fresh_plan."""
-        kv_heads, dim = key.shape[1], key.shape[2]
-        scratch = torch.empty(2, meta.fresh_scratch_blocks * SCRATCH_BLOCK, kv_heads, dim, dtype=torch.bfloat16)
+        cache = meta.fresh_scratch
+        rows = cache.view(2, -1, *cache.shape[3:])
         for (start, n), row in zip(meta.fresh_prefills, meta.fresh_first_rows, strict=True):
-            scratch[0, row : row + n] = key[start : start + n]
-            scratch[1, row : row + n] = value[start : start + n]
+            rows[0, row : row + n] = key[start : start + n]
+            rows[1, row : row + n] = value[start : start + n]
         r0 = meta.fresh_prefills[0][0]
         r1 = meta.fresh_prefills[-1][0] + meta.fresh_prefills[-1][1]
-        cache = scratch.view(2, meta.fresh_scratch_blocks, SCRATCH_BLOCK, kv_heads, dim)
         out[r0:r1] = self.ops.paged_attention(query[r0:r1], cache, meta.fresh_plan, scale, False)
         return out
