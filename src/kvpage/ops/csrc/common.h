@@ -14,6 +14,13 @@
 
 namespace kvpage {
 
+// The keys a thread attends to after the current task: its sequence's block table and key range.
+// (The paged-attention loops prefetch on across a task's end into these.)
+struct NextKeys {
+  const int64_t* table = nullptr;
+  int64_t begin = 0, end = 0;
+};
+
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;

@@ -117,7 +117,7 @@ template <typename KV, int64_t D>
 void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kcache, const KV* vcache,
                       const int64_t* table, int64_t block_size, int64_t block_stride, int64_t kv_heads, int64_t pos0,
                       int64_t k_begin, int64_t k_end, float* acc, float* m, float* l, std::vector<float>& scratch,
-                      int64_t window = 0) {
+                      int64_t window = 0, const NextKeys& next = {}) {
   static_assert(D % 64 == 0, "head size must be a multiple of 64");
   const int64_t R = nq * H;
   const int64_t row_stride = kv_heads * D;
@@ -135,7 +135,7 @@ void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV
     const int64_t n = std::min(block_size - off, k_end - t);
     const int64_t phys = table[t / block_size];
     const BlockPrefetch<KV> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin,
-                                     k_end);
+                                     k_end, next);
     // The block kPrefetchAhead ahead is fetched in small parts spread over this block's work: one part per
     // eight keys of each query row's scores, as many during P.V (side by side on random 16-token blocks,
     // 16-64 sequences x 256-4096 keys: 1.35-1.45x the bandwidth of fetching a head's share at once, which

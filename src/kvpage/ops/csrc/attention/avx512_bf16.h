@@ -53,7 +53,8 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
                       const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
                       int64_t kv_heads,
                       int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
-                      std::vector<float>& scratch, float scale, int64_t window = 0) {
+                      std::vector<float>& scratch, float scale, int64_t window = 0,
+                      const NextKeys& next = {}) {
   static_assert(D % 32 == 0, "head size must be a multiple of 32");
   constexpr int64_t NC = D / 32;  // 512-bit chunks of a bf16 row
   constexpr int64_t NF = D / 16;  // 512-bit chunks of a float row
@@ -72,7 +73,7 @@ void attend_tile_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, int6
     const int64_t n = std::min<int64_t>({block_size - off, k_end - t, 16});
     const int64_t phys = table[t / block_size];
     const BlockPrefetch<at::BFloat16> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, t,
-                                               k_begin, k_end);
+                                               k_begin, k_end, next);
     for (int64_t h = 0; h < kv_heads; ++h) {
       prefetch.part(h, kv_heads);
       const at::BFloat16* kbase = kcache + phys * block_stride + off * row_stride + h * D;

@@ -105,7 +105,8 @@ constexpr int64_t kPrefetchAhead = 2;  // blocks (the row-layout kernels' prefet
 // kernel starts a block (key t), this picks the block kPrefetchAhead blocks later and fetches its K and V rows
 // into L2 in parts, so the requests do not queue up behind each other: part(i, parts) fetches the i-th of
 // `parts` equal shares (the AVX-512 kernel takes one share per KV head, the AVX2 kernel finer ones spread
-// over its work).
+// over its work). Past the task's last block it runs on into the thread's next task (`next`), so a short
+// context (decode at a few hundred keys: ~20 blocks) does not start every sequence on cold misses.
 template <typename KV>
 struct BlockPrefetch {
   const char* k = nullptr;
@@ -113,14 +114,24 @@ struct BlockPrefetch {
   int64_t lines = 0;
 
   BlockPrefetch(const KV* kcache, const KV* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
-                int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end) {
+                int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end, const NextKeys& next = {}) {
     if (t % block_size != 0 && t != k_begin) return;  // not the start of a block
-    const int64_t ahead = (t / block_size + kPrefetchAhead) * block_size;
-    if (ahead >= k_end) return;
-    const int64_t nb = table[ahead / block_size];
+    const int64_t target = t / block_size + kPrefetchAhead;  // an index into the sequence's block table
+    const int64_t last = (k_end - 1) / block_size;
+    int64_t nb, rows;
+    if (target <= last) {
+      nb = table[target];
+      rows = std::min<int64_t>(block_size, k_end - target * block_size);
+    } else {
+      if (next.table == nullptr) return;
+      const int64_t key = (next.begin / block_size + target - last - 1) * block_size;
+      if (key >= next.end) return;
+      nb = next.table[key / block_size];
+      rows = std::min<int64_t>(block_size, next.end - key);
+    }
     k = reinterpret_cast<const char*>(kcache + nb * block_stride);
     v = reinterpret_cast<const char*>(vcache + nb * block_stride);
-    lines = (std::min<int64_t>(block_size, k_end - ahead) * row_stride * static_cast<int64_t>(sizeof(KV)) + 63) / 64;
+    lines = (rows * row_stride * static_cast<int64_t>(sizeof(KV)) + 63) / 64;
   }
 
   void part(int64_t idx, int64_t parts) const {

@@ -37,12 +37,6 @@ namespace kvpage {
 constexpr int64_t kPackedPrefetchAhead = 2;  // steps of kPackedStep keys
 constexpr int64_t kPackedStep = 32;          // keys per online-softmax step: two 16-key groups
 
-// The keys a thread attends to after the current task: its sequence's block table and key range.
-struct NextKeys {
-  const int64_t* table = nullptr;
-  int64_t begin = 0, end = 0;
-};
-
 // Element offset, from the K (or V) base of the cache, of the 16-key group holding in-block position `off` of
 // physical block `block`, KV head 0 (head h is h * 16 * D further): the layout's one formula. block_stride:
 // elements from one block's K to the next block's K (kv_geometry).

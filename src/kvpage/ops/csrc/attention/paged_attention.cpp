@@ -171,16 +171,16 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       float* pm = part_m.data() + offset[ti];
       float* pl = part_l.data() + offset[ti];
       const float sc = static_cast<float>(scale);
+      // The prefetch runs on into the thread's next task.
+      kvpage::NextKeys next;
+      if (ti + 1 < end) {
+        const Task& nt = tasks[ti + 1];
+        next.table = tables + nt.seq * max_blocks;
+        std::tie(next.begin, next.end) = nt.keys(partition_size);
+      }
 #if KVPAGE_PACKED
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
         if (packed) {
-          // The prefetch runs on into the thread's next task.
-          kvpage::NextKeys next;
-          if (ti + 1 < end) {
-            const Task& nt = tasks[ti + 1];
-            next.table = tables + nt.seq * max_blocks;
-            std::tie(next.begin, next.end) = nt.keys(partition_size);
-          }
 #if KVPAGE_ISA_AMX
           if (use_amx_pairs && tk.nq == 1) {
 #if KVPAGE_ISA_AMX
@@ -218,13 +218,13 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       if (avx2_task) {
         if (D == 64)
           attend_tile_avx2<KV, 64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
-                                   kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
+                                   kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window, next);
         else if (D == 128)
           attend_tile_avx2<KV, 128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
-                                    kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
+                                    kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window, next);
         else
           attend_tile_avx2<KV, 256>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
-                                    kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window);
+                                    kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, window, next);
         continue;
       }
 #endif
@@ -246,13 +246,13 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
         if (use_dp && (D == 64 || D == 128 || D == 256)) {
           if (D == 64)
             attend_tile_bf16<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, tk.pos0,
-                                 k_begin, k_end, pa, pm, pl, scratch, sc, window);
+                                 k_begin, k_end, pa, pm, pl, scratch, sc, window, next);
           else if (D == 128)
             attend_tile_bf16<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, tk.pos0,
-                                  k_begin, k_end, pa, pm, pl, scratch, sc, window);
+                                  k_begin, k_end, pa, pm, pl, scratch, sc, window, next);
           else
             attend_tile_bf16<256>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads, tk.pos0,
-                                  k_begin, k_end, pa, pm, pl, scratch, sc, window);
+                                  k_begin, k_end, pa, pm, pl, scratch, sc, window, next);
           continue;
         }
       }
