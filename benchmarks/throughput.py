@@ -5,6 +5,8 @@ Workloads (fixed seed, EOS ignored, output tokens counted as requested):
   chat128   the same with 128 questions (128 sequences decoding at once)
   sharegpt  256 requests; prompt / output lengths lognormal, medians ~160 / ~200, capped at 1024 / 512
   essays64  64 plain-text prompts x 128 output tokens (for base models without a chat template)
+  random256 200 prompts of 256 random tokens x 128 output tokens (`vllm bench serve`'s random dataset in
+            benchmarks/online.py, offline)
 
 --model picks kvpage's model (default: the embedded SmolLM2; e.g. gemma-3-270m); --vllm-model must then be the
 same weights converted for vLLM (../shared/PEERS.md). The transformers and llama.cpp peers run SmolLM2 only.
@@ -81,6 +83,11 @@ def build_workload(name: str, seed: int = 0, model: str | None = None) -> list[d
             p = min(1024, max(4, int(math.exp(rng.gauss(math.log(160), 0.8)))))
             o = min(512, max(4, int(math.exp(rng.gauss(math.log(200), 0.8)))))
             reqs.append({"prompt_token_ids": [rng.choice(vocab) for _ in range(p)], "max_tokens": o})
+    elif name == "random256":
+        special = set(tk.special_ids)
+        vocab = [t for t in range(100, tk.vocab_size) if t not in special]
+        for _ in range(200):
+            reqs.append({"prompt_token_ids": [rng.choice(vocab) for _ in range(256)], "max_tokens": 128})
     else:
         raise ValueError(f"unknown workload {name!r}")
     return reqs
@@ -267,7 +274,7 @@ def run_engine(eng: str, reqs: list[dict], args: argparse.Namespace, dtype: str)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=["chat64", "sharegpt"],
-                    choices=["chat64", "chat128", "sharegpt", "essays64"])
+                    choices=["chat64", "chat128", "sharegpt", "essays64", "random256"])
     ap.add_argument("--model", help="kvpage's model (default: the embedded SmolLM2), e.g. gemma-3-270m")
     ap.add_argument("--sampling", nargs="+", default=["greedy"], choices=list(SAMPLING))
     ap.add_argument("--engines", nargs="+",
