@@ -54,14 +54,15 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
       float* pa = part_acc.data() + offset[ti] * D;
       float* pm = part_m.data() + offset[ti];
       float* pl = part_l.data() + offset[ti];
+      kvpage::NextKeys next;  // the prefetch runs on into the thread's next task
+      (void)next;  // builds without the AVX2 loops have no use for it
+      if (ti + 1 < end) {
+        const Task& nt = tasks[ti + 1];
+        next.table = tables + nt.seq * max_blocks;
+        std::tie(next.begin, next.end) = nt.keys(plan.partition_size);
+      }
 #if KVPAGE_PACKED_INT8
       if (packed) {
-        kvpage::NextKeys next;  // the prefetch runs on into the thread's next task
-        if (ti + 1 < end) {
-          const Task& nt = tasks[ti + 1];
-          next.table = tables + nt.seq * max_blocks;
-          std::tie(next.begin, next.end) = nt.keys(plan.partition_size);
-        }
         if (D == 64)
           attend_tile_int8_packed<64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
                                       kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);
@@ -78,7 +79,7 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
 #define KVPAGE_QUANT_TILE(d)                                                                                   \
   if constexpr (d > 0)                                                                                         \
     attend_tile_codes<C, d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,     \
-                            kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window);                       \
+                            kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);                 \
   else                                                                                                         \
     attend_tile_quant<C, d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,     \
                             kv_heads, D, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, plan.window)

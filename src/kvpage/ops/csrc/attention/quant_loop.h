@@ -45,8 +45,9 @@ struct LineStream {
   int64_t next = 0, per_step = 1;
 
   LineStream(const uint8_t* kcache, const uint8_t* vcache, const int64_t* table, int64_t block_size,
-             int64_t block_stride, int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end, int64_t steps)
-      : block(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin, k_end),
+             int64_t block_stride, int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end, int64_t steps,
+             const NextKeys& next)
+      : block(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin, k_end, next),
         per_step(std::max<int64_t>(1, (block.lines + steps - 1) / steps)) {}
   void step(int64_t count = 0) {
     const int64_t end = std::min(block.lines, next + (count > 0 ? count : per_step));
@@ -300,7 +301,7 @@ template <KVCode C, int64_t D>
 void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const uint8_t* kcache,
                       const uint8_t* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
                       int64_t kv_heads, int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m,
-                      float* l, int64_t window) {
+                      float* l, int64_t window, const NextKeys& next = {}) {
   using L = CodeLanes<C>;
   static_assert(D % L::kW == 0, "rows are read kW codes at a time");
   const int64_t head_stride = D + kScaleBytes, row_stride = kv_heads * head_stride;
@@ -329,7 +330,7 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
     const int64_t n = std::min(block_size - off, k_end - t);
     const int64_t phys = table[t / block_size];
     LineStream ls(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin, k_end,
-                  kv_heads * (2 + G + n / 3 + D / L::kW));  // about the step() calls of this block
+                  kv_heads * (2 + G + n / 3 + D / L::kW), next);  // about the step() calls of this block
     for (int64_t h = 0; h < kv_heads; ++h) {
       ls.step();
       const uint8_t* kb = kcache + phys * block_stride + off * row_stride + h * head_stride;
