@@ -63,6 +63,8 @@ def build_workload(name: str, seed: int = 0, model: str | None = None) -> list[d
 
     tk = load_model(model or DEFAULT_MODEL).tokenizer
     rng = random.Random(seed)
+    special = set(tk.special_ids)
+    vocab = [t for t in range(100, tk.vocab_size) if t not in special]  # random prompts' tokens
     reqs = []
     if name in ("chat64", "chat128"):
         topics = ["the moon", "rivers", "bread", "volcanoes", "owls", "trains", "tea", "glaciers", "chess",
@@ -77,15 +79,11 @@ def build_workload(name: str, seed: int = 0, model: str | None = None) -> list[d
             ids = tk.encode(f"Here is a short essay about {topics[i % len(topics)]} (part {i}):")
             reqs.append({"prompt_token_ids": ids, "max_tokens": 128})
     elif name == "sharegpt":
-        special = set(tk.special_ids)
-        vocab = [t for t in range(100, tk.vocab_size) if t not in special]
         for _ in range(256):
             p = min(1024, max(4, int(math.exp(rng.gauss(math.log(160), 0.8)))))
             o = min(512, max(4, int(math.exp(rng.gauss(math.log(200), 0.8)))))
             reqs.append({"prompt_token_ids": [rng.choice(vocab) for _ in range(p)], "max_tokens": o})
     elif name == "random256":
-        special = set(tk.special_ids)
-        vocab = [t for t in range(100, tk.vocab_size) if t not in special]
         for _ in range(200):
             reqs.append({"prompt_token_ids": [rng.choice(vocab) for _ in range(256)], "max_tokens": 128})
     else:

@@ -17,14 +17,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvpage.attention.kv_quant import head_dim_of
+from kvpage.attention.kv_quant import head_dim_of, is_quantized
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.ops import Kernels
 
 # Without a prompt kernel that reads the cache, chunks of at least this many rows are grouped as prompt work
 # (SDPA for whole fresh prompts from here on; the paged kernel below it).
 PREFILL_KERNEL_MIN = 64
-QUANTIZED = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # pages of one-byte codes and their scales
 SCRATCH_BLOCK = 16  # tokens per block of the fresh prompts' scratch cache over quantized pages
 
 
@@ -86,7 +85,7 @@ class CpuMetadataBuilder:
         # those prompts in rows of SCRATCH_BLOCK tokens, instead of torch's SDPA (whose float32 products took
         # 7% of the int8 engine's time on offline sharegpt, Zen 5 EPYC).
         self.fresh_on_scratch = (backend.paged_prompts and not backend.amx_prefill and window is None
-                                 and kv_cache.dtype in QUANTIZED and dtype == torch.bfloat16)
+                                 and is_quantized(kv_cache.dtype) and dtype == torch.bfloat16)
 
     def _plan(self, tables: torch.Tensor, qsl: torch.Tensor, lens: torch.Tensor):
         return self.ops.plan_attention(tables, qsl, lens, self.num_heads, self.num_blocks, self.block_size,
