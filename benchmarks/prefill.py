@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from _common import alternating_medians
 from kvpage.ops import PARTITION_SIZE, load_kernels, pack_kv_rows
+from kvpage.ops.kernels import kernels
 from kvpage.worker.kv_cache import as_block_major
 
 HEADS, KV_HEADS, D = 9, 3, 64
@@ -56,7 +57,7 @@ def main() -> None:
     if ops is None or not (ops.prefill_amx_available() or ops.has_packed_layout()):
         raise SystemExit("needs the compiled kernels with AMX tile products or the packed bf16 layout")
     amx = ops.prefill_amx_available() and not args.gemma
-    packed = not args.gemma
+    packed = not args.gemma and kernels().packed_layout  # the engine's layout here (rows on AMD CPUs)
     rng = random.Random(0)
     step = []  # one step's prompts, up to 2048 tokens (the engine's max_num_batched_tokens)
     while True:
