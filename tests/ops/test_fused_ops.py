@@ -57,6 +57,32 @@ def test_rotary_matches_rotate_half():
     torch.testing.assert_close(k, ek)
 
 
+@pytest.mark.parametrize("dim", [64, 48, 256])  # 16-lane halves, a masked tail, Gemma 3's head size
+def test_rotary_bf16_rows_in_place(dim):
+    """bf16 q and k as views into one qkv row (the engine's layout): each element computed in float32 and
+    rounded once to bf16 (within one bf16 rounding of torch's float32 formula), nothing else in the row
+    touched."""
+    g = torch.Generator().manual_seed(dim)
+    ops = load_kernels()
+    qkv = torch.randn(7, (4 + 2 + 2) * dim, generator=g).bfloat16()
+    before = qkv.clone()
+    q = qkv[:, : 4 * dim].view(7, 4, dim)
+    k = qkv[:, 4 * dim : 6 * dim].view(7, 2, dim)
+    ang = torch.randn(7, dim // 2, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).contiguous(), torch.cat([ang.sin()] * 2, -1).contiguous()
+
+    def rot(x):
+        x = x.float()
+        x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
+        return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
+
+    eq, ek = rot(q), rot(k)
+    ops.rotary_(q, k, cos, sin)
+    torch.testing.assert_close(q.float(), eq, rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(k.float(), ek, rtol=8e-3, atol=1e-2)
+    assert torch.equal(qkv[:, 6 * dim :], before[:, 6 * dim :])  # v untouched
+
+
 @pytest.mark.parametrize("vocab", [1000, 49152, 37])  # lengths with and without a 16-lane tail
 def test_logits_postprocess_fp32(vocab):
     g = torch.Generator().manual_seed(vocab)

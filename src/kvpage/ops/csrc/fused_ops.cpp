@@ -84,22 +84,42 @@ torch::Tensor rms_norm(torch::Tensor residual, torch::Tensor weight, double eps)
   return out;
 }
 
+// One token's heads rotated in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] (float32
+// arithmetic, rounded once per element to T, as the scalar loop does).
 template <typename T>
-void rotate(T* x, const float* cos, const float* sin, int64_t tokens, int64_t heads, int64_t D, int64_t stride) {
+inline void rotate_heads(T* v0, int64_t heads, int64_t D, const float* c, const float* s) {
   const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* v = v0 + h * D;
+    int64_t i = 0;
+#if KVPAGE_ISA_AVX512
+    for (; i < half; i += 16) {  // 16 lanes at a time (bf16 widened in registers), masked tail
+      const __mmask16 k = kvpage::tail_mask(half - i);
+      const __m512 a = kvpage::load16(v + i, k), bb = kvpage::load16(v + i + half, k);
+      const __m512 lo = _mm512_fmsub_ps(a, _mm512_maskz_loadu_ps(k, c + i),
+                                        _mm512_mul_ps(bb, _mm512_maskz_loadu_ps(k, s + i)));
+      const __m512 hi = _mm512_fmadd_ps(bb, _mm512_maskz_loadu_ps(k, c + i + half),
+                                        _mm512_mul_ps(a, _mm512_maskz_loadu_ps(k, s + i + half)));
+      kvpage::store16(v + i, lo, k);
+      kvpage::store16(v + i + half, hi, k);
+    }
+#endif
+    for (; i < half; ++i) {
+      const float a = f32(v[i]), bb = f32(v[i + half]);
+      v[i] = static_cast<T>(a * c[i] - bb * s[i]);
+      v[i + half] = static_cast<T>(bb * c[i + half] + a * s[i + half]);
+    }
+  }
+}
+
+// q and k of every token in one pass over the threads.
+template <typename T>
+void rotate_qk(T* q, T* k, const float* cos, const float* sin, int64_t tokens, int64_t hq, int64_t hk, int64_t D,
+               int64_t q_stride, int64_t k_stride) {
   at::parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const float* c = cos + t * D;
-      const float* s = sin + t * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* v = x + t * stride + h * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = f32(v[i]), bb = f32(v[i + half]);
-          // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
-          v[i] = static_cast<T>(a * c[i] - bb * s[i]);
-          v[i + half] = static_cast<T>(bb * c[i + half] + a * s[i + half]);
-        }
-      }
+      rotate_heads(q + t * q_stride, hq, D, cos + t * D, sin + t * D);
+      rotate_heads(k + t * k_stride, hk, D, cos + t * D, sin + t * D);
     }
   });
 }
@@ -109,14 +129,14 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "cos/sin: float32");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
               "q/k heads must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must share a dtype");
   const int64_t T = q.size(0), D = q.size(2);
-  if (q.scalar_type() == at::kBFloat16) {
-    rotate(q.data_ptr<at::BFloat16>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, q.size(1), D, q.stride(0));
-    rotate(k.data_ptr<at::BFloat16>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, k.size(1), D, k.stride(0));
-  } else {
-    rotate(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, q.size(1), D, q.stride(0));
-    rotate(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, k.size(1), D, k.stride(0));
-  }
+  if (q.scalar_type() == at::kBFloat16)
+    rotate_qk(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T,
+              q.size(1), k.size(1), D, q.stride(0), k.stride(0));
+  else
+    rotate_qk(q.data_ptr<float>(), k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, q.size(1),
+              k.size(1), D, q.stride(0), k.stride(0));
 }
 
 // Row passes of logits_postprocess, 16 lanes at a time where the CPU has AVX-512 (a plain loop otherwise):

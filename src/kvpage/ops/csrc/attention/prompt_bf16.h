@@ -69,6 +69,10 @@ struct KeyChunk {
   int64_t t, n;  // first key, keys (<= 16)
 };
 
+// Rows per block for a head size: RB x D/16 value accumulators held in registers.
+template <int64_t D>
+constexpr int kRowBlock = D <= 64 ? 4 : D <= 128 ? 2 : 1;
+
 // RB rows of one KV head over the staged chunks: acc/m/l carried in and out (acc in the interleaved order
 // of interleave_value_pairs), q the rows' bf16 queries, pos their positions.
 template <int64_t D, int RB>
@@ -76,7 +80,9 @@ inline void prompt_rows(const at::BFloat16* const* q, float* const* acc, float* 
                         const __m512i* kp, const at::BFloat16* vp, const KeyChunk* chunks, int nch, float scale,
                         int64_t window) {
   constexpr int64_t NP = D / 2, NF = D / 16, NC = D / 32;
-  constexpr int CH = 8 / RB;  // independent dpbf16 chains per row while scoring
+  // independent dpbf16 chains per row while scoring: fixed by the head size, not by the rows in this block,
+  // so that a row's scores are summed in the same order whichever block (and prompt chunk) it comes in
+  constexpr int CH = 8 / kRowBlock<D>;
   const __m512 vneg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), vscale = _mm512_set1_ps(scale);
   __m512 av[RB][NF];
   const uint32_t* q32[RB];
@@ -150,7 +156,7 @@ void attend_prompt_bf16(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
                         const NextKeys& next = {}) {
   static_assert(D % 32 == 0, "head size must be a multiple of 32");
   constexpr int64_t NC = D / 32;
-  constexpr int RB = D <= 64 ? 4 : D <= 128 ? 2 : 1;  // rows per block: RB x D/16 accumulators in registers
+  constexpr int RB = kRowBlock<D>;
   const int64_t R = nq * H, row_stride = kv_heads * D;
   // staged keys [chunk][D/2][16 dwords] and values [chunk][8 pairs][NC][64 bf16]: D floats per key slot, plus
   // 16 floats of room to align the start to 64 bytes
