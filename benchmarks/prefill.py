@@ -1,7 +1,8 @@
 """Attention of whole fresh prompts: kvpage's kernel vs torch's SDPA as the engine called it before (one call
 per prompt, enable_gqa, the qkv views as they are). kvpage's kernel is the AMX prompt kernel
-(prefill_attention) where the CPU has AMX, else the paged kernel over the packed bf16 cache that the step has
-just written (paged_attention; the write is not timed, the engine makes it on either path).
+(prefill_attention) where the CPU has AMX, else the paged kernel over the bf16 cache that the step has just
+written, in the engine's layout here (packed on Intel CPUs, rows on AMD's: KVPAGE_KV_LAYOUT; paged_attention;
+the write is not timed, the engine makes it on either path).
 
 SmolLM2's shape (9 query heads over 3 KV heads, head size 64), bf16, one prompt per call at each length and
 one call for a step's worth of ShareGPT-like prompts (lognormal lengths, median ~160, capped at 1024, as in

@@ -61,6 +61,7 @@ inline int64_t window_first(int64_t window, int64_t pos, int64_t t, int64_t n) {
 }
 
 constexpr int64_t kTile = 16;  // query tokens per task (prompt chunks); decode tasks hold one
+constexpr int64_t kRunsPerThread = 8;  // runs of tasks per thread in a plan, claimed as threads come free
 constexpr int64_t kMinPartition = 64;  // keys: below this, merging partitions costs more than a second thread saves
 
 #if KVPAGE_ISA_AVX512BF16

@@ -142,7 +142,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
                   : (avx2_sizes && (!use_dp || avx2_bf16_decode)) ? avx2_kernel_name<KV>()
                   : (use_dp && (D == 64 || D == 128 || D == 256)) ? "avx512-rows"
                   : "generic";
-  auto work = [&](int64_t begin, int64_t end) {
+  auto work = [&](RunClaims& claims) {
 #if KVPAGE_ISA_AMX
     if (use_amx) kvpage::amx_configure(G);
 #if KVPAGE_PACKED
@@ -153,6 +153,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
     std::vector<float> qbuf(static_cast<size_t>(kTile * H * D));
     std::vector<const at::BFloat16*> qptrs(static_cast<size_t>(kTile * H));
     std::vector<float> scratch;
+    for (int64_t begin = 0, end = 0; claims.next(begin, end);)
     for (int64_t ti = begin; ti < end; ++ti) {
       const Task& tk = tasks[ti];
       const Q* qrows = qptr + tk.row0 * H * D;
@@ -286,12 +287,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
     if (use_amx || use_amx_packed) kvpage::amx_release();
 #endif
   };
-  const std::vector<int64_t>& cut = plan.cut;
-  const int64_t nt = static_cast<int64_t>(cut.size()) - 1;
-  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c)
-      if (cut[c] < cut[c + 1]) work(cut[c], cut[c + 1]);
-  });
+  run_claimed(plan, work);
 
   merge_partitions(plan, H, D, part_acc, part_m, part_l, optr);
 }

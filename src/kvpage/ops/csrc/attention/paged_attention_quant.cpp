@@ -41,9 +41,10 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
   (void)packed;  // only KVPAGE_PACKED_INT8 builds have the packed int8 loop
   std::vector<float> part_acc(static_cast<size_t>(offset[T] * D));
   std::vector<float> part_m(static_cast<size_t>(offset[T])), part_l(static_cast<size_t>(offset[T]));
-  auto work = [&](int64_t begin, int64_t end) {
+  auto work = [&](RunClaims& claims) {
     std::vector<float> qbuf(static_cast<size_t>(kTile * H * D));
     std::vector<float> scratch;
+    for (int64_t begin = 0, end = 0; claims.next(begin, end);)
     for (int64_t ti = begin; ti < end; ++ti) {
       const Task& tk = tasks[ti];
       const Q* qrows = qptr + tk.row0 * H * D;
@@ -95,12 +96,7 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
 #undef KVPAGE_QUANT_TILE
     }
   };
-  const std::vector<int64_t>& cut = plan.cut;
-  const int64_t nt = static_cast<int64_t>(cut.size()) - 1;
-  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c)
-      if (cut[c] < cut[c + 1]) work(cut[c], cut[c + 1]);
-  });
+  run_claimed(plan, work);
   merge_partitions(plan, H, D, part_acc, part_m, part_l, out.data_ptr<Q>());
 }
 

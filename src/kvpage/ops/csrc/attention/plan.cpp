@@ -97,10 +97,12 @@ std::shared_ptr<AttentionPlan> plan_attention(torch::Tensor block_tables, torch:
   plan->offset.assign(static_cast<size_t>(T + 1), 0);
   for (int64_t ti = 0; ti < T; ++ti) plan->offset[ti + 1] = plan->offset[ti] + tasks[ti].nq * H;
 
-  // Each thread takes one contiguous run of tasks (so the prefetch can run on into its next task), the runs cut
-  // at equal estimated cost rather than equal task counts: contexts vary several-fold within a batch, and a
-  // prompt tile (up to kTile queries) costs several decode tasks per key.
-  const int64_t nt = std::min<int64_t>(threads, T);
+  // Runs of contiguous tasks (so the prefetch can run on into the next task) at equal estimated cost rather
+  // than equal task counts: contexts vary several-fold within a batch, and a prompt tile (up to kTile queries)
+  // costs several decode tasks per key. kRunsPerThread runs per thread, claimed in order as threads come free
+  // (RunClaims): the estimate need not be exact, and a thread whose core is taken for a while by another
+  // process does not stall the other at the end of the call.
+  const int64_t nt = std::min<int64_t>(threads * kRunsPerThread, T);
   std::vector<double> cost(static_cast<size_t>(T + 1), 0.0);  // running sum
   for (int64_t ti = 0; ti < T; ++ti) {
     const auto [kb, ke] = tasks[ti].keys(partition_size);

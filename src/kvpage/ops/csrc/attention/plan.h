@@ -10,7 +10,10 @@
 
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -43,11 +46,39 @@ struct AttentionPlan {
   bool few_tasks = false;  // contexts split into partitions because tiles alone would leave threads idle
   std::vector<Task> tasks;
   std::vector<int64_t> offset;  // first partial row of each task (num_tasks + 1)
-  std::vector<int64_t> cut;     // thread c runs tasks cut[c] .. cut[c+1]-1 (equal estimated cost)
+  std::vector<int64_t> cut;     // run c: tasks cut[c] .. cut[c+1]-1 (equal estimated cost, several per thread)
   std::vector<int64_t> starts;  // the first task (partition 0) of each tile, for the merge
 
   int64_t num_tasks() const { return static_cast<int64_t>(tasks.size()); }
 };
+
+// Hands out a plan's runs of tasks in order, one at a time, to whichever thread asks first. A plan has several
+// runs per thread, so a thread that falls behind (more work than the cost estimate said, colder data, its core
+// taken for a while by another process) does not hold the other threads at the end of the call; a run is
+// contiguous, so the loops' prefetch still runs on into the next task within it.
+class RunClaims {
+ public:
+  explicit RunClaims(const AttentionPlan& plan) : cut_(plan.cut) {}
+  bool next(int64_t& begin, int64_t& end) {
+    const int64_t c = next_.fetch_add(1, std::memory_order_relaxed);
+    if (c + 1 >= static_cast<int64_t>(cut_.size())) return false;
+    begin = cut_[c];
+    end = cut_[c + 1];
+    return true;
+  }
+
+ private:
+  const std::vector<int64_t>& cut_;
+  std::atomic<int64_t> next_{0};
+};
+
+// work(claims) on every thread the plan's runs can keep busy.
+template <typename F>
+void run_claimed(const AttentionPlan& plan, F&& work) {
+  RunClaims claims(plan);
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(plan.cut.size()) - 1);
+  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) { work(claims); });
+}
 
 // The plan of a batch over caches of num_blocks blocks of block_size tokens, for queries of num_heads heads.
 // partition_size: keys per task when contexts are split; split_short: one stream's short contexts are cut over
