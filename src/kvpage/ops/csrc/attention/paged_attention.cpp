@@ -36,7 +36,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <string>
@@ -173,13 +172,7 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
       float* pm = part_m.data() + offset[ti];
       float* pl = part_l.data() + offset[ti];
       const float sc = static_cast<float>(scale);
-      // The prefetch runs on into the thread's next task.
-      kvpage::NextKeys next;
-      if (ti + 1 < end) {
-        const Task& nt = tasks[ti + 1];
-        next.table = tables + nt.seq * max_blocks;
-        std::tie(next.begin, next.end) = nt.keys(partition_size);
-      }
+      const kvpage::NextKeys next = next_keys(plan, tables, max_blocks, ti, end);  // the prefetch runs on into it
 #if KVPAGE_PACKED
       if constexpr (std::is_same_v<KV, at::BFloat16>) {
         if (packed) {

@@ -16,7 +16,6 @@
 #include "attention/quant_rows.h"
 
 #include <cstdint>
-#include <tuple>
 #include <vector>
 
 namespace {
@@ -55,13 +54,8 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
       float* pa = part_acc.data() + offset[ti] * D;
       float* pm = part_m.data() + offset[ti];
       float* pl = part_l.data() + offset[ti];
-      kvpage::NextKeys next;  // the prefetch runs on into the thread's next task
+      const kvpage::NextKeys next = next_keys(plan, tables, max_blocks, ti, end);  // the prefetch runs on into it
       (void)next;  // builds without the AVX2 loops have no use for it
-      if (ti + 1 < end) {
-        const Task& nt = tasks[ti + 1];
-        next.table = tables + nt.seq * max_blocks;
-        std::tie(next.begin, next.end) = nt.keys(plan.partition_size);
-      }
 #if KVPAGE_PACKED_INT8
       if (packed) {
         if (D == 64)

@@ -10,12 +10,15 @@
 
 #include <torch/extension.h>
 
+#include "common.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -71,6 +74,19 @@ class RunClaims {
   const std::vector<int64_t>& cut_;
   std::atomic<int64_t> next_{0};
 };
+
+// The keys of the task after task ti within its run (which ends at `end`), for the loops' prefetch to run on
+// into; none past the run's end (the thread's next run is not known yet). tables: [S, max_blocks].
+inline kvpage::NextKeys next_keys(const AttentionPlan& plan, const int64_t* tables, int64_t max_blocks, int64_t ti,
+                                  int64_t end) {
+  kvpage::NextKeys next;
+  if (ti + 1 < end) {
+    const Task& nt = plan.tasks[ti + 1];
+    next.table = tables + nt.seq * max_blocks;
+    std::tie(next.begin, next.end) = nt.keys(plan.partition_size);
+  }
+  return next;
+}
 
 // work(claims) on every thread the plan's runs can keep busy.
 template <typename F>
