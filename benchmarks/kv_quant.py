@@ -34,6 +34,7 @@ import torch
 from kvpage.model.loader import load_model
 from kvpage.model.registry import packaged_model_path
 from kvpage.worker.kv_cache import kv_bytes_per_block, kv_torch_dtype
+from kvpage.worker.kv_calibration import calibrate_kv_transforms
 from kvpage.worker.scoring import chunked_logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,21 +45,44 @@ def fixed_text() -> str:
     return "\n\n".join((ROOT / p).read_text() for p in ("README.md", "docs/kv.md", "src/kvpage/kv/block_pool.py"))
 
 
-def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES) -> list[dict]:
+def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES, windows: int = 1,
+             untransformed: bool = False) -> list[dict]:
+    """Top-1 agreement and perplexity of each cache dtype over ``windows`` consecutive windows of ``positions``
+    tokens of the text (each window scored from an empty cache). Quantized caches run with the engine's
+    transforms (attention/kv_transform.py); ``untransformed`` adds each quantized dtype without them."""
     lm = load_model(model, dtype="float32")
-    tk = lm.tokenizer
-    ids = tk.encode(fixed_text())[: positions + 1]
-    ref = chunked_logits(lm, ids, torch.float32)
-    ref_top = ref[:-1].argmax(-1)
-    target = torch.tensor(ids[1:])
+    calibrate_kv_transforms(lm)
+    attends = [layer.self_attn.attend for layer in lm.model.layers]
+    transforms = [a.transform for a in attends]
+    ids = lm.tokenizer.encode(fixed_text())
+    spans = [ids[w * positions : (w + 1) * positions + 1] for w in range(windows)]
+    if len(spans[-1]) < positions + 1:
+        raise SystemExit(f"the text has {len(ids)} tokens: fewer than {windows} windows of {positions}")
+    refs = [chunked_logits(lm, span, torch.float32) for span in spans]
+    cases = [("float32", True)]
+    for d in dtypes:
+        if d != "float32":
+            cases.append((d, True))
+            if untransformed and d in ("int8", "fp8_e4m3", "fp8_e5m2"):
+                cases.append((d, False))
     rows = []
-    for name in ("float32", *(d for d in dtypes if d != "float32")):
-        logits = ref if name == "float32" else chunked_logits(lm, ids, kv_torch_dtype(name))
-        top = logits[:-1].argmax(-1)
-        nll = torch.nn.functional.cross_entropy(logits[:-1], target).item()
-        rows.append({"model": lm.config.name, "kv_dtype": name, "positions": len(target),
-                     "top1_agreement": float((top == ref_top).float().mean()), "perplexity": float(torch.exp(
-                         torch.tensor(nll)))})
+    for name, transformed in cases:
+        for a, t in zip(attends, transforms, strict=True):
+            a.transform = t if transformed else None
+        agree, nll, n = 0, 0.0, 0
+        per_window = []
+        for span, ref in zip(spans, refs, strict=True):
+            logits = ref if name == "float32" else chunked_logits(lm, span, kv_torch_dtype(name))
+            same = int((logits[:-1].argmax(-1) == ref[:-1].argmax(-1)).sum())
+            per_window.append(same / (len(span) - 1))
+            agree += same
+            n += len(span) - 1
+            nll += float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(span[1:]), reduction="sum"))
+        label = name if transformed or name in ("float32", "bfloat16", "float16") else f"{name} (untransformed)"
+        rows.append({"model": lm.config.name, "kv_dtype": label, "positions": n, "top1_agreement": agree / n,
+                     "per_window": per_window, "perplexity": float(torch.exp(torch.tensor(nll / n)))})
+    for a, t in zip(attends, transforms, strict=True):
+        a.transform = t
     return rows
 
 
@@ -196,6 +220,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="*", default=None, help="default: SmolLM2-135M-Instruct (+ gemma-3-270m)")
     ap.add_argument("--positions", type=int, default=800)
+    ap.add_argument("--windows", type=int, default=1, help="accuracy: consecutive windows of --positions tokens")
+    ap.add_argument("--untransformed", action="store_true",
+                    help="accuracy: also each quantized dtype without its key/value transforms")
     ap.add_argument("--speed-seqs", type=int, default=64)
     ap.add_argument("--speed-context", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=5)
@@ -219,10 +246,12 @@ def main() -> None:
             print(f"capacity {r['model']:<24} {r['kv_dtype']:<9} {r['bytes_per_block']:>7} B/block "
                   f"{r['tokens_per_gib']:>9} tokens/GiB  {r['vs_bfloat16']:.3f}x bf16")
     if "accuracy" not in a.skip:
-        result["accuracy"] = [r for m in models for r in accuracy(m, a.positions, tuple(a.kv_dtypes))]
+        result["accuracy"] = [r for m in models for r in accuracy(m, a.positions, tuple(a.kv_dtypes), a.windows,
+                                                                       a.untransformed)]
         for r in result["accuracy"]:
-            print(f"accuracy {r['model']:<24} {r['kv_dtype']:<9} top-1 vs float32 cache {r['top1_agreement']:.2%} "
-                  f"over {r['positions']} positions, perplexity {r['perplexity']:.3f}")
+            windows = " ".join(f"{w:.2%}" for w in r["per_window"]) if len(r["per_window"]) > 1 else ""
+            print(f"accuracy {r['model']:<24} {r['kv_dtype']:<24} top-1 vs float32 cache {r['top1_agreement']:.2%} "
+                  f"over {r['positions']} positions, perplexity {r['perplexity']:.3f} {windows}")
     if a.split:
         result["split"] = [r for m in models for r in split(m, a.positions)]
         for r in result["split"]:

@@ -16,6 +16,7 @@ from kvpage.envs import KernelConfig
 from kvpage.model.loader import load_model
 from kvpage.sampling_params import SamplingParams
 from kvpage.worker.kv_cache import kv_bytes_per_block, kv_torch_dtype
+from kvpage.worker.kv_calibration import calibrate_kv_transforms
 from kvpage.worker.scoring import chunked_logits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +77,7 @@ def test_planner_worker_and_simulator_agree_on_bytes_per_block():
 
 def test_teacher_forced_accuracy_against_the_float32_cache():
     lm = load_model(dtype="float32")
+    calibrate_kv_transforms(lm)  # the engine's quantized caches run with their transforms
     text = "\n\n".join((ROOT / p).read_text() for p in ("README.md", "docs/kv.md"))
     ids = lm.tokenizer.encode(text)[:601]
     ref = chunked_logits(lm, ids, torch.float32)[:-1]

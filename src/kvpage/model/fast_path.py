@@ -28,6 +28,7 @@ AMX_LOGITS_MAX_ROWS = 192
 # oneDNN's lm-head product by vocabulary slices of this many rows: a slice's bf16 output at 256 rows is 16 MiB,
 # under the 32 MiB up to which glibc's malloc reuses a freed block instead of mapping fresh pages each step.
 LOGITS_SPLIT_ROWS = 32768
+_FLOAT_CACHES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FastPath:
@@ -86,7 +87,10 @@ class FastPath:
         # has them all (a GGUF may mix formats layer by layer; PackedLinear.forward sorts out the rest)
         few = t <= ops.config.quant_max_tokens
         meta = metas[0]
-        if few and self.decode_layers is not None and meta.decode_only:
+        # the compiled stack calls the backend's kernels itself, without a quantized cache's transform
+        # (attention/kv_transform.py): such layers take the loop below
+        if (few and self.decode_layers is not None and meta.decode_only
+                and (first.attend.transform is None or kv_caches[0].dtype in _FLOAT_CACHES)):
             return self.decode_layers.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.plan,
                                           ops.quant_int16, meta.packed)
         h = ops.rms_norm(residual, first.in_norm, first.eps)
@@ -176,7 +180,7 @@ class _FastLayer:
         # product applies the MLP's activation in its epilogue.
         self.decode = (tuple(_quant_projection(w.ops, w.quant, w.gated) for w in linears)
                        if all(w.quant is not None and w.bias is None for w in linears) else None)  # Q4 / Q8
-        self.attend = attn.backend.forward
+        self.attend = attn.attend
         self.in_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = layer.post_attention_layernorm.eps
         self.next_norm, self.next_eps = next_norm, next_eps

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpage.attention.backends.base import AttentionBackend
+from kvpage.attention.kv_transform import LayerAttend
 from kvpage.model.config import SLIDING, ModelConfig
 from kvpage.model.logits import LogitsBuffer, LogitsResult, postprocess_raw
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
@@ -54,6 +55,7 @@ class GemmaAttention(nn.Module):
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.attention_scale
         self.backend = backend
+        self.attend = LayerAttend(backend.forward)  # the backend call, with a quantized cache's transform
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         t = x.shape[0]
@@ -61,7 +63,7 @@ class GemmaAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        out = self.attend(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -67,7 +67,7 @@ class Gemma3FastPath:
             p.num_heads, p.num_kv_heads, p.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
             p.q_end = a.num_heads * a.head_dim
             p.k_end = p.q_end + a.num_kv_heads * a.head_dim
-            p.scale, p.attend, p.sliding = a.scale, a.backend.forward, sliding
+            p.scale, p.attend, p.sliding = a.scale, a.attend, sliding
             self.layers.append(p)
             del a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
         # each layer's input norm, and the final one after the last layer

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpage.attention.backends.base import AttentionBackend
+from kvpage.attention.kv_transform import LayerAttend
 from kvpage.model.config import ModelConfig
 from kvpage.model.logits import LogitsBuffer, LogitsResult, postprocess_raw
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
@@ -48,13 +49,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
         self.backend = backend
+        self.attend = LayerAttend(backend.forward)  # the backend call, with a quantized cache's transform
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         t = x.shape[0]
         q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        out = self.attend(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

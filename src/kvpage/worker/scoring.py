@@ -19,6 +19,16 @@ def chunked_logits(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32,
     """float32 logits ``[len(ids), vocab]`` of loaded model ``lm`` over a fresh cache of ``kv_dtype``. Chunks
     below the prompt kernels' threshold go to the paged kernel, which reads each chunk's keys back from the
     pages it has just written."""
+    return torch.cat(_feed(lm, ids, kv_dtype, chunk, block_size, logits=True))
+
+
+def chunked_forward(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32,
+                    block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    """The same pass without logits (every tensor-parallel rank can run it: no gather to rank 0)."""
+    _feed(lm, ids, kv_dtype, chunk, block_size, logits=False)
+
+
+def _feed(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int, block_size: int, logits: bool) -> list:
     layout = model_layout(lm.config)
     num_blocks = (-(-len(ids) // block_size) + 1) * len(layout.groups)
     cache = KVCache(lm.config, num_blocks, block_size, kv_dtype, layout=layout)
@@ -33,6 +43,10 @@ def chunked_logits(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32,
         if m.allocate_slots(KVSequence("s", ids[: start + len(part)]), len(part)) is None:
             raise RuntimeError("the scoring cache is too small")
         tables = m.block_tables("s")
-        seq = ScheduledSeq("s", part, start, tables[0], all_logits=True, block_tables=tables if hybrid else None)
-        rows.append(runner.execute([seq])["s"].float())
-    return torch.cat(rows)
+        seq = ScheduledSeq("s", part, start, tables[0], need_logits=logits, all_logits=logits,
+                           block_tables=tables if hybrid else None)
+        if logits:
+            rows.append(runner.execute([seq])["s"].float())
+        else:
+            runner.forward_only([seq])
+    return rows

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+from kvpage.attention.kv_quant import is_quantized
 from kvpage.config import CacheConfig, ModelRunConfig, fast_path, resolve_dtype
 from kvpage.core.beam import Candidates
 from kvpage.core.engine_core import Sample, SampleTask, blocked_ids
@@ -25,6 +26,7 @@ from kvpage.model.logits import LogitsBuffer
 from kvpage.model.registry import load_model_config
 from kvpage.units import format_bytes
 from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, kv_dtype_name, kv_torch_dtype, model_layout
+from kvpage.worker.kv_calibration import calibrate_kv_transforms
 from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq, StepLogits
 from kvpage.worker.sampler import SampleRequest, argmax_suffices, beam_candidates, sample_isolated, seeded_generator
 
@@ -84,6 +86,8 @@ class Worker:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds {cfg.name}'s context length {limit}")
         self.kv_dtype = self.lm.dtype if cc.kv_cache_dtype == "auto" else kv_torch_dtype(cc.kv_cache_dtype)
+        # quantized pages: each layer's exact key/value transform, before any block is written
+        self.kv_transform = calibrate_kv_transforms(self.lm) if is_quantized(self.kv_dtype) else None
         self.layout = model_layout(cfg)
         self.bytes_per_block = kv_bytes_per_block(cfg, cc.block_size, self.kv_dtype, self.layout)
         self.num_blocks = int(cc.kv_cache_memory) // self.bytes_per_block
@@ -162,7 +166,8 @@ class Worker:
             identity = {"model": str(self.lm.path), "kv_dtype": kv_dtype_name(self.kv_dtype),
                         "block_size": cc.block_size, "tensors": len(self.kv_cache.tensors),
                         "kv_heads": cfg.num_kv_heads, "row": int(t.shape[-1]),
-                        "packed": any(getattr(b, "packed", False) for b in self.runner.builders)}
+                        "packed": any(getattr(b, "packed", False) for b in self.runner.builders),
+                        "kv_transform": self.kv_transform}
             disk = DiskTier(Path(cc.kv_offload_dir).expanduser(), identity, int(cc.kv_offload_disk))
             self.runner.persist = disk.put
         return PrefixTiers(host, disk, cc.block_size, self.kv_cache.block_nbytes)

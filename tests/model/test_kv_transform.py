@@ -1,0 +1,98 @@
+"""The quantized cache's key/value transforms (attention/kv_transform.py): exact in float arithmetic, smaller
+int8 error where keys carry a constant part and wide channels, deterministic calibration that the engine and
+its disk tier use, and float caches left untouched."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kvpage.attention.backends.reference import ReferenceAttention
+from kvpage.attention.kv_quant import quantize_rows
+from kvpage.attention.kv_transform import KVTransform, LayerAttend
+from kvpage.engine.llm import LLM
+from kvpage.model.loader import load_model
+from kvpage.sampling_params import SamplingParams
+from kvpage.worker.kv_cache import kv_bytes_per_block
+from kvpage.worker.kv_calibration import calibrate_kv_transforms
+from tests.helpers.kernels import scatter_tables, step_metadata
+
+HEADS, KV_HEADS, DIM, BS = 6, 2, 64, 16
+
+
+def keys_with_offset(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values shaped like a real layer's: keys with a large constant part and a few wide
+    channels where the queries are small."""
+    offset = 6 * torch.randn(1, KV_HEADS, DIM, generator=torch.Generator().manual_seed(0))  # the layer's own
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, HEADS, DIM, generator=g)
+    k = torch.randn(n, KV_HEADS, DIM, generator=g) + offset
+    k[..., 5] *= 12
+    k[..., 5 + DIM // 2] *= 12
+    q[..., 5] *= 0.05
+    q[..., 5 + DIM // 2] *= 0.05
+    v = torch.randn(n, KV_HEADS, DIM, generator=g) + 3
+    return q, k, v
+
+
+def one_step(ctx: int, seed: int):
+    rng = random.Random(seed)
+    tables = scatter_tables(rng, [-(-ctx // BS)], list(range(1, 40)))
+    return step_metadata(tables, [ctx], [ctx], BS)
+
+
+def test_the_transform_changes_nothing_in_float_arithmetic():
+    q, k, v = keys_with_offset(100, 1)
+    attend = LayerAttend(ReferenceAttention().forward)
+    attend.transform = KVTransform.from_samples(*keys_with_offset(300, 2))
+    meta = one_step(100, 3)
+    cache = torch.zeros(2, 40, BS, KV_HEADS, DIM)
+    plain = attend.forward(q, k, v, cache.clone(), meta, DIM**-0.5)
+    assert torch.equal(attend(q, k, v, cache.clone(), meta, DIM**-0.5), plain)  # float caches bypass it
+    moved = attend.transformed(q, k, v, cache.clone(), meta, DIM**-0.5)
+    torch.testing.assert_close(moved, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_constants_are_powers_of_two_shared_by_rope_pairs():
+    q, k, v = keys_with_offset(300, 4)
+    t = KVTransform.from_samples(q, k, v)
+    s = 1 / t.key_inv_scale
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+    assert torch.equal(s[:, : DIM // 2], s[:, DIM // 2 :])
+    assert torch.equal(t.query_scale, s.repeat_interleave(HEADS // KV_HEADS, 0))
+    assert s[:, 5].min() > 4  # the wide, query-quiet channel is scaled down in the keys
+    torch.testing.assert_close(t.key_center, k.mean(0))
+
+
+def test_the_transform_cuts_the_int8_error():
+    q, k, v = keys_with_offset(200, 5)
+    meta = one_step(200, 6)
+    exact = ReferenceAttention().forward(q, k, v, torch.zeros(2, 40, BS, KV_HEADS, DIM), meta, DIM**-0.5)
+    attend = LayerAttend(ReferenceAttention().forward)
+    int8 = quantize_rows(torch.zeros(2, 40, BS, KV_HEADS, DIM), torch.int8)
+    plain = attend(q, k, v, int8.clone(), meta, DIM**-0.5)
+    attend.transform = KVTransform.from_samples(*keys_with_offset(400, 7))
+    moved = attend(q, k, v, int8.clone(), meta, DIM**-0.5)
+    err_plain, err_moved = (float((x - exact).norm() / exact.norm()) for x in (plain, moved))
+    assert err_moved < 0.5 * err_plain, (err_moved, err_plain)
+
+
+def test_calibration_is_deterministic_and_the_engine_applies_it(tmp_path):
+    lm = load_model(dtype="float32")
+    first = calibrate_kv_transforms(lm)
+    constants = [layer.self_attn.attend.transform.key_center.clone() for layer in lm.model.layers]
+    for layer in lm.model.layers:
+        layer.self_attn.attend.transform = None
+    assert calibrate_kv_transforms(lm) == first
+    assert all(torch.equal(c, layer.self_attn.attend.transform.key_center)
+               for c, layer in zip(constants, lm.model.layers, strict=True))
+    block = kv_bytes_per_block(lm.config, 16, torch.int8)
+    llm = LLM(kv_cache_dtype="int8", kv_cache_memory=64 * block, max_model_len=256,
+              kv_offload_dir=str(tmp_path), kv_offload_disk="4MiB")
+    worker = llm.engine.worker
+    assert worker.kv_transform is not None
+    assert all(layer.self_attn.attend.transform is not None for layer in worker.lm.model.layers)
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    assert worker.runner.persist.__self__.identity["kv_transform"] == worker.kv_transform
