@@ -51,9 +51,11 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
     tokens of the text (each window scored from an empty cache). Quantized caches run with the engine's
     transforms (attention/kv_transform.py); ``untransformed`` adds each quantized dtype without them."""
     lm = load_model(model, dtype="float32")
-    calibrate_kv_transforms(lm)
     attends = [layer.self_attn.attend for layer in lm.model.layers]
-    transforms = [a.transform for a in attends]
+    for d in dtypes:
+        if d in ("int8", "fp8_e4m3", "fp8_e5m2"):
+            calibrate_kv_transforms(lm, kv_torch_dtype(d))
+    saved = [dict(a.transforms) for a in attends]
     ids = lm.tokenizer.encode(fixed_text())
     spans = [ids[w * positions : (w + 1) * positions + 1] for w in range(windows)]
     if len(spans[-1]) < positions + 1:
@@ -67,8 +69,8 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
                 cases.append((d, False))
     rows = []
     for name, transformed in cases:
-        for a, t in zip(attends, transforms, strict=True):
-            a.transform = t if transformed else None
+        for a, t in zip(attends, saved, strict=True):
+            a.transforms = dict(t) if transformed else {}
         agree, nll, n = 0, 0.0, 0
         per_window = []
         for span, ref in zip(spans, refs, strict=True):
@@ -81,8 +83,8 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
         label = name if transformed or name in ("float32", "bfloat16", "float16") else f"{name} (untransformed)"
         rows.append({"model": lm.config.name, "kv_dtype": label, "positions": n, "top1_agreement": agree / n,
                      "per_window": per_window, "perplexity": float(torch.exp(torch.tensor(nll / n)))})
-    for a, t in zip(attends, transforms, strict=True):
-        a.transform = t
+    for a, t in zip(attends, saved, strict=True):
+        a.transforms = t
     return rows
 
 

@@ -77,7 +77,8 @@ def test_planner_worker_and_simulator_agree_on_bytes_per_block():
 
 def test_teacher_forced_accuracy_against_the_float32_cache():
     lm = load_model(dtype="float32")
-    calibrate_kv_transforms(lm)  # the engine's quantized caches run with their transforms
+    for name in ("int8", "fp8_e4m3"):  # the engine's quantized caches run with their transforms
+        calibrate_kv_transforms(lm, kv_torch_dtype(name))
     text = "\n\n".join((ROOT / p).read_text() for p in ("README.md", "docs/kv.md"))
     ids = lm.tokenizer.encode(text)[:601]
     ref = chunked_logits(lm, ids, torch.float32)[:-1]

@@ -5,6 +5,7 @@ its disk tier use, and float caches left untouched."""
 from __future__ import annotations
 
 import random
+import re
 
 import torch
 
@@ -45,24 +46,26 @@ def one_step(ctx: int, seed: int):
 def test_the_transform_changes_nothing_in_float_arithmetic():
     q, k, v = keys_with_offset(100, 1)
     attend = LayerAttend(ReferenceAttention().forward)
-    attend.transform = KVTransform.from_samples(*keys_with_offset(300, 2))
+    t = KVTransform.from_samples(*keys_with_offset(300, 2))
+    assert t.keys is not None and t.values is not None
+    attend.transforms[torch.int8] = t
     meta = one_step(100, 3)
     cache = torch.zeros(2, 40, BS, KV_HEADS, DIM)
     plain = attend.forward(q, k, v, cache.clone(), meta, DIM**-0.5)
-    assert torch.equal(attend(q, k, v, cache.clone(), meta, DIM**-0.5), plain)  # float caches bypass it
-    moved = attend.transformed(q, k, v, cache.clone(), meta, DIM**-0.5)
+    assert torch.equal(attend(q, k, v, cache.clone(), meta, DIM**-0.5), plain)  # other caches bypass it
+    moved = attend.transformed(t, q, k, v, cache.clone(), meta, DIM**-0.5)
     torch.testing.assert_close(moved, plain, rtol=1e-4, atol=1e-4)
 
 
 def test_constants_are_powers_of_two_shared_by_rope_pairs():
     q, k, v = keys_with_offset(300, 4)
-    t = KVTransform.from_samples(q, k, v)
-    s = 1 / t.key_inv_scale
+    keys = KVTransform.from_samples(q, k, v).keys
+    s = 1 / keys.inv_scale
     assert torch.equal(torch.exp2(torch.log2(s).round()), s)
     assert torch.equal(s[:, : DIM // 2], s[:, DIM // 2 :])
-    assert torch.equal(t.query_scale, s.repeat_interleave(HEADS // KV_HEADS, 0))
+    assert torch.equal(keys.query_scale, s.repeat_interleave(HEADS // KV_HEADS, 0))
     assert s[:, 5].min() > 4  # the wide, query-quiet channel is scaled down in the keys
-    torch.testing.assert_close(t.key_center, k.mean(0))
+    torch.testing.assert_close(keys.center, k.mean(0))
 
 
 def test_the_transform_cuts_the_int8_error():
@@ -72,27 +75,41 @@ def test_the_transform_cuts_the_int8_error():
     attend = LayerAttend(ReferenceAttention().forward)
     int8 = quantize_rows(torch.zeros(2, 40, BS, KV_HEADS, DIM), torch.int8)
     plain = attend(q, k, v, int8.clone(), meta, DIM**-0.5)
-    attend.transform = KVTransform.from_samples(*keys_with_offset(400, 7))
+    attend.transforms[torch.int8] = KVTransform.from_samples(*keys_with_offset(400, 7))
     moved = attend(q, k, v, int8.clone(), meta, DIM**-0.5)
     err_plain, err_moved = (float((x - exact).norm() / exact.norm()) for x in (plain, moved))
     assert err_moved < 0.5 * err_plain, (err_moved, err_plain)
 
 
-def test_calibration_is_deterministic_and_the_engine_applies_it(tmp_path):
+def test_calibration_keeps_the_parts_that_lower_the_error_and_is_deterministic(caplog):
     lm = load_model(dtype="float32")
-    first = calibrate_kv_transforms(lm)
-    constants = [layer.self_attn.attend.transform.key_center.clone() for layer in lm.model.layers]
-    for layer in lm.model.layers:
-        layer.self_attn.attend.transform = None
-    assert calibrate_kv_transforms(lm) == first
-    assert all(torch.equal(c, layer.self_attn.attend.transform.key_center)
-               for c, layer in zip(constants, lm.model.layers, strict=True))
+    attends = [layer.self_attn.attend for layer in lm.model.layers]
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        for a in attends:
+            a.transforms.pop(dtype, None)
+        with caplog.at_level("INFO", logger="kvpage.worker.kv_calibration"):
+            first = calibrate_kv_transforms(lm, dtype)
+        # the log lists each choice's hidden-state error; the kept parts are the smallest one
+        line = next(r.getMessage() for r in caplog.records if str(dtype) in r.getMessage())
+        errors = {k: float(e) for k, e in re.findall(r"(\(\w+, \w+\)): ([0-9.e+-]+)", line)}
+        assert len(errors) == 4
+        t = attends[0].transforms[dtype]
+        kept = f"({t.keys is not None}, {t.values is not None})"
+        assert errors[kept] == min(errors.values()), (kept, errors)
+        assert all((a.transforms[dtype].keys is None) == (t.keys is None) for a in attends)
+        saved = [a.transforms.pop(dtype) for a in attends]
+        assert calibrate_kv_transforms(lm, dtype) == first
+        assert [a.transforms[dtype].fingerprint() for a in attends] == [s.fingerprint() for s in saved]
+    assert torch.float32 not in attends[0].transforms
+
+
+def test_the_engine_calibrates_its_quantized_pages(tmp_path):
+    lm = load_model()
     block = kv_bytes_per_block(lm.config, 16, torch.int8)
     llm = LLM(kv_cache_dtype="int8", kv_cache_memory=64 * block, max_model_len=256,
               kv_offload_dir=str(tmp_path), kv_offload_disk="4MiB")
     worker = llm.engine.worker
-    assert worker.kv_transform is not None
-    assert all(layer.self_attn.attend.transform is not None for layer in worker.lm.model.layers)
+    assert all(torch.int8 in layer.self_attn.attend.transforms for layer in worker.lm.model.layers)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
     assert worker.runner.persist.__self__.identity["kv_transform"] == worker.kv_transform

@@ -28,7 +28,6 @@ AMX_LOGITS_MAX_ROWS = 192
 # oneDNN's lm-head product by vocabulary slices of this many rows: a slice's bf16 output at 256 rows is 16 MiB,
 # under the 32 MiB up to which glibc's malloc reuses a freed block instead of mapping fresh pages each step.
 LOGITS_SPLIT_ROWS = 32768
-_FLOAT_CACHES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FastPath:
@@ -90,7 +89,7 @@ class FastPath:
         # the compiled stack calls the backend's kernels itself, without a quantized cache's transform
         # (attention/kv_transform.py): such layers take the loop below
         if (few and self.decode_layers is not None and meta.decode_only
-                and (first.attend.transform is None or kv_caches[0].dtype in _FLOAT_CACHES)):
+                and kv_caches[0].dtype not in first.attend.transforms):
             return self.decode_layers.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.plan,
                                           ops.quant_int16, meta.packed)
         h = ops.rms_norm(residual, first.in_norm, first.eps)

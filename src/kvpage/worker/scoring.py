@@ -22,10 +22,11 @@ def chunked_logits(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32,
     return torch.cat(_feed(lm, ids, kv_dtype, chunk, block_size, logits=True))
 
 
-def chunked_forward(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32,
-                    block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-    """The same pass without logits (every tensor-parallel rank can run it: no gather to rank 0)."""
-    _feed(lm, ids, kv_dtype, chunk, block_size, logits=False)
+def chunked_hidden(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """The same pass, the final hidden states ``[len(ids), hidden]`` instead of logits (every tensor-parallel
+    rank can run it: no gather to rank 0)."""
+    return torch.cat(_feed(lm, ids, kv_dtype, chunk, block_size, logits=False))
 
 
 def _feed(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int, block_size: int, logits: bool) -> list:
@@ -43,10 +44,6 @@ def _feed(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int, block_size: int
         if m.allocate_slots(KVSequence("s", ids[: start + len(part)]), len(part)) is None:
             raise RuntimeError("the scoring cache is too small")
         tables = m.block_tables("s")
-        seq = ScheduledSeq("s", part, start, tables[0], need_logits=logits, all_logits=logits,
-                           block_tables=tables if hybrid else None)
-        if logits:
-            rows.append(runner.execute([seq])["s"].float())
-        else:
-            runner.forward_only([seq])
+        seq = ScheduledSeq("s", part, start, tables[0], all_logits=True, block_tables=tables if hybrid else None)
+        rows.append(runner.execute([seq])["s"].float() if logits else runner.forward_only([seq]).float())
     return rows

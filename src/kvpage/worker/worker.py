@@ -87,7 +87,7 @@ class Worker:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds {cfg.name}'s context length {limit}")
         self.kv_dtype = self.lm.dtype if cc.kv_cache_dtype == "auto" else kv_torch_dtype(cc.kv_cache_dtype)
         # quantized pages: each layer's exact key/value transform, before any block is written
-        self.kv_transform = calibrate_kv_transforms(self.lm) if is_quantized(self.kv_dtype) else None
+        self.kv_transform = calibrate_kv_transforms(self.lm, self.kv_dtype) if is_quantized(self.kv_dtype) else None
         self.layout = model_layout(cfg)
         self.bytes_per_block = kv_bytes_per_block(cfg, cc.block_size, self.kv_dtype, self.layout)
         self.num_blocks = int(cc.kv_cache_memory) // self.bytes_per_block
