@@ -55,6 +55,9 @@ def test_the_transform_changes_nothing_in_float_arithmetic():
     assert torch.equal(attend(q, k, v, cache.clone(), meta, DIM**-0.5), plain)  # other caches bypass it
     moved = attend.transformed(t, q, k, v, cache.clone(), meta, DIM**-0.5)
     torch.testing.assert_close(moved, plain, rtol=1e-4, atol=1e-4)
+    assert attend.active(torch.int8) is t and attend.active(torch.float32) is None
+    attend.transforms[torch.int8] = t.parts(False, False)  # calibrated to keep nothing: the plain call
+    assert attend.active(torch.int8) is None
 
 
 def test_constants_are_powers_of_two_shared_by_rope_pairs():

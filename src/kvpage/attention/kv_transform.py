@@ -86,6 +86,11 @@ class KVTransform:
     def parts(self, keys: bool, values: bool) -> KVTransform:
         return KVTransform(self.keys if keys else None, self.values if values else None)
 
+    @property
+    def active(self) -> bool:
+        """False for a model calibrated to do without either part: the plain call, the compiled stack."""
+        return self.keys is not None or self.values is not None
+
     def fingerprint(self) -> str:
         """A short digest of the constants: KV written under one transform is read only under the same one."""
         h = hashlib.sha256()
@@ -112,10 +117,15 @@ class LayerAttend:
                  meta: Any, scale: float) -> torch.Tensor:
         if self.capture is not None:
             self.capture.append((query.float(), key.float(), value.float()))
-        t = self.transforms.get(kv_cache.dtype) if self.transforms else None
+        t = self.active(kv_cache.dtype)
         if t is None:
             return self.forward(query, key, value, kv_cache, meta, scale)
         return self.transformed(t, query, key, value, kv_cache, meta, scale)
+
+    def active(self, dtype: torch.dtype) -> KVTransform | None:
+        """The transform caches of ``dtype`` go through, if it has a part."""
+        t = self.transforms.get(dtype) if self.transforms else None
+        return t if t is not None and t.active else None
 
     def transformed(self, t: KVTransform, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
@@ -136,5 +146,5 @@ class LayerAttend:
 
 def transforms_fingerprint(attends: list[LayerAttend], dtype: torch.dtype) -> str | None:
     """One digest of every layer's transform for ``dtype``; None when no layer has a part."""
-    prints = [t.fingerprint() for a in attends if (t := a.transforms.get(dtype)) and (t.keys or t.values)]
+    prints = [t.fingerprint() for a in attends if (t := a.active(dtype)) is not None]
     return hashlib.sha256("".join(prints).encode()).hexdigest()[:16] if prints else None

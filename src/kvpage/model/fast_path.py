@@ -89,7 +89,7 @@ class FastPath:
         # the compiled stack calls the backend's kernels itself, without a quantized cache's transform
         # (attention/kv_transform.py): such layers take the loop below
         if (few and self.decode_layers is not None and meta.decode_only
-                and kv_caches[0].dtype not in first.attend.transforms):
+                and first.attend.active(kv_caches[0].dtype) is None):
             return self.decode_layers.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.plan,
                                           ops.quant_int16, meta.packed)
         h = ops.rms_norm(residual, first.in_norm, first.eps)
