@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from kvpage.attention.kv_quant import is_quantized
 from kvpage.model.loader import load_model
 from kvpage.model.registry import packaged_model_path
 from kvpage.worker.kv_cache import kv_bytes_per_block, kv_torch_dtype
@@ -52,9 +53,9 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
     transforms (attention/kv_transform.py); ``untransformed`` adds each quantized dtype without them."""
     lm = load_model(model, dtype="float32")
     attends = [layer.self_attn.attend for layer in lm.model.layers]
-    for d in dtypes:
-        if d in ("int8", "fp8_e4m3", "fp8_e5m2"):
-            calibrate_kv_transforms(lm, kv_torch_dtype(d))
+    quantized = [d for d in dtypes if is_quantized(kv_torch_dtype(d))]
+    for d in quantized:
+        calibrate_kv_transforms(lm, kv_torch_dtype(d))
     saved = [dict(a.transforms) for a in attends]
     ids = lm.tokenizer.encode(fixed_text())
     spans = [ids[w * positions : (w + 1) * positions + 1] for w in range(windows)]
@@ -65,7 +66,7 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
     for d in dtypes:
         if d != "float32":
             cases.append((d, True))
-            if untransformed and d in ("int8", "fp8_e4m3", "fp8_e5m2"):
+            if untransformed and d in quantized:
                 cases.append((d, False))
     rows = []
     for name, transformed in cases:
@@ -80,7 +81,7 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
             agree += same
             n += len(span) - 1
             nll += float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(span[1:]), reduction="sum"))
-        label = name if transformed or name in ("float32", "bfloat16", "float16") else f"{name} (untransformed)"
+        label = name if transformed else f"{name} (untransformed)"
         rows.append({"model": lm.config.name, "kv_dtype": label, "positions": n, "top1_agreement": agree / n,
                      "per_window": per_window, "perplexity": float(torch.exp(torch.tensor(nll / n)))})
     for a, t in zip(attends, saved, strict=True):

@@ -69,6 +69,8 @@ def test_constants_are_powers_of_two_shared_by_rope_pairs():
     assert torch.equal(keys.query_scale, s.repeat_interleave(HEADS // KV_HEADS, 0))
     assert s[:, 5].min() > 4  # the wide, query-quiet channel is scaled down in the keys
     torch.testing.assert_close(keys.center, k.mean(0))
+    bf16 = KVTransform.from_samples(q, k, v, torch.bfloat16)  # an engine's bf16 activations: exact constants
+    assert torch.equal(bf16.keys.query_scale.float(), keys.query_scale) and len(bf16.fingerprint()) == 16
 
 
 def test_the_transform_cuts_the_int8_error():
@@ -96,13 +98,14 @@ def test_calibration_keeps_the_parts_that_lower_the_error_and_is_deterministic(c
         line = next(r.getMessage() for r in caplog.records if str(dtype) in r.getMessage())
         errors = {k: float(e) for k, e in re.findall(r"(\(\w+, \w+\)): ([0-9.e+-]+)", line)}
         assert len(errors) == 4
-        t = attends[0].transforms[dtype]
+        none = KVTransform(None, None)  # what a model that keeps neither part holds (None) stands for
+        t = attends[0].transforms[dtype] or none
         kept = f"({t.keys is not None}, {t.values is not None})"
         assert errors[kept] == min(errors.values()), (kept, errors)
-        assert all((a.transforms[dtype].keys is None) == (t.keys is None) for a in attends)
-        saved = [a.transforms.pop(dtype) for a in attends]
+        assert all(((a.transforms[dtype] or none).keys is None) == (t.keys is None) for a in attends)
+        saved = [a.transforms.pop(dtype) or none for a in attends]
         assert calibrate_kv_transforms(lm, dtype) == first
-        assert [a.transforms[dtype].fingerprint() for a in attends] == [s.fingerprint() for s in saved]
+        assert [(a.transforms[dtype] or none).fingerprint() for a in attends] == [s.fingerprint() for s in saved]
     assert torch.float32 not in attends[0].transforms
 
 

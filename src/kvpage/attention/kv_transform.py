@@ -36,7 +36,8 @@ Forward = Callable[..., torch.Tensor]
 
 @dataclass(frozen=True)
 class KeyTransform:
-    """Keys minus ``center`` times ``inv_scale`` ([kv_heads, D]); queries times ``query_scale`` ([heads, D])."""
+    """Keys minus ``center`` times ``inv_scale`` ([kv_heads, D], float32); queries times ``query_scale``
+    ([heads, D], in the activations' dtype)."""
 
     center: torch.Tensor
     inv_scale: torch.Tensor
@@ -45,8 +46,8 @@ class KeyTransform:
 
 @dataclass(frozen=True)
 class ValueTransform:
-    """Values minus ``center`` ([kv_heads, D]) times ``rotation`` ([D, D], symmetric and its own inverse); the
-    output times ``rotation`` plus ``center_q`` ([heads, D])."""
+    """Values minus ``center`` ([kv_heads, D]) times ``rotation`` ([D, D], symmetric and its own inverse, in the
+    activations' dtype); the output times ``rotation`` plus ``center_q`` ([heads, D])."""
 
     center: torch.Tensor
     rotation: torch.Tensor
@@ -55,15 +56,19 @@ class ValueTransform:
 
 @dataclass(frozen=True)
 class KVTransform:
-    """One layer's transform for one cache dtype; a part is None where the model does without it."""
+    """One layer's transform for one cache dtype; a part is None where the model does without it (a model
+    that keeps neither holds None instead of a transform)."""
 
     keys: KeyTransform | None
     values: ValueTransform | None
 
     @classmethod
-    def from_samples(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KVTransform:
+    def from_samples(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     act_dtype: torch.dtype = torch.float32) -> KVTransform:
         """Both parts, from a text's queries ``[tokens, heads, D]``, keys and values ``[tokens, kv_heads, D]``
-        (post-RoPE)."""
+        (post-RoPE), for activations of ``act_dtype`` (the constants the products take are held in it: the
+        query scales are powers of two, exact; the Walsh-Hadamard matrix's entries +-b^-1/2 are exact for
+        blocks b of 64 and 256, rounded to the dtype's precision otherwise)."""
         q, k, v = q.float(), k.float(), v.float()
         heads, kv_heads, d = q.shape[1], k.shape[1], k.shape[2]
         group = heads // kv_heads
@@ -78,18 +83,17 @@ class KVTransform:
         ratio = k_ms.clamp_min(1e-12 * float(k_ms.max().clamp_min(1e-30))) / q_ms.clamp_min(
             1e-12 * float(q_ms.max().clamp_min(1e-30)))
         scale = torch.exp2(torch.round(torch.log2(ratio) / 4).clamp(-20, 20))  # (rms ratio)^(1/2) as a power of 2
-        keys = KeyTransform(key_center, 1.0 / scale, scale.repeat_interleave(group, 0))
+        keys = KeyTransform(key_center, 1.0 / scale, scale.repeat_interleave(group, 0).to(act_dtype))
         value_center = v.mean(0)
-        values = ValueTransform(value_center, hadamard(torch.eye(d)), value_center.repeat_interleave(group, 0))
+        values = ValueTransform(value_center, hadamard(torch.eye(d)).to(act_dtype),
+                                value_center.repeat_interleave(group, 0))
         return cls(keys, values)
 
-    def parts(self, keys: bool, values: bool) -> KVTransform:
+    def parts(self, keys: bool, values: bool) -> KVTransform | None:
+        """The transform with only the chosen parts; None for neither (the plain call, the compiled stack)."""
+        if not (keys or values):
+            return None
         return KVTransform(self.keys if keys else None, self.values if values else None)
-
-    @property
-    def active(self) -> bool:
-        """False for a model calibrated to do without either part: the plain call, the compiled stack."""
-        return self.keys is not None or self.values is not None
 
     def fingerprint(self) -> str:
         """A short digest of the constants: KV written under one transform is read only under the same one."""
@@ -97,35 +101,35 @@ class KVTransform:
         for part in (self.keys, self.values):
             h.update(b"-" if part is None else b"+")
             for f in () if part is None else fields(part):
-                h.update(getattr(part, f.name).contiguous().numpy().tobytes())
+                h.update(getattr(part, f.name).contiguous().view(torch.uint8).numpy().tobytes())  # any dtype
         return h.hexdigest()[:16]
 
 
 class LayerAttend:
-    """A layer's call into its attention backend (``backend.forward``'s signature). Caches of a dtype in
-    ``transforms`` get the transformed queries, keys and values and the output is mapped back; with
+    """A layer's call into its attention backend (``backend.forward``'s signature). Caches of a dtype with a
+    transform in ``transforms`` get the transformed queries, keys and values and the output is mapped back (a
+    dtype mapped to None is calibrated and keeps nothing); with
     ``capture`` set (calibration), each call's query, key and value rows are appended to it."""
 
     __slots__ = ("capture", "forward", "transforms")
 
     def __init__(self, forward: Forward) -> None:
         self.forward = forward
-        self.transforms: dict[torch.dtype, KVTransform] = {}
+        self.transforms: dict[torch.dtype, KVTransform | None] = {}
         self.capture: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  meta: Any, scale: float) -> torch.Tensor:
         if self.capture is not None:
             self.capture.append((query.float(), key.float(), value.float()))
-        t = self.active(kv_cache.dtype)
+        t = self.transforms.get(kv_cache.dtype) if self.transforms else None
         if t is None:
             return self.forward(query, key, value, kv_cache, meta, scale)
         return self.transformed(t, query, key, value, kv_cache, meta, scale)
 
     def active(self, dtype: torch.dtype) -> KVTransform | None:
-        """The transform caches of ``dtype`` go through, if it has a part."""
-        t = self.transforms.get(dtype) if self.transforms else None
-        return t if t is not None and t.active else None
+        """The transform caches of ``dtype`` go through, if any."""
+        return self.transforms.get(dtype)
 
     def transformed(self, t: KVTransform, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
@@ -137,11 +141,11 @@ class LayerAttend:
         if t.values is None:
             return self.forward(q, k, v, kv_cache, meta, scale)
         # the rotations as products in the activations' dtype (oneDNN's bf16 GEMM in the engine: in float32 they
-        # cost Gemma 3's long prompts ~10% of their time); H's entries are powers of two, exact in bf16
+        # cost Gemma 3's long prompts ~10% of their time); .to() is a no-op where the dtypes already agree
         rot = t.values.rotation.to(value.dtype)
         v = (value.float() - t.values.center).to(value.dtype) @ rot
         out = self.forward(q, k, v, kv_cache, meta, scale)
-        return (out @ rot.to(out.dtype)).float().add_(t.values.center_q).to(out.dtype)
+        return (out @ rot).float().add_(t.values.center_q).to(out.dtype)
 
 
 def transforms_fingerprint(attends: list[LayerAttend], dtype: torch.dtype) -> str | None:

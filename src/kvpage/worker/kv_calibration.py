@@ -89,7 +89,8 @@ def calibrate_kv_transforms(lm, dtype: torch.dtype) -> str | None:
     finally:
         for a in attends:
             a.capture = None
-    full = [KVTransform.from_samples(*(torch.cat([r[i] for r in rows]) for i in range(3))) for rows in samples]
+    full = [KVTransform.from_samples(*(torch.cat([r[i] for r in rows]) for i in range(3)), lm.dtype)
+            for rows in samples]
     errors = {}
     for parts in PARTS:  # which parts help is measured end to end: the hidden states' error over the text
         for a, t in zip(attends, full, strict=True):
