@@ -7,6 +7,8 @@
 Requests: the client's random dataset, 256 prompt / 128 output tokens, EOS ignored; a new seed for every
 measurement, the same for both engines, so no run finds its prompts in a prefix cache. "sampled" sends no
 temperature (each server's default applies: 1.0 for both, as the OpenAI API); "greedy" sends temperature 0.
+Both servers get the same KV memory (--kv-gib: vLLM's VLLM_CPU_KVCACHE_SPACE, kvpage's --kv-cache-memory; with
+a float32 cache, as on AVX2-only machines, kvpage's 2 GiB default holds 121 of the 200 requests at full length).
 Both servers stay up for the whole run (each idles while the other is measured); the engines alternate
 within each round, and medians over the rounds are reported with their ratio. The client runs in vLLM's
 Python (../shared/peers/vllm_cli.py wraps its CLI); a peer that is not installed is skipped, never estimated.
@@ -60,13 +62,13 @@ def start_servers(args: argparse.Namespace, logdir: Path) -> dict[str, tuple[int
     servers = {}
     if "kvpage" in args.engines:
         cmd = [sys.executable, "-m", "kvpage.entrypoints.cli", "serve", "--port", "8000",
-               "--served-model-name", NAME, *args.kvpage_args.split()]
+               "--served-model-name", NAME, "--kv-cache-memory", f"{args.kv_gib}GiB", *args.kvpage_args.split()]
         servers["kvpage"] = (8000, launch(cmd, logdir / "kvpage.log"))
     if "vllm" in args.engines:
         if not (args.vllm_python and args.vllm_model):
             print("vllm: skipped (not installed: give --vllm-python and --vllm-model)")
         else:
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib), "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                    "VLLM_CACHE_ROOT": str(logdir / "vllm-cache")}
             cmd = [args.vllm_python, str(VLLM_CLI), "serve", args.vllm_model, "--served-model-name", NAME,
                    "--port", "8001", "--dtype", args.vllm_dtype, "--max-model-len", "2048"]
@@ -99,6 +101,7 @@ def main() -> None:
     ap.add_argument("--vllm-model", default=os.environ.get("KVPAGE_VLLM_MODEL"),
                     help="the converted HF directory (also the client's tokenizer)")
     ap.add_argument("--vllm-dtype", default="bfloat16")
+    ap.add_argument("--kv-gib", type=int, default=4, help="KV memory of each server, GiB")
     ap.add_argument("--kvpage-args", default="", help="extra `kvpage serve` arguments")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
