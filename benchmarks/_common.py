@@ -12,7 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvpage.cpuinfo import cpuinfo_field
+from kvpage.cpuinfo import cpu_flags, cpuinfo_field
 
 
 def median_seconds(fn: Callable[[], object], reps: int) -> float:
@@ -58,8 +58,15 @@ def drive(engine, on_step: Callable[[], None] | None = None) -> tuple[int, float
 
 
 def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), for the machine line every result is printed with."""
-    return cpuinfo_field("model name") or platform.processor() or platform.machine()
+    """The CPU's model name (/proc/cpuinfo) with its family and widest vector instructions, for the machine line
+    every result is printed with: "AMD EPYC" alone names three kinds of machine here (Zen 2/3 with AVX2 only,
+    Zen 5 with AVX-512)."""
+    name = cpuinfo_field("model name") or platform.processor() or platform.machine()
+    flags = cpu_flags()
+    isa = [f for f in ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f") if f in flags] or \
+        [f for f in ("avx2",) if f in flags]
+    family = cpuinfo_field("cpu family")
+    return f"{name} (family {family}; {' '.join(isa) or 'no AVX2'})" if family else name
 
 
 def engine_gemm_tflops(dtype: str, rows: int = 256) -> float:
