@@ -9,8 +9,8 @@ instruction (enough to cover its latency) and reports, per instruction, nanoseco
   madd      vpmaddwd, 256 bits: 16 int16 products into int32 pairs (kvpage's int8 KV loop on AVX2)
   maddubs   vpmaddubsw, 256 bits: 32 uint8 x int8 products into int16 pairs (one byte per operand)
 and on AVX-512 builds the 512-bit fma, vpdpbusd (64 byte products, VNNI) and vdpbf16ps (32 bf16 products).
-One thread; medians over --rounds runs. Where an int8 or int16 kernel needs two codes per value to keep its
-accuracy (kvpage's int8 GEMM and KV loops do), it gets half the products per ns shown for one.
+One thread; medians over --rounds runs. Where a byte kernel needs two codes per value to keep its accuracy
+(kvpage's int8 GEMM does: a high and a low byte per activation), it gets half the products per ns shown.
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ int main(void) {
   TIME("dpbusd512", 64, DI5, DP, b5, SI5)
 #endif
 #if defined(__AVX512BF16__)
-  __m512bh h5 = (__m512bh)_mm512_set1_epi16(0x3f80);
-#define DB(i) __m512 h##i = _mm512_set1_ps(i * 1e-3f);
-#define SB(i) sink += (long)h##i[0];
-#define BF(i) h##i = _mm512_dpbf16_ps(h##i, h5, h5);
+  __m512bh one_bh = (__m512bh)_mm512_set1_epi16(0x3f80);
+#define DB(i) __m512 p##i = _mm512_set1_ps(i * 1e-3f);
+#define SB(i) sink += (long)p##i[0];
+#define BF(i) p##i = _mm512_dpbf16_ps(p##i, one_bh, one_bh);
   TIME("dpbf16512", 32, DB, BF, x5, SB)
 #endif
   return 0;
