@@ -64,7 +64,7 @@ def cpu_model() -> str:
     name = cpuinfo_field("model name") or platform.processor() or platform.machine()
     flags = cpu_flags()
     isa = [f for f in ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f") if f in flags] or \
-        [f for f in ("avx2",) if f in flags]
+        (["avx2"] if "avx2" in flags else [])
     family = cpuinfo_field("cpu family")
     return f"{name} (family {family}; {' '.join(isa) or 'no AVX2'})" if family else name
 
