@@ -59,6 +59,7 @@ def test_tiny_models_match_one_rank(tiny_models, name, tp):
     assert _no_rank_processes()
 
 
+@pytest.mark.slow
 def test_smollm2_tp3_matches_tp1_with_prefix_cache_chunks_and_preemption():
     """SmolLM2 at 3 ranks (9 query / 3 KV heads: one KV head each), float32: the same tokens as one rank with
     prefix caching, prompts split over 8-token steps, n = 2 forks, and a pool small enough to preempt."""

@@ -12,6 +12,8 @@ from kvpage.engine.llm import LLM
 from kvpage.sampling_params import BeamSearchParams
 from tests.engine.test_engine import BLOCK_BYTES_FP32, assert_drained
 
+SLOW = pytest.mark.slow  # parameters left to `-m slow`: the default run keeps one of each
+
 LENGTH = 10  # generated tokens per beam in the fixed-length cases
 
 
@@ -55,7 +57,7 @@ def assert_same_beams(got, want, tol: float = 1e-4) -> None:
         assert abs(a - b) < tol, (a, b)
 
 
-@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("k", [2, pytest.param(4, marks=SLOW), pytest.param(8, marks=SLOW)])
 def test_fixed_length_beams_equal_transformers(llm, hf_smol, chat_ids, smol_fp32, k):
     eos = list(smol_fp32.tokenizer.eos_token_ids)
     params = BeamSearchParams(beam_width=k, max_tokens=LENGTH, min_tokens=LENGTH, length_penalty=0.0)
@@ -64,7 +66,7 @@ def test_fixed_length_beams_equal_transformers(llm, hf_smol, chat_ids, smol_fp32
     assert_drained(llm)
 
 
-@pytest.mark.parametrize("early_stopping", [False, True, "never"])
+@pytest.mark.parametrize("early_stopping", [pytest.param(False, marks=SLOW), True, pytest.param("never", marks=SLOW)])
 def test_finished_set_with_eos_and_length_penalty_equals_transformers(llm, hf_smol, prompts, smol_fp32,
                                                                       early_stopping):
     eos = list(smol_fp32.tokenizer.eos_token_ids)
@@ -79,7 +81,8 @@ def test_finished_set_with_eos_and_length_penalty_equals_transformers(llm, hf_sm
     assert_drained(llm)
 
 
-@pytest.mark.parametrize(("block_size", "mode"), [(1, "recompute"), (16, "recompute"), (16, "swap")])
+@pytest.mark.parametrize(("block_size", "mode"), [pytest.param(1, "recompute", marks=SLOW),
+                                                  pytest.param(16, "recompute", marks=SLOW), (16, "swap")])
 def test_block_sizes_and_forced_preemption_never_change_beams(llm, chat_ids, block_size, mode):
     params = BeamSearchParams(beam_width=4, max_tokens=LENGTH, min_tokens=LENGTH, length_penalty=0.0)
     want = {name: ours(llm, ids, params) for name, ids in chat_ids.items()}

@@ -100,6 +100,7 @@ def test_live_page_shows_what_metrics_say(srv, tmp_path):
 
 
 @needs_chromium
+@pytest.mark.slow
 def test_replays_step_through_every_step(tmp_path):
     from kvpage.entrypoints.cli import main
     from tests.helpers.browser import Browser

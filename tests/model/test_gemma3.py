@@ -91,6 +91,7 @@ def assert_drained(llm: LLM) -> None:
     assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"
 
 
+@pytest.mark.slow
 def test_tokenizer_equals_transformers_gguf_tokenizer(gemma_path, gemma_fp32):
     from transformers import AutoTokenizer
 
@@ -107,7 +108,7 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(gemma_path, gemma_fp32):
         assert ours.decode(ids[1:], skip_special_tokens=False) == hf.decode(ids[1:], skip_special_tokens=False)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, pytest.param(32, marks=pytest.mark.slow)])
 def test_greedy_equals_transformers_below_and_past_the_window(gemma_path, prompts, reference, block_size):
     llm = LLM(model=str(gemma_path), dtype="float32", kv_cache_memory="768MiB", max_model_len=2048,
               block_size=block_size)
@@ -141,6 +142,7 @@ def test_static_baseline_with_kv_groups(gemma_path, prompts, reference):
     assert_drained(llm)
 
 
+@pytest.mark.slow
 def test_greedy_under_preemption(gemma_path, hf_gemma, prompts):
     """Three 500-token prompts growing 120 tokens each past the window, in a pool where two fit at first and
     not as they grow: requests are preempted and recomputed (their generated tokens included, across the
@@ -217,6 +219,7 @@ def test_bf16_agrees_with_float32_teacher_forced(gemma_path, prompts, reference)
     assert agree / total >= 0.99
 
 
+@pytest.mark.slow
 def test_int8_pages_past_the_window(gemma_path, prompts):
     """int8 pages on Gemma 3 (the packed loop, sliding windows included, where the build has it; else rows),
     teacher-forced in 32-token chunks that read their keys back from the pages, over 900 positions: top-1

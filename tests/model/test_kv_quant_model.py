@@ -19,6 +19,8 @@ from kvpage.worker.kv_cache import kv_bytes_per_block, kv_torch_dtype
 from kvpage.worker.kv_calibration import calibrate_kv_transforms
 from kvpage.worker.scoring import chunked_logits
 
+SLOW = pytest.mark.slow  # parameters left to `-m slow`: the default run keeps one of each
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
            "def fibonacci(n):\n    ", "Paged attention splits the KV cache into blocks"]
@@ -30,7 +32,7 @@ def assert_drained(llm: LLM) -> None:
     assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_dtype", ["int8", pytest.param("fp8", marks=SLOW), pytest.param("fp8_e5m2", marks=SLOW)])
 def test_engine_runs_quantized_pages_with_hits_forks_and_swaps(kv_dtype):
     block = kv_bytes_per_block(load_model().config, 16, kv_torch_dtype(kv_dtype))
     # Every step on one product path (no few-token quantized kernel): a row's arithmetic then does not depend on
@@ -75,6 +77,7 @@ def test_planner_worker_and_simulator_agree_on_bytes_per_block():
     assert kv_bytes_per_block(cfg, 16, torch.int8) == 30 * 3 * 2 * 66 * 16
 
 
+@pytest.mark.slow
 def test_teacher_forced_accuracy_against_the_float32_cache():
     lm = load_model(dtype="float32")
     for name in ("int8", "fp8_e4m3"):  # the engine's quantized caches run with their transforms

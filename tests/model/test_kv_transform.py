@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import re
 
+import pytest
 import torch
 
 from kvpage.attention.backends.reference import ReferenceAttention
@@ -86,6 +87,7 @@ def test_the_transform_cuts_the_int8_error():
     assert err_moved < 0.5 * err_plain, (err_moved, err_plain)
 
 
+@pytest.mark.slow
 def test_calibration_keeps_the_parts_that_lower_the_error_and_is_deterministic(caplog):
     lm = load_model(dtype="float32")
     attends = [layer.self_attn.attend for layer in lm.model.layers]

@@ -132,6 +132,7 @@ def teacher_forced_agreement(a, b, prompts, hf_greedy) -> tuple[int, int, float]
     return agree, total, worst
 
 
+@pytest.mark.slow
 def test_bf16_top1_agreement_with_fp32(smol_fp32, smol_bf16, prompts, hf_greedy, record_property):
     """Teacher-forced over prompt + fp32 continuation: bf16's argmax equals fp32's at >= 99% of positions."""
     agree = total = 0
@@ -256,7 +257,7 @@ def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast,
             assert generate(lm, [ids], MAX_NEW)[0] == hf_greedy[name], (name, int16)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
 def test_fp32_weights_with_a_half_size_cache_on_the_fast_path(smol_fp32, smol_fp32_fast, prompts, hf_greedy,
                                                              record_property, kv_dtype):
     """`--kv-cache-dtype bfloat16` (or float16) under float32 weights (half the KV bytes: twice the tokens in

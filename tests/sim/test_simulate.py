@@ -164,6 +164,7 @@ def test_arrivals_leave_idle_time():
 
 
 # --------------------------------------------------------- the seeds' results
+@pytest.mark.slow
 def test_seed_results_static_20_to_40_percent_paged_over_96():
     reqs = generate(WorkloadSpec("lognormal", 512))
     cost = RooflineCost(SMOL)
@@ -401,6 +402,7 @@ def test_cli_errors_name_the_problem(capsys, argv, message):
     assert message in err and err.startswith("kvpage simulate: error:")
 
 
+@pytest.mark.slow
 def test_cli_pictures(tmp_path, capsys):
     assert main(["simulate", "--num-requests", "24", "--png", str(tmp_path)]) == 0
     for name in ("memory_over_time.png", "waste_vs_block_size.png", "prefix_hit_vs_sharing.png"):
