@@ -14,7 +14,11 @@ how well the model predicts from them, and how fast the paged kernel reads them.
   that went through int8 rows and back (the oracle's rounding: row scales, keys rotated), on all layers or on
   some (e.g. only a hybrid model's sliding-window layers), with one scale per 64 values instead of per row,
   and with keys quantized per channel (a scale and a zero point per channel over each complete 16-key
-  block, as KIVI does; the text is written in chunks of 32, so every block is complete when it is rounded).
+  block, as KIVI does; the text is written in chunks of 32, so every block is complete when it is rounded);
+  last, a candidate page format for keys: per channel over a 32-key block, the block's codes rounded again
+  from their stored values whenever a key that arrives widens a channel's range (a filling block as the
+  engine would hold it), the scale and zero point stored in one byte each per channel (units of a bf16 per
+  block and head), with values centred and rotated as the engine's int8 pages keep them.
 
     python benchmarks/kv_quant.py                       # SmolLM2-135M (and Gemma 3 270M when installed)
     python benchmarks/kv_quant.py --positions 1000 --speed-seqs 64 --speed-context 8192 --rounds 5
@@ -89,8 +93,9 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
     return rows
 
 
-def split(model: str, positions: int) -> list[dict]:
-    """Top-1 agreement with the float32 cache when only some rows carry int8's rounding (see the module doc)."""
+def split(model: str, positions: int, only: str = "") -> list[dict]:
+    """Top-1 agreement with the float32 cache when only some rows carry int8's rounding (see the module doc);
+    ``only``: just the cases whose name contains it."""
     from kvpage.attention.kv_quant import dequantize_rows, hadamard, quantize_rows
     from kvpage.ops import load_kernels
 
@@ -110,6 +115,8 @@ def split(model: str, positions: int) -> list[dict]:
         return torch.cat(out).to(x.dtype)
 
     def round_trip(x: torch.Tensor, rotate: bool, group: int) -> torch.Tensor:
+        if group == ARRIVING:
+            return torch.cat([arriving_keys(y) for y in x.float().split(32)]).to(x.dtype)
         if group < 0:
             return per_channel(x)
         y = hadamard(x) if rotate else x.float()
@@ -122,13 +129,20 @@ def split(model: str, positions: int) -> list[dict]:
     setting: dict = {}
     calls = [0]
 
+    value_sums: dict[int, torch.Tensor] = {}
+
     def patched(key, value, cache, slots, packed):  # chunked_logits writes the layers in order, every chunk
         layer = calls[0] % n_layers
         calls[0] += 1
-        if layer in setting["k"]:
-            key = round_trip(key, True, setting["group"])
-        if layer in setting["v"]:
+        if setting["group"] is None:  # the float32 pass: the values' mean per layer and head
+            value_sums[layer] = value_sums.get(layer, 0) + value.double().sum(0)
+        elif setting["group"] == ARRIVING:
+            c = (value_sums[layer] / len(ids)).float()
+            value = (hadamard(round_trip(hadamard(value.float() - c), False, 0)) + c).to(value.dtype)
+        elif layer in setting["v"]:
             value = round_trip(value, False, max(setting["group"], 0))  # values keep rows in the per-channel cases
+        if setting["group"] is not None and layer in setting["k"]:
+            key = round_trip(key, True, setting["group"])
         return write(key, value, cache, slots, packed)
 
     everything = set(range(n_layers))
@@ -139,19 +153,53 @@ def split(model: str, positions: int) -> list[dict]:
         cases += [("keys on full-attention layers only", full, set(), 0),
                   ("keys on sliding-window layers only, values everywhere", sliding, everything, 0)]
     cases += [("keys per channel, 16-key blocks", everything, set(), -1),
-              ("keys per channel, 16-key blocks; values", everything, everything, -1)]
+              ("keys per channel, 16-key blocks; values", everything, everything, -1),
+              (None, set(), set(), None),  # the float32 cache at 32-key blocks: the next case's reference
+              ("keys per channel as they arrive, 32-key blocks; values", everything, everything, ARRIVING)]
+    cases = [c for c in cases if c[0] is None or only in c[0]]
+    if not any(c[3] == ARRIVING for c in cases):
+        cases = [c for c in cases if c[0] is not None]
     rows = []
     ops.reshape_and_cache = patched
     try:
         for name, k, v, group in cases:
             setting.update(k=k, v=v, group=group)
             calls[0] = 0
-            top = chunked_logits(lm, ids, torch.float32)[:-1].argmax(-1)
+            block = 32 if group in (None, ARRIVING) else 16
+            top = chunked_logits(lm, ids, torch.float32, block_size=block)[:-1].argmax(-1)
+            if name is None:
+                ref_top = top
+                continue
             rows.append({"model": lm.config.name, "int8 rounding on": name, "positions": len(ref_top),
                          "top1_agreement": float((top == ref_top).float().mean())})
     finally:
         ops.reshape_and_cache = write
     return rows
+
+
+ARRIVING = -2  # split()'s case of keys per channel, re-rounded as a filling block's keys arrive
+
+
+def _channel_round(y: torch.Tensor) -> torch.Tensor:
+    """Rows ``[n, heads, D]`` rounded per channel over the rows, as a page would hold them: a zero point (the
+    channel's minimum, rounded down to a multiple of the block's largest |minimum| / 127: one byte) and a step
+    (the channel's range / 255 rounded up to a 256th of the block's largest step, a bf16: one byte)."""
+    lo, hi = y.amin(0), y.amax(0)
+    unit = (lo.abs().amax(-1, keepdim=True) * (1 + 2**-7)).bfloat16().float().clamp_min(1e-30) / 127
+    zero = torch.floor(lo / unit).clamp(-127, 127) * unit
+    span = hi - zero
+    largest = (span.amax(-1, keepdim=True) / 255).bfloat16().float().clamp_min(1e-30) * (1 + 2**-7)
+    step = largest * torch.ceil(span / 255 / largest * 256).clamp(1, 256) / 256
+    return torch.round((y - zero) / step).clamp(0, 255) * step + zero
+
+
+def arriving_keys(y: torch.Tensor) -> torch.Tensor:
+    """One block's keys ``[n, heads, D]`` written one at a time: each arrival re-rounds the block's stored
+    values (not the exact keys, which a page no longer has) with the parameters of the widened range."""
+    held = _channel_round(y[:1])
+    for t in range(1, y.shape[0]):
+        held = _channel_round(torch.cat([held, y[t : t + 1]]))
+    return held
 
 
 def capacity(model: str) -> list[dict]:
@@ -233,6 +281,7 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", nargs="*", default=list(CACHE_DTYPES), choices=CACHE_DTYPES,
                     help="the cache dtypes of the accuracy part (float32 always runs: the reference)")
     ap.add_argument("--split", action="store_true", help="also run the int8 error split (module doc)")
+    ap.add_argument("--split-cases", default="", help="split: only the cases whose name contains this")
     ap.add_argument("--small-pages", action="store_true",
                     help="speed: caches on 4 KiB pages (the engine's --no-kv-huge-pages) instead of 2 MiB pages")
     ap.add_argument("--fold-blocks", type=int, default=0,
@@ -256,7 +305,7 @@ def main() -> None:
             print(f"accuracy {r['model']:<24} {r['kv_dtype']:<24} top-1 vs float32 cache {r['top1_agreement']:.2%} "
                   f"over {r['positions']} positions, perplexity {r['perplexity']:.3f} {windows}")
     if a.split:
-        result["split"] = [r for m in models for r in split(m, a.positions)]
+        result["split"] = [r for m in models for r in split(m, a.positions, a.split_cases)]
         for r in result["split"]:
             print(f"split    {r['model']:<24} int8 rounding on {r['int8 rounding on']:<54} top-1 "
                   f"{r['top1_agreement']:.2%} over {r['positions']} positions")
