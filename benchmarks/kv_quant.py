@@ -93,6 +93,31 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
     return rows
 
 
+ARRIVING = -2  # split()'s case of keys per channel, re-rounded as a filling block's keys arrive
+
+
+def _channel_round(y: torch.Tensor) -> torch.Tensor:
+    """Rows ``[n, heads, D]`` rounded per channel over the rows, as a page would hold them: a zero point (the
+    channel's minimum, rounded down to a multiple of the block's largest |minimum| / 127: one byte) and a step
+    (the channel's range / 255 rounded up to a 256th of the block's largest step, a bf16: one byte)."""
+    lo, hi = y.amin(0), y.amax(0)
+    unit = (lo.abs().amax(-1, keepdim=True) * (1 + 2**-7)).bfloat16().float().clamp_min(1e-30) / 127
+    zero = torch.floor(lo / unit).clamp(-127, 127) * unit
+    span = hi - zero
+    largest = (span.amax(-1, keepdim=True) / 255).bfloat16().float().clamp_min(1e-30) * (1 + 2**-7)
+    step = largest * torch.ceil(span / 255 / largest * 256).clamp(1, 256) / 256
+    return torch.round((y - zero) / step).clamp(0, 255) * step + zero
+
+
+def arriving_keys(y: torch.Tensor) -> torch.Tensor:
+    """One block's keys ``[n, heads, D]`` written one at a time: each arrival re-rounds the block's stored
+    values (not the exact keys, which a page no longer has) with the parameters of the widened range."""
+    held = _channel_round(y[:1])
+    for t in range(1, y.shape[0]):
+        held = _channel_round(torch.cat([held, y[t : t + 1]]))
+    return held
+
+
 def split(model: str, positions: int, only: str = "") -> list[dict]:
     """Top-1 agreement with the float32 cache when only some rows carry int8's rounding (see the module doc);
     ``only``: just the cases whose name contains it."""
@@ -175,31 +200,6 @@ def split(model: str, positions: int, only: str = "") -> list[dict]:
     finally:
         ops.reshape_and_cache = write
     return rows
-
-
-ARRIVING = -2  # split()'s case of keys per channel, re-rounded as a filling block's keys arrive
-
-
-def _channel_round(y: torch.Tensor) -> torch.Tensor:
-    """Rows ``[n, heads, D]`` rounded per channel over the rows, as a page would hold them: a zero point (the
-    channel's minimum, rounded down to a multiple of the block's largest |minimum| / 127: one byte) and a step
-    (the channel's range / 255 rounded up to a 256th of the block's largest step, a bf16: one byte)."""
-    lo, hi = y.amin(0), y.amax(0)
-    unit = (lo.abs().amax(-1, keepdim=True) * (1 + 2**-7)).bfloat16().float().clamp_min(1e-30) / 127
-    zero = torch.floor(lo / unit).clamp(-127, 127) * unit
-    span = hi - zero
-    largest = (span.amax(-1, keepdim=True) / 255).bfloat16().float().clamp_min(1e-30) * (1 + 2**-7)
-    step = largest * torch.ceil(span / 255 / largest * 256).clamp(1, 256) / 256
-    return torch.round((y - zero) / step).clamp(0, 255) * step + zero
-
-
-def arriving_keys(y: torch.Tensor) -> torch.Tensor:
-    """One block's keys ``[n, heads, D]`` written one at a time: each arrival re-rounds the block's stored
-    values (not the exact keys, which a page no longer has) with the parameters of the widened range."""
-    held = _channel_round(y[:1])
-    for t in range(1, y.shape[0]):
-        held = _channel_round(torch.cat([held, y[t : t + 1]]))
-    return held
 
 
 def capacity(model: str) -> list[dict]:
