@@ -18,7 +18,8 @@ how well the model predicts from them, and how fast the paged kernel reads them.
   last, a candidate page format for keys: per channel over a 32-key block, the block's codes rounded again
   from their stored values whenever a key that arrives widens a channel's range (a filling block as the
   engine would hold it), the scale and zero point stored in one byte each per channel (units of a bf16 per
-  block and head), with values centred and rotated as the engine's int8 pages keep them.
+  block and head), or exact, against the same keys rounded once over the complete block; values centred and
+  rotated as the engine's int8 pages keep them.
 
     python benchmarks/kv_quant.py                       # SmolLM2-135M (and Gemma 3 270M when installed)
     python benchmarks/kv_quant.py --positions 1000 --speed-seqs 64 --speed-context 8192 --rounds 5
@@ -93,14 +94,21 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
     return rows
 
 
-ARRIVING = -2  # split()'s case of keys per channel, re-rounded as a filling block's keys arrive
+# split()'s cases of keys per channel over 32-key blocks: re-rounded as a filling block's keys arrive (one-byte or
+# exact parameters), or rounded once over the complete block
+ARRIVING, ARRIVING_FLOAT, ONCE = -2, -3, -4
+PER_BLOCK = (ARRIVING, ARRIVING_FLOAT, ONCE)
 
 
-def _channel_round(y: torch.Tensor) -> torch.Tensor:
+def _channel_round(y: torch.Tensor, compact: bool = True) -> torch.Tensor:
     """Rows ``[n, heads, D]`` rounded per channel over the rows, as a page would hold them: a zero point (the
-    channel's minimum, rounded down to a multiple of the block's largest |minimum| / 127: one byte) and a step
-    (the channel's range / 255 rounded up to a 256th of the block's largest step, a bf16: one byte)."""
+    channel's minimum) and a step (its range / 255); ``compact``: the zero point rounded down to a multiple of
+    the block's largest |minimum| / 127 (one byte) and the step rounded up to a 256th of the block's largest
+    step, a bf16 (one byte), else both exact."""
     lo, hi = y.amin(0), y.amax(0)
+    if not compact:
+        step = ((hi - lo) / 255).clamp_min(1e-30)
+        return torch.round((y - lo) / step) * step + lo
     unit = (lo.abs().amax(-1, keepdim=True) * (1 + 2**-7)).bfloat16().float().clamp_min(1e-30) / 127
     zero = torch.floor(lo / unit).clamp(-127, 127) * unit
     span = hi - zero
@@ -109,12 +117,12 @@ def _channel_round(y: torch.Tensor) -> torch.Tensor:
     return torch.round((y - zero) / step).clamp(0, 255) * step + zero
 
 
-def arriving_keys(y: torch.Tensor) -> torch.Tensor:
+def arriving_keys(y: torch.Tensor, compact: bool = True) -> torch.Tensor:
     """One block's keys ``[n, heads, D]`` written one at a time: each arrival re-rounds the block's stored
     values (not the exact keys, which a page no longer has) with the parameters of the widened range."""
-    held = _channel_round(y[:1])
+    held = _channel_round(y[:1], compact)
     for t in range(1, y.shape[0]):
-        held = _channel_round(torch.cat([held, y[t : t + 1]]))
+        held = _channel_round(torch.cat([held, y[t : t + 1]]), compact)
     return held
 
 
@@ -140,8 +148,10 @@ def split(model: str, positions: int, only: str = "") -> list[dict]:
         return torch.cat(out).to(x.dtype)
 
     def round_trip(x: torch.Tensor, rotate: bool, group: int) -> torch.Tensor:
-        if group == ARRIVING:
-            return torch.cat([arriving_keys(y) for y in x.float().split(32)]).to(x.dtype)
+        if group == ONCE:
+            return torch.cat([_channel_round(y, False) for y in x.float().split(32)]).to(x.dtype)
+        if group in PER_BLOCK:
+            return torch.cat([arriving_keys(y, group == ARRIVING) for y in x.float().split(32)]).to(x.dtype)
         if group < 0:
             return per_channel(x)
         y = hadamard(x) if rotate else x.float()
@@ -161,7 +171,7 @@ def split(model: str, positions: int, only: str = "") -> list[dict]:
         calls[0] += 1
         if setting["group"] is None:  # the float32 pass: the values' mean per layer and head
             value_sums[layer] = value_sums.get(layer, 0) + value.double().sum(0)
-        elif setting["group"] == ARRIVING:
+        elif setting["group"] in PER_BLOCK:
             c = (value_sums[layer] / len(ids)).float()
             value = (hadamard(round_trip(hadamard(value.float() - c), False, 0)) + c).to(value.dtype)
         elif layer in setting["v"]:
@@ -180,9 +190,11 @@ def split(model: str, positions: int, only: str = "") -> list[dict]:
     cases += [("keys per channel, 16-key blocks", everything, set(), -1),
               ("keys per channel, 16-key blocks; values", everything, everything, -1),
               (None, set(), set(), None),  # the float32 cache at 32-key blocks: the next case's reference
-              ("keys per channel as they arrive, 32-key blocks; values", everything, everything, ARRIVING)]
+              ("keys per channel as they arrive, 32-key blocks; values", everything, everything, ARRIVING),
+              ("keys as they arrive, exact parameters; values", everything, everything, ARRIVING_FLOAT),
+              ("keys per channel once, 32-key blocks; values", everything, everything, ONCE)]
     cases = [c for c in cases if c[0] is None or only in c[0]]
-    if not any(c[3] == ARRIVING for c in cases):
+    if not any(c[3] in PER_BLOCK for c in cases):
         cases = [c for c in cases if c[0] is not None]
     rows = []
     ops.reshape_and_cache = patched
@@ -190,7 +202,7 @@ def split(model: str, positions: int, only: str = "") -> list[dict]:
         for name, k, v, group in cases:
             setting.update(k=k, v=v, group=group)
             calls[0] = 0
-            block = 32 if group in (None, ARRIVING) else 16
+            block = 32 if group is None or group in PER_BLOCK else 16
             top = chunked_logits(lm, ids, torch.float32, block_size=block)[:-1].argmax(-1)
             if name is None:
                 ref_top = top
