@@ -100,6 +100,11 @@ ARRIVING, ARRIVING_FLOAT, ONCE = -2, -3, -4
 PER_BLOCK = (ARRIVING, ARRIVING_FLOAT, ONCE)
 
 
+def _block_of(group: int) -> int:
+    """The block size a split() case runs at (the per-channel key cases round over one block)."""
+    return 32 if group in PER_BLOCK else 16
+
+
 def _channel_round(y: torch.Tensor, compact: bool = True) -> torch.Tensor:
     """Rows ``[n, heads, D]`` rounded per channel over the rows, as a page would hold them: a zero point (the
     channel's minimum) and a step (its range / 255); ``compact``: the zero point rounded down to a multiple of
@@ -134,26 +139,16 @@ def split(model: str, positions: int, only: str = "") -> list[dict]:
 
     lm = load_model(model, dtype="float32")
     ids = lm.tokenizer.encode(fixed_text())[: positions + 1]
-    ref_top = chunked_logits(lm, ids, torch.float32)[:-1].argmax(-1)
     n_layers = lm.config.num_layers
     full = {i for i in range(n_layers) if not lm.config.layer_window(i)}
     sliding = set(range(n_layers)) - full
 
-    def per_channel(x: torch.Tensor) -> torch.Tensor:  # [tokens, heads, D]: 16-key blocks (the text's last one short)
-        out = []
-        for y in x.float().split(16):
-            lo, hi = y.amin(0, keepdim=True), y.amax(0, keepdim=True)
-            step = (hi - lo).clamp_min(1e-30) / 255
-            out.append(torch.round((y - lo) / step) * step + lo)
-        return torch.cat(out).to(x.dtype)
-
     def round_trip(x: torch.Tensor, rotate: bool, group: int) -> torch.Tensor:
-        if group == ONCE:
-            return torch.cat([_channel_round(y, False) for y in x.float().split(32)]).to(x.dtype)
-        if group in PER_BLOCK:
-            return torch.cat([arriving_keys(y, group == ARRIVING) for y in x.float().split(32)]).to(x.dtype)
-        if group < 0:
-            return per_channel(x)
+        if group < 0:  # keys per channel over each block of x's tokens (the text's last one short)
+            blocks = x.float().split(_block_of(group))
+            if group in (ARRIVING, ARRIVING_FLOAT):
+                return torch.cat([arriving_keys(y, group == ARRIVING) for y in blocks]).to(x.dtype)
+            return torch.cat([_channel_round(y, compact=False) for y in blocks]).to(x.dtype)
         y = hadamard(x) if rotate else x.float()
         g = group or y.shape[-1]
         y = dequantize_rows(quantize_rows(y.reshape(*y.shape[:-1], -1, g), torch.int8)).reshape(y.shape)
@@ -163,8 +158,7 @@ def split(model: str, positions: int, only: str = "") -> list[dict]:
     write = ops.reshape_and_cache
     setting: dict = {}
     calls = [0]
-
-    value_sums: dict[int, torch.Tensor] = {}
+    value_sums: dict[int, torch.Tensor] = {}  # per layer, from the last reference pass
 
     def patched(key, value, cache, slots, packed):  # chunked_logits writes the layers in order, every chunk
         layer = calls[0] % n_layers
@@ -189,26 +183,24 @@ def split(model: str, positions: int, only: str = "") -> list[dict]:
                   ("keys on sliding-window layers only, values everywhere", sliding, everything, 0)]
     cases += [("keys per channel, 16-key blocks", everything, set(), -1),
               ("keys per channel, 16-key blocks; values", everything, everything, -1),
-              (None, set(), set(), None),  # the float32 cache at 32-key blocks: the next case's reference
               ("keys per channel as they arrive, 32-key blocks; values", everything, everything, ARRIVING),
               ("keys as they arrive, exact parameters; values", everything, everything, ARRIVING_FLOAT),
               ("keys per channel once, 32-key blocks; values", everything, everything, ONCE)]
-    cases = [c for c in cases if c[0] is None or only in c[0]]
-    if not any(c[3] in PER_BLOCK for c in cases):
-        cases = [c for c in cases if c[0] is not None]
+    refs: dict[int, torch.Tensor] = {}  # the float32 cache's top-1 per block size, run when a case first needs it
     rows = []
     ops.reshape_and_cache = patched
     try:
-        for name, k, v, group in cases:
-            setting.update(k=k, v=v, group=group)
-            calls[0] = 0
-            block = 32 if group is None or group in PER_BLOCK else 16
-            top = chunked_logits(lm, ids, torch.float32, block_size=block)[:-1].argmax(-1)
-            if name is None:
-                ref_top = top
-                continue
-            rows.append({"model": lm.config.name, "int8 rounding on": name, "positions": len(ref_top),
-                         "top1_agreement": float((top == ref_top).float().mean())})
+        for name, k, v, group in (c for c in cases if only in c[0]):
+            block = _block_of(group)
+            for g in ([None] if block not in refs else []) + [group]:  # None: the reference pass
+                setting.update(k=k, v=v, group=g)
+                calls[0] = 0
+                if g is None:
+                    value_sums.clear()
+                top = chunked_logits(lm, ids, torch.float32, block_size=block)[:-1].argmax(-1)
+                refs.setdefault(block, top)
+            rows.append({"model": lm.config.name, "int8 rounding on": name, "positions": len(top),
+                         "top1_agreement": float((top == refs[block]).float().mean())})
     finally:
         ops.reshape_and_cache = write
     return rows
