@@ -18,8 +18,8 @@ how well the model predicts from them, and how fast the paged kernel reads them.
   last, a candidate page format for keys: per channel over a 32-key block, the block's codes rounded again
   from their stored values whenever a key that arrives widens a channel's range (a filling block as the
   engine would hold it), the scale and zero point stored in one byte each per channel (units of a bf16 per
-  block and head), or exact, against the same keys rounded once over the complete block; values centred and
-  rotated as the engine's int8 pages keep them.
+  block and head), or exact, against the same keys rounded once over the complete block (exact parameters,
+  or the one-byte ones); values centred and rotated as the engine's int8 pages keep them.
 
     python benchmarks/kv_quant.py                       # SmolLM2-135M (and Gemma 3 270M when installed)
     python benchmarks/kv_quant.py --positions 1000 --speed-seqs 64 --speed-context 8192 --rounds 5
@@ -95,9 +95,9 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
 
 
 # split()'s cases of keys per channel over 32-key blocks: re-rounded as a filling block's keys arrive (one-byte or
-# exact parameters), or rounded once over the complete block
-ARRIVING, ARRIVING_FLOAT, ONCE = -2, -3, -4
-PER_BLOCK = (ARRIVING, ARRIVING_FLOAT, ONCE)
+# exact parameters), or rounded once over the complete block (exact or one-byte parameters)
+ARRIVING, ARRIVING_FLOAT, ONCE, ONCE_COMPACT = -2, -3, -4, -5
+PER_BLOCK = (ARRIVING, ARRIVING_FLOAT, ONCE, ONCE_COMPACT)
 
 
 def _block_of(group: int) -> int:
@@ -148,7 +148,7 @@ def split(model: str, positions: int, only: str = "") -> list[dict]:
             blocks = x.float().split(_block_of(group))
             if group in (ARRIVING, ARRIVING_FLOAT):
                 return torch.cat([arriving_keys(y, group == ARRIVING) for y in blocks]).to(x.dtype)
-            return torch.cat([_channel_round(y, compact=False) for y in blocks]).to(x.dtype)
+            return torch.cat([_channel_round(y, compact=group == ONCE_COMPACT) for y in blocks]).to(x.dtype)
         y = hadamard(x) if rotate else x.float()
         g = group or y.shape[-1]
         y = dequantize_rows(quantize_rows(y.reshape(*y.shape[:-1], -1, g), torch.int8)).reshape(y.shape)
@@ -185,7 +185,8 @@ def split(model: str, positions: int, only: str = "") -> list[dict]:
               ("keys per channel, 16-key blocks; values", everything, everything, -1),
               ("keys per channel as they arrive, 32-key blocks; values", everything, everything, ARRIVING),
               ("keys as they arrive, exact parameters; values", everything, everything, ARRIVING_FLOAT),
-              ("keys per channel once, 32-key blocks; values", everything, everything, ONCE)]
+              ("keys per channel once, 32-key blocks; values", everything, everything, ONCE),
+              ("keys per channel once, one-byte parameters; values", everything, everything, ONCE_COMPACT)]
     refs: dict[int, torch.Tensor] = {}  # the float32 cache's top-1 per block size, run when a case first needs it
     rows = []
     ops.reshape_and_cache = patched

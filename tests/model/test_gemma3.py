@@ -1,11 +1,19 @@
 """Gemma 3 270M (GGUF Q4_K_M, five sliding-window layers to one global) on the paged cache, against
 transformers (float32, BOS prepended) as the independent reference: its GGUF tokenizer, greedy generation
 below the 512-token window and well past it, at block sizes 16 and 32, with prefix-cache hits, with chunked
-prefill across the window's edge and under preemption; bf16 against float32 teacher-forced."""
+prefill across the window's edge and under preemption; bf16 against float32 teacher-forced.
+
+transformers' greedy continuations of the prompts are stored in data/gemma3_greedy.json (loading the GGUF into
+transformers dequantizes it in Python: ~100 s on a 2-core machine), keyed by a digest of each prompt's tokens;
+the slow test regenerates them with transformers and holds the file equal, and
+``python tests/model/test_gemma3.py`` rewrites it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,16 +45,58 @@ def gemma_path():
     return path
 
 
-@pytest.fixture(scope="module")
-def hf_gemma(gemma_path):
+STORED = Path(__file__).parent / "data" / "gemma3_greedy.json"
+
+
+def load_hf_gemma(path: Path):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+def build_prompts(llm: LLM) -> dict[str, list[int]]:
+    tk = llm.get_tokenizer()
+    out = {f"short{i}": tk.encode(t) for i, t in enumerate(SHORT)}
+    out["long"] = tk.encode(long_text(1300, tk))
+    assert len(out["long"]) >= 1300 and all(ids[0] == tk.bos_token_id for ids in out.values())
+    return out
+
+
+def transformers_greedy(model, prompts: dict[str, list[int]], new: int = NEW) -> dict[str, list[int]]:
+    """transformers' greedy continuations (EOS ignored, as ours)."""
+    out = {}
+    for name, ids in prompts.items():
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            g = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, pad_token_id=0)
+        out[name] = g[0, len(ids):].tolist()
+    return out
+
+
+def digest(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def stored_reference(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The stored continuations, each only for the prompt it was generated from."""
+    stored = json.loads(STORED.read_text())
+    out = {}
+    for name, ids in prompts.items():
+        entry = stored["prompts"][name]
+        assert entry["prompt_digest"] == digest(ids), (
+            f"prompt {name!r} is not the one {STORED.name} was generated from: run python {Path(__file__).name}")
+        out[name] = entry["tokens"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma_path):
+    return load_hf_gemma(gemma_path)
 
 
 @pytest.fixture(scope="module")
@@ -56,24 +106,13 @@ def gemma_fp32(gemma_path):
 
 @pytest.fixture(scope="module")
 def prompts(gemma_fp32) -> dict[str, list[int]]:
-    tk = gemma_fp32.get_tokenizer()
-    out = {f"short{i}": tk.encode(t) for i, t in enumerate(SHORT)}
-    out["long"] = tk.encode(long_text(1300, tk))
-    assert len(out["long"]) >= 1300 and all(ids[0] == tk.bos_token_id for ids in out.values())
-    return out
+    return build_prompts(gemma_fp32)
 
 
 @pytest.fixture(scope="module")
-def reference(hf_gemma, prompts) -> dict[str, list[int]]:
-    """transformers' greedy continuations (EOS ignored, as ours)."""
-    out = {}
-    for name, ids in prompts.items():
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            g = hf_gemma.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, min_new_tokens=NEW,
-                                  do_sample=False, pad_token_id=0)
-        out[name] = g[0, len(ids):].tolist()
-    return out
+def reference(prompts) -> dict[str, list[int]]:
+    """transformers' greedy continuations, as stored."""
+    return stored_reference(prompts)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -106,6 +145,11 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(gemma_path, gemma_fp32):
         ids = ours.encode(text)
         assert ids[0] == ours.bos_token_id == 2  # the GGUF asks for BOS
         assert ours.decode(ids[1:], skip_special_tokens=False) == hf.decode(ids[1:], skip_special_tokens=False)
+
+
+@pytest.mark.slow
+def test_stored_reference_is_what_transformers_generates(hf_gemma, prompts):
+    assert transformers_greedy(hf_gemma, prompts) == stored_reference(prompts)
 
 
 @pytest.mark.parametrize("block_size", [16, pytest.param(32, marks=pytest.mark.slow)])
@@ -150,13 +194,7 @@ def test_greedy_under_preemption(gemma_path, hf_gemma, prompts):
     long = prompts["long"]
     batch = {f"p{i}": [long[0], *long[1 + 60 * i : 500 + 60 * i]] for i in range(3)}
     new = 120
-    expected = {}
-    for name, ids in batch.items():
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            g = hf_gemma.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
-                                  do_sample=False, pad_token_id=0)
-        expected[name] = g[0, len(ids):].tolist()
+    expected = transformers_greedy(hf_gemma, batch, new)
     llm = LLM(model=str(gemma_path), dtype="float32", kv_cache_memory=400 * 96 * 1024, max_model_len=768,
               enable_prefix_caching=False)
     assert llm.engine.kv.num_blocks == 400
@@ -240,10 +278,25 @@ def test_int8_pages_past_the_window(gemma_path, prompts):
         assert ops.last_decode_kernel() == "avx512-int8-packed"
 
 
-def test_gemma_runs_by_its_short_name(gemma_path):
+def test_gemma_runs_by_its_short_name(gemma_path, reference):
+    """The short name finds the packaged file, and a text prompt gets its BOS: transformers' first tokens."""
     llm = LLM(model="gemma-3-270m", dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    assert "Paris" in out[0].outputs[0].text or out[0].outputs[0].token_ids
+    out = llm.generate(SHORT[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference["short0"][:4]
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+if __name__ == "__main__":  # rewrite the stored reference from transformers
+    import transformers
+
+    path = packaged_model_path("gemma-3-270m")
+    ids = build_prompts(LLM(model=str(path), dtype="float32", kv_cache_memory="256MiB", max_model_len=2048))
+    tokens = transformers_greedy(load_hf_gemma(path), ids)
+    STORED.parent.mkdir(exist_ok=True)
+    entries = ",\n".join(f"  {json.dumps(n)}: {json.dumps({'prompt_digest': digest(ids[n]), 'tokens': tokens[n]})}"
+                          for n in ids)  # one line per prompt
+    by = json.dumps(f"transformers {transformers.__version__}, float32, greedy, {NEW} tokens, EOS ignored")
+    STORED.write_text(f'{{"generated_by": {by},\n "prompts": {{\n{entries}}}}}\n')
+    print(f"wrote {STORED}")
