@@ -14,7 +14,7 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "attention/plan.h"
 

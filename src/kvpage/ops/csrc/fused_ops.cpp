@@ -7,7 +7,7 @@
 //
 // The residual stream is float32; outputs take the weight's dtype (the projections' input dtype).
 
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 
 #include "common.h"
@@ -51,7 +51,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
   x = x.contiguous();
   const int64_t H = residual.size(-1), rows = residual.numel() / H;
-  auto out = torch::empty(residual.sizes(), residual.options().dtype(weight.scalar_type()));
+  auto out = at::empty(residual.sizes(), residual.options().dtype(weight.scalar_type()));
   if (weight.scalar_type() == at::kBFloat16) {
     if (x.scalar_type() == at::kBFloat16)
       norm_rows<at::BFloat16, at::BFloat16>(residual.data_ptr<float>(), x.data_ptr<at::BFloat16>(),
@@ -74,7 +74,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 torch::Tensor rms_norm(torch::Tensor residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual must be contiguous float32");
   const int64_t H = residual.size(-1), rows = residual.numel() / H;
-  auto out = torch::empty(residual.sizes(), residual.options().dtype(weight.scalar_type()));
+  auto out = at::empty(residual.sizes(), residual.options().dtype(weight.scalar_type()));
   if (weight.scalar_type() == at::kBFloat16)
     norm_rows<float, at::BFloat16>(residual.data_ptr<float>(), nullptr, weight.data_ptr<at::BFloat16>(),
                                    out.data_ptr<at::BFloat16>(), rows, H, eps);
@@ -315,8 +315,8 @@ std::vector<torch::Tensor> logits_finish(torch::Tensor out, torch::Tensor hidden
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2, "out must be float32 [rows, vocab]");
   const int64_t B = out.size(0), V = out.size(1);
   const LogitsPass ps = logits_pass(hidden, weight, bf16_logits ? at::kBFloat16 : at::kFloat, V);
-  auto amax = torch::empty({B}, out.options().dtype(at::kLong));
-  auto lse = torch::empty({B}, out.options());
+  auto amax = at::empty({B}, out.options().dtype(at::kLong));
+  auto lse = at::empty({B}, out.options());
   float* o_all = out.data_ptr<float>();
   const float* rm = row_max.contiguous().data_ptr<float>();
   int64_t* ap = amax.data_ptr<int64_t>();
@@ -354,24 +354,24 @@ std::vector<torch::Tensor> logits_postprocess(std::vector<torch::Tensor> parts, 
   auto opts = parts[0].options().dtype(at::kFloat);
   torch::Tensor out;
   if (!with_logits) {
-    out = torch::empty({0, V}, opts);
+    out = at::empty({0, V}, opts);
   } else if (out_buf.has_value() && out_buf->defined()) {
     TORCH_CHECK(out_buf->scalar_type() == at::kFloat && out_buf->is_contiguous() && out_buf->numel() >= B * V,
                 "out must be a contiguous float32 buffer of at least rows x vocab");
     out = out_buf->flatten().narrow(0, 0, B * V).view({B, V});
   } else {
-    out = torch::empty({B, V}, opts);
+    out = at::empty({B, V}, opts);
   }
-  auto row_max = torch::full({B}, -std::numeric_limits<float>::infinity(), opts);
-  auto best_value = torch::full({B}, -std::numeric_limits<float>::infinity(), opts);
-  auto best_index = torch::full({B}, -1, opts.dtype(at::kLong));
+  auto row_max = at::full({B}, -std::numeric_limits<float>::infinity(), opts);
+  auto best_value = at::full({B}, -std::numeric_limits<float>::infinity(), opts);
+  auto best_index = at::full({B}, -1, opts.dtype(at::kLong));
   int64_t start = 0;
   for (const auto& t : parts) {
     logits_scan(t, start, V, hidden, weight, row_max, best_value, best_index,
                 with_logits ? c10::optional<torch::Tensor>(out) : c10::nullopt);
     start += t.size(1);
   }
-  if (!with_logits) return {out, best_index.clamp_min(0), torch::empty({0}, opts)};
+  if (!with_logits) return {out, best_index.clamp_min(0), at::empty({0}, opts)};
   auto res = logits_finish(out, hidden, weight, row_max, dt == at::kBFloat16);
   return {out, res[0], res[1]};
 }
@@ -408,7 +408,7 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t str
 torch::Tensor silu_mul(torch::Tensor gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0 && gu.stride(1) == 1, "gu must be [tokens, 2 * inter], rows dense");
   const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
-  auto out = torch::empty({rows, inter}, gu.options());
+  auto out = at::empty({rows, inter}, gu.options());
   if (gu.scalar_type() == at::kBFloat16)
     silu_mul_rows(gu.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter, gu.stride(0));
   else {

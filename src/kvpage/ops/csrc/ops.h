@@ -3,7 +3,7 @@
 // returning to Python). Grouped by concern; each group's source file is named beside it.
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "attention/plan.h"
 

@@ -9,7 +9,7 @@
 // threshold e_i >= min_p (the maximum's weight is 1). The kept weights are those at or above the largest
 // threshold (ties at the boundary stay), so the most likely token always stays. A draw walks the block sums,
 // then one block.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "ops.h"
 
@@ -315,7 +315,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor rows, torch::Tenso
               "uniforms must be a contiguous [rows, draws] float64 tensor");
   TORCH_CHECK(temperature.size(0) == R && top_k.size(0) == R && top_p.size(0) == R && min_p.size(0) == R,
               "one temperature, top_k, top_p and min_p per row");
-  auto out = torch::empty({R, W}, torch::kLong);
+  auto out = at::empty({R, W}, at::kLong);
   const float* x = logits.data_ptr<float>();
   const int64_t* row = rows.data_ptr<int64_t>();
   const float* tp = temperature.data_ptr<float>();

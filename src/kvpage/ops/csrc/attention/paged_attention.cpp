@@ -11,7 +11,7 @@
 // softmax in float32. Long contexts are split into partitions whose partial results are merged afterwards,
 // so a single long sequence still keeps every core busy.
 
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 
 #include "common.h"
@@ -457,7 +457,7 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
               "the plan was checked against ", plan.num_blocks, " blocks of ", plan.block_size,
               " tokens; this cache has ", kv_cache.size(1), " of ", kv_cache.size(2));
   query = query.contiguous();
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   if (quantized) {
     g_decode_kernel = paged_attention_quant(query, kv_cache, plan, scale, packed, out);
     return out;

@@ -3,7 +3,7 @@
 // other caches (attention/paged_attention.cpp dispatches here by the cache's dtype), with the codes read in
 // registers as each row is read.
 
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 
 #include "common.h"

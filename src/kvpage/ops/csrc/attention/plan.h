@@ -8,7 +8,7 @@
 // checked against the cache's geometry once, here.
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "common.h"
 

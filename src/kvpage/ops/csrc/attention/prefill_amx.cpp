@@ -15,7 +15,7 @@
 // every key (cached and new: the step's K/V are written before attention) is copied from the packed cache,
 // whose 16-key groups already hold K in the scratch's order, and a chunk of n queries after c cached keys
 // sees keys 0 .. c + r for its query r.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "ops.h"
 #include <ATen/Parallel.h>

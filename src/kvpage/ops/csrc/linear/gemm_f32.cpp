@@ -9,7 +9,7 @@
 // kernel). Each output is one float32 sum in k order. 1.1-1.65x oneDNN's packed product on a pass of
 // SmolLM2's layer projections at 1-2048 rows on a Zen 3 (benchmarks/linear.py --dtype float32).
 
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "ops.h"
 #include <ATen/Parallel.h>
@@ -93,7 +93,7 @@ torch::Tensor f32_pack_weight(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "weight must be float32 [out_features, in_features]");
   const int64_t N = w.size(0), K = w.size(1), P = (N + kNR - 1) / kNR;
   // [P, K, 16]: panel p holds columns 16p..16p+15 of W^T, k-major; columns past N are zero
-  auto padded = torch::zeros({P * kNR, K}, w.options());
+  auto padded = at::zeros({P * kNR, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   return padded.view({P, kNR, K}).transpose(1, 2).contiguous();
 }
@@ -115,7 +115,7 @@ torch::Tensor f32_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N
     bp = b.data_ptr<float>();
   }
   x = x.contiguous();
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
 #if KVPAGE_ISA_AVX2_ONLY
   const float* a = x.data_ptr<float>();

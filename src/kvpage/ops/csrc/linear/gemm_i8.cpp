@@ -19,7 +19,7 @@
 // ([gate; up], the MLP's input half) are packed with panel 2i = gate columns 16i.., panel 2i + 1 = up columns
 // 16i..: a tile of two panels then holds matching gate and up columns, and silu(g) * u is its epilogue.
 
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 
 #include "common.h"
@@ -64,8 +64,8 @@ std::tuple<torch::Tensor, torch::Tensor> i8_pack_weight(const torch::Tensor& qs_
   const auto d = d_in.to(at::kFloat).contiguous();
   const auto m = q8 ? torch::Tensor() : m_in->to(at::kFloat).contiguous();
   const int64_t P = (N + kNR - 1) / kNR, F = N / 2;
-  auto codes = torch::zeros({P, nb, kPanelBlock}, qs.options().dtype(at::kByte));
-  auto scales = torch::zeros({P, nb, 2 * kNR}, d.options());
+  auto codes = at::zeros({P, nb, kPanelBlock}, qs.options().dtype(at::kByte));
+  auto scales = at::zeros({P, nb, 2 * kNR}, d.options());
   const uint8_t* src = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const float* dp = d.data_ptr<float>();
   const float* mp = q8 ? nullptr : m.data_ptr<float>();
@@ -281,11 +281,11 @@ torch::Tensor i8_linear(torch::Tensor x, const torch::Tensor& codes, const torch
     TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N, "bias must be [out_features]");
   }
   x = x.contiguous();
-  auto out = torch::empty({M, gated ? N / 2 : N}, x.options());
+  auto out = at::empty({M, gated ? N / 2 : N}, x.options());
   if (M == 0 || N == 0) return out;
 #if KVPAGE_I8_GEMM
-  auto xq = torch::empty({M, 2 * K}, x.options().dtype(at::kChar));
-  auto xs = torch::empty({2, M, nb}, x.options().dtype(at::kFloat));
+  auto xq = at::empty({M, 2 * K}, x.options().dtype(at::kChar));
+  auto xs = at::empty({2, M, nb}, x.options().dtype(at::kFloat));
   int8_t* xqp = xq.data_ptr<int8_t>();
   float* x1 = xs.data_ptr<float>();
   float* x2 = x1 + M * nb;

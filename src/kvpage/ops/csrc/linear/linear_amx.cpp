@@ -15,7 +15,7 @@
 // Activations are read in place (tile stride = the row pitch); a last partial row tile is staged zero-padded.
 // Every output element is one float32 sum over K in a fixed order whatever the number of rows (the result of a
 // row does not depend on the batch it came in), rounded once to bf16.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "ops.h"
 #include <ATen/Parallel.h>
@@ -116,7 +116,7 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   const bool has_bias = bias_in.has_value() && bias_in->defined();
   TORCH_CHECK(!(silu_gate && has_bias), "silu_gate takes no bias");
   const int64_t out_cols = silu_gate ? N / 2 : N;
-  auto y = torch::empty({M, out_cols}, x_in.options());
+  auto y = at::empty({M, out_cols}, x_in.options());
   if (M == 0) return y;
 #if KVPAGE_ISA_AMX
   torch::Tensor bias;

@@ -11,7 +11,7 @@
 // float32 (int16, one token row, AVX2 builds: x_b as 16-bit codes of a per-block scale, integer products).
 // Output is float32 or x's dtype (bf16 rounded to nearest even).
 
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 
 #include "common.h"
@@ -491,7 +491,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c
   }
   TORCH_CHECK(!gated || N % 2 == 0, "gated needs W = [gate; up]: an even number of rows, got ", N);
   const bool bf16_in = x.scalar_type() == at::kBFloat16, bf16_out = bf16_in && !float_out;
-  auto out = torch::empty({M, gated ? N / 2 : N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  auto out = at::empty({M, gated ? N / 2 : N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out;
   const void* qp = qs.data_ptr();
   const at::Half* dp = d.data_ptr<at::Half>();
