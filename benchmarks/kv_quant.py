@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from kvpage.attention.kv_channel import dequantize_block_keys, quantize_block_keys
 from kvpage.attention.kv_quant import is_quantized
 from kvpage.model.loader import load_model
 from kvpage.model.registry import packaged_model_path
@@ -106,20 +107,14 @@ def _block_of(group: int) -> int:
 
 
 def _channel_round(y: torch.Tensor, compact: bool = True) -> torch.Tensor:
-    """Rows ``[n, heads, D]`` rounded per channel over the rows, as a page would hold them: a zero point (the
-    channel's minimum) and a step (its range / 255); ``compact``: the zero point rounded down to a multiple of
-    the block's largest |minimum| / 127 (one byte) and the step rounded up to a 256th of the block's largest
-    step, a bf16 (one byte), else both exact."""
+    """Rows ``[n, heads, D]`` rounded per channel over the rows, as a page would hold them: ``compact``, the
+    format of attention/kv_channel.py (scale and zero point in one byte each per channel), else with a zero
+    point (the channel's minimum) and a step (its range / 255) both exact."""
+    if compact:
+        return dequantize_block_keys(quantize_block_keys(y))
     lo, hi = y.amin(0), y.amax(0)
-    if not compact:
-        step = ((hi - lo) / 255).clamp_min(1e-30)
-        return torch.round((y - lo) / step) * step + lo
-    unit = (lo.abs().amax(-1, keepdim=True) * (1 + 2**-7)).bfloat16().float().clamp_min(1e-30) / 127
-    zero = torch.floor(lo / unit).clamp(-127, 127) * unit
-    span = hi - zero
-    largest = (span.amax(-1, keepdim=True) / 255).bfloat16().float().clamp_min(1e-30) * (1 + 2**-7)
-    step = largest * torch.ceil(span / 255 / largest * 256).clamp(1, 256) / 256
-    return torch.round((y - zero) / step).clamp(0, 255) * step + zero
+    step = ((hi - lo) / 255).clamp_min(1e-30)
+    return torch.round((y - lo) / step) * step + lo
 
 
 def arriving_keys(y: torch.Tensor, compact: bool = True) -> torch.Tensor:
