@@ -51,9 +51,15 @@ class ChannelKeys:
 
     def params(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each channel's zero point and step (float32 ``[*heads, D]``), from the stored bytes alone."""
-        zero = self.zero_codes.float() * (self.zero_unit.float().clamp_min(_TINY) / 127)
-        largest = self.step_unit.float().clamp_min(_TINY) * _WIDEN
-        return zero, largest * (self.step_codes.float() + 1) / 256
+        return _params(self.zero_codes, self.step_codes, self.zero_unit, self.step_unit)
+
+
+def _params(zero_codes: torch.Tensor, step_codes: torch.Tensor, zero_unit: torch.Tensor,
+            step_unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero points and steps from the parameter codes and units: the one computation writer and reader share."""
+    zero = zero_codes.float() * (zero_unit.float().clamp_min(_TINY) / 127)
+    largest = step_unit.float().clamp_min(_TINY) * _WIDEN
+    return zero, largest * (step_codes.float() + 1) / 256
 
 
 def quantize_block_keys(keys: torch.Tensor) -> ChannelKeys:
@@ -66,12 +72,11 @@ def quantize_block_keys(keys: torch.Tensor) -> ChannelKeys:
     span = hi - zero_codes * unit
     step_unit = (span.amax(-1, keepdim=True) / 255).bfloat16()
     largest = step_unit.float().clamp_min(_TINY) * _WIDEN
-    step_codes = torch.ceil(span / 255 / largest * 256).clamp(1, 256) - 1
-    c = ChannelKeys(torch.empty(0, dtype=torch.uint8), zero_codes.to(torch.int8), step_codes.to(torch.uint8),
-                    zero_unit, step_unit)
-    zero, step = c.params()
+    zero_codes = zero_codes.to(torch.int8)
+    step_codes = (torch.ceil(span / 255 / largest * 256).clamp(1, 256) - 1).to(torch.uint8)
+    zero, step = _params(zero_codes, step_codes, zero_unit, step_unit)
     codes = torch.round((x - zero) / step).clamp(0, 255).to(torch.uint8)
-    return ChannelKeys(codes, c.zero_codes, c.step_codes, zero_unit, step_unit)
+    return ChannelKeys(codes, zero_codes, step_codes, zero_unit, step_unit)
 
 
 def dequantize_block_keys(c: ChannelKeys) -> torch.Tensor:
