@@ -11,8 +11,7 @@ from kvpage.core.beam import BeamGroup
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import BeamSearchParams
 from tests.engine.test_engine import BLOCK_BYTES_FP32, assert_drained
-
-SLOW = pytest.mark.slow  # parameters left to `-m slow`: the default run keeps one of each
+from tests.helpers.marks import slow
 
 LENGTH = 10  # generated tokens per beam in the fixed-length cases
 
@@ -57,7 +56,7 @@ def assert_same_beams(got, want, tol: float = 1e-4) -> None:
         assert abs(a - b) < tol, (a, b)
 
 
-@pytest.mark.parametrize("k", [2, pytest.param(4, marks=SLOW), pytest.param(8, marks=SLOW)])
+@pytest.mark.parametrize("k", [2, slow(4), slow(8)])
 def test_fixed_length_beams_equal_transformers(llm, hf_smol, chat_ids, smol_fp32, k):
     eos = list(smol_fp32.tokenizer.eos_token_ids)
     params = BeamSearchParams(beam_width=k, max_tokens=LENGTH, min_tokens=LENGTH, length_penalty=0.0)
@@ -66,7 +65,7 @@ def test_fixed_length_beams_equal_transformers(llm, hf_smol, chat_ids, smol_fp32
     assert_drained(llm)
 
 
-@pytest.mark.parametrize("early_stopping", [pytest.param(False, marks=SLOW), True, pytest.param("never", marks=SLOW)])
+@pytest.mark.parametrize("early_stopping", [slow(False), True, slow("never")])
 def test_finished_set_with_eos_and_length_penalty_equals_transformers(llm, hf_smol, prompts, smol_fp32,
                                                                       early_stopping):
     eos = list(smol_fp32.tokenizer.eos_token_ids)
@@ -81,8 +80,8 @@ def test_finished_set_with_eos_and_length_penalty_equals_transformers(llm, hf_sm
     assert_drained(llm)
 
 
-@pytest.mark.parametrize(("block_size", "mode"), [pytest.param(1, "recompute", marks=SLOW),
-                                                  pytest.param(16, "recompute", marks=SLOW), (16, "swap")])
+@pytest.mark.parametrize(("block_size", "mode"), [slow(1, "recompute"),
+                                                  slow(16, "recompute"), (16, "swap")])
 def test_block_sizes_and_forced_preemption_never_change_beams(llm, chat_ids, block_size, mode):
     params = BeamSearchParams(beam_width=4, max_tokens=LENGTH, min_tokens=LENGTH, length_penalty=0.0)
     want = {name: ours(llm, ids, params) for name, ids in chat_ids.items()}

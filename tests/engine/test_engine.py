@@ -7,8 +7,7 @@ import pytest
 
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
-
-SLOW = pytest.mark.slow  # parameters left to `-m slow`: the default run keeps one of each
+from tests.helpers.marks import slow
 
 PROMPTS = ["The capital of France is", "Once upon a time,", "def add(a, b):", "List three fruits:",
            "東京は", "The KV cache", "In 1969,", "Why is the sky blue?"]
@@ -34,7 +33,7 @@ def assert_drained(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize(("mode", "caching"), [("recompute", True), pytest.param("recompute", False, marks=SLOW),
+@pytest.mark.parametrize(("mode", "caching"), [("recompute", True), slow("recompute", False),
                                              ("swap", False)])
 def test_greedy_under_forced_preemption_equals_unpressured(baseline, mode, caching):
     tight = LLM(kv_cache_memory=12 * BLOCK_BYTES_FP32, block_size=8, max_model_len=64, preemption_mode=mode,

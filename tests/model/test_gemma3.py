@@ -21,6 +21,7 @@ import torch
 from kvpage.engine.llm import LLM
 from kvpage.model.registry import packaged_model_path
 from kvpage.sampling_params import SamplingParams
+from tests.helpers.marks import slow
 
 NEW = 24
 SHORT = ["The capital of France is", "def fibonacci(n):\n    ", "東京は日本の首都です。つまり"]
@@ -152,7 +153,7 @@ def test_stored_reference_is_what_transformers_generates(hf_gemma, prompts):
     assert transformers_greedy(hf_gemma, prompts) == stored_reference(prompts)
 
 
-@pytest.mark.parametrize("block_size", [16, pytest.param(32, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("block_size", [16, slow(32)])
 def test_greedy_equals_transformers_below_and_past_the_window(gemma_path, prompts, reference, block_size):
     llm = LLM(model=str(gemma_path), dtype="float32", kv_cache_memory="768MiB", max_model_len=2048,
               block_size=block_size)

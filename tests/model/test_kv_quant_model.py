@@ -18,8 +18,7 @@ from kvpage.sampling_params import SamplingParams
 from kvpage.worker.kv_cache import kv_bytes_per_block, kv_torch_dtype
 from kvpage.worker.kv_calibration import calibrate_kv_transforms
 from kvpage.worker.scoring import chunked_logits
-
-SLOW = pytest.mark.slow  # parameters left to `-m slow`: the default run keeps one of each
+from tests.helpers.marks import slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
@@ -32,7 +31,7 @@ def assert_drained(llm: LLM) -> None:
     assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", pytest.param("fp8", marks=SLOW), pytest.param("fp8_e5m2", marks=SLOW)])
+@pytest.mark.parametrize("kv_dtype", ["int8", slow("fp8"), slow("fp8_e5m2")])
 def test_engine_runs_quantized_pages_with_hits_forks_and_swaps(kv_dtype):
     block = kv_bytes_per_block(load_model().config, 16, kv_torch_dtype(kv_dtype))
     # Every step on one product path (no few-token quantized kernel): a row's arithmetic then does not depend on

@@ -13,6 +13,7 @@ from kvpage.envs import KernelConfig
 from kvpage.kv import KVSequence
 from kvpage.worker.model_runner import ScheduledSeq
 from tests.helpers.kernels import amx_ops
+from tests.helpers.marks import slow
 from tests.helpers.paged_driver import PagedGreedy, generate
 from tests.helpers.prompts import MAX_NEW
 
@@ -257,7 +258,7 @@ def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast,
             assert generate(lm, [ids], MAX_NEW)[0] == hf_greedy[name], (name, int16)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, slow(torch.float16)])
 def test_fp32_weights_with_a_half_size_cache_on_the_fast_path(smol_fp32, smol_fp32_fast, prompts, hf_greedy,
                                                              record_property, kv_dtype):
     """`--kv-cache-dtype bfloat16` (or float16) under float32 weights (half the KV bytes: twice the tokens in
