@@ -3,7 +3,8 @@ memory whose every slot records *which token state* it holds. If bookkeeping eve
 a slot holding another prefix (wrong sharing, a missed copy-on-write, a bad swap), the check fails.
 
 Managers with several KV groups write each token into every group's block; a sliding-window group is
-checked on the positions the next query's window reads, the only ones it keeps.
+checked on the positions the next query's window reads, the only ones it keeps, and a residual-key group on
+the positions of the block still filling.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ShadowKV:
         layout = getattr(manager, "layout", None)
         self.windows = ([g.spec.window for g in layout.groups] if layout is not None
                         else [getattr(manager, "window", None)])
+        self.residual = [g.spec.residual for g in layout.groups] if layout is not None else [False]
 
     def _tables(self, sid: str) -> list[list[int]]:
         return self.m.block_tables(sid)
@@ -61,9 +63,10 @@ class ShadowKV:
         for sid, seq in seqs.items():
             if not self.m.has_seq(sid):
                 continue
-            for table, window in zip(self._tables(sid), self.windows, strict=True):
-                first = 0 if window is None else max(0, computed[sid] - window + 1)
-                for pos in range(first, computed[sid]):
+            n = computed[sid]
+            for table, window, residual in zip(self._tables(sid), self.windows, self.residual, strict=True):
+                first = n - n % self.bs if residual else 0 if window is None else max(0, n - window + 1)
+                for pos in range(first, n):
                     block = table[pos // self.bs]
                     assert block >= 0, f"{sid} position {pos}: its window still reads it, but its block was dropped"
                     slot = block * self.bs + pos % self.bs

@@ -11,7 +11,7 @@ from kvpage.kv import KVCacheManager, KVSequence, StaticReservationManager
 from kvpage.kv.hybrid import HybridKVManager
 from kvpage.kv.invariants import check_window_bound
 from kvpage.kv.sliding import SlidingWindowKVManager
-from kvpage.kv.specs import group_layers
+from kvpage.kv.specs import group_layers, single_group, with_residual_keys
 from tests.helpers.kv_shadow import ShadowKV
 
 BLOCK_SIZE = 4
@@ -202,6 +202,24 @@ class HybridMachine(KVMachine):
     )
 
 
+class ResidualMachine(KVMachine):
+    """One full-attention group and its residual-key group (int8 pages with keys rounded per channel)."""
+
+    make_manager = staticmethod(
+        lambda: HybridKVManager(with_residual_keys(single_group(2)), 30, BLOCK_SIZE, watermark=0.1,
+                                num_swap_blocks=12, max_model_len=MAX_LEN)
+    )
+
+
+class HybridResidualMachine(KVMachine):
+    """Gemma-3-shaped groups, each with its residual-key group, over one pool."""
+
+    make_manager = staticmethod(
+        lambda: HybridKVManager(with_residual_keys(group_layers([5, 5, None, 5, 5, None])), 48, BLOCK_SIZE,
+                                watermark=0.1, num_swap_blocks=20, max_model_len=MAX_LEN)
+    )
+
+
 _settings = settings(
     max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -215,3 +233,7 @@ TestSlidingKV = SlidingMachine.TestCase
 TestSlidingKV.settings = _settings
 TestHybridKV = HybridMachine.TestCase
 TestHybridKV.settings = _settings
+TestResidualKV = ResidualMachine.TestCase
+TestResidualKV.settings = _settings
+TestHybridResidualKV = HybridResidualMachine.TestCase
+TestHybridResidualKV.settings = _settings

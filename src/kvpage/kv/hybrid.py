@@ -18,6 +18,7 @@ from kvpage.kv.invariants import check_host, check_pool, check_tables
 from kvpage.kv.offload import PrefixTiers, TierOps
 from kvpage.kv.paged import KVCacheManager, _sid
 from kvpage.kv.protocol import NO_HIT, NOTHING, Allocation, PrefixHit
+from kvpage.kv.residual import ResidualKVManager
 from kvpage.kv.sequence import SequenceLike
 from kvpage.kv.sliding import SlidingWindowKVManager
 from kvpage.kv.specs import KVLayout
@@ -48,7 +49,9 @@ class HybridKVManager:
             kw = dict(watermark=0.0, enable_prefix_caching=enable_prefix_caching, num_swap_blocks=num_swap_blocks,
                       max_model_len=max_model_len, model_id=model_id, pool=self.pool, group=g,
                       host_free=self._host_free, tiers=tiers)
-            if group.spec.window is None:
+            if group.spec.residual:
+                self.groups.append(ResidualKVManager(num_blocks, block_size, **kw))  # type: ignore[arg-type]
+            elif group.spec.window is None:
                 self.groups.append(KVCacheManager(num_blocks, block_size, **kw))  # type: ignore[arg-type]
             else:
                 self.groups.append(SlidingWindowKVManager(num_blocks, block_size, window=group.spec.window,

@@ -1,15 +1,18 @@
 """KV groups: which layers keep which kind of KV, and how they share one pool of equal blocks.
 
-A KV spec says what a layer keeps: every past position (full attention) or the last ``window`` positions
-(sliding window; later: quantized pages). Layers of one spec are cut into groups of equal size, the same size
-for every spec (the greatest common divisor of the specs' layer counts), so that a block of any group is the
-same number of bytes: ``layers_per_group`` layer-pages of ``block_size`` tokens. One pool of such blocks then
-serves every group under one budget, and the worker keeps ``layers_per_group`` KV tensors; layer ``l`` lives
-in tensor ``slot(l)`` and reads the block table of ``group(l)``. A block belongs to one group at a time, so
-layers of different groups sharing a tensor never meet. A model of one spec is one group of all its layers:
-one tensor per layer, as before.
+A KV spec says what a layer keeps: every past position (full attention), the last ``window`` positions
+(sliding window), or, beside an int8 page group whose keys are rounded per channel once a block is complete,
+the *residual*: the keys of the block still filling, unrounded (kv/residual.py). Layers of one spec are cut
+into groups of equal size, the same size for every spec (the greatest common divisor of the specs' layer
+counts), so that a block of any group is the same number of bytes: ``layers_per_group`` layer-pages of
+``block_size`` tokens. One pool of such blocks then serves every group under one budget, and the worker keeps
+``layers_per_group`` KV tensors; layer ``l`` lives in tensor ``slot(l)`` and reads the block table of
+``group(l)``. A block belongs to one group at a time, so layers of different groups sharing a tensor never
+meet. A model of one spec is one group of all its layers: one tensor per layer, as before.
 
 Gemma 3 270M: 15 sliding layers and 3 full ones make six groups of three layers (five sliding, one full).
+With residual keys (``with_residual_keys``) each of those groups gets a residual group over the same layers
+(the same tensors), appended after them: twelve groups.
 """
 
 from __future__ import annotations
@@ -23,22 +26,31 @@ from functools import cached_property
 @dataclass(frozen=True)
 class KVSpec:
     """What one layer keeps. ``window``: a sliding window of that many positions (a query sees itself and
-    window - 1 positions back); None: full attention."""
+    window - 1 positions back); None: full attention. ``residual``: the unrounded keys of each sequence's
+    filling block for the group of the same layers (no attention of its own; it holds what a window of one
+    position would, the block the next position lands in)."""
 
     window: int | None = None
+    residual: bool = False
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
             raise ValueError(f"a sliding window must be a positive number of positions, got {self.window!r}")
+        if self.residual and self.window is not None:
+            raise ValueError("a residual-key spec has no window of its own")
 
     @property
     def kind(self) -> str:
+        if self.residual:
+            return "residual"
         return "full" if self.window is None else f"sliding({self.window})"
 
     def max_blocks(self, block_size: int, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` holds at most between steps in a group of this spec: all of them,
-        or those the next query's window reaches (ceil((W - 1) / block_size) + 1)."""
+        those the next query's window reaches (ceil((W - 1) / block_size) + 1), or the filling one."""
         full = -(-num_tokens // block_size)
+        if self.residual:
+            return min(full, 1)
         if self.window is None:
             return full
         return min(full, -(-(self.window - 1) // block_size) + 1)
@@ -70,7 +82,14 @@ class KVLayout:
 
     @cached_property
     def _where(self) -> dict[int, tuple[int, int]]:
-        return {layer: (g, i) for g, grp in enumerate(self.groups) for i, layer in enumerate(grp.layers)}
+        return {layer: (g, i) for g, grp in enumerate(self.groups) if not grp.spec.residual
+                for i, layer in enumerate(grp.layers)}
+
+    @cached_property
+    def residual_of(self) -> dict[int, int]:
+        """Attention group -> the residual group over its layers (empty without residual keys)."""
+        first = {grp.layers[0]: g for g, grp in enumerate(self.groups) if not grp.spec.residual}
+        return {first[grp.layers[0]]: g for g, grp in enumerate(self.groups) if grp.spec.residual}
 
     @property
     def hybrid(self) -> bool:
@@ -95,6 +114,14 @@ def group_layers(windows: Sequence[int | None]) -> KVLayout:
     groups = tuple(KVGroup(spec, tuple(layers[i : i + size]))
                    for spec, layers in by_spec.items() for i in range(0, len(layers), size))
     return KVLayout(groups, len(windows))
+
+
+def with_residual_keys(layout: KVLayout) -> KVLayout:
+    """``layout`` plus one residual-key group per group, over the same layers (and so the same tensors)."""
+    if any(g.spec.residual for g in layout.groups):
+        return layout
+    extra = tuple(KVGroup(KVSpec(residual=True), g.layers) for g in layout.groups)
+    return KVLayout(layout.groups + extra, layout.num_layers)
 
 
 def single_group(num_layers: int, window: int | None = None) -> KVLayout:
