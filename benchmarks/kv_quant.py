@@ -19,11 +19,17 @@ how well the model predicts from them, and how fast the paged kernel reads them.
   from their stored values whenever a key that arrives widens a channel's range (a filling block as the
   engine would hold it), the scale and zero point stored in one byte each per channel (units of a bf16 per
   block and head), or exact, against the same keys rounded once over the complete block (exact parameters,
-  or the one-byte ones); values centred and rotated as the engine's int8 pages keep them.
+  or the one-byte ones); values centred and rotated as the engine's int8 pages keep them;
+* channel (--channel): the same agreement through the engine's own int8 pages with keys per channel
+  (KVPAGE_INT8_KEYS=channel: complete blocks rounded once, the filling block's keys read unrounded from the
+  residual-key group), beside int8 rows, on the compiled kernels (--channel-backend reference: the torch
+  oracle's pages), the text fed in chunks of --channel-chunks tokens (chunks shorter than a block make
+  queries read filling blocks).
 
     python benchmarks/kv_quant.py                       # SmolLM2-135M (and Gemma 3 270M when installed)
     python benchmarks/kv_quant.py --positions 1000 --speed-seqs 64 --speed-context 8192 --rounds 5
     python benchmarks/kv_quant.py --models gemma-3-270m --skip capacity speed --kv-dtypes int8 --split
+    python benchmarks/kv_quant.py --models gemma-3-270m --skip capacity accuracy speed --channel --positions 3200
 """
 
 from __future__ import annotations
@@ -92,6 +98,30 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
                      "per_window": per_window, "perplexity": float(torch.exp(torch.tensor(nll / n)))})
     for a, t in zip(attends, saved, strict=True):
         a.transforms = t
+    return rows
+
+
+def channel(model: str, positions: int, chunks: tuple[int, ...], block_size: int = 32,
+            backend: str = "auto") -> list[dict]:
+    """Top-1 agreement with the float32 cache of int8 pages with keys per channel and of int8 rows, both through
+    the engine's pages (each with the transforms calibrated for it), per chunk size."""
+    lm = load_model(model, dtype="float32", attention_backend=backend)
+    ids = lm.tokenizer.encode(fixed_text())[: positions + 1]
+    ref = chunked_logits(lm, ids, torch.float32, block_size=block_size)[:-1].argmax(-1)
+    attends = [layer.self_attn.attend for layer in lm.model.layers]
+    rows = []
+    for keys in ("rows", "channel"):
+        for a in attends:
+            a.transforms.pop(torch.int8, None)
+        calibrate_kv_transforms(lm, torch.int8, channel_keys=keys == "channel")
+        for chunk in chunks:
+            top = chunked_logits(lm, ids, torch.int8, chunk=chunk, block_size=block_size,
+                                 channel_keys=keys == "channel")[:-1].argmax(-1)
+            rows.append({"model": lm.config.name, "int8 keys": keys, "chunk": chunk, "block_size": block_size,
+                         "backend": lm.model.layers[0].self_attn.backend.name,
+                         "positions": len(top), "top1_agreement": float((top == ref).float().mean())})
+    for a in attends:
+        a.transforms.pop(torch.int8, None)
     return rows
 
 
@@ -213,6 +243,27 @@ def capacity(model: str) -> list[dict]:
     return out
 
 
+def channel_pages(ops, seqs: int, context: int, tables: torch.Tensor, kv_heads: int, dim: int, bs: int,
+                  gen: torch.Generator, huge_pages: bool) -> torch.Tensor:
+    """int8 pages with keys per channel holding every sequence's context, written by the engine's own write
+    (each sequence as one prompt, its residual keys in scratch blocks past the pool's end)."""
+    from kvpage.attention.kv_channel import page_bytes
+    from kvpage.worker.kv_cache import advise_huge_pages
+
+    per = tables.shape[1]
+    nb = int(tables.max()) + 1
+    pages = torch.empty(nb + per, page_bytes(bs, kv_heads, dim), dtype=torch.uint8)
+    if huge_pages:
+        advise_huge_pages([pages])
+    pos = torch.arange(context)
+    scratch = (nb + pos // bs) * bs + pos % bs
+    for s in range(tables.shape[0]):
+        k = torch.randn(context, kv_heads, dim, generator=gen)
+        v = torch.randn(context, kv_heads, dim, generator=gen)
+        ops.reshape_and_cache_channel(k, v, pages, tables[s, pos // bs] * bs + pos % bs, scratch, bs)
+    return pages
+
+
 def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 3, dim: int = 64,
           huge_pages: bool = True, fold: int = 0) -> list[dict]:
     """One layer's decode attention: `seqs` sequences of `context` keys on scattered 16-token blocks, in caches
@@ -251,16 +302,25 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
             rows = pack_kv_rows(rows)
         caches[name] = as_block_major(rows, huge_pages)  # as the engine's prefaulted pool is stored
         del base, rows
+    caches["int8-channel"] = channel_pages(ops, seqs, context, tables, kv_heads, dim, bs, gen, huge_pages)
+    residual = torch.zeros_like(tables)  # contexts of whole blocks: no sequence reads a residual block
+
+    def run(name: str, cache: torch.Tensor) -> None:
+        if name == "int8-channel":
+            ops.paged_attention_channel(q, cache, plan, residual, dim**-0.5)
+        else:
+            ops.paged_attention(q, cache, plan, dim**-0.5, name in packed_names)
+
     times: dict[str, list[float]] = {n: [] for n in caches}
-    kernel = {}
+    kernel = {"int8-channel": "channel (dequantized per block)"}
     for _ in range(rounds):
         for name, cache in caches.items():
-            packed = name in packed_names
-            ops.paged_attention(q, cache, plan, dim**-0.5, packed)  # warm
-            kernel[name] = ops.last_decode_kernel()
+            run(name, cache)  # warm
+            if name != "int8-channel":
+                kernel[name] = ops.last_decode_kernel()
             t0 = time.perf_counter()
             for _ in range(3):
-                ops.paged_attention(q, cache, plan, dim**-0.5, packed)
+                run(name, cache)
             times[name].append((time.perf_counter() - t0) / 3)
     base = statistics.median(times["bfloat16"])
     return [{"kv_dtype": n, "seqs": seqs, "context": context, "ms": statistics.median(t) * 1e3,
@@ -282,6 +342,10 @@ def main() -> None:
                     help="the cache dtypes of the accuracy part (float32 always runs: the reference)")
     ap.add_argument("--split", action="store_true", help="also run the int8 error split (module doc)")
     ap.add_argument("--split-cases", default="", help="split: only the cases whose name contains this")
+    ap.add_argument("--channel", action="store_true", help="also the engine's int8 pages with keys per channel")
+    ap.add_argument("--channel-chunks", nargs="*", type=int, default=[32, 8], help="channel: chunk sizes")
+    ap.add_argument("--channel-backend", default="auto", choices=("auto", "cpu", "reference"),
+                    help="channel: the attention backend")
     ap.add_argument("--small-pages", action="store_true",
                     help="speed: caches on 4 KiB pages (the engine's --no-kv-huge-pages) instead of 2 MiB pages")
     ap.add_argument("--fold-blocks", type=int, default=0,
@@ -309,6 +373,13 @@ def main() -> None:
         for r in result["split"]:
             print(f"split    {r['model']:<24} int8 rounding on {r['int8 rounding on']:<54} top-1 "
                   f"{r['top1_agreement']:.2%} over {r['positions']} positions")
+    if a.channel:
+        result["channel"] = [r for m in models for r in channel(m, a.positions, tuple(a.channel_chunks),
+                                                                 backend=a.channel_backend)]
+        for r in result["channel"]:
+            print(f"channel  {r['model']:<24} int8 {r['int8 keys']:<8} chunks of {r['chunk']:>3}, "
+                  f"{r['block_size']}-token blocks ({r['backend']}): top-1 {r['top1_agreement']:.2%} over "
+                  f"{r['positions']} positions")
     if "speed" not in a.skip:
         result["speed"] = speed(a.speed_seqs, a.speed_context, a.rounds, huge_pages=not a.small_pages,
                                 fold=a.fold_blocks)

@@ -57,6 +57,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("KVPAGE_TP_VOCAB_HEAD", bool, True, "under tensor parallelism each rank multiplies its slice of the lm "
            "head's vocabulary and rank 0 gathers the logits; 0 keeps the whole head on rank 0 (the others skip it)",
            "tp_vocab_head"),
+    EnvVar("KVPAGE_INT8_KEYS", str, "rows", "int8 pages' keys: 'rows' (one scale per token and head, every backend) "
+           "or 'channel' (a zero point and a step per channel over each complete block, the filling block's keys "
+           "held unrounded in a residual KV group)", "int8_keys",
+           ("rows", "channel")),
     EnvVar("KVPAGE_API_KEY", str, None, "the key `kvpage serve` requires (as --api-key; read by the serve command)"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
@@ -107,6 +111,7 @@ class KernelConfig:
     prefill_cached: bool = True
     paged_prompts: bool = True
     tp_vocab_head: bool = True
+    int8_keys: str = "rows"
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -1,6 +1,6 @@
-"""Keys rounded per channel over a complete block: the int8 key page issue #31's accuracy target asks for,
-pinned here as its torch oracle (the format the kernels are to read; the engine's int8 pages are still rows,
-attention/kv_quant.py).
+"""Keys rounded per channel over a complete block: the int8 key page issue #31's accuracy target asks for
+(``KVPAGE_INT8_KEYS=channel``), its torch oracle, and the pages the reference backend reads and writes with it
+(the compiled write, csrc/attention/paged_attention_channel.cpp, equals ``write_pages`` byte for byte).
 
 Why per channel: one scale per (token, head) row spends its 255 codes on the row's largest entry, and Gemma 3's
 keys keep a few channels far wider than the rest at every position; rows reach 98.69% top-1 agreement with the
@@ -115,3 +115,70 @@ def from_bytes(raw: torch.Tensor, block_size: int, head_dim: int) -> ChannelKeys
     step_codes = raw[..., n * d + d : n * d + 2 * d]
     units = raw[..., n * d + 2 * d :].contiguous().view(torch.bfloat16)
     return ChannelKeys(codes.contiguous(), zero_codes, step_codes.contiguous(), units[..., :1], units[..., 1:])
+
+
+# ---------------------------------------------------------------------------------------------------- pages
+# One block of one layer is ``page_bytes`` bytes: the keys of every KV head in the format above (head after
+# head), then the values as int8 rows ``[block_size, heads, D + 2]`` (kv_quant.py). A block of the residual-key
+# group (kv/residual.py) holds instead its sequence's unrounded keys, bfloat16 ``[block_size, heads, D]``, at
+# the start of the same bytes.
+
+
+def page_bytes(block_size: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of one block of one layer: keys per channel, then values as int8 rows."""
+    return kv_heads * (block_bytes(block_size, head_dim) + block_size * cache_row_width(head_dim, torch.int8))
+
+
+def _views(pages: torch.Tensor, block_size: int, kv_heads: int, head_dim: int):
+    """(keys [blocks, heads, block_bytes] uint8, value rows [blocks, n, heads, D + 2] int8, residual keys
+    [blocks, n, heads, D] bfloat16) over ``pages`` ``[blocks, page_bytes]`` uint8."""
+    nb, n, h, d = pages.shape[0], block_size, kv_heads, head_dim
+    kb = h * block_bytes(n, d)
+    keys = pages[:, :kb].view(nb, h, block_bytes(n, d))
+    values = pages[:, kb:].view(torch.int8).view(nb, n, h, d + 2)
+    residual = pages[:, : 2 * n * h * d].view(torch.bfloat16).view(nb, n, h, d)
+    return keys, values, residual
+
+
+def write_pages(key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
+                residual_slots: torch.Tensor, block_size: int) -> None:
+    """Each new token's value as an int8 row at its slot and its key, unrounded, at its residual slot; then
+    every block whose last key this write brought is rounded per channel from its residual block into its
+    page (a prompt chunk rounds all the blocks it completes)."""
+    from kvpage.attention.kv_quant import quantize_rows
+
+    bs = block_size
+    keys, values, residual = _views(pages, bs, key.shape[1], key.shape[2])
+    blocks, offs = slots // bs, slots % bs
+    values[blocks, offs] = quantize_rows(value, torch.int8)
+    rblocks, roffs = residual_slots // bs, residual_slots % bs
+    if not bool((roffs == offs).all()):
+        raise ValueError("a token's residual slot must sit at its offset in the block")
+    residual[rblocks, roffs] = key.to(torch.bfloat16)
+    done = (offs == bs - 1).nonzero().flatten()
+    if done.numel():
+        keys[blocks[done]] = to_bytes(quantize_block_keys(residual[rblocks[done]].movedim(1, 0)))
+
+
+def read_keys(pages: torch.Tensor, table: torch.Tensor, residual_block: int, num_keys: int, block_size: int,
+              kv_heads: int, head_dim: int) -> torch.Tensor:
+    """A sequence's first ``num_keys`` keys, float32 ``[num_keys, heads, D]``: its complete blocks (``table``
+    entries) dequantized, the filling one's keys from its residual block as they were written."""
+    bs = block_size
+    keys, _, residual = _views(pages, bs, kv_heads, head_dim)
+    full = num_keys // bs
+    k = dequantize_block_keys(from_bytes(keys[table[:full]], bs, head_dim))  # [n, full, heads, D]
+    k = k.movedim(0, 1).reshape(full * bs, kv_heads, head_dim)
+    if num_keys % bs:
+        k = torch.cat([k, residual[residual_block, : num_keys % bs].float()])
+    return k
+
+
+def read_values(pages: torch.Tensor, table: torch.Tensor, num_keys: int, block_size: int, kv_heads: int,
+                head_dim: int) -> torch.Tensor:
+    """A sequence's first ``num_keys`` values, float32 ``[num_keys, heads, D]``."""
+    from kvpage.attention.kv_quant import dequantize_rows
+
+    _, values, _ = _views(pages, block_size, kv_heads, head_dim)
+    n = -(-num_keys // block_size)
+    return dequantize_rows(values[table[:n]]).reshape(n * block_size, kv_heads, head_dim)[:num_keys]

@@ -28,6 +28,10 @@ class AttentionMetadata:
     # The KV group's sliding window (a query sees itself and window - 1 positions back), None for full
     # attention; block-table entries wholly before every query's window may be placeholders (never read).
     window: int | None = None
+    # int8 pages with keys per channel: the residual-key group's slots and block tables (kv/residual.py), where
+    # each new token's key is written unrounded and each sequence's filling block is read from; else None.
+    residual_slot_mapping: torch.Tensor | None = None
+    residual_block_tables: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

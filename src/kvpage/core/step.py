@@ -27,7 +27,7 @@ class StepFeatures:
         """The step's features; with a ``layout`` of sliding-window layers, their attention reads only the
         window, so context and pairs are the average over layers of what each layer reads and scores."""
         shares = [(1.0, None)] if layout is None else [
-            (len(g.layers) / layout.num_layers, g.spec.window) for g in layout.groups]
+            (len(g.layers) / layout.num_layers, g.spec.window) for g in layout.groups if not g.spec.residual]
         seqs = tokens = prefill = rows = 0
         context = pairs = 0.0
         for w in out.work:

@@ -87,6 +87,12 @@ class Kernels:
         """Scatter new K/V rows to their slots (row or packed layout)."""
         self._c.reshape_and_cache(key, value, kv_cache, slot_mapping, packed)
 
+    def reshape_and_cache_channel(self, key: Tensor, value: Tensor, pages: Tensor, slot_mapping: Tensor,
+                                  residual_slots: Tensor, block_size: int) -> None:
+        """int8 pages with keys per channel (attention/kv_channel.py, whose write_pages it equals byte for
+        byte): values as rows, keys unrounded at their residual slots, blocks this write completes rounded."""
+        self._c.reshape_and_cache_channel(key, value, pages, slot_mapping, residual_slots, block_size)
+
     def plan_attention(self, block_tables: Tensor, query_start_loc: Tensor, seq_lens: Tensor, num_heads: int,
                        num_blocks: int, block_size: int, window: int | None = None):
         """A step's paged-attention plan (csrc/attention/plan.h), checked once against caches of ``num_blocks``
@@ -99,6 +105,12 @@ class Kernels:
         """Varlen causal attention of a flat batch over the paged cache, under the step's plan."""
         return self._c.paged_attention_planned(query, kv_cache, plan, scale, packed, self.config.amx_decode,
                                                self.avx2_row_decode)
+
+    def paged_attention_channel(self, query: Tensor, pages: Tensor, plan, residual_tables: Tensor,
+                                scale: float) -> Tensor:
+        """The same over int8 pages with keys per channel: each sequence's filling block read from its block in
+        ``residual_tables`` (the residual-key group's, shaped as the plan's block tables)."""
+        return self._c.paged_attention_channel(query, pages, plan, residual_tables, scale)
 
     def prefill_attention(self, query: Tensor, key: Tensor, value: Tensor, out: Tensor, starts: list[int],
                           lengths: list[int], scale: float) -> None:

@@ -10,7 +10,9 @@ SmolLM2 at 16 tokens): where a sequence's blocks are scattered over the pool, th
 up to ~1.35x faster from memory than two stretches of half the size (docs/benchmarks/history.md,
 2026-11-23). The compiled backend stores bf16 caches in its packed layout instead (same shape, a block's
 interior rearranged for the dot-product instructions; docs/model.md): only whole blocks are moved here, so
-this module works for both. The host (swap) tier has the same layout with its own block count.
+this module works for both. The host (swap) tier has the same layout with its own block count. int8 pages
+with keys per channel (``KVPAGE_INT8_KEYS=channel``, attention/kv_channel.py) are not rows: each tensor is
+``[num_blocks, page_bytes]`` bytes, a block's keys of every head in their format and then its value rows.
 """
 
 from __future__ import annotations
@@ -23,23 +25,29 @@ from collections.abc import Sequence
 import torch
 
 from kvpage import dtypes
+from kvpage.attention.kv_channel import page_bytes
 from kvpage.attention.kv_quant import cache_row_width
 from kvpage.capacity import KVShape
-from kvpage.kv.specs import KVLayout, group_layers
+from kvpage.kv.specs import KVLayout, group_layers, with_residual_keys
 from kvpage.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
-def model_layout(cfg: ModelConfig) -> KVLayout:
-    """The model's KV groups: its layers by window."""
-    return group_layers([cfg.layer_window(i) for i in range(cfg.num_layers)])
+def model_layout(cfg: ModelConfig, channel_keys: bool = False) -> KVLayout:
+    """The model's KV groups: its layers by window; with ``channel_keys`` (int8 pages whose keys are rounded per
+    channel) each group's residual-key group too."""
+    layout = group_layers([cfg.layer_window(i) for i in range(cfg.num_layers)])
+    return with_residual_keys(layout) if channel_keys else layout
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, layout: KVLayout | None = None) -> int:
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, layout: KVLayout | None = None,
+                       channel_keys: bool = False) -> int:
     """The planner's formula (capacity.KVShape) for the layers one pool block spans (a KV group's), so
-    `kvpage plan` and the engine size pools alike."""
+    `kvpage plan` and the engine size pools alike; int8 pages with keys per channel: their page bytes."""
     layers = (layout or model_layout(cfg)).layers_per_group
+    if channel_keys:
+        return layers * page_bytes(block_size, cfg.num_kv_heads, cfg.head_dim)
     shape = KVShape(cfg.name, layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype_name(dtype),
                     v_head_dim=cfg.v_head_dim)
     return shape.bytes_per_token() * block_size
@@ -124,30 +132,46 @@ def as_block_major(cache: torch.Tensor, huge_pages: bool = False) -> torch.Tenso
 
 
 def _block_rows(t: torch.Tensor) -> torch.Tensor:
-    """A ``[2, num_blocks, ...]`` cache tensor's block-major storage as ``[num_blocks, bytes]`` (a view)."""
+    """A ``[2, num_blocks, ...]`` cache tensor's block-major storage as ``[num_blocks, bytes]`` (a view); pages
+    of int8 keys per channel are that already."""
+    if t.dim() == 2:
+        return t
     return t.transpose(0, 1).reshape(t.shape[1], -1).view(torch.uint8)
 
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 num_host_blocks: int = 0, layout: KVLayout | None = None, huge_pages: bool = False) -> None:
+                 num_host_blocks: int = 0, layout: KVLayout | None = None, huge_pages: bool = False,
+                 channel_keys: bool = False) -> None:
+        """``channel_keys``: int8 pages whose keys are rounded per channel (attention/kv_channel.py), each tensor
+        ``[num_blocks, page_bytes]`` uint8, beside a layout with residual-key groups."""
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         if cfg.value_head_dim != cfg.head_dim:
             raise ValueError("kvpage's KV layout needs equal key and value head sizes")
+        if channel_keys and dtype != torch.int8:
+            raise ValueError(f"keys per channel are a format of int8 pages, not of {dtype}")
+        if channel_keys and not (layout or model_layout(cfg)).residual_of:
+            raise ValueError("int8 pages with keys per channel need a layout with residual-key groups")
         width = cache_row_width(cfg.head_dim, dtype)  # a quantized row ends in its scale
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, width)
+        page = page_bytes(block_size, cfg.num_kv_heads, cfg.head_dim)
+
+        def make(blocks: int) -> torch.Tensor:
+            if channel_keys:
+                return torch.empty((blocks, page), dtype=torch.uint8)
+            return block_major((2, blocks, block_size, cfg.num_kv_heads, width), dtype)
+
+        self.channel_keys = channel_keys
         # Not zeroed: every slot is written before any read (attention reads only positions < seq_len, and
         # block copies move whole blocks). Zeroing 2 GiB costs ~3 s at startup; the price is
         # one page fault per fresh 4 KiB the first time the engine writes it.
         self.layout = layout = layout or model_layout(cfg)
         n = layout.layers_per_group
-        self.tensors = [block_major(shape, dtype) for _ in range(n)]
+        self.tensors = [make(num_blocks) for _ in range(n)]
         self.huge_page_bytes = advise_huge_pages(self.tensors) if huge_pages else 0
         # the tensor each layer writes and reads (layers of different groups share one)
         self.layers = [self.tensors[layout.slot(i)] for i in range(cfg.num_layers)]
-        host_shape = (2, num_host_blocks, block_size, cfg.num_kv_heads, width)
-        self.host_tensors = [block_major(host_shape, dtype) for _ in range(n if num_host_blocks else 0)]
+        self.host_tensors = [make(num_host_blocks) for _ in range(n if num_host_blocks else 0)]
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
         self.block_size, self.dtype = block_size, dtype
 
@@ -172,7 +196,7 @@ class KVCache:
     @property
     def block_nbytes(self) -> int:
         """The bytes of one pool block over every tensor: what a disk-tier file carries."""
-        return sum(t[:, 0].numel() * t.element_size() for t in self.tensors)
+        return sum(_block_rows(t).shape[1] for t in self.tensors)
 
     def read_blocks(self, blocks: Sequence[int]) -> list[bytes]:
         """Device blocks' bytes (every tensor, in order) for the disk tier."""

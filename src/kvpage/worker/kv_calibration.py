@@ -70,9 +70,10 @@ Questions about lost luggage go to lost@harbour.example or to +44 1632 960 018, 
 """
 
 
-def calibrate_kv_transforms(lm, dtype: torch.dtype) -> str | None:
+def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False) -> str | None:
     """Give every attention layer of loaded model ``lm`` its transform for pages of ``dtype`` (once per dtype:
-    a model already calibrated for it is left as it is); returns the transforms' digest (None: the model
+    a model already calibrated for it is left as it is; ``channel_keys``: measured on int8 pages with keys per
+    channel); returns the transforms' digest (None: the model
     does best without them). Rank-local under tensor parallelism: every rank runs the same passes at the same
     point of its start-up, so the collectives inside the forward pair up, and every rank ends each pass with
     the same hidden states, so all make the same choice."""
@@ -95,7 +96,8 @@ def calibrate_kv_transforms(lm, dtype: torch.dtype) -> str | None:
     for parts in PARTS:  # which parts help is measured end to end: the hidden states' error over the text
         for a, t in zip(attends, full, strict=True):
             a.transforms[dtype] = t.parts(*parts)
-        errors[parts] = float((chunked_hidden(lm, ids, dtype, chunk=CHUNK) - ref).pow(2).mean())
+        hidden = chunked_hidden(lm, ids, dtype, chunk=CHUNK, channel_keys=channel_keys)
+        errors[parts] = float((hidden - ref).pow(2).mean())
     best = min(errors, key=errors.__getitem__)
     for a, t in zip(attends, full, strict=True):
         a.transforms[dtype] = t.parts(*best)

@@ -106,9 +106,10 @@ class ModelRunner:
         # share tensors, so with a window every group keeps rows unless the backend's packed loops take windows.
         packed_ok = (all(g.spec.window is None for g in layout.groups)
                      or attn.backend.packs_windows(kv_cache.tensors[0]))
+        # (residual-key groups have no attention of their own: their tables ride with their partner's metadata)
         self.builders = [attn.backend.metadata_builder(kv_cache.tensors[0], model.embed_tokens.weight.dtype,
                                                        attn.num_heads, window=g.spec.window, allow_packed=packed_ok)
-                         for g in layout.groups]
+                         for g in layout.groups if not g.spec.residual]
         self.layer_group = [layout.group(i) for i in range(layout.num_layers)]
         # the batch order the prompt kernels want (the first group that has any)
         self.prefill_min = next((b.prefill_min for b in self.builders if b.prefill_min is not None), None)
@@ -126,7 +127,7 @@ class ModelRunner:
             ids_long = {id(s) for s in long}
             batch = [s for s in batch if id(s) not in ids_long] + cached + fresh
         bs = self.block_size
-        num_groups = len(self.builders)
+        num_groups = len(self.layout.groups)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in range(num_groups)]
@@ -162,22 +163,29 @@ class ModelRunner:
         qsl_t = torch.tensor(qsl, dtype=torch.long)
         lens_t = torch.tensor(seq_lens, dtype=torch.long)
         commons, metas = [], []
-        for g, builder in enumerate(self.builders):
+
+        def block_tables(g: int) -> torch.Tensor:
             # one tensor from padded rows (a tensor per sequence cost ~0.6 ms per 100-sequence step); entries a
             # sliding window dropped (-1) become block 0, which no kernel reads
             padded = []
             for tables, end in zip(tables_of, seq_lens, strict=True):
                 row = [b if b >= 0 else 0 for b in tables[g][: -(-end // bs)]]
                 padded.append(row + [0] * (max_blocks - len(row)))
+            return torch.tensor(padded, dtype=torch.long).reshape(len(batch), max_blocks)
+
+        for g, builder in enumerate(self.builders):
+            r = self.layout.residual_of.get(g)
             common = AttentionMetadata(
                 slot_mapping=torch.tensor(slots[g], dtype=torch.long),
-                block_tables=torch.tensor(padded, dtype=torch.long).reshape(len(batch), max_blocks),
+                block_tables=block_tables(g),
                 query_start_loc=qsl_t,
                 seq_lens=lens_t,
                 block_size=bs,
                 query_lens_list=query_lens,
                 seq_lens_list=seq_lens,
                 window=self.layout.groups[g].spec.window,
+                residual_slot_mapping=None if r is None else torch.tensor(slots[r], dtype=torch.long),
+                residual_block_tables=None if r is None else block_tables(r),
             )
             commons.append(common)
             metas.append(builder.build(common))

@@ -15,24 +15,25 @@ from kvpage.worker.model_runner import ModelRunner, ScheduledSeq
 
 
 def chunked_logits(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32,
-                   block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+                   block_size: int = DEFAULT_BLOCK_SIZE, channel_keys: bool = False) -> torch.Tensor:
     """float32 logits ``[len(ids), vocab]`` of loaded model ``lm`` over a fresh cache of ``kv_dtype``. Chunks
     below the prompt kernels' threshold go to the paged kernel, which reads each chunk's keys back from the
-    pages it has just written."""
-    return torch.cat(_feed(lm, ids, kv_dtype, chunk, block_size, logits=True))
+    pages it has just written. ``channel_keys``: int8 pages with keys per channel (and their residual keys)."""
+    return torch.cat(_feed(lm, ids, kv_dtype, chunk, block_size, True, channel_keys))
 
 
 def chunked_hidden(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int = 32,
-                   block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+                   block_size: int = DEFAULT_BLOCK_SIZE, channel_keys: bool = False) -> torch.Tensor:
     """The same pass, the final hidden states ``[len(ids), hidden]`` instead of logits (every tensor-parallel
     rank can run it: no gather to rank 0)."""
-    return torch.cat(_feed(lm, ids, kv_dtype, chunk, block_size, logits=False))
+    return torch.cat(_feed(lm, ids, kv_dtype, chunk, block_size, False, channel_keys))
 
 
-def _feed(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int, block_size: int, logits: bool) -> list:
-    layout = model_layout(lm.config)
+def _feed(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int, block_size: int, logits: bool,
+          channel_keys: bool) -> list:
+    layout = model_layout(lm.config, channel_keys)
     num_blocks = (-(-len(ids) // block_size) + 1) * len(layout.groups)
-    cache = KVCache(lm.config, num_blocks, block_size, kv_dtype, layout=layout)
+    cache = KVCache(lm.config, num_blocks, block_size, kv_dtype, layout=layout, channel_keys=channel_keys)
     hybrid = layout.hybrid
     n = cache.num_blocks
     m = HybridKVManager(cache.layout, n, block_size, watermark=0.0) if hybrid else KVCacheManager(

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+import torch
+
 from kvpage.attention.kv_quant import is_quantized
 from kvpage.config import CacheConfig, ModelRunConfig, fast_path, resolve_dtype
 from kvpage.core.beam import Candidates
@@ -86,10 +88,12 @@ class Worker:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds {cfg.name}'s context length {limit}")
         self.kv_dtype = self.lm.dtype if cc.kv_cache_dtype == "auto" else kv_torch_dtype(cc.kv_cache_dtype)
+        self.channel_keys = self._channel_keys()
         # quantized pages: each layer's exact key/value transform, before any block is written
-        self.kv_transform = calibrate_kv_transforms(self.lm, self.kv_dtype) if is_quantized(self.kv_dtype) else None
-        self.layout = model_layout(cfg)
-        self.bytes_per_block = kv_bytes_per_block(cfg, cc.block_size, self.kv_dtype, self.layout)
+        self.kv_transform = calibrate_kv_transforms(self.lm, self.kv_dtype, self.channel_keys) \
+            if is_quantized(self.kv_dtype) else None
+        self.layout = model_layout(cfg, self.channel_keys)
+        self.bytes_per_block = kv_bytes_per_block(cfg, cc.block_size, self.kv_dtype, self.layout, self.channel_keys)
         self.num_blocks = int(cc.kv_cache_memory) // self.bytes_per_block
         # a sequence of max_model_len tokens, in every group (a sliding-window group holds its window's blocks)
         per_seq = sum(g.spec.max_blocks(cc.block_size, self.max_model_len) for g in self.layout.groups)
@@ -105,7 +109,7 @@ class Worker:
         if cc.offload:
             self._check_offload(cc)
         self.kv_cache = KVCache(cfg, self.num_blocks, cc.block_size, self.kv_dtype, self.num_swap_blocks, self.layout,
-                                huge_pages=cc.huge_pages)
+                                huge_pages=cc.huge_pages, channel_keys=self.channel_keys)
         if cc.kv_prefault:
             self.kv_cache.prefault()
         self.runner = ModelRunner(self.lm.model, self.kv_cache)
@@ -114,6 +118,10 @@ class Worker:
         self._blocked: dict[str, tuple[int, ...]] = {}  # the current step's blocked ids per sampling sequence
         # the steps' float32 logits, in one buffer kept from step to step (sampled before the next step runs)
         self._logits_buffer = LogitsBuffer()
+
+    def _channel_keys(self) -> bool:
+        """Whether int8 pages keep their keys per channel (``KVPAGE_INT8_KEYS=channel``, attention/kv_channel.py)."""
+        return self.kv_dtype == torch.int8 and self.kernel_config.int8_keys == "channel"
 
     def describe(self) -> str:
         cc = self.cache_config
@@ -128,7 +136,8 @@ class Worker:
         return (
             f"KV cache: {self.num_blocks} blocks x {cc.block_size} tokens = {self.num_blocks * cc.block_size} tokens "
             f"in "
-            f"{format_bytes(self.num_blocks * self.bytes_per_block)} ({kv_dtype_name(self.kv_dtype)}, "
+            f"{format_bytes(self.num_blocks * self.bytes_per_block)} ({kv_dtype_name(self.kv_dtype)}"
+            f"{', keys per channel' if self.channel_keys else ''}, "
             f"{format_bytes(self.bytes_per_block)}/block){groups}; max concurrency at max_model_len "
             f"{self.max_model_len}: {self.num_blocks / per_seq:.2f}x; swap space: {self.num_swap_blocks} blocks"
             f"{huge}{tp}"

@@ -48,11 +48,13 @@ class CpuAttentionMetadata:
     fresh_plan: Any = None
     fresh_scratch: torch.Tensor | None = None
     fresh_first_rows: tuple[int, ...] = ()
+    # int8 pages with keys per channel: every row on their paged kernel (paged_attention_channel)
+    channel: bool = False
 
     @property
     def decode_only(self) -> bool:
-        """Every sequence is paged-kernel work (what the compiled decode layer stack runs)."""
-        return not self.cached_prefills and not self.fresh_prefills
+        """Every sequence is paged-kernel work on row pages (what the compiled decode layer stack runs)."""
+        return not self.cached_prefills and not self.fresh_prefills and not self.channel
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -67,6 +69,13 @@ class CpuMetadataBuilder:
         self.ops = backend.ops
         self.num_heads = num_heads
         self.window = window
+        # int8 pages with keys per channel ([blocks, page_bytes], attention/kv_channel.py): one paged kernel for
+        # every row, decode and prompt alike, planned at each step's block size
+        self.channel = kv_cache.dim() == 2
+        if self.channel:
+            self.num_blocks, self.packed, self.prompts_read_cache = kv_cache.shape[0], False, False
+            self.prefill_min, self.fresh_on_scratch = None, False
+            return
         self.num_blocks, self.block_size, self.kv_heads = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
         self.head_dim = head_dim_of(kv_cache)
         self.packed = allow_packed and backend.packed_layout(kv_cache, dtype)
@@ -87,11 +96,18 @@ class CpuMetadataBuilder:
         self.fresh_on_scratch = (backend.paged_prompts and not backend.amx_prefill and window is None
                                  and is_quantized(kv_cache.dtype) and dtype == torch.bfloat16)
 
-    def _plan(self, tables: torch.Tensor, qsl: torch.Tensor, lens: torch.Tensor):
-        return self.ops.plan_attention(tables, qsl, lens, self.num_heads, self.num_blocks, self.block_size,
-                                       self.window)
+    def _plan(self, tables: torch.Tensor, qsl: torch.Tensor, lens: torch.Tensor, block_size: int | None = None):
+        return self.ops.plan_attention(tables, qsl, lens, self.num_heads, self.num_blocks,
+                                       block_size or self.block_size, self.window)
 
     def build(self, common: AttentionMetadata) -> CpuAttentionMetadata:
+        if self.channel:
+            if common.residual_block_tables is None:
+                raise ValueError("int8 pages with keys per channel need the residual-key group's tables")
+            n = common.num_seqs
+            plan = self._plan(common.block_tables, common.query_start_loc, common.seq_lens, common.block_size)
+            return CpuAttentionMetadata(common, False, False, n, int(common.query_start_loc[-1]), (), (), plan,
+                                        channel=True)
         qlens, qsl = common.query_lens_list, common.query_start_loc
         n = len(qlens)
         minimum = self.prefill_min if self.prefill_min is not None else math.inf
@@ -174,6 +190,10 @@ class CpuPagedAttention:
 
     def forward(self, query, key, value, kv_cache, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
         ops, packed, common = self.ops, meta.packed, meta.common
+        if meta.channel:
+            ops.reshape_and_cache_channel(key, value, kv_cache, common.slot_mapping, common.residual_slot_mapping,
+                                          common.block_size)
+            return ops.paged_attention_channel(query, kv_cache, meta.plan, common.residual_block_tables, scale)
         ops.reshape_and_cache(key, value, kv_cache, common.slot_mapping, packed)
         if meta.decode_only:
             return ops.paged_attention(query, kv_cache, meta.plan, scale, packed)

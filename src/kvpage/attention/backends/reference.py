@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvpage.attention import kv_channel
 from kvpage.attention.backends.base import CommonMetadata, write_kv
 from kvpage.attention.kv_quant import dequantize_rows, is_quantized, read_keys
 from kvpage.attention.metadata import AttentionMetadata
@@ -26,10 +27,16 @@ class ReferenceAttention:
         return False  # one layout only
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(key, value, kv_cache, meta.slot_mapping)
         bs = meta.block_size
+        channel = kv_cache.dim() == 2  # int8 pages with keys per channel (attention/kv_channel.py)
+        if channel:
+            if meta.residual_slot_mapping is None or meta.residual_block_tables is None:
+                raise ValueError("int8 pages with keys per channel need the residual-key group's slots and tables")
+            kv_channel.write_pages(key, value, kv_cache, meta.slot_mapping, meta.residual_slot_mapping, bs)
+        else:
+            write_kv(key, value, kv_cache, meta.slot_mapping)
         out = torch.empty_like(query)
-        heads, kv_heads = query.shape[1], kv_cache.shape[3]
+        heads, kv_heads, dim = query.shape[1], key.shape[1], key.shape[2]
         gqa = heads != kv_heads
         quantized = is_quantized(kv_cache.dtype)
         start = 0
@@ -37,7 +44,12 @@ class ReferenceAttention:
             n_blocks = -(-ctx_len // bs)
             blocks = meta.block_tables[i, :n_blocks]
             # Gather this sequence's history through its block table: [ctx_len, kv_heads, dim].
-            if quantized:  # dequantized pages: codes x their row's scale, in float32
+            if channel:  # the filling block's keys from its residual block; placeholder blocks (before a window,
+                # masked below) may hold any bytes: zeroed, so that no NaN reaches the output through a 0 weight
+                filling = int(meta.residual_block_tables[i, ctx_len // bs]) if ctx_len % bs else 0
+                k = kv_channel.read_keys(kv_cache, blocks, filling, ctx_len, bs, kv_heads, dim).nan_to_num(0, 0, 0)
+                v = kv_channel.read_values(kv_cache, blocks, ctx_len, bs, kv_heads, dim).nan_to_num(0, 0, 0)
+            elif quantized:  # dequantized pages: codes x their row's scale, in float32
                 k = read_keys(kv_cache.view(torch.uint8)[0, blocks].view(kv_cache.dtype))
                 v = dequantize_rows(kv_cache.view(torch.uint8)[1, blocks].view(kv_cache.dtype))
                 k = k.reshape(n_blocks * bs, kv_heads, -1)[:ctx_len]

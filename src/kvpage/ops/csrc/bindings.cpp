@@ -45,6 +45,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("amx_decode") = true, py::arg("avx2_row_decode") = false, py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", py::arg("key"),
         py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("packed") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("reshape_and_cache_channel", &reshape_and_cache_channel,
+        "int8 pages with keys per channel: values as rows, keys to the residual, complete blocks rounded",
+        py::arg("key"), py::arg("value"), py::arg("pages"), py::arg("slot_mapping"), py::arg("residual_slots"),
+        py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention_channel", &paged_attention_channel,
+        "paged attention over int8 pages with keys per channel, filling blocks read from their residual blocks",
+        py::arg("query"), py::arg("pages"), py::arg("plan"), py::arg("residual_tables"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "varlen causal attention over a paged KV cache", py::arg("query"),
         py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("partition_size"), py::arg("packed") = false, py::arg("split_short") = true,

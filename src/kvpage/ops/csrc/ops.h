@@ -44,6 +44,11 @@ const char* paged_attention_quant(const torch::Tensor& query, const torch::Tenso
                            const kvpage::attn::AttentionPlan& plan, double scale, bool packed, torch::Tensor& out);
 void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
                              const torch::Tensor& slot_mapping, bool packed);
+// int8 pages with keys per channel (attention/paged_attention_channel.cpp, attention/channel_keys.h).
+void reshape_and_cache_channel(torch::Tensor key, torch::Tensor value, torch::Tensor pages, torch::Tensor slot_mapping,
+                               torch::Tensor residual_slots, int64_t block_size);
+torch::Tensor paged_attention_channel(torch::Tensor query, torch::Tensor pages, const kvpage::attn::AttentionPlan& plan,
+                                      torch::Tensor residual_tables, double scale);
 std::string last_decode_kernel();
 bool has_packed_layout();
 bool has_packed_int8_layout();

@@ -150,6 +150,88 @@ inline void dequantize_block(const uint8_t* base, int64_t row_stride, int64_t n,
   }
 }
 
+// One block run [t, t + n) of KV head h, its keys and values already float32 rows in L1 (kf, vf: [n][D]), for
+// the task's query rows of that head: scores, the running softmax and P.V into acc / m / l. sc: room for
+// nq * H * block_size scores. The float main loop every dequantizing path shares (rows of codes here, keys per
+// channel in paged_attention_channel.cpp).
+template <int64_t D>
+void attend_block_rows(const float* q, int64_t nq, int64_t H, int64_t G, int64_t h, const float* kf,
+                       const float* vf, int64_t t, int64_t n, int64_t pos0, int64_t window, int64_t block_size,
+                       int64_t dim, float* sc, float* acc, float* m, float* l) {
+  const int64_t Dd = D > 0 ? D : dim;
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
+    const int64_t first = window_first(window, pos0 + j, t, n);  // and keys before its window
+    if (visible <= first) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = j * H + h * G + g;
+      float* s = sc + r * block_size;
+      const float* qr = q + r * Dd;
+      float bmax = -std::numeric_limits<float>::infinity();
+      int64_t i = first;
+#if KVPAGE_ISA_AVX2
+      if constexpr (D > 0) {
+        __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        for (; i + 8 <= visible; i += 8) {
+          const __m256 d8 = dot8_f32<D>(qr, kf + i * D);
+          _mm256_storeu_ps(s + i, d8);
+          vmax = _mm256_max_ps(vmax, d8);
+        }
+        bmax = kvpage::hmax8(vmax);
+      }
+#endif
+      for (; i < visible; ++i) {
+        float dot = 0.f;
+        for (int64_t d = 0; d < Dd; ++d) dot += qr[d] * kf[i * Dd + d];
+        s[i] = dot;
+        bmax = std::max(bmax, dot);
+      }
+      const float new_m = std::max(m[r], bmax);
+      const float corr = exp_neg(m[r] - new_m);
+      float sum = 0.f;
+      i = first;
+#if KVPAGE_ISA_AVX2
+      {
+        const __m256 vm = _mm256_set1_ps(new_m);
+        __m256 vsum = _mm256_setzero_ps();
+        for (; i + 8 <= visible; i += 8) {
+          const __m256 w = kvpage::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+          _mm256_storeu_ps(s + i, w);
+          vsum = _mm256_add_ps(vsum, w);
+        }
+        sum = kvpage::hsum8(vsum);
+      }
+#endif
+      for (; i < visible; ++i) {
+        s[i] = exp_neg(s[i] - new_m);
+        sum += s[i];
+      }
+      l[r] = l[r] * corr + sum;
+      m[r] = new_m;
+      float* a = acc + r * Dd;
+#if KVPAGE_ISA_AVX2
+      if constexpr (D > 0) {
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+          const __m256 vc = _mm256_set1_ps(corr);
+          __m256 o[8];
+          for (int c = 0; c < 8; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(a + d0 + 8 * c), vc);
+          for (int64_t k = first; k < visible; ++k) {
+            const __m256 wv = _mm256_set1_ps(s[k]);
+            const float* v = vf + k * D + d0;
+            for (int c = 0; c < 8; ++c) o[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * c), o[c]);
+          }
+          for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + d0 + 8 * c, o[c]);
+        }
+        continue;
+      }
+#endif
+      for (int64_t d = 0; d < Dd; ++d) a[d] *= corr;
+      for (int64_t k = first; k < visible; ++k)
+        for (int64_t d = 0; d < Dd; ++d) a[d] += s[k] * vf[k * Dd + d];
+    }
+  }
+}
+
 // attend_tile for quantized rows and head size D (0: any, scalar), same contract as the other main loops: q
 // pre-scaled float32 (and rotated like the keys), rows r = j * H + head, row r sees keys <= pos0 + r / H (and
 // none before its window). Each block's K and V rows of a KV head are dequantized once into L1-resident float32
@@ -182,77 +264,7 @@ void attend_tile_quant(const float* q, int64_t nq, int64_t H, int64_t G, const u
 #endif
       dequantize_block<C, D>(kcache + phys * block_stride + off * row_stride + h * head_stride, row_stride, n, Dd, kf);
       dequantize_block<C, D>(vcache + phys * block_stride + off * row_stride + h * head_stride, row_stride, n, Dd, vf);
-      for (int64_t j = 0; j < nq; ++j) {
-        const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
-        const int64_t first = window_first(window, pos0 + j, t, n);  // and keys before its window
-        if (visible <= first) continue;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = j * H + h * G + g;
-          float* s = sc + r * block_size;
-          const float* qr = q + r * Dd;
-          float bmax = -std::numeric_limits<float>::infinity();
-          int64_t i = first;
-#if KVPAGE_ISA_AVX2
-          if constexpr (D > 0) {
-            __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-            for (; i + 8 <= visible; i += 8) {
-              const __m256 d8 = dot8_f32<D>(qr, kf + i * D);
-              _mm256_storeu_ps(s + i, d8);
-              vmax = _mm256_max_ps(vmax, d8);
-            }
-            bmax = kvpage::hmax8(vmax);
-          }
-#endif
-          for (; i < visible; ++i) {
-            float dot = 0.f;
-            for (int64_t d = 0; d < Dd; ++d) dot += qr[d] * kf[i * Dd + d];
-            s[i] = dot;
-            bmax = std::max(bmax, dot);
-          }
-          const float new_m = std::max(m[r], bmax);
-          const float corr = exp_neg(m[r] - new_m);
-          float sum = 0.f;
-          i = first;
-#if KVPAGE_ISA_AVX2
-          {
-            const __m256 vm = _mm256_set1_ps(new_m);
-            __m256 vsum = _mm256_setzero_ps();
-            for (; i + 8 <= visible; i += 8) {
-              const __m256 w = kvpage::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
-              _mm256_storeu_ps(s + i, w);
-              vsum = _mm256_add_ps(vsum, w);
-            }
-            sum = kvpage::hsum8(vsum);
-          }
-#endif
-          for (; i < visible; ++i) {
-            s[i] = exp_neg(s[i] - new_m);
-            sum += s[i];
-          }
-          l[r] = l[r] * corr + sum;
-          m[r] = new_m;
-          float* a = acc + r * Dd;
-#if KVPAGE_ISA_AVX2
-          if constexpr (D > 0) {
-            for (int64_t d0 = 0; d0 < D; d0 += 64) {
-              const __m256 vc = _mm256_set1_ps(corr);
-              __m256 o[8];
-              for (int c = 0; c < 8; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(a + d0 + 8 * c), vc);
-              for (int64_t k = first; k < visible; ++k) {
-                const __m256 wv = _mm256_set1_ps(s[k]);
-                const float* v = vf + k * D + d0;
-                for (int c = 0; c < 8; ++c) o[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * c), o[c]);
-              }
-              for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + d0 + 8 * c, o[c]);
-            }
-            continue;
-          }
-#endif
-          for (int64_t d = 0; d < Dd; ++d) a[d] *= corr;
-          for (int64_t k = first; k < visible; ++k)
-            for (int64_t d = 0; d < Dd; ++d) a[d] += s[k] * vf[k * Dd + d];
-        }
-      }
+      attend_block_rows<D>(q, nq, H, G, h, kf, vf, t, n, pos0, window, block_size, Dd, sc, acc, m, l);
     }
     t += n;
   }
