@@ -135,3 +135,36 @@ def test_kv_huge_pages_option_reaches_the_cache():
     assert CacheConfig().huge_pages is False and CacheConfig(kv_prefault=True).huge_pages is True
     if _thp_mode() in ("madvise", "always"):
         assert on.kv_cache.huge_page_bytes > 0 and "2 MiB pages advised" in on.describe()
+
+
+def test_channel_pages_move_whole_blocks_with_their_keys_and_residuals():
+    """KVCache of int8 pages with keys per channel: one [blocks, page_bytes] tensor per layer of a group; a
+    block copy, a swap out and in, and the disk tier's bytes carry every byte of a block (rounded keys, value
+    rows, or a residual block's unrounded keys); the worker sizes its pool in those pages."""
+    import torch
+
+    from kvpage.attention.kv_channel import page_bytes
+    from kvpage.model.loader import load_model
+    from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, model_layout
+
+    cfg = load_model().config
+    layout = model_layout(cfg, channel_keys=True)
+    assert [g.spec.kind for g in layout.groups] == ["full", "residual"] and layout.residual_of == {0: 1}
+    cache = KVCache(cfg, 6, 32, torch.int8, num_host_blocks=3, layout=layout, channel_keys=True)
+    page = page_bytes(32, cfg.num_kv_heads, cfg.head_dim)
+    assert [tuple(t.shape) for t in cache.tensors] == [(6, page)] * cfg.num_layers
+    assert cache.block_nbytes == kv_bytes_per_block(cfg, 32, torch.int8, layout, channel_keys=True)
+    for t in cache.tensors:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+    before = [t.clone() for t in cache.tensors]
+    cache.copy_blocks([(1, 4)])
+    cache.swap_out([(2, 0)])
+    cache.swap_in([(0, 5)])
+    payload = cache.read_blocks([3])[0]
+    cache.write_blocks([(payload, 0)])
+    for t, b in zip(cache.tensors, before, strict=True):
+        assert torch.equal(t[4], b[1]) and torch.equal(t[5], b[2]) and torch.equal(t[0], b[3])
+    with pytest.raises(ValueError, match="format of int8 pages"):
+        KVCache(cfg, 6, 32, torch.bfloat16, layout=layout, channel_keys=True)
+    with pytest.raises(ValueError, match="residual-key groups"):
+        KVCache(cfg, 6, 32, torch.int8, channel_keys=True)

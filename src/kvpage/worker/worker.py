@@ -88,7 +88,8 @@ class Worker:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds {cfg.name}'s context length {limit}")
         self.kv_dtype = self.lm.dtype if cc.kv_cache_dtype == "auto" else kv_torch_dtype(cc.kv_cache_dtype)
-        self.channel_keys = self._channel_keys()
+        # int8 pages with keys per channel (KVPAGE_INT8_KEYS=channel, attention/kv_channel.py)
+        self.channel_keys = self.kv_dtype == torch.int8 and self.kernel_config.int8_keys == "channel"
         # quantized pages: each layer's exact key/value transform, before any block is written
         self.kv_transform = calibrate_kv_transforms(self.lm, self.kv_dtype, self.channel_keys) \
             if is_quantized(self.kv_dtype) else None
@@ -118,10 +119,6 @@ class Worker:
         self._blocked: dict[str, tuple[int, ...]] = {}  # the current step's blocked ids per sampling sequence
         # the steps' float32 logits, in one buffer kept from step to step (sampled before the next step runs)
         self._logits_buffer = LogitsBuffer()
-
-    def _channel_keys(self) -> bool:
-        """Whether int8 pages keep their keys per channel (``KVPAGE_INT8_KEYS=channel``, attention/kv_channel.py)."""
-        return self.kv_dtype == torch.int8 and self.kernel_config.int8_keys == "channel"
 
     def describe(self) -> str:
         cc = self.cache_config
