@@ -108,11 +108,8 @@ def channel(model: str, positions: int, chunks: tuple[int, ...], block_size: int
     lm = load_model(model, dtype="float32", attention_backend=backend)
     ids = lm.tokenizer.encode(fixed_text())[: positions + 1]
     ref = chunked_logits(lm, ids, torch.float32, block_size=block_size)[:-1].argmax(-1)
-    attends = [layer.self_attn.attend for layer in lm.model.layers]
     rows = []
     for keys in ("rows", "channel"):
-        for a in attends:
-            a.transforms.pop(torch.int8, None)
         calibrate_kv_transforms(lm, torch.int8, channel_keys=keys == "channel")
         for chunk in chunks:
             top = chunked_logits(lm, ids, torch.int8, chunk=chunk, block_size=block_size,
@@ -120,8 +117,6 @@ def channel(model: str, positions: int, chunks: tuple[int, ...], block_size: int
             rows.append({"model": lm.config.name, "int8 keys": keys, "chunk": chunk, "block_size": block_size,
                          "backend": lm.model.layers[0].self_attn.backend.name,
                          "positions": len(top), "top1_agreement": float((top == ref).float().mean())})
-    for a in attends:
-        a.transforms.pop(torch.int8, None)
     return rows
 
 

@@ -54,6 +54,9 @@ def test_swaps_forks_and_hits_read_the_keys_a_roomy_run_reads(tiny, backend):
     roomy = engine(tiny, 400, backend)
     worker = roomy.engine.worker
     assert worker.lm.model.layers[0].self_attn.backend.name == backend and worker.bytes_per_block == _page(tiny)
+    # calibrated under the dtype its layers look their transform up by: the cache tensors' (bytes)
+    pages = worker.kv_cache.tensors[0].dtype
+    assert all(pages in layer.self_attn.attend.transforms for layer in worker.lm.model.layers)
     assert [g.spec.kind for g in roomy.engine.worker.layout.groups][-1] == "residual"
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, GREEDY, use_tqdm=False)]
     assert roomy.engine.stats()["preemptions"] == 0

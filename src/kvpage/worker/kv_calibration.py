@@ -71,15 +71,16 @@ Questions about lost luggage go to lost@harbour.example or to +44 1632 960 018, 
 
 
 def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False) -> str | None:
-    """Give every attention layer of loaded model ``lm`` its transform for pages of ``dtype`` (once per dtype:
-    a model already calibrated for it is left as it is; ``channel_keys``: measured on int8 pages with keys per
-    channel); returns the transforms' digest (None: the model
-    does best without them). Rank-local under tensor parallelism: every rank runs the same passes at the same
-    point of its start-up, so the collectives inside the forward pair up, and every rank ends each pass with
-    the same hidden states, so all make the same choice."""
+    """Give every attention layer of loaded model ``lm`` its transform for pages of ``dtype`` (once per dtype: a model
+    already calibrated for it is left as it is); returns the transforms' digest (None: the model does best
+    without them). ``channel_keys``: int8 pages with keys per channel, whose tensors are bytes (uint8): their
+    transforms are kept under that dtype, apart from int8 rows'. Rank-local under tensor parallelism: every rank
+    runs the same passes at the same point of its start-up, so the collectives inside the forward pair up, and
+    every rank ends each pass with the same hidden states, so all make the same choice."""
     attends: list[LayerAttend] = [layer.self_attn.attend for layer in lm.model.layers]
-    if all(dtype in a.transforms for a in attends):
-        return transforms_fingerprint(attends, dtype)
+    key = torch.uint8 if channel_keys else dtype  # the cache tensors' dtype, which LayerAttend looks up
+    if all(key in a.transforms for a in attends):
+        return transforms_fingerprint(attends, key)
     t0 = time.perf_counter()
     ids = lm.tokenizer.encode(CALIBRATION_TEXT)[:CALIBRATION_TOKENS]
     for a in attends:
@@ -95,14 +96,15 @@ def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False) 
     errors = {}
     for parts in PARTS:  # which parts help is measured end to end: the hidden states' error over the text
         for a, t in zip(attends, full, strict=True):
-            a.transforms[dtype] = t.parts(*parts)
+            a.transforms[key] = t.parts(*parts)
         hidden = chunked_hidden(lm, ids, dtype, chunk=CHUNK, channel_keys=channel_keys)
         errors[parts] = float((hidden - ref).pow(2).mean())
     best = min(errors, key=errors.__getitem__)
     for a, t in zip(attends, full, strict=True):
-        a.transforms[dtype] = t.parts(*best)
-    digest = transforms_fingerprint(attends, dtype)
-    logger.info("%s pages: key transform %s, value transform %s (hidden-state error %s), from %d tokens in "
-                "%.2f s (digest %s)", dtype, *("on" if b else "off" for b in best),
+        a.transforms[key] = t.parts(*best)
+    digest = transforms_fingerprint(attends, key)
+    logger.info("%s pages%s: key transform %s, value transform %s (hidden-state error %s), from %d tokens in "
+                "%.2f s (digest %s)", dtype, " (keys per channel)" if channel_keys else "",
+                *("on" if b else "off" for b in best),
                 ", ".join(f"{k}: {e:.3g}" for k, e in errors.items()), len(ids), time.perf_counter() - t0, digest)
     return digest
