@@ -299,10 +299,11 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
         del base, rows
     caches["int8-channel"] = channel_pages(ops, seqs, context, tables, kv_heads, dim, bs, gen, huge_pages)
     residual = torch.zeros_like(tables)  # contexts of whole blocks: no sequence reads a residual block
+    channel_plan = ops.plan_attention(tables, qsl, lens, heads, caches["int8-channel"].shape[0], bs)
 
     def run(name: str, cache: torch.Tensor) -> None:
         if name == "int8-channel":
-            ops.paged_attention_channel(q, cache, plan, residual, dim**-0.5)
+            ops.paged_attention_channel(q, cache, channel_plan, residual, dim**-0.5)
         else:
             ops.paged_attention(q, cache, plan, dim**-0.5, name in packed_names)
 
