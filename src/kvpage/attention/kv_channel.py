@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpage.attention.kv_quant import cache_row_width
+from kvpage.attention.kv_quant import cache_row_width, dequantize_rows, quantize_rows
 
 _WIDEN = 1 + 2**-7  # past bf16's rounding (at most 2^-9 relative), so a unit never falls short of what it covers
 _TINY = 1e-30
@@ -145,8 +145,6 @@ def write_pages(key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, slo
     """Each new token's value as an int8 row at its slot and its key, unrounded, at its residual slot; then
     every block whose last key this write brought is rounded per channel from its residual block into its
     page (a prompt chunk rounds all the blocks it completes)."""
-    from kvpage.attention.kv_quant import quantize_rows
-
     bs = block_size
     keys, values, residual = _views(pages, bs, key.shape[1], key.shape[2])
     blocks, offs = slots // bs, slots % bs
@@ -177,8 +175,6 @@ def read_keys(pages: torch.Tensor, table: torch.Tensor, residual_block: int, num
 def read_values(pages: torch.Tensor, table: torch.Tensor, num_keys: int, block_size: int, kv_heads: int,
                 head_dim: int) -> torch.Tensor:
     """A sequence's first ``num_keys`` values, float32 ``[num_keys, heads, D]``."""
-    from kvpage.attention.kv_quant import dequantize_rows
-
     _, values, _ = _views(pages, block_size, kv_heads, head_dim)
     n = -(-num_keys // block_size)
     return dequantize_rows(values[table[:n]]).reshape(n * block_size, kv_heads, head_dim)[:num_keys]
