@@ -92,8 +92,7 @@ def block_bytes(block_size: int, head_dim: int) -> int:
 
 def capacity_vs_bf16(block_size: int, head_dim: int) -> float:
     """Tokens per GiB against a bf16 cache, with keys per channel and values as int8 rows (kv_quant.py)."""
-    value_rows = block_size * cache_row_width(head_dim, torch.int8)
-    return 2 * block_size * head_dim * 2 / (block_bytes(block_size, head_dim) + value_rows)
+    return 2 * block_size * head_dim * 2 / page_bytes(block_size, 1, head_dim)
 
 
 def to_bytes(c: ChannelKeys) -> torch.Tensor:
@@ -127,6 +126,12 @@ def from_bytes(raw: torch.Tensor, block_size: int, head_dim: int) -> ChannelKeys
 def page_bytes(block_size: int, kv_heads: int, head_dim: int) -> int:
     """Bytes of one block of one layer: keys per channel, then values as int8 rows."""
     return kv_heads * (block_bytes(block_size, head_dim) + block_size * cache_row_width(head_dim, torch.int8))
+
+
+def is_channel_pages(kv_cache: torch.Tensor) -> bool:
+    """Whether a layer's cache tensor holds these pages (``[num_blocks, page_bytes]`` bytes), not the
+    ``[2, num_blocks, block_size, heads, width]`` rows of every other cache."""
+    return kv_cache.dim() == 2
 
 
 def _views(pages: torch.Tensor, block_size: int, kv_heads: int, head_dim: int):

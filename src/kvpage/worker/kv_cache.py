@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from kvpage import dtypes
-from kvpage.attention.kv_channel import page_bytes
+from kvpage.attention.kv_channel import is_channel_pages, page_bytes
 from kvpage.attention.kv_quant import cache_row_width
 from kvpage.capacity import KVShape
 from kvpage.kv.specs import KVLayout, group_layers, with_residual_keys
@@ -134,7 +134,7 @@ def as_block_major(cache: torch.Tensor, huge_pages: bool = False) -> torch.Tenso
 def _block_rows(t: torch.Tensor) -> torch.Tensor:
     """A ``[2, num_blocks, ...]`` cache tensor's block-major storage as ``[num_blocks, bytes]`` (a view); pages
     of int8 keys per channel are that already."""
-    if t.dim() == 2:
+    if is_channel_pages(t):
         return t
     return t.transpose(0, 1).reshape(t.shape[1], -1).view(torch.uint8)
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvpage.attention.kv_channel import is_channel_pages
 from kvpage.attention.kv_quant import head_dim_of, is_quantized
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.ops import Kernels
@@ -71,7 +72,7 @@ class CpuMetadataBuilder:
         self.window = window
         # int8 pages with keys per channel ([blocks, page_bytes], attention/kv_channel.py): one paged kernel for
         # every row, decode and prompt alike, planned at each step's block size
-        self.channel = kv_cache.dim() == 2
+        self.channel = is_channel_pages(kv_cache)
         if self.channel:
             self.num_blocks, self.packed, self.prompts_read_cache = kv_cache.shape[0], False, False
             self.prefill_min, self.fresh_on_scratch = None, False

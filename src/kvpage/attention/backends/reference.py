@@ -28,7 +28,7 @@ class ReferenceAttention:
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         bs = meta.block_size
-        channel = kv_cache.dim() == 2  # int8 pages with keys per channel (attention/kv_channel.py)
+        channel = kv_channel.is_channel_pages(kv_cache)
         if channel:
             if meta.residual_slot_mapping is None or meta.residual_block_tables is None:
                 raise ValueError("int8 pages with keys per channel need the residual-key group's slots and tables")
