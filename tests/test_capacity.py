@@ -133,3 +133,26 @@ def test_layer_types_gemma3_270m_at_32k():
     assert h.ratio > 5
     at_8k = next(r for r in plan.context_table if r["context_len"] == 8192)
     assert at_8k["hybrid_request_bytes_per_rank"] == 24 * 2**20 + 15 * 33 * 16 * 1024
+
+
+def test_int8_pages_with_keys_per_channel_are_priced_by_the_block_with_the_residual_block():
+    shape = KVShape("s", 30, 3, 64, "int8", int8_keys="channel")
+    page = 3 * (32 * 64 + 2 * 64 + 4 + 32 * 66)  # per head: key codes, zero + step codes, units; value rows
+    assert shape.bytes_per_block(32) == 30 * page and shape.bytes_per_block(32, 1, 2) == 2 * page // 3
+    assert shape.bytes_per_token(block_size=32) == 30 * page / 32
+    plan = plan_capacity(shape, 1000 * 30 * page + 5, block_size=32, context_len=4096, max_model_len=8192)
+    assert (plan.num_blocks, plan.blocks_per_request) == (1000, 4096 // 32 + 1)  # + the filling block's keys
+    assert plan.paged_max_requests == 1000 // 129 and plan.request_bytes_per_rank == 129 * 30 * page
+    # the other dtypes ignore the choice; an unknown one is an error
+    assert KVShape("s", 30, 3, 64, "bfloat16", int8_keys="channel").bytes_per_block(32) == 30 * 3 * 2 * 128 * 32
+    with pytest.raises(ValueError, match="int8_keys"):
+        KVShape("s", 30, 3, 64, "int8", int8_keys="columns")
+
+
+def test_hybrid_plan_with_keys_per_channel_counts_each_groups_residual_block():
+    windows = tuple(512 if i % 6 != 5 else None for i in range(18))  # Gemma 3's five sliding to one global
+    shape = KVShape("g", 18, 1, 256, "int8", windows=windows, int8_keys="channel")
+    h = plan_capacity(shape, 2**30, block_size=32, context_len=8192, max_model_len=8192).hybrid
+    # 6 groups of 3 layers: 5 sliding (ceil(511 / 32) + 1 = 17 blocks), 1 full (256), and 6 residual blocks
+    assert h.blocks_per_request_hybrid == 5 * 17 + 256 + 6 and h.blocks_per_request_full == 6 * 256 + 6
+    assert h.bytes_per_block == shape.bytes_per_block(32, 1, 3)

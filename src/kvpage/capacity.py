@@ -8,6 +8,10 @@ Formulas (tensor payload only; weights, activations and runtime buffers are budg
 * under tensor parallelism the KV heads are split evenly over the ranks when they divide; otherwise every
   rank keeps all of them (the conservative replicated budget)
 * bytes/block = bytes/token (per rank) x block_size; blocks = floor(budget / bytes/block)
+* int8 pages with keys per channel (``KVPAGE_INT8_KEYS=channel``, attention/kv_channel.py) are priced by the
+  block: per layer and KV head n·D key codes + D zero codes + D step codes + 4 bytes of units, then n value
+  rows of D + 2 bytes; each sequence also holds one block per KV group for its filling block's unrounded keys
+  (the residual group, kv/residual.py)
 * paged: a request of C tokens holds ceil(C / block_size) blocks -> max concurrency floor(blocks / that)
 * static reservation: every request holds ceil(max_model_len / block_size) blocks whatever its length
 * tail-waste estimate (the paper's "under 4%" figure): floor(budget / (C x bytes/token x (1 + tail)))
@@ -56,6 +60,8 @@ class KVShape:
     source: str = "explicit"
     # per layer: its sliding window in positions, None for full attention (None: every layer full)
     windows: tuple[int | None, ...] | None = None
+    # int8 pages' keys (KVPAGE_INT8_KEYS): "rows" (a scale per token and head) or "channel" (per channel)
+    int8_keys: str = "rows"
 
     def __post_init__(self) -> None:
         for n in ("num_layers", "num_kv_heads", "head_dim"):
@@ -65,6 +71,20 @@ class KVShape:
         dtype_bytes(self.dtype)
         if self.windows is not None and len(self.windows) != self.num_layers:
             raise ValueError(f"windows must give one entry per layer ({self.num_layers}), got {len(self.windows)}")
+        if self.int8_keys not in ("rows", "channel"):
+            raise ValueError(f"int8_keys must be 'rows' or 'channel', got {self.int8_keys!r}")
+        if self.channel_keys and self.v_head_dim not in (None, self.head_dim):
+            raise ValueError("int8 pages with keys per channel need values as wide as keys")
+
+    @property
+    def channel_keys(self) -> bool:
+        """int8 pages whose keys are rounded per channel (the other dtypes ignore ``int8_keys``)."""
+        return self.int8_keys == "channel" and lookup(self.dtype).name == "int8"
+
+    @property
+    def residual_blocks(self) -> int:
+        """Blocks each running sequence holds per KV group beyond its tokens' own: its residual block."""
+        return 1 if self.channel_keys else 0
 
     @property
     def hybrid(self) -> bool:
@@ -74,12 +94,36 @@ class KVShape:
     def dtype_bytes(self) -> float:
         return dtype_bytes(self.dtype)
 
-    def bytes_per_token(self, num_kv_heads: int | None = None) -> int:
-        """Every layer's K and V rows of one token, a quantized cache's scales included."""
+    def bytes_per_token(self, num_kv_heads: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+        """Every layer's K and V of one token, a quantized cache's scales included (an int: rows are whole
+        bytes per token); for keys per channel a block's bytes shared by its ``block_size`` tokens."""
+        if self.channel_keys:
+            return self.bytes_per_block(block_size, num_kv_heads) / block_size
         heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
         width = self.head_dim + (self.v_head_dim or self.head_dim)
         scales = 2 * lookup(self.dtype).scale_bytes
         return int(self.num_layers * heads * (width * self.dtype_bytes + scales))
+
+    def bytes_per_block(self, block_size: int, num_kv_heads: int | None = None, num_layers: int | None = None) -> int:
+        """One pool block over ``num_layers`` layers (default: all of them): what the engine's pool, the
+        planner and the simulator divide a budget by."""
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        layers = self.num_layers if num_layers is None else num_layers
+        if self.channel_keys:
+            return layers * channel_page_bytes(block_size, heads, self.head_dim)
+        return layers * int(self.bytes_per_token(heads)) // self.num_layers * block_size
+
+
+def channel_block_bytes(block_size: int, head_dim: int) -> int:
+    """One block's keys per channel for one KV head: the codes, a zero and a step code per channel, two
+    bfloat16 units (attention/kv_channel.py)."""
+    return block_size * head_dim + 2 * head_dim + 4
+
+
+def channel_page_bytes(block_size: int, kv_heads: int, head_dim: int) -> int:
+    """One block of one layer with keys per channel: every head's keys, then the values as int8 rows (a bfloat16
+    scale each)."""
+    return kv_heads * (channel_block_bytes(block_size, head_dim) + block_size * lookup("int8").kv_row_bytes(head_dim))
 
 
 def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> tuple[int, str]:
@@ -131,20 +175,23 @@ class HybridCapacity:
 def hybrid_capacity(shape: KVShape, kv_memory_bytes: int, block_size: int, context_len: int,
                     heads: int) -> HybridCapacity:
     """Blocks and bytes a request holds at ``context_len`` when sliding layers keep only their window."""
-    from kvpage.kv.specs import group_layers
+    from kvpage.kv.specs import KVSpec, group_layers, with_residual_keys
 
     layout = group_layers(list(shape.windows or ()))
-    per_layer = shape.bytes_per_token(heads) // shape.num_layers
-    bpb = per_layer * layout.layers_per_group * block_size
+    if shape.channel_keys:
+        layout = with_residual_keys(layout)
+    per_layer = shape.bytes_per_block(block_size, heads, 1) / block_size
+    bpb = shape.bytes_per_block(block_size, heads, layout.layers_per_group)
     num_blocks = kv_memory_bytes // bpb
-    blocks_full = len(layout.groups) * math.ceil(context_len / block_size)
+    full = KVSpec()
+    blocks_full = sum((g.spec if g.spec.residual else full).max_blocks(block_size, context_len) for g in layout.groups)
     blocks_hybrid = sum(g.spec.max_blocks(block_size, context_len) for g in layout.groups)
     windows = {w for w in shape.windows or () if w is not None}
     sliding = sum(1 for w in shape.windows or () if w is not None)
     window_blocks = sum(g.spec.max_blocks(block_size, context_len) for g in layout.groups if g.spec.window)
     return HybridCapacity(
         groups=layout.describe(), full_layers=shape.num_layers - sliding, sliding_layers=sliding,
-        window=max(windows), bytes_per_token_full_layers=per_layer * (shape.num_layers - sliding),
+        window=max(windows), bytes_per_token_full_layers=round(per_layer * (shape.num_layers - sliding)),
         window_bytes_per_request=window_blocks * bpb, bytes_per_block=bpb, num_blocks=num_blocks,
         request_bytes_full=blocks_full * bpb, request_bytes_hybrid=blocks_hybrid * bpb,
         blocks_per_request_full=blocks_full, blocks_per_request_hybrid=blocks_hybrid,
@@ -160,15 +207,15 @@ class CapacityPlan:
     tensor_parallel_size: int
     kv_heads_per_rank: int
     tp_layout: str
-    bytes_per_token: int  # whole model, all ranks together (replicated heads counted once)
-    bytes_per_token_per_rank: int
+    bytes_per_token: float  # whole model, all ranks together (replicated heads counted once)
+    bytes_per_token_per_rank: float  # keys per channel: a block's bytes over its tokens
     bytes_per_block: int  # per rank
     num_blocks: int
     token_slots: int
     context_len: int
     max_model_len: int
-    request_bytes_per_rank: int  # one request at context_len, exact
-    blocks_per_request: int
+    request_bytes_per_rank: int  # one request at context_len, exact (keys per channel: whole blocks)
+    blocks_per_request: int  # with keys per channel, the residual group's block too
     paged_max_requests: int
     static_blocks_per_request: int
     static_max_requests: int
@@ -215,16 +262,18 @@ def plan_capacity(
     if tail_waste is not None and not 0 <= tail_waste < 1:
         raise ValueError(f"tail waste must be a fraction in [0, 1), got {tail_waste}")
     heads, layout = kv_heads_per_rank(shape.num_kv_heads, tensor_parallel_size)
-    bpt_rank = shape.bytes_per_token(heads)
-    bpb = bpt_rank * block_size
+    bpb = shape.bytes_per_block(block_size, heads)
+    bpt_rank = shape.bytes_per_token(heads, block_size)
+    extra = shape.residual_blocks
     num_blocks = kv_memory_bytes // bpb
     if num_blocks == 0:
         raise ValueError(
             f"a KV budget of {kv_memory_bytes} bytes per rank holds no block of {bpb} bytes "
             f"(block_size {block_size}); did you forget a unit, e.g. 8GiB?"
         )
-    blocks_per_req = math.ceil(ctx / block_size)
-    static_blocks = math.ceil(max_len / block_size)
+    blocks_per_req = math.ceil(ctx / block_size) + extra
+    static_blocks = math.ceil(max_len / block_size) + extra
+    request_bytes = blocks_per_req * bpb if shape.channel_keys else ctx * bpt_rank
 
     tail_estimate = tail_bytes = None
     if tail_waste is not None:
@@ -239,17 +288,17 @@ def plan_capacity(
         if p + o > max_len:
             raise ValueError(f"mean prompt + output = {p + o} tokens exceeds max_model_len={max_len}")
         live = p + o / 2
-        slots = live + (block_size - 1) / 2
+        slots = live + (block_size - 1) / 2 + extra * block_size
         workload = WorkloadCapacity(
             mean_prompt_len=p,
             mean_output_len=o,
             mean_live_tokens=live,
             mean_slots_paged=slots,
             paged_average=math.floor(num_blocks * block_size / slots),
-            paged_peak=num_blocks // math.ceil((p + o) / block_size),
+            paged_peak=num_blocks // (math.ceil((p + o) / block_size) + extra),
             static=num_blocks // static_blocks,
             static_utilization=live / (static_blocks * block_size),
-            paged_utilization=live / slots,
+            paged_utilization=live / slots,  # the residual's block counts as slots here
         )
 
     table = []
@@ -257,9 +306,9 @@ def plan_capacity(
     while c <= max(max_len, ctx):
         row = {
             "context_len": c,
-            "request_bytes_per_rank": c * bpt_rank,
-            "request_bytes_total": c * shape.bytes_per_token(),
-            "paged_max_requests": num_blocks // math.ceil(c / block_size),
+            "request_bytes_per_rank": round(c * bpt_rank),
+            "request_bytes_total": round(c * shape.bytes_per_token(block_size=block_size)),
+            "paged_max_requests": num_blocks // (math.ceil(c / block_size) + extra),
         }
         if shape.hybrid:
             h = hybrid_capacity(shape, kv_memory_bytes, block_size, c, heads)
@@ -275,14 +324,14 @@ def plan_capacity(
         tensor_parallel_size=tensor_parallel_size,
         kv_heads_per_rank=heads,
         tp_layout=layout,
-        bytes_per_token=shape.bytes_per_token(),
+        bytes_per_token=shape.bytes_per_token(block_size=block_size),
         bytes_per_token_per_rank=bpt_rank,
         bytes_per_block=bpb,
         num_blocks=num_blocks,
         token_slots=num_blocks * block_size,
         context_len=ctx,
         max_model_len=max_len,
-        request_bytes_per_rank=ctx * bpt_rank,
+        request_bytes_per_rank=round(request_bytes),
         blocks_per_request=blocks_per_req,
         paged_max_requests=num_blocks // blocks_per_req,
         static_blocks_per_request=static_blocks,
@@ -299,4 +348,4 @@ def plan_capacity(
 def num_blocks_for_budget(shape: KVShape, kv_memory_bytes: int, block_size: int, tensor_parallel_size: int = 1) -> int:
     """Blocks a per-rank KV budget holds (what the engine sizes its pool with)."""
     heads, _ = kv_heads_per_rank(shape.num_kv_heads, tensor_parallel_size)
-    return kv_memory_bytes // (shape.bytes_per_token(heads) * block_size)
+    return kv_memory_bytes // shape.bytes_per_block(block_size, heads)

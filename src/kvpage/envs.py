@@ -59,7 +59,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "tp_vocab_head"),
     EnvVar("KVPAGE_INT8_KEYS", str, "rows", "int8 pages' keys: 'rows' (one scale per token and head, every backend) "
            "or 'channel' (a zero point and a step per channel over each complete block, the filling block's keys "
-           "held unrounded in a residual KV group)", "int8_keys",
+           "held unrounded in a residual KV group); `kvpage plan` and `kvpage simulate` price int8 pages by it unless "
+           "given `--int8-keys`", "int8_keys",
            ("rows", "channel")),
     EnvVar("KVPAGE_API_KEY", str, None, "the key `kvpage serve` requires (as --api-key; read by the serve command)"),
 )

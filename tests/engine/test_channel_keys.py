@@ -71,3 +71,33 @@ def test_swaps_forks_and_hits_read_the_keys_a_roomy_run_reads(tiny, backend):
     assert hit.num_cached_tokens > 0 and hit.outputs[0].token_ids == expected[1]
     drained(roomy)
     drained(tight)
+
+
+def test_planner_worker_and_simulator_price_the_pages_alike(tiny):
+    """`kvpage plan`, `kvpage simulate` and the engine's pool: the same bytes per block, blocks in a budget,
+    KV groups (the residual's included) and blocks a max_model_len sequence holds."""
+    from argparse import Namespace
+
+    from kvpage.capacity import plan_capacity
+    from kvpage.entrypoints.plan import shape_from_args
+    from kvpage.entrypoints.simulate import kv_pool_layout, load_model_config
+
+    worker = engine(tiny, 100, "reference").engine.worker
+    budget = 100 * _page(tiny) + 7
+    shape = shape_from_args(Namespace(model=tiny, layers=None, kv_heads=None, head_dim=None, dtype="int8",
+                                      int8_keys="channel"))
+    plan = plan_capacity(shape, budget, block_size=8, context_len=128, max_model_len=128)
+    per_seq = sum(g.spec.max_blocks(8, 128) for g in worker.layout.groups)
+    # the plan's block spans every layer, the pool's one group's
+    assert plan.bytes_per_block * worker.layout.layers_per_group == worker.bytes_per_block * shape.num_layers
+    if plan.hybrid:  # the window's group and its residual
+        assert (plan.hybrid.bytes_per_block, plan.hybrid.num_blocks) == (worker.bytes_per_block, worker.num_blocks)
+        assert plan.hybrid.blocks_per_request_hybrid == per_seq
+    else:
+        assert (plan.num_blocks, plan.blocks_per_request) == (worker.num_blocks, per_seq)
+    args = Namespace(model=tiny, dtype="float32", kv_cache_dtype="int8", int8_keys="channel", block_size=8,
+                     tensor_parallel_size=1)
+    layout, block_bytes = kv_pool_layout(args, load_model_config(tiny))
+    assert layout == worker.layout and block_bytes == worker.bytes_per_block
+    rows = kv_pool_layout(Namespace(**{**vars(args), "int8_keys": "rows"}), load_model_config(tiny))[1]
+    assert rows < block_bytes  # the channel parameters and nothing else: no residual block inside a page

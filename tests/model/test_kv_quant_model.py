@@ -64,16 +64,22 @@ def test_engine_runs_quantized_pages_with_hits_forks_and_swaps(kv_dtype):
 def test_planner_worker_and_simulator_agree_on_bytes_per_block():
     from argparse import Namespace
 
-    from kvpage.entrypoints.simulate import build_model
+    from kvpage.entrypoints.simulate import build_model, kv_pool_layout
 
     cfg = load_model().config
-    for name in ("bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"):
-        planner = KVShape(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name).bytes_per_token() * 16
-        worker = kv_bytes_per_block(cfg, 16, kv_torch_dtype(name))
-        sim = build_model(Namespace(model="SmolLM2-135M-Instruct", dtype="bfloat16", kv_cache_dtype=name))
-        assert planner == worker == sim.kv_bytes_per_token * 16, name
+    for name, keys, size in [(n, "rows", 16) for n in ("bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2")] + \
+            [("int8", "channel", 16), ("int8", "channel", 32)]:
+        shape = KVShape(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name, int8_keys=keys)
+        worker = kv_bytes_per_block(cfg, size, kv_torch_dtype(name), channel_keys=keys == "channel")
+        args = Namespace(model="SmolLM2-135M-Instruct", dtype="bfloat16", kv_cache_dtype=name, int8_keys=keys,
+                         block_size=size, tensor_parallel_size=1)
+        sim = build_model(args)
+        assert shape.bytes_per_block(size) == worker == kv_pool_layout(args, cfg)[1], (name, keys)
+        assert sim.kv_bytes_per_token * size == worker, (name, keys)
     # one byte per value and a 2-byte scale per K and per V row: 30 layers x 3 heads x 2 x (64 + 2) bytes
     assert kv_bytes_per_block(cfg, 16, torch.int8) == 30 * 3 * 2 * 66 * 16
+    # keys per channel: 32 x 64 codes, 64 zero and 64 step codes, 4 bytes of units, then 32 value rows of 66
+    assert kv_bytes_per_block(cfg, 32, torch.int8, channel_keys=True) == 30 * 3 * (32 * 64 + 128 + 4 + 32 * 66)
 
 
 @pytest.mark.slow

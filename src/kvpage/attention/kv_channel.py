@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpage.attention.kv_quant import cache_row_width, dequantize_rows, quantize_rows
+from kvpage.attention.kv_quant import dequantize_rows, quantize_rows
+from kvpage.capacity import channel_block_bytes, channel_page_bytes
 
 _WIDEN = 1 + 2**-7  # past bf16's rounding (at most 2^-9 relative), so a unit never falls short of what it covers
 _TINY = 1e-30
@@ -85,9 +86,8 @@ def dequantize_block_keys(c: ChannelKeys) -> torch.Tensor:
     return c.codes.float() * step + zero
 
 
-def block_bytes(block_size: int, head_dim: int) -> int:
-    """Bytes of one block's keys for one KV head, parameters included."""
-    return block_size * head_dim + 2 * head_dim + 4
+block_bytes = channel_block_bytes  # one block's keys for one KV head, parameters included
+page_bytes = channel_page_bytes  # one block of one layer: every head's keys, then the value rows
 
 
 def capacity_vs_bf16(block_size: int, head_dim: int) -> float:
@@ -121,11 +121,6 @@ def from_bytes(raw: torch.Tensor, block_size: int, head_dim: int) -> ChannelKeys
 # head), then the values as int8 rows ``[block_size, heads, D + 2]`` (kv_quant.py). A block of the residual-key
 # group (kv/residual.py) holds instead its sequence's unrounded keys, bfloat16 ``[block_size, heads, D]``, at
 # the start of the same bytes.
-
-
-def page_bytes(block_size: int, kv_heads: int, head_dim: int) -> int:
-    """Bytes of one block of one layer: keys per channel, then values as int8 rows."""
-    return kv_heads * (block_bytes(block_size, head_dim) + block_size * cache_row_width(head_dim, torch.int8))
 
 
 def is_channel_pages(kv_cache: torch.Tensor) -> bool:

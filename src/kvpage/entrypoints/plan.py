@@ -6,6 +6,7 @@ import argparse
 import json
 
 from kvpage.capacity import CapacityPlan, KVShape, canonical_dtype, plan_capacity
+from kvpage.envs import kernel_config
 from kvpage.kv import DEFAULT_BLOCK_SIZE
 from kvpage.model.registry import DEFAULT_MODEL, PRESETS, load_model_config
 from kvpage.units import format_bytes, parse_size
@@ -29,6 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head-dim", type=int, help="width of one K (and V) head")
     p.add_argument("--dtype", "--kv-cache-dtype", dest="dtype", default=None,
                    help="KV cache dtype: float32, float16/fp16, bfloat16/bf16, fp8 (default: the model's dtype)")
+    p.add_argument("--int8-keys", choices=("rows", "channel"), default=None,
+                   help="int8 pages' keys, as the engine's KVPAGE_INT8_KEYS (default: that variable's value)")
     p.add_argument("--kv-memory", default="4GiB", help="KV budget per rank, with units (default: 4GiB)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"tokens per block (default: {DEFAULT_BLOCK_SIZE})")
@@ -48,7 +51,8 @@ def shape_from_args(args: argparse.Namespace) -> KVShape:
     explicit = (args.layers, args.kv_heads, args.head_dim)
     if args.model is None and all(v is not None for v in explicit):
         return KVShape(name="explicit", num_layers=args.layers, num_kv_heads=args.kv_heads,
-                       head_dim=args.head_dim, dtype=canonical_dtype(args.dtype or "float16"))
+                       head_dim=args.head_dim, dtype=canonical_dtype(args.dtype or "float16"),
+                       int8_keys=args.int8_keys or kernel_config().int8_keys)
     if args.model is None and any(v is not None for v in explicit):
         raise ValueError("an explicit spec needs all of --layers, --kv-heads and --head-dim (or a --model to override)")
     cfg = load_model_config(args.model or DEFAULT_MODEL)
@@ -68,6 +72,7 @@ def shape_from_args(args: argparse.Namespace) -> KVShape:
         max_model_len=cfg.max_position_embeddings or None,
         source=cfg.source,
         windows=windows,
+        int8_keys=args.int8_keys or kernel_config().int8_keys,  # as the engine reads KVPAGE_INT8_KEYS
     )
 
 
@@ -97,8 +102,8 @@ def _row(label: str, value: str) -> str:
     return f"  {label:<48} {value}"
 
 
-def _n(x: int) -> str:
-    return f"{x:,}"
+def _n(x: float) -> str:
+    return f"{x:,}" if x == int(x) else f"{x:,.2f}"
 
 
 def render(plan: CapacityPlan) -> str:
@@ -113,7 +118,9 @@ def render(plan: CapacityPlan) -> str:
     lines = [
         f"Model            {s.name}  [{s.source}]",
         f"KV shape         {s.num_layers} layers x {heads} x head dim {s.head_dim}{vdim}, "
-        f"{s.dtype} ({s.dtype_bytes:g} B/value)",
+        f"{s.dtype} ({s.dtype_bytes:g} B/value" + (", keys per channel over each block, values as rows; each "
+                                                     "request holds one block more for its filling block's keys)"
+                                                     if s.channel_keys else ")"),
     ]
     if tp > 1:
         how = ("sharded evenly" if plan.tp_layout == "sharded"

@@ -12,10 +12,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvpage.capacity import KVShape, canonical_dtype, dtype_bytes
+from kvpage.capacity import KVShape, canonical_dtype, dtype_bytes, kv_heads_per_rank
 from kvpage.distributed.shard import check_tensor_parallel
+from kvpage.envs import kernel_config
 from kvpage.kv import ALLOCATORS
-from kvpage.kv.specs import group_layers
+from kvpage.kv.specs import KVLayout, group_layers, with_residual_keys
 from kvpage.kv.static import RESERVE_POLICIES
 from kvpage.model.config import ModelConfig
 from kvpage.model.registry import DEFAULT_MODEL, load_model_config
@@ -31,7 +32,7 @@ SWEEPABLE = (
     "enable_prefix_caching", "watermark", "preemption", "swap_space", "max_num_seqs", "max_num_batched_tokens",
     "num_requests", "rate", "prefix_len", "num_prefixes", "n", "beam_width", "beam_prune", "sigma",
     "prompt_median", "output_median", "seed", "kv_cache_dtype", "scheduling_policy", "enable_chunked_prefill",
-    "tensor_parallel_size", "kv_offload_memory",
+    "tensor_parallel_size", "kv_offload_memory", "int8_keys",
 )
 _D = SimConfig()  # the flags' defaults are the configuration's
 
@@ -104,6 +105,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache dtype when it differs from --dtype, as the engine's flag (e.g. bfloat16 under "
                         "float32 weights: half the KV bytes per token)")
+    c.add_argument("--int8-keys", choices=("rows", "channel"), default=None,
+                   help="int8 pages' keys, as the engine's KVPAGE_INT8_KEYS (default: that variable's value)")
     c.add_argument("--calibrate", help="step log or coefficients from benchmarks/sim_calibration.py")
     c.add_argument("--machine", default="xeon-amx",
                    help=f"machine profile for the roofline: {', '.join(MACHINE_PROFILES)}, or a JSON file from "
@@ -148,12 +151,19 @@ def _model_config(model: str) -> ModelConfig:
     return load_model_config(model)
 
 
+def kv_shape(args: argparse.Namespace) -> KVShape:
+    """The model's KV as the planner prices it (scales included; int8 keys as KVPAGE_INT8_KEYS says, as the
+    engine's)."""
+    cfg = _model_config(args.model)
+    kv_name = canonical_dtype(args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
+    return KVShape(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_name, v_head_dim=cfg.value_head_dim,
+                   int8_keys=args.int8_keys or kernel_config().int8_keys)
+
+
 def build_model(args: argparse.Namespace) -> ModelSpec:
     cfg = _model_config(args.model)
     b = dtype_bytes(canonical_dtype(args.dtype))
-    kv_name = canonical_dtype(args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
-    kv_bpt = KVShape(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_name,
-                     v_head_dim=cfg.value_head_dim).bytes_per_token()  # the planner's formula, scales included
+    kv_bpt = kv_shape(args).bytes_per_token(block_size=args.block_size)
     return ModelSpec(cfg.name, cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads,
                      cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, max(b, 1.0), kv_bpt)
 
@@ -189,11 +199,7 @@ def build_config(args: argparse.Namespace, model: ModelSpec) -> SimConfig:
     check_tensor_parallel(cfg.num_attention_heads, cfg.num_kv_heads, cfg.intermediate_size,
                           args.tensor_parallel_size, cfg.name)
     model = rank_spec(model, args.tensor_parallel_size)  # the pool is per rank, as the engine's
-    layout = None
-    if cfg.layer_types is not None:  # the engine's KV groups: a pool block spans one group's layers
-        layout = group_layers([cfg.layer_window(i) for i in range(cfg.num_layers)])
-    per_block_layers = layout.layers_per_group if layout is not None else model.num_layers
-    block_bytes = model.kv_bytes_per_token // model.num_layers * per_block_layers * args.block_size
+    layout, block_bytes = kv_pool_layout(args, cfg)
     num_blocks = args.num_blocks or parse_size(args.kv_memory) // block_bytes
     if num_blocks < 1:
         raise ValueError(f"--kv-memory {args.kv_memory} holds no block of {format_bytes(block_bytes)}")
@@ -211,6 +217,19 @@ def build_config(args: argparse.Namespace, model: ModelSpec) -> SimConfig:
         enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
         beam_prune=args.beam_prune, seed=args.seed, layout=layout,
     )
+
+
+def kv_pool_layout(args: argparse.Namespace, cfg: ModelConfig) -> tuple[KVLayout | None, int]:
+    """The engine's KV groups (None: one full-attention group) and the bytes of one pool block, per rank: a
+    block spans one group's layers; int8 keys per channel add each group's residual group."""
+    shape = kv_shape(args)
+    layout = None
+    if cfg.layer_types is not None or shape.channel_keys:
+        layout = group_layers([cfg.layer_window(i) for i in range(cfg.num_layers)])
+        layout = with_residual_keys(layout) if shape.channel_keys else layout
+    heads, _ = kv_heads_per_rank(cfg.num_kv_heads, args.tensor_parallel_size)
+    layers = layout.layers_per_group if layout is not None else cfg.num_layers
+    return layout, shape.bytes_per_block(args.block_size, heads, layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +255,7 @@ def simulate(args: argparse.Namespace) -> tuple[dict[str, Any], Setup]:
         "model": model.name,
         "tensor_parallel_size": args.tensor_parallel_size,
         "kv_bytes_per_token": rank.kv_bytes_per_token,
-        "kv_memory_bytes": config.num_blocks * args.block_size * rank.kv_bytes_per_token // model.num_layers
-        * (config.layout.layers_per_group if config.layout is not None else model.num_layers),
+        "kv_memory_bytes": config.num_blocks * kv_pool_layout(args, _model_config(args.model))[1],
         "config": config.flat(),
         "cost_model": cost.describe(),
         "summary": result.summary(),

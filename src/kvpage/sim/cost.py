@@ -42,7 +42,7 @@ class ModelSpec:
     intermediate_size: int
     vocab_size: int
     dtype_bytes: float = 2.0  # weights and activations
-    kv_bytes_per_token: int = 0
+    kv_bytes_per_token: float = 0  # keys per channel: a block's bytes over its tokens
 
     @property
     def linear_params(self) -> int:

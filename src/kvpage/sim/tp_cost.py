@@ -46,7 +46,8 @@ def rank_spec(model: ModelSpec, size: int) -> ModelSpec:
     """One rank's share of the model: its query heads, its KV heads (all of them where they do not divide),
     its MLP columns, its slice of the vocabulary."""
     kv, _ = kv_heads_per_rank(model.num_kv_heads, size)
-    kv_bytes = model.kv_bytes_per_token * kv // model.num_kv_heads
+    kv_bytes = model.kv_bytes_per_token * kv / model.num_kv_heads
+    kv_bytes = int(kv_bytes) if kv_bytes == int(kv_bytes) else kv_bytes  # whole bytes but for keys per channel
     return replace(model, num_attention_heads=model.num_attention_heads // size, num_kv_heads=kv,
                    intermediate_size=model.intermediate_size // size, kv_bytes_per_token=kv_bytes,
                    vocab_size=-(-model.vocab_size // size))

@@ -44,13 +44,10 @@ def model_layout(cfg: ModelConfig, channel_keys: bool = False) -> KVLayout:
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, layout: KVLayout | None = None,
                        channel_keys: bool = False) -> int:
     """The planner's formula (capacity.KVShape) for the layers one pool block spans (a KV group's), so
-    `kvpage plan` and the engine size pools alike; int8 pages with keys per channel: their page bytes."""
-    layers = (layout or model_layout(cfg)).layers_per_group
-    if channel_keys:
-        return layers * page_bytes(block_size, cfg.num_kv_heads, cfg.head_dim)
-    shape = KVShape(cfg.name, layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype_name(dtype),
-                    v_head_dim=cfg.v_head_dim)
-    return shape.bytes_per_token() * block_size
+    `kvpage plan`, the simulator and the engine size pools alike."""
+    shape = KVShape(cfg.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype_name(dtype),
+                    v_head_dim=cfg.v_head_dim, int8_keys="channel" if channel_keys else "rows")
+    return shape.bytes_per_block(block_size, num_layers=(layout or model_layout(cfg)).layers_per_group)
 
 
 def kv_torch_dtype(name: str) -> torch.dtype:
