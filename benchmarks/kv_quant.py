@@ -308,12 +308,11 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
             ops.paged_attention(q, cache, plan, dim**-0.5, name in packed_names)
 
     times: dict[str, list[float]] = {n: [] for n in caches}
-    kernel = {"int8-channel": "channel (dequantized per block)"}
+    kernel: dict[str, str] = {}
     for _ in range(rounds):
         for name, cache in caches.items():
             run(name, cache)  # warm
-            if name != "int8-channel":
-                kernel[name] = ops.last_decode_kernel()
+            kernel[name] = ops.last_decode_kernel()
             t0 = time.perf_counter()
             for _ in range(3):
                 run(name, cache)

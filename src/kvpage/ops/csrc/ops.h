@@ -50,6 +50,8 @@ void reshape_and_cache_channel(torch::Tensor key, torch::Tensor value, torch::Te
 torch::Tensor paged_attention_channel(torch::Tensor query, torch::Tensor pages, const kvpage::attn::AttentionPlan& plan,
                                       torch::Tensor residual_tables, double scale);
 std::string last_decode_kernel();
+// Kernels other than paged_attention's own (paged_attention_channel) say here which loop served them.
+void note_decode_kernel(const char* name);
 bool has_packed_layout();
 bool has_packed_int8_layout();
 bool amx_decode_available();

@@ -241,6 +241,25 @@ struct Fp8Lanes512 : Lanes512 {
 #endif
 #endif
 
+// Keys per channel (channel_keys.h) enter the int8 lanes as their codes less 128 (the top bit flipped, then
+// widened with its sign: -128..127), against the query times each channel's step in int16 lanes; the 128 steps
+// go to the block's q . (zero point + 128 x step). Centred, a code's share of the query's int16 rounding is half
+// what 0..255 would carry.
+struct ChannelKeyLanes : Int8Lanes {
+  static __m256i widen(const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_xor_si128(load16(p), _mm_set1_epi8(-128))); }
+};
+#if KVPAGE_ISA_AVX512
+struct ChannelKeyLanes512 : Int8Lanes512 {
+  static V widen(const uint8_t* p) {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_cvtepi8_epi16(_mm256_xor_si256(c, _mm256_set1_epi8(-128)));
+  }
+};
+using ChannelLanes = ChannelKeyLanes512;
+#else
+using ChannelLanes = ChannelKeyLanes;
+#endif
+
 // The lanes a build reads codes C with: 512-bit where it has AVX-512 (and, for fp8, AVX512_BF16), else 256-bit.
 template <KVCode C>
 struct CodeLanesOf {

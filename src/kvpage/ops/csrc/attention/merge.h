@@ -1,5 +1,6 @@
 // The last phase of every paged-attention call: each tile's partitions (a long context split over threads)
-// merged by their row maxima and weight sums, and the normalized outputs written in the query's dtype.
+// merged by their row maxima and weight sums, and the normalized outputs written in the query's dtype; and
+// the task loop the quantized pages' kernels share (run_tasks) that ends in it.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "common.h"
+#include "attention/loop.h"
 #include "attention/plan.h"
 
 namespace kvpage::attn {
@@ -57,6 +59,30 @@ void merge_partitions(const AttentionPlan& plan, int64_t H, int64_t D, const std
       }
     }
   });
+}
+
+// Every task of the plan through tile(task, q, acc, m, l, next, scratch): q the task's query rows in float32
+// times `scale` (rows r = j * H + head), acc / m / l its partial results, next the keys the thread runs on to
+// (for prefetching), scratch a per-thread buffer; then the partitions merged into out.
+template <typename Q, typename Tile>
+void run_tasks(const AttentionPlan& plan, const Q* qptr, int64_t H, int64_t D, double scale, Q* out, Tile&& tile) {
+  const int64_t T = plan.num_tasks(), max_blocks = plan.block_tables.size(1);
+  const int64_t* tables = plan.block_tables.data_ptr<int64_t>();
+  std::vector<float> part_acc(static_cast<size_t>(plan.offset[T] * D));
+  std::vector<float> part_m(static_cast<size_t>(plan.offset[T])), part_l(static_cast<size_t>(plan.offset[T]));
+  run_claimed(plan, [&](RunClaims& claims) {
+    std::vector<float> qbuf(static_cast<size_t>(kTile * H * D)), scratch;
+    for (int64_t begin = 0, end = 0; claims.next(begin, end);)
+      for (int64_t ti = begin; ti < end; ++ti) {
+        const Task& tk = plan.tasks[ti];
+        const Q* qrows = qptr + tk.row0 * H * D;
+        for (int64_t i = 0; i < tk.nq * H * D; ++i) qbuf[i] = kvpage::to_float(qrows[i]) * static_cast<float>(scale);
+        const int64_t at = plan.offset[ti];
+        tile(tk, qbuf.data(), part_acc.data() + at * D, part_m.data() + at, part_l.data() + at,
+             next_keys(plan, tables, max_blocks, ti, end), scratch);
+      }
+  });
+  merge_partitions(plan, H, D, part_acc, part_m, part_l, out);
 }
 
 }  // namespace kvpage::attn

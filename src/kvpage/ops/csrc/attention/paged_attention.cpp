@@ -493,6 +493,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch
 }
 
 std::string last_decode_kernel() { return g_decode_kernel; }
+void note_decode_kernel(const char* name) { g_decode_kernel = name; }
 
 bool has_packed_layout() { return KVPAGE_PACKED == 1; }
 

@@ -18,6 +18,7 @@
 #include "attention/loop.h"
 #include "attention/merge.h"
 #include "attention/plan.h"
+#include "attention/quant_loop.h"
 #include "attention/quant_rows.h"
 
 namespace {
@@ -91,18 +92,37 @@ inline void dequantize_channel_rows(const uint8_t* head_block, int64_t off, int6
   }
 }
 
+// The filling block's keys of head h (from its residual block: bfloat16 rows of every head) and the run's value
+// rows as float32 rows in L1, then the float main loop. Every block takes this path where the integer loop does
+// not run (builds without AVX2, head sizes other than 64, 128, 256).
+template <int64_t D>
+inline void attend_run_float(const float* q, int64_t nq, int64_t H, int64_t G, int64_t h, const uint8_t* block,
+                             const uint8_t* residual_page, int64_t off, int64_t n, int64_t t, int64_t n_bs,
+                             int64_t kv_heads, int64_t Dd, int64_t pos0, int64_t window, float* kf, float* vf,
+                             float* zero, float* step, float* sc, float* acc, float* m, float* l) {
+  const int64_t head_keys = channel_block_bytes(n_bs, Dd), vrow = kv_heads * (Dd + kScaleBytes);
+  if (residual_page != nullptr) {
+    const auto* r = reinterpret_cast<const uint16_t*>(residual_page);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = 0; d < Dd; ++d) kf[i * Dd + d] = bf16_float(r[((off + i) * kv_heads + h) * Dd + d]);
+  } else {
+    channel_params(block + h * head_keys, n_bs, Dd, zero, step);
+    dequantize_channel_rows<D>(block + h * head_keys, off, n, Dd, zero, step, kf);
+  }
+  const uint8_t* vb = block + kv_heads * head_keys + off * vrow + h * (Dd + kScaleBytes);
+  dequantize_block<KVCode::kInt8, D>(vb, vrow, n, Dd, vf);
+  attend_block_rows<D>(q, nq, H, G, h, kf, vf, t, n, pos0, window, n_bs, Dd, sc, acc, m, l);
+}
+
 // The task's keys [k_begin, k_end) of sequence `seq_len` long (its block table `table`, its filling block's keys
 // in page `residual` when seq_len is not a whole number of blocks), for its query rows (q: pre-scaled float32,
-// rows r = j * H + head, row r sees keys <= pos0 + r / H and none before its window).
+// rows r = j * H + head, row r sees keys <= pos0 + r / H and none before its window); float loop throughout.
 template <int64_t D>
 void attend_tile_channel(const float* q, int64_t nq, int64_t H, int64_t G, const uint8_t* pages, int64_t page,
                          const int64_t* table, int64_t residual, int64_t seq_len, int64_t block_size, int64_t kv_heads,
                          int64_t dim, int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
                          std::vector<float>& scratch, int64_t window) {
-  const int64_t Dd = D > 0 ? D : dim, n_bs = block_size;
-  const int64_t head_keys = channel_block_bytes(n_bs, Dd), values_at = kv_heads * head_keys;
-  const int64_t vrow = kv_heads * (Dd + kScaleBytes);
-  const int64_t R = nq * H;
+  const int64_t Dd = D > 0 ? D : dim, n_bs = block_size, R = nq * H;
   scratch.resize(static_cast<size_t>(R * n_bs + 2 * n_bs * Dd + 2 * Dd + 8));
   float* sc = scratch.data();
   float* kf = sc + R * n_bs;
@@ -114,22 +134,152 @@ void attend_tile_channel(const float* q, int64_t nq, int64_t H, int64_t G, const
   for (int64_t t = k_begin; t < k_end;) {
     const int64_t off = t % n_bs, b = t / n_bs;
     const int64_t n = std::min(n_bs - off, k_end - t);
-    const uint8_t* block = pages + table[b] * page;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      if (b == filling) {
-        const auto* r = reinterpret_cast<const uint16_t*>(pages + residual * page);
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t d = 0; d < Dd; ++d) kf[i * Dd + d] = bf16_float(r[((off + i) * kv_heads + h) * Dd + d]);
-      } else {
-        channel_params(block + h * head_keys, n_bs, Dd, zero, step);
-        dequantize_channel_rows<D>(block + h * head_keys, off, n, Dd, zero, step, kf);
-      }
-      dequantize_block<KVCode::kInt8, D>(block + values_at + off * vrow + h * (Dd + kScaleBytes), vrow, n, Dd, vf);
-      attend_block_rows<D>(q, nq, H, G, h, kf, vf, t, n, pos0, window, n_bs, Dd, sc, acc, m, l);
-    }
+    const uint8_t* rpage = b == filling ? pages + residual * page : nullptr;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      attend_run_float<D>(q, nq, H, G, h, pages + table[b] * page, rpage, off, n, t, n_bs, kv_heads, Dd, pos0,
+                          window, kf, vf, zero, step, sc, acc, m, l);
     t += n;
   }
 }
+
+#if KVPAGE_ISA_AVX2
+// A head's block parameters as the integer loop uses them: step[d] (as channel_params) and mid[d] = zero point +
+// 128 steps, the key the code 128 stands for (ChannelLanes reads codes less 128). D a multiple of 8.
+inline void channel_steps(const uint8_t* head_block, int64_t n, int64_t D, float* mid, float* step) {
+  const uint8_t* zc = head_block + n * D;
+  const uint8_t* sc = zc + D;
+  uint16_t units[2];
+  std::memcpy(units, sc + D, sizeof(units));
+  const __m256 unit = _mm256_set1_ps(std::max(bf16_float(units[0]), kChannelTiny) / 127.f);
+  const __m256 largest = _mm256_set1_ps(std::max(bf16_float(units[1]), kChannelTiny) * kChannelWiden);
+  const __m256 one = _mm256_set1_ps(1.f), inv256 = _mm256_set1_ps(1.f / 256.f), c128 = _mm256_set1_ps(128.f);
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 z = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zc + d)))), unit);
+    const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + d))));
+    const __m256 st = _mm256_mul_ps(_mm256_mul_ps(largest, _mm256_add_ps(c, one)), inv256);
+    _mm256_storeu_ps(step + d, st);
+    _mm256_storeu_ps(mid + d, _mm256_fmadd_ps(st, c128, z));
+  }
+}
+
+// A query row q (D floats) times the steps as int16 lanes at out (returns their scale: q x step ~= out x scale) and
+// q . mid at *bias: one pass for the products (kept in registers where D allows), their largest magnitude and
+// the bias, one to round them 16 at a time.
+template <int64_t D>
+inline float channel_query(const float* q, const float* step, const float* mid, int16_t* out, float* bias) {
+  static_assert(D % 16 == 0, "16 lanes at a time");
+  __m256 x[D / 8];
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  for (int64_t k = 0; k < D / 8; ++k) {
+    const __m256 qv = _mm256_loadu_ps(q + 8 * k);
+    x[k] = _mm256_mul_ps(qv, _mm256_loadu_ps(step + 8 * k));
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x[k]));
+    b = _mm256_fmadd_ps(qv, _mm256_loadu_ps(mid + 8 * k), b);
+  }
+  *bias = kvpage::hsum8(b);
+  const float top = kvpage::hmax8(amax);
+  const __m256 inv = _mm256_set1_ps(top > 0.f ? kI16Max / top : 0.f);
+  for (int64_t k = 0; k < D / 8; k += 2) {  // |x x inv| <= 32767 (packs saturates); rounded to nearest even
+    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(x[k], inv)), hi = _mm256_cvtps_epi32(_mm256_mul_ps(x[k + 1], inv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8 * k),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), _MM_SHUFFLE(3, 1, 2, 0)));
+  }
+  return top / kI16Max;
+}
+
+// As attend_tile_channel, with the complete blocks read in registers (quant_loop.h's int8 loop): a key is
+// codes x step + zero point per channel, so q . k = (q x step) . (codes - 128) + q . (zero + 128 x step). Per
+// block, KV head and query row, q x step is brought to int16 lanes (its own scale) against the codes less 128
+// (ChannelLanes), and the second term, the same for every key of the block, moves the block's maximum in the
+// running softmax (block_weights' bias) rather than every score; the values are the int8 rows' own loop (pv_rows). The
+// filling block takes the float path.
+template <int64_t D>
+void attend_tile_channel_codes(const float* q, int64_t nq, int64_t H, int64_t G, const uint8_t* pages, int64_t page,
+                               const int64_t* table, int64_t residual, int64_t seq_len, int64_t block_size,
+                               int64_t kv_heads, int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m,
+                               float* l, std::vector<float>& scratch, int64_t window, const kvpage::NextKeys& next) {
+  using L = CodeLanes<KVCode::kInt8>;
+  using KL = ChannelLanes;
+  static_assert(D % L::kW == 0, "rows are read kW codes at a time");
+  const int64_t n_bs = block_size, R = nq * H, head_keys = channel_block_bytes(n_bs, D);
+  const int64_t values_at = kv_heads * head_keys, vrow = kv_heads * (D + kScaleBytes);
+  const int64_t ws = n_bs + 2, ss = n_bs + 8, G16 = (G + 15) / 16 * 16;
+  thread_local std::vector<int16_t> q16, w16;
+  q16.resize(static_cast<size_t>(G * D));
+  w16.resize(static_cast<size_t>(G * ws));
+  scratch.resize(static_cast<size_t>(R * n_bs + 2 * n_bs * D + 2 * D + 2 * n_bs + 4 + G * ss + 2 * G16 + 2 * G + 8));
+  float* fsc = scratch.data();      // the float path's scores (the filling block)
+  float* kf = fsc + R * n_bs;       // and its key and value rows
+  float* vf = kf + n_bs * D;
+  float* zero = vf + n_bs * D;      // this block's zero points (+ 128 steps) and steps (the current KV head)
+  float* step = zero + D;
+  float* ones = step + D;          // the key rows' factor (score_rows reads four at a time)
+  float* vs = ones + n_bs + 4;      // the value rows' scales
+  float* sc = vs + n_bs;            // scores, then weights x value scales, of the head's G rows: [g][i]
+  float* corr = sc + G * ss;
+  float* wscale = corr + G16;
+  float* qs = wscale + G16;         // per row: its int16 lanes' scale, and q . zero
+  float* bias = qs + G;
+  std::fill(ones, ones + n_bs + 4, 1.f);
+  int16_t* const q16p = q16.data();
+  int16_t* const w16p = w16.data();
+  const int64_t half = (page + 1) / 2;  // the prefetch takes a page as two halves of n_bs rows
+  const int64_t filling = seq_len % n_bs ? seq_len / n_bs : -1;
+  reset_partials(acc, m, l, R, D);
+  for (int64_t t = k_begin; t < k_end;) {
+    const int64_t off = t % n_bs, b = t / n_bs;
+    const int64_t n = std::min(n_bs - off, k_end - t);
+    const uint8_t* block = pages + table[b] * page;
+    LineStream ls(pages, pages + half, table, n_bs, page, (half + n_bs - 1) / n_bs, t, k_begin, k_end,
+                  kv_heads * (2 + G + n / 3 + D / L::kW), next);  // about the step() calls of this block
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      ls.step();
+      if (b == filling) {
+        attend_run_float<D>(q, nq, H, G, h, block, pages + residual * page, off, n, t, n_bs, kv_heads, D, pos0,
+                            window, kf, vf, zero, step, fsc, acc, m, l);
+        continue;
+      }
+      const uint8_t* hk = block + h * head_keys;
+      const uint8_t* kb = hk + off * D;
+      const uint8_t* vb = block + values_at + off * vrow + h * (D + kScaleBytes);
+      channel_steps(hk, n_bs, D, zero, step);  // zero <- the zero points + 128 steps
+      float vtop = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        vs[i] = row_scale(vb + i * vrow, D);
+        vtop = std::max(vtop, vs[i]);
+      }
+      const float winv = L::weight_inv(vtop), wfactor = L::weight_factor(vtop);
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
+        const int64_t first = window_first(window, pos0 + j, t, n);  // and keys before its window
+        if (visible <= first) continue;
+        const int64_t r0 = j * H + h * G, cnt = visible - first;
+        for (int64_t g = 0; g < G; ++g)
+          qs[g] = channel_query<D>(q + (r0 + g) * D, step, zero, q16p + g * D, bias + g);
+        ls.step();
+#define KVPAGE_SCORE(gt) \
+  score_rows<KL, gt, D>(q16p + g0 * D, qs + g0, kb, D, first, visible, ones, sc + g0 * ss, ss, ls)
+        KVPAGE_ROW_BATCHES(KVPAGE_SCORE)
+#undef KVPAGE_SCORE
+#if KVPAGE_ISA_AVX512
+        block_weights16<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls,
+                           bias);
+#else
+        block_weights<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls,
+                         bias);
+#endif
+#define KVPAGE_PV(gt) \
+  pv_rows<L, gt, D>(w16p + g0 * ws, ws, cnt, vb + first * vrow, vrow, acc + (r0 + g0) * D, corr + g0, wscale + g0, ls)
+        KVPAGE_ROW_BATCHES(KVPAGE_PV)
+#undef KVPAGE_PV
+      }
+    }
+    ls.rest();
+    t += n;
+  }
+}
+#endif
 
 template <typename Q>
 void attend_channel(const torch::Tensor& query, const torch::Tensor& pages, const AttentionPlan& plan,
@@ -139,35 +289,34 @@ void attend_channel(const torch::Tensor& query, const torch::Tensor& pages, cons
   const int64_t* tables = plan.block_tables.data_ptr<int64_t>();
   const int64_t* rtables = residual_tables.data_ptr<int64_t>();
   const int64_t* lens = plan.seq_lens.data_ptr<int64_t>();
-  const Q* qptr = query.data_ptr<Q>();
   const uint8_t* base = pages.data_ptr<uint8_t>();
-  const int64_t T = plan.num_tasks();
-  std::vector<float> part_acc(static_cast<size_t>(plan.offset[T] * D));
-  std::vector<float> part_m(static_cast<size_t>(plan.offset[T])), part_l(static_cast<size_t>(plan.offset[T]));
-  run_claimed(plan, [&](RunClaims& claims) {
-    std::vector<float> qbuf(static_cast<size_t>(kTile * H * D)), scratch;
-    for (int64_t begin = 0, end = 0; claims.next(begin, end);)
-      for (int64_t ti = begin; ti < end; ++ti) {
-        const Task& tk = plan.tasks[ti];
-        const Q* qrows = qptr + tk.row0 * H * D;
-        for (int64_t i = 0; i < tk.nq * H * D; ++i) qbuf[i] = kvpage::to_float(qrows[i]) * static_cast<float>(scale);
-        const auto [k_begin, k_end] = tk.keys(plan.partition_size);
-        const int64_t len = lens[tk.seq];
-        const int64_t residual = len % bs ? rtables[tk.seq * max_blocks + len / bs] : 0;
-        float* pa = part_acc.data() + plan.offset[ti] * D;
-        float* pm = part_m.data() + plan.offset[ti];
-        float* pl = part_l.data() + plan.offset[ti];
-#define KVPAGE_CHANNEL_TILE(d)                                                                                  \
-  attend_tile_channel<d>(qbuf.data(), tk.nq, H, G, base, page, tables + tk.seq * max_blocks, residual, len, bs, \
-                         kv_heads, D, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, plan.window)
-        if (D == 64) KVPAGE_CHANNEL_TILE(64);
-        else if (D == 128) KVPAGE_CHANNEL_TILE(128);
-        else if (D == 256) KVPAGE_CHANNEL_TILE(256);
-        else KVPAGE_CHANNEL_TILE(0);
+  run_tasks(plan, query.data_ptr<Q>(), H, D, scale, out.data_ptr<Q>(),
+            [&](const Task& tk, float* q, float* pa, float* pm, float* pl, const kvpage::NextKeys& next,
+                std::vector<float>& scratch) {
+    const auto [k_begin, k_end] = tk.keys(plan.partition_size);
+    const int64_t len = lens[tk.seq];
+    const int64_t residual = len % bs ? rtables[tk.seq * max_blocks + len / bs] : 0;
+    const int64_t* table = tables + tk.seq * max_blocks;
+    (void)next;  // builds without the AVX2 loop have no use for it
+#if KVPAGE_ISA_AVX2
+#define KVPAGE_CHANNEL_TILE(d)                                                                                    \
+  if constexpr (d > 0)                                                                                            \
+    attend_tile_channel_codes<d>(q, tk.nq, H, G, base, page, table, residual, len, bs, kv_heads, tk.pos0,         \
+                                 k_begin, k_end, pa, pm, pl, scratch, plan.window, next);                         \
+  else                                                                                                            \
+    attend_tile_channel<d>(q, tk.nq, H, G, base, page, table, residual, len, bs, kv_heads, D, tk.pos0, k_begin,   \
+                           k_end, pa, pm, pl, scratch, plan.window)
+#else
+#define KVPAGE_CHANNEL_TILE(d)                                                                                    \
+  attend_tile_channel<d>(q, tk.nq, H, G, base, page, table, residual, len, bs, kv_heads, D, tk.pos0, k_begin,     \
+                         k_end, pa, pm, pl, scratch, plan.window)
+#endif
+    if (D == 64) KVPAGE_CHANNEL_TILE(64);
+    else if (D == 128) KVPAGE_CHANNEL_TILE(128);
+    else if (D == 256) KVPAGE_CHANNEL_TILE(256);
+    else KVPAGE_CHANNEL_TILE(0);
 #undef KVPAGE_CHANNEL_TILE
-      }
   });
-  merge_partitions(plan, H, D, part_acc, part_m, part_l, out.data_ptr<Q>());
 }
 
 }  // namespace
@@ -200,6 +349,14 @@ torch::Tensor paged_attention_channel(torch::Tensor query, torch::Tensor pages, 
     }
   query = query.contiguous();
   auto out = at::empty_like(query);
+#if KVPAGE_ISA_AVX512
+  const char* loop = "avx512-int8-channel";
+#elif KVPAGE_ISA_AVX2
+  const char* loop = "avx2-int8-channel";
+#else
+  const char* loop = "channel-dequantized";
+#endif
+  note_decode_kernel(D == 64 || D == 128 || D == 256 ? loop : "channel-dequantized");
   if (query.scalar_type() == at::kFloat) attend_channel<float>(query, pages, plan, residual_tables, scale, kv_heads, out);
   else attend_channel<at::BFloat16>(query, pages, plan, residual_tables, scale, kv_heads, out);
   return out;

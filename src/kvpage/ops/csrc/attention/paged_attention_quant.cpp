@@ -31,56 +31,41 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
   const int64_t G = H / kv_heads;
   const int64_t max_blocks = plan.block_tables.size(1);
   const int64_t* tables = plan.block_tables.data_ptr<int64_t>();
-  const Q* qptr = query.data_ptr<Q>();
   const auto* kcache = static_cast<const uint8_t*>(kv_cache.data_ptr());
   const uint8_t* vcache = kcache + geo.v_offset;
-  const std::vector<Task>& tasks = plan.tasks;
-  const std::vector<int64_t>& offset = plan.offset;
-  const int64_t T = plan.num_tasks();
   (void)packed;  // only KVPAGE_PACKED_INT8 builds have the packed int8 loop
-  std::vector<float> part_acc(static_cast<size_t>(offset[T] * D));
-  std::vector<float> part_m(static_cast<size_t>(offset[T])), part_l(static_cast<size_t>(offset[T]));
-  auto work = [&](RunClaims& claims) {
-    std::vector<float> qbuf(static_cast<size_t>(kTile * H * D));
-    std::vector<float> scratch;
-    for (int64_t begin = 0, end = 0; claims.next(begin, end);)
-    for (int64_t ti = begin; ti < end; ++ti) {
-      const Task& tk = tasks[ti];
-      const Q* qrows = qptr + tk.row0 * H * D;
-      for (int64_t i = 0; i < tk.nq * H * D; ++i) qbuf[i] = kvpage::to_float(qrows[i]) * static_cast<float>(scale);
-      for (int64_t r = 0; r < tk.nq * H; ++r) fwht(qbuf.data() + r * D, D);  // the keys' basis
+  run_tasks(plan, query.data_ptr<Q>(), H, D, scale, out.data_ptr<Q>(),
+            [&](const Task& tk, float* q, float* pa, float* pm, float* pl, const kvpage::NextKeys& next,
+                std::vector<float>& scratch) {
+      for (int64_t r = 0; r < tk.nq * H; ++r) fwht(q + r * D, D);  // the keys' basis
       const auto [k_begin, k_end] = tk.keys(plan.partition_size);
       const int64_t* table = tables + tk.seq * max_blocks;
-      float* pa = part_acc.data() + offset[ti] * D;
-      float* pm = part_m.data() + offset[ti];
-      float* pl = part_l.data() + offset[ti];
-      const kvpage::NextKeys next = next_keys(plan, tables, max_blocks, ti, end);  // the prefetch runs on into it
       (void)next;  // builds without the AVX2 loops have no use for it
 #if KVPAGE_PACKED_INT8
       if (packed) {
         if (D == 64)
-          attend_tile_int8_packed<64>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
+          attend_tile_int8_packed<64>(q, tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
                                       kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);
         else if (D == 128)
-          attend_tile_int8_packed<128>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
+          attend_tile_int8_packed<128>(q, tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
                                        kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);
         else
-          attend_tile_int8_packed<256>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
+          attend_tile_int8_packed<256>(q, tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
                                        kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);
-        continue;
+        return;
       }
 #endif
 #if KVPAGE_ISA_AVX2
 #define KVPAGE_QUANT_TILE(d)                                                                                   \
   if constexpr (d > 0)                                                                                         \
-    attend_tile_codes<C, d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,     \
+    attend_tile_codes<C, d>(q, tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,               \
                             kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);                 \
   else                                                                                                         \
-    attend_tile_quant<C, d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,     \
+    attend_tile_quant<C, d>(q, tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,               \
                             kv_heads, D, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, plan.window)
 #else
 #define KVPAGE_QUANT_TILE(d)                                                                                   \
-  attend_tile_quant<C, d>(qbuf.data(), tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride, kv_heads, \
+  attend_tile_quant<C, d>(q, tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride, kv_heads,       \
                           D, tk.pos0, k_begin, k_end, pa, pm, pl, scratch, plan.window)
 #endif
       if (D == 64) KVPAGE_QUANT_TILE(64);
@@ -88,10 +73,7 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
       else if (D == 256) KVPAGE_QUANT_TILE(256);
       else KVPAGE_QUANT_TILE(0);
 #undef KVPAGE_QUANT_TILE
-    }
-  };
-  run_claimed(plan, work);
-  merge_partitions(plan, H, D, part_acc, part_m, part_l, out.data_ptr<Q>());
+    });
 }
 
 template <KVCode C, typename IN>

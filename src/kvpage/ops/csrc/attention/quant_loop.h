@@ -142,7 +142,8 @@ inline void pv_rows(const int16_t* wq, int64_t ws, int64_t n, const uint8_t* v, 
 }
 
 // The softmax step of one block for the G query rows of a KV head (rows r0 .. r0 + G - 1 of m, l; scores sc[g][i]
-// for keys [first, visible)): running maxima and sums updated, corr[g] the old partials' factor, and each row's
+// for keys [first, visible), each plus bias[g] where a bias is given: keys per channel add each block's q . zero
+// point after the integer dot products): running maxima and sums updated, corr[g] the old partials' factor, and each row's
 // weights times the value rows' scales (vs) in 16-bit lanes at w16 + g * ws (a 0 after an odd count), whose
 // sum is multiplied by wscale[g]. The weights are taken against the block's own maximum, exp(s - bmax) <= 1
 // with 1 reached, and the block's factor exp(bmax - m) goes to the sums and the denominator: so the products
@@ -156,9 +157,9 @@ inline void pv_rows(const int16_t* wq, int64_t ws, int64_t n, const uint8_t* v, 
 template <class L>
 inline void block_weights(const float* sc, int64_t ss, int64_t first, int64_t visible, const float* vs, float inv,
                           float factor, int64_t G, float* m, float* l, float* corr, float* wscale, int16_t* w16,
-                          int64_t ws, LineStream& ls) {
+                          int64_t ws, LineStream& ls, const float* bias = nullptr) {
   const int64_t cnt = visible - first;
-  float bmax[kMaxGroup], bscale[kMaxGroup];
+  float bmax[kMaxGroup], brun[kMaxGroup], bscale[kMaxGroup];  // brun: the block's maximum with its row's bias
   for (int64_t g = 0; g < G; ++g) {
     const float* s = sc + g * ss;
     __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -167,10 +168,11 @@ inline void block_weights(const float* sc, int64_t ss, int64_t first, int64_t vi
     float mx = kvpage::hmax8(vmax);
     for (; i < visible; ++i) mx = std::max(mx, s[i]);
     bmax[g] = mx;
+    brun[g] = bias != nullptr ? mx + bias[g] : mx;
   }
   if (G <= 4) {  // lanes 0-3 the old partials' factors, 4-7 the blocks'; lanes past G are exp(0)
     const __m128 mo = _mm_setr_ps(m[0], G > 1 ? m[1] : 0.f, G > 2 ? m[2] : 0.f, G > 3 ? m[3] : 0.f);
-    const __m128 bm = _mm_setr_ps(bmax[0], G > 1 ? bmax[1] : 0.f, G > 2 ? bmax[2] : 0.f, G > 3 ? bmax[3] : 0.f);
+    const __m128 bm = _mm_setr_ps(brun[0], G > 1 ? brun[1] : 0.f, G > 2 ? brun[2] : 0.f, G > 3 ? brun[3] : 0.f);
     const __m128 mn = _mm_max_ps(mo, bm);
     const __m256 e = kvpage::exp8(_mm256_set_m128(_mm_sub_ps(bm, mn), _mm_sub_ps(mo, mn)));
     float mnew[4];
@@ -180,9 +182,9 @@ inline void block_weights(const float* sc, int64_t ss, int64_t first, int64_t vi
     for (int64_t g = 0; g < G; ++g) m[g] = mnew[g];
   } else {
     for (int64_t g = 0; g < G; ++g) {
-      const float mn = std::max(m[g], bmax[g]);
+      const float mn = std::max(m[g], brun[g]);
       corr[g] = exp_neg(m[g] - mn);
-      bscale[g] = exp_neg(bmax[g] - mn);
+      bscale[g] = exp_neg(brun[g] - mn);
       m[g] = mn;
     }
   }
@@ -218,7 +220,7 @@ inline void block_weights(const float* sc, int64_t ss, int64_t first, int64_t vi
 template <class L>
 inline void block_weights16(const float* sc, int64_t ss, int64_t first, int64_t visible, const float* vs, float inv,
                             float factor, int64_t G, float* m, float* l, float* corr, float* wscale, int16_t* w16,
-                            int64_t ws, LineStream& ls) {
+                            int64_t ws, LineStream& ls, const float* bias = nullptr) {
   const int64_t cnt = visible - first;
   const __m512 vinv = _mm512_set1_ps(inv), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t g0 = 0; g0 < G; g0 += 16) {
@@ -232,8 +234,9 @@ inline void block_weights16(const float* sc, int64_t ss, int64_t first, int64_t 
         vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, kvpage::tail_mask(visible - i), s + i));
       bm = _mm512_mask_mov_ps(bm, static_cast<__mmask16>(1u << g), _mm512_set1_ps(_mm512_reduce_max_ps(vmax)));
     }
-    const __m512 mo = _mm512_maskz_loadu_ps(k, m + g0), mn = _mm512_max_ps(mo, bm);
-    const __m512 dc = _mm512_sub_ps(mo, mn), db = _mm512_sub_ps(bm, mn);
+    const __m512 run = bias != nullptr ? _mm512_add_ps(bm, _mm512_maskz_loadu_ps(k, bias + g0)) : bm;
+    const __m512 mo = _mm512_maskz_loadu_ps(k, m + g0), mn = _mm512_max_ps(mo, run);
+    const __m512 dc = _mm512_sub_ps(mo, mn), db = _mm512_sub_ps(run, mn);
     __m512 vc, vb;  // the old partials' and the blocks' factors
     if (rows <= 8) {  // both in one exp: lanes 0-7 the old partials', 8-15 the block's
       const __m512 e = exp16(_mm512_shuffle_f32x4(dc, db, _MM_SHUFFLE(1, 0, 1, 0)), static_cast<__mmask16>(k | (k << 8)));
