@@ -28,7 +28,8 @@ Engines, each in its own process, one after another in this invocation:
   kvpage-onednn          kvpage with KVPAGE_I8_GEMM=0: oneDNN's bf16 GEMM instead of the int8 GEMM on the quantized
                          blocks (what that GEMM gives, on AVX-512 VNNI CPUs without AMX)
   kvpage-i8              kvpage with KVPAGE_I8_GEMM=1: the int8 GEMM even where `auto` keeps oneDNN (AMD CPUs)
-  kvpage+VAR=VALUE[+...]  kvpage with kernel switches from docs/envs.md set, e.g. kvpage+KVPAGE_PAGED_PROMPTS=0
+  kvpage+VAR=VALUE[+...]  kvpage with kernel switches from docs/envs.md set, e.g. kvpage+KVPAGE_PAGED_PROMPTS=0;
+                         with a KV dtype too: kvpage:int8+KVPAGE_INT8_KEYS=channel
 A peer that is not installed is reported as skipped, never estimated.
 
 Startup is outside the timed region for every engine. kvpage faults its KV pages in at startup there
@@ -232,12 +233,13 @@ def run_engine(eng: str, reqs: list[dict], args: argparse.Namespace, dtype: str)
         return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_I8_GEMM": "0"})
     if eng == "kvpage-i8":
         return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_I8_GEMM": "1"})
-    if eng.startswith("kvpage+"):  # kernel switches (docs/envs.md), named and checked by kvpage.envs
+    if eng.startswith(("kvpage+", "kvpage:")):  # another KV cache dtype and/or kernel switches (docs/envs.md)
         from kvpage.envs import read
 
-        env = dict(pair.split("=", 1) for pair in eng.split("+")[1:] if "=" in pair)
-        if len(env) != eng.count("+"):
-            raise SystemExit(f"{eng}: expected kvpage+VAR=VALUE[+VAR=VALUE...]")
+        head, *pairs = eng.split("+")
+        env = dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+        if len(env) != len(pairs):
+            raise SystemExit(f"{eng}: expected kvpage[:DTYPE]+VAR=VALUE[+VAR=VALUE...]")
         for name in env:
             try:
                 read(name, env)
@@ -245,9 +247,9 @@ def run_engine(eng: str, reqs: list[dict], args: argparse.Namespace, dtype: str)
                 raise SystemExit(f"{eng}: {name} is not a kvpage variable (docs/envs.md)") from None
             except ValueError as e:
                 raise SystemExit(f"{eng}: {e}") from None
+        if head.startswith("kvpage:"):  # same KV memory: a quantized cache holds more tokens
+            env["KVPAGE_BENCH_KV_DTYPE"] = head.split(":", 1)[1]
         return run_python(sys.executable, KVPAGE, reqs, env)
-    if eng.startswith("kvpage:"):  # another KV cache dtype (same KV memory: a quantized cache holds more tokens)
-        return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_BENCH_KV_DTYPE": eng.split(":", 1)[1]})
     if eng == "kvpage-baseline":  # another checkout's sources, same Python and packages
         if not args.baseline_src:
             raise Skipped("no --baseline-src given")

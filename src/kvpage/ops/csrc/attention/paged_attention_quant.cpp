@@ -89,6 +89,7 @@ void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Te
   const IN* vsrc = value.data_ptr<IN>();
   const int64_t ks = key.stride(0), vs = value.stride(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  (void)packed;  // only KVPAGE_PACKED_INT8 builds write the packed int8 layout
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(static_cast<size_t>(D));
     std::vector<uint8_t> rows(static_cast<size_t>(2 * head_stride));
