@@ -143,23 +143,13 @@ void attend_tile_channel(const float* q, int64_t nq, int64_t H, int64_t G, const
 }
 
 #if KVPAGE_ISA_AVX2
-// A head's block parameters as the integer loop uses them: step[d] (as channel_params) and mid[d] = zero point +
-// 128 steps, the key the code 128 stands for (ChannelLanes reads codes less 128). D a multiple of 8.
+// A head's block parameters as the integer loop uses them: step[d] and mid[d] = zero point + 128 steps, the key
+// the code 128 stands for (ChannelLanes reads codes less 128).
 inline void channel_steps(const uint8_t* head_block, int64_t n, int64_t D, float* mid, float* step) {
-  const uint8_t* zc = head_block + n * D;
-  const uint8_t* sc = zc + D;
-  uint16_t units[2];
-  std::memcpy(units, sc + D, sizeof(units));
-  const __m256 unit = _mm256_set1_ps(std::max(bf16_float(units[0]), kChannelTiny) / 127.f);
-  const __m256 largest = _mm256_set1_ps(std::max(bf16_float(units[1]), kChannelTiny) * kChannelWiden);
-  const __m256 one = _mm256_set1_ps(1.f), inv256 = _mm256_set1_ps(1.f / 256.f), c128 = _mm256_set1_ps(128.f);
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 z = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zc + d)))), unit);
-    const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + d))));
-    const __m256 st = _mm256_mul_ps(_mm256_mul_ps(largest, _mm256_add_ps(c, one)), inv256);
-    _mm256_storeu_ps(step + d, st);
-    _mm256_storeu_ps(mid + d, _mm256_fmadd_ps(st, c128, z));
-  }
+  channel_params(head_block, n, D, mid, step);
+  const __m256 c128 = _mm256_set1_ps(128.f);
+  for (int64_t d = 0; d < D; d += 8)
+    _mm256_storeu_ps(mid + d, _mm256_fmadd_ps(_mm256_loadu_ps(step + d), c128, _mm256_loadu_ps(mid + d)));
 }
 
 // A query row q (D floats) times the steps as int16 lanes at out (returns their scale: q x step ~= out x scale) and
