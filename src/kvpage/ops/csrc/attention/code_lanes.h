@@ -17,6 +17,7 @@ namespace kvpage::attn {
 
 #if KVPAGE_ISA_AVX2
 constexpr float kI16Max = 32767.f;
+constexpr float kU16Max = 65535.f;
 
 // Two int16 weights (tokens i, i + 1) as one 32-bit word, which the lanes' pair() puts in every 32-bit lane,
 // as madd pairs them with interleaved codes.
@@ -100,14 +101,29 @@ struct Int8Lanes : Lanes256 {
   // A query row -> its 16-bit lanes; returns what a dot product with codes is multiplied by (before k_scale).
   static float query(const float* x, int64_t n, int16_t* out) { return quantize_i16(x, out, n); }
   // Weights x value scales (>= 0, at most `top`) -> 16-bit lanes, 8 at a time or one: u x inv rounded, with
-  // inv = weight_inv(top); the lanes' sums times weight_factor(top) are the products' sums.
+  // inv = weight_inv(top), less 32768 (kWeightOffset): a weight uses all 16 bits of its lane, not the 15 of
+  // the non-negative half, and P.V adds 32768 x the codes' sum back (pv_rows); the lanes' sums times
+  // weight_factor(top) are the products' sums. Half the rounding of 15-bit weights: what lets a softmax step
+  // span 64 keys (quant_loop.h, kUnitKeys) at the precision 15-bit weights had over 16.
+  static constexpr int32_t kWeightOffset = 32768;
+  static constexpr int64_t kUnitKeys = 64;  // keys per softmax step (quant_loop.h)
+  static __m256i add16(__m256i a, __m256i b) { return _mm256_add_epi16(a, b); }
+  static Acc add32(Acc a, Acc b) { return _mm256_add_epi32(a, b); }
+  // 16-bit lanes of codes' sums, in (token 2p, 2p + 1) pairs as pv_rows' x / y -> kWeightOffset x each pair's
+  // total, in the layout of its int32 sums
+  static Acc offset_sums(__m256i s) {
+    static_assert(kWeightOffset == 1 << 15, "the offset is applied as a shift");
+    return _mm256_slli_epi32(_mm256_madd_epi16(s, _mm256_set1_epi16(1)), 15);
+  }
   static __m128i weights8(__m256 u, __m256 inv) {
-    const __m256i c32 = _mm256_cvtps_epi32(_mm256_mul_ps(u, inv));
+    const __m256i c32 = _mm256_sub_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(u, inv)), _mm256_set1_epi32(kWeightOffset));
     return _mm_packs_epi32(_mm256_castsi256_si128(c32), _mm256_extracti128_si256(c32, 1));
   }
-  static int16_t weight1(float u, float inv) { return static_cast<int16_t>(std::nearbyint(std::min(kI16Max, u * inv))); }
-  static float weight_inv(float top) { return top > 0.f ? kI16Max / top : 0.f; }
-  static float weight_factor(float top) { return top / kI16Max; }
+  static int16_t weight1(float u, float inv) {
+    return static_cast<int16_t>(static_cast<int32_t>(std::nearbyint(std::min(kU16Max, u * inv))) - kWeightOffset);
+  }
+  static float weight_inv(float top) { return top > 0.f ? kU16Max / top : 0.f; }
+  static float weight_factor(float top) { return top / kU16Max; }
 };
 
 // How fp8 codes enter them (see the file's head): bf16 lanes, float32 sums.
@@ -148,6 +164,8 @@ struct Fp8Lanes : Lanes256 {
   static int16_t weight1(float u, float lift) { return static_cast<int16_t>(c10::BFloat16(u * lift).x); }
   static float weight_inv(float) { return kLift; }
   static float weight_factor(float) { return kCode / kLift; }
+  static constexpr int32_t kWeightOffset = 0;
+  static constexpr int64_t kUnitKeys = 64;  // bf16 weights keep their relative precision however small
 };
 
 #if KVPAGE_ISA_AVX512
@@ -213,10 +231,13 @@ struct Int8Lanes512 : Lanes512 {
   }
   static float query(const float* x, int64_t n, int16_t* out) { return Int8Lanes::query(x, n, out); }
   // Sixteen weights x value scales (u x inv <= 32767) -> their 16-bit lanes; inv and the sum's factor are the
-  // block's: weight_inv / weight_factor of the largest value scale it has (a weight is at most 1).
+  // block's: weight_inv / weight_factor of the largest value scale it has (a weight is at most 1). 15 bits, no
+  // offset: these loops take 16 keys per softmax step.
+  static constexpr int32_t kWeightOffset = 0;
+  static constexpr int64_t kUnitKeys = 16;
   static __m256i weights16(__m512 u, __m512 inv) { return _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(u, inv))); }
-  static float weight_inv(float top) { return Int8Lanes::weight_inv(top); }
-  static float weight_factor(float top) { return Int8Lanes::weight_factor(top); }
+  static float weight_inv(float top) { return top > 0.f ? kI16Max / top : 0.f; }
+  static float weight_factor(float top) { return top / kI16Max; }
 };
 
 #if KVPAGE_ISA_AVX512BF16
@@ -237,6 +258,8 @@ struct Fp8Lanes512 : Lanes512 {
   static __m256i weights16(__m512 u, __m512 lift) { return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(u, lift)); }
   static float weight_inv(float top) { return F::weight_inv(top); }
   static float weight_factor(float top) { return F::weight_factor(top); }
+  static constexpr int32_t kWeightOffset = 0;
+  static constexpr int64_t kUnitKeys = 16;
 };
 #endif
 #endif

@@ -114,10 +114,13 @@ struct BlockPrefetch {
   const char* v = nullptr;
   int64_t lines = 0;
 
+  BlockPrefetch() = default;  // nothing to fetch
+  // `ahead`: the distance in blocks (loops that take several blocks at once fetch past the ones they hold)
   BlockPrefetch(const KV* kcache, const KV* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
-                int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end, const NextKeys& next = {}) {
+                int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end, const NextKeys& next = {},
+                int64_t ahead = kPrefetchAhead) {
     if (t % block_size != 0 && t != k_begin) return;  // not the start of a block
-    const int64_t target = t / block_size + kPrefetchAhead;  // an index into the sequence's block table
+    const int64_t target = t / block_size + ahead;  // an index into the sequence's block table
     const int64_t last = (k_end - 1) / block_size;
     int64_t nb, rows;
     if (target <= last) {

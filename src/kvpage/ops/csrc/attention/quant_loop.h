@@ -37,26 +37,55 @@
 namespace kvpage::attn {
 
 #if KVPAGE_ISA_AVX2
-// The block kPrefetchAhead blocks ahead, fetched into L2 a few lines of K and V at a time by step(), called
-// all through a block's work (scores, softmax, P.V): int8 work per byte is small, and a block's lines fetched
-// at once fill the core's miss queue (on a Zen 3 at 64 x 8K keys: 1.35-1.45x bf16's time, against ~0.8x).
-struct LineStream {
-  BlockPrefetch<uint8_t> block;  // the block ahead: where its K and V rows lie, how many lines
-  int64_t next = 0, per_step = 1;
+// Keys a pass of the loop takes at once (the lanes' kUnitKeys, 64 on AVX2 builds): with 16-token blocks, four
+// blocks' scores go through one softmax step and their values into the same integer sums (attend_tile_codes),
+// so the per-block work (the softmax's maxima and factors, the scaling of the sums into the float32 output) is
+// paid once per 64 keys: on the family-23 EPYC (64 x 8K keys) int8 went from 0.87x to 0.75x the bf16 cache's
+// time, fp8 from 1.16x to 1.05x (32 keys: 0.81x; 128: 0.74x).
+constexpr int kUnitBlocks = 8;  // blocks of a unit at most (8-token blocks)
 
+// The blocks ahead of a unit (of one block or several), fetched into L2 a few lines of K and V at a time by
+// step(), called all through the unit's work (scores, softmax, P.V): int8 work per byte is small, and a block's
+// lines fetched at once fill the core's miss queue (on a Zen 3 at 64 x 8K keys: 1.35-1.45x bf16's time, against
+// ~0.8x).
+struct LineStream {
+  BlockPrefetch<uint8_t> blocks[kUnitBlocks];  // where their K and V rows lie, how many lines
+  int count = 0, cur = 0;
+  int64_t lines = 0, next = 0, per_step = 1;   // next: the line of blocks[cur] to fetch next
+
+  LineStream() = default;
+  // One block's: the block kPrefetchAhead ahead of the one at key t, in about `steps` calls of step().
   LineStream(const uint8_t* kcache, const uint8_t* vcache, const int64_t* table, int64_t block_size,
              int64_t block_stride, int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end, int64_t steps,
-             const NextKeys& next)
-      : block(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin, k_end, next),
-        per_step(std::max<int64_t>(1, (block.lines + steps - 1) / steps)) {}
-  void step(int64_t count = 0) {
-    const int64_t end = std::min(block.lines, next + (count > 0 ? count : per_step));
-    for (; next < end; ++next) {
-      _mm_prefetch(block.k + 64 * next, _MM_HINT_T1);
-      _mm_prefetch(block.v + 64 * next, _MM_HINT_T1);
+             const NextKeys& next_keys) {
+    add(BlockPrefetch<uint8_t>(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin, k_end,
+                               next_keys));
+    pace(steps);
+  }
+  void add(const BlockPrefetch<uint8_t>& b) {
+    if (b.lines > 0 && count < kUnitBlocks) {
+      blocks[count++] = b;
+      lines += b.lines;
     }
   }
-  void rest() { step(block.lines); }
+  void pace(int64_t steps) { per_step = std::max<int64_t>(1, (lines + steps - 1) / steps); }
+  void step(int64_t n = 0) {
+    for (int64_t todo = n > 0 ? n : per_step; todo > 0 && cur < count;) {
+      const BlockPrefetch<uint8_t>& b = blocks[cur];
+      const int64_t end = std::min(b.lines, next + todo);
+      for (int64_t i = next; i < end; ++i) {
+        _mm_prefetch(b.k + 64 * i, _MM_HINT_T1);
+        _mm_prefetch(b.v + 64 * i, _MM_HINT_T1);
+      }
+      todo -= end - next;
+      next = end;
+      if (next == b.lines) {
+        ++cur;
+        next = 0;
+      }
+    }
+  }
+  void rest() { step(lines); }
 };
 
 // Dot products of GT query rows (q16: their 16-bit lanes, D apart) with KT key rows (k, row_stride apart):
@@ -106,39 +135,77 @@ inline void score_rows(const int16_t* q16, const float* qs, const uint8_t* kb, i
   }
 }
 
-// acc_g <- acc_g x corr_g + wscale_g x sum_i w_g,i codes_i for GT output rows (D apart) over n value rows from v;
-// wq[g * ws + i] holds the 16-bit weight of token i (and a 0 after the last of an odd count).
+// A run of value rows inside one block: where it starts and how many; a unit's runs take consecutive weights.
+struct ValueRun {
+  const uint8_t* v;
+  int64_t n;
+};
+
+// acc_g <- acc_g x corr_g + wscale_g x sum_i w_g,i codes_i for GT output rows (D apart) over the value rows of
+// `runs` (row_stride apart within a run); wq[g * ws + i] holds the 16-bit weight of token i, counted across the
+// runs (and a 0 after the last of an odd count). A run of odd length pairs its last token with the next run's
+// first weight against zero codes, so runs need not be even. The sums of all runs stay in int32 lanes (at most
+// 32768 x 128 = 2^22 per product, 2^29 for 64 tokens with the offset's share) and are scaled into the float32
+// rows once. Lanes whose weights carry an offset (kWeightOffset) get it back as offset x the codes' sums.
 template <class L, int GT, int64_t D>
-inline void pv_rows(const int16_t* wq, int64_t ws, int64_t n, const uint8_t* v, int64_t row_stride, float* acc,
+inline void pv_rows(const int16_t* wq, int64_t ws, const ValueRun* runs, int nruns, int64_t row_stride, float* acc,
                     const float* corr, const float* wscale, LineStream& ls) {
-  const int64_t full = n / 2;
   using V = typename L::V;
   for (int64_t c = 0; c < D; c += L::kW) {
     ls.step();
     typename L::Acc lo[GT], hi[GT];
     for (int g = 0; g < GT; ++g) lo[g] = hi[g] = L::zero();
-    const uint8_t* vr = v + c;
-    for (int64_t p = 0; p < full; ++p, vr += 2 * row_stride) {
-      const V a = L::widen(vr), b = L::widen(vr + row_stride);
-      // per 128-bit chunk k: x = dims 8k .. 8k + 3 and y = 8k + 4 .. 8k + 7, each as (token 2p, 2p + 1) pairs
-      const V x = L::unlo(a, b), y = L::unhi(a, b);
-      for (int g = 0; g < GT; ++g) {
-        const V w = L::pair(wq + g * ws + 2 * p);
-        lo[g] = L::madd(lo[g], x, w);
-        hi[g] = L::madd(hi[g], y, w);
+    V sx = L::zlanes(), sy = L::zlanes();  // offset weights: the codes' sums, 16-bit lanes (<= 40 x 128 each)
+    const int16_t* w = wq;
+    for (int r = 0; r < nruns; ++r) {
+      const int64_t full = runs[r].n / 2;
+      const uint8_t* vr = runs[r].v + c;
+      for (int64_t p = 0; p < full; ++p, vr += 2 * row_stride) {
+        const V a = L::widen(vr), b = L::widen(vr + row_stride);
+        // per 128-bit chunk k: x = dims 8k .. 8k + 3 and y = 8k + 4 .. 8k + 7, each as (token 2p, 2p + 1) pairs
+        const V x = L::unlo(a, b), y = L::unhi(a, b);
+        if constexpr (L::kWeightOffset != 0) {
+          sx = L::add16(sx, x);
+          sy = L::add16(sy, y);
+        }
+        for (int g = 0; g < GT; ++g) {
+          const V wp = L::pair(w + g * ws + 2 * p);
+          lo[g] = L::madd(lo[g], x, wp);
+          hi[g] = L::madd(hi[g], y, wp);
+        }
       }
+      if (runs[r].n & 1) {
+        const V a = L::widen(vr), z = L::zlanes();
+        const V x = L::unlo(a, z), y = L::unhi(a, z);
+        if constexpr (L::kWeightOffset != 0) {
+          sx = L::add16(sx, x);
+          sy = L::add16(sy, y);
+        }
+        for (int g = 0; g < GT; ++g) {
+          const V wp = L::pair(w + g * ws + 2 * full);
+          lo[g] = L::madd(lo[g], x, wp);
+          hi[g] = L::madd(hi[g], y, wp);
+        }
+      }
+      w += runs[r].n;
     }
-    if (n & 1) {
-      const V a = L::widen(vr), z = L::zlanes();
-      const V x = L::unlo(a, z), y = L::unhi(a, z);
+    if constexpr (L::kWeightOffset != 0) {  // each weight was stored less the offset: add offset x sum of codes
+      const typename L::Acc ox = L::offset_sums(sx), oy = L::offset_sums(sy);
       for (int g = 0; g < GT; ++g) {
-        const V w = L::pair(wq + g * ws + 2 * full);
-        lo[g] = L::madd(lo[g], x, w);
-        hi[g] = L::madd(hi[g], y, w);
+        lo[g] = L::add32(lo[g], ox);
+        hi[g] = L::add32(hi[g], oy);
       }
     }
     for (int g = 0; g < GT; ++g) L::finish(lo[g], hi[g], acc + g * D + c, corr[g], wscale[g]);
   }
+}
+
+// The same over n value rows from v (one run).
+template <class L, int GT, int64_t D>
+inline void pv_rows(const int16_t* wq, int64_t ws, int64_t n, const uint8_t* v, int64_t row_stride, float* acc,
+                    const float* corr, const float* wscale, LineStream& ls) {
+  const ValueRun run{v, n};
+  pv_rows<L, GT, D>(wq, ws, &run, 1, row_stride, acc, corr, wscale, ls);
 }
 
 // The softmax step of one block for the G query rows of a KV head (rows r0 .. r0 + G - 1 of m, l; scores sc[g][i]
@@ -299,7 +366,8 @@ inline float gather_scales(const uint8_t* kb, const uint8_t* vb, int64_t row_str
 
 // attend_tile for quantized rows of codes C and head size D (a multiple of 16), the contract of attend_tile_quant:
 // q pre-scaled float32 rows in the keys' rotated basis, rows r = j * H + head, row r sees keys <= pos0 + r / H
-// and none before its window.
+// and none before its window. Keys go in units of up to kUnitKeys (consecutive blocks of the sequence, one run
+// of rows each): scores block by block, one softmax step and one integer P.V sum per unit.
 template <KVCode C, int64_t D>
 void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const uint8_t* kcache,
                       const uint8_t* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
@@ -308,18 +376,20 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
   using L = CodeLanes<C>;
   static_assert(D % L::kW == 0, "rows are read kW codes at a time");
   const int64_t head_stride = D + kScaleBytes, row_stride = kv_heads * head_stride;
-  const int64_t R = nq * H, ws = block_size + 2;  // 16-bit weights per row: a block's tokens and a trailing 0
+  const int64_t blocks = std::clamp<int64_t>(L::kUnitKeys / block_size, 1, kUnitBlocks);  // per unit
+  const int64_t U = blocks * block_size;  // keys per unit at most
+  const int64_t R = nq * H, ws = U + 2;  // 16-bit weights per row: a unit's tokens and a trailing 0
   thread_local std::vector<int16_t> q16, w16;
   thread_local std::vector<float> buf;
   q16.resize(static_cast<size_t>(R * D));
   w16.resize(static_cast<size_t>(G * ws));
   const int64_t G16 = (G + 15) / 16 * 16;  // corr and wscale: whole 16-lane stores (block_weights16)
-  buf.resize(static_cast<size_t>(R + 2 * block_size + G * (block_size + 8) + 2 * G16));
+  buf.resize(static_cast<size_t>(R + 2 * U + G * (U + 8) + 2 * G16));
   float* qs = buf.data();          // the query rows' factors
-  float* ks = qs + R;              // this block's key row scales (the current KV head)
-  float* vs = ks + block_size;     // and its value row scales
-  float* sc = vs + block_size;     // scores, then weights x value scales, of the head's G rows: [g][i]
-  const int64_t ss = block_size + 8;
+  float* ks = qs + R;              // this unit's key row scales (the current KV head)
+  float* vs = ks + U;              // and its value row scales
+  float* sc = vs + U;              // scores, then weights x value scales, of the head's G rows: [g][i]
+  const int64_t ss = U + 8;
   float* corr = sc + G * ss;       // per row: the running max's correction
   float* wscale = corr + G16;      // per row: the 16-bit weights' factor
   // the buffers' addresses taken once: a thread_local's address is a call (__tls_get_addr) in a shared object
@@ -329,26 +399,37 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
   reset_partials(acc, m, l, R, D);
   int64_t t = k_begin;
   while (t < k_end) {
-    const int64_t off = t % block_size;
-    const int64_t n = std::min(block_size - off, k_end - t);
-    const int64_t phys = table[t / block_size];
-    LineStream ls(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin, k_end,
-                  kv_heads * (2 + G + n / 3 + D / L::kW), next);  // about the step() calls of this block
+    // the unit: runs [start[b], start[b] + len[b]) of its keys, each within one block, at byte offset at[b]
+    int64_t start[kUnitBlocks], len[kUnitBlocks], at[kUnitBlocks];
+    int runs = 0;
+    int64_t n = 0;
+    LineStream ls;
+    while (runs < blocks && t + n < k_end) {
+      const int64_t u = t + n, off = u % block_size;
+      start[runs] = n;
+      len[runs] = std::min(block_size - off, k_end - u);
+      at[runs] = table[u / block_size] * block_stride + off * row_stride;
+      ls.add(BlockPrefetch<uint8_t>(kcache, vcache, table, block_size, block_stride, row_stride, u, k_begin, k_end,
+                                    next, std::max<int64_t>(kPrefetchAhead, blocks)));
+      n += len[runs++];
+    }
+    ls.pace(kv_heads * (2 + G + n / 3 + D / L::kW));  // about the step() calls of this unit
     for (int64_t h = 0; h < kv_heads; ++h) {
       ls.step();
-      const uint8_t* kb = kcache + phys * block_stride + off * row_stride + h * head_stride;
-      const uint8_t* vb = vcache + phys * block_stride + off * row_stride + h * head_stride;
       float vtop = 0.f;
+      for (int b = 0; b < runs; ++b) {
+        const uint8_t* kb = kcache + at[b] + h * head_stride;
+        const uint8_t* vb = vcache + at[b] + h * head_stride;
 #if KVPAGE_ISA_AVX512
-      if constexpr (L::kW == 32) {
-        vtop = gather_scales(kb, vb, row_stride, D, n, ks, vs);
-      } else
+        if constexpr (L::kW == 32) {
+          vtop = std::max(vtop, gather_scales(kb, vb, row_stride, D, len[b], ks + start[b], vs + start[b]));
+          continue;
+        }
 #endif
-      {
-        for (int64_t i = 0; i < n; ++i) {
-          ks[i] = row_scale(kb + i * row_stride, D);
-          vs[i] = row_scale(vb + i * row_stride, D);
-          vtop = std::max(vtop, vs[i]);
+        for (int64_t i = 0; i < len[b]; ++i) {
+          ks[start[b] + i] = row_scale(kb + i * row_stride, D);
+          vs[start[b] + i] = row_scale(vb + i * row_stride, D);
+          vtop = std::max(vtop, vs[start[b] + i]);
         }
       }
       const float winv = L::weight_inv(vtop), wfactor = L::weight_factor(vtop);
@@ -357,9 +438,22 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
         const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
         const int64_t first = window_first(window, pos0 + j, t, n);  // and keys before its window
         if (visible <= first) continue;
-        const int64_t r0 = j * H + h * G, cnt = visible - first;
-#define KVPAGE_SCORE(gt) \
-  score_rows<L, gt, D>(q16p + (r0 + g0) * D, qs + r0 + g0, kb, row_stride, first, visible, ks, sc + g0 * ss, ss, ls)
+        const int64_t r0 = j * H + h * G;
+        // each run's part of [first, visible): its scores, and its value rows for P.V
+        int64_t lo[kUnitBlocks], hi[kUnitBlocks];
+        ValueRun vrun[kUnitBlocks];
+        int nv = 0;
+        for (int b = 0; b < runs; ++b) {
+          lo[b] = std::max(first, start[b]) - start[b];
+          hi[b] = std::min(visible, start[b] + len[b]) - start[b];
+          if (lo[b] < hi[b]) vrun[nv++] = {vcache + at[b] + h * head_stride + lo[b] * row_stride, hi[b] - lo[b]};
+        }
+        // score_rows stores four lanes past a run's last key: they land on the next run's, written after it
+#define KVPAGE_SCORE(gt)                                                                                        \
+  for (int b = 0; b < runs; ++b)                                                                                \
+    if (lo[b] < hi[b])                                                                                          \
+      score_rows<L, gt, D>(q16p + (r0 + g0) * D, qs + r0 + g0, kcache + at[b] + h * head_stride, row_stride,   \
+                           lo[b], hi[b], ks + start[b], sc + g0 * ss + start[b], ss, ls)
         KVPAGE_ROW_BATCHES(KVPAGE_SCORE)
 #undef KVPAGE_SCORE
 #if KVPAGE_ISA_AVX512
@@ -369,7 +463,7 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
 #endif
           block_weights<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls);
 #define KVPAGE_PV(gt) \
-  pv_rows<L, gt, D>(w16p + g0 * ws, ws, cnt, vb + first * row_stride, row_stride, acc + (r0 + g0) * D, corr + g0, wscale + g0, ls)
+  pv_rows<L, gt, D>(w16p + g0 * ws, ws, vrun, nv, row_stride, acc + (r0 + g0) * D, corr + g0, wscale + g0, ls)
         KVPAGE_ROW_BATCHES(KVPAGE_PV)
 #undef KVPAGE_PV
       }
