@@ -188,8 +188,9 @@ def test_large_query_groups_match_the_reference(dtype, heads, kv_heads):
 def test_int8_weights_keep_their_precision_over_long_contexts():
     """Over 4K keys, with one key that draws much of the weight (an attention sink) and many small weights, the
     int8 loop's output stays within 7e-5 of the reference's on the same pages (median relative error per row:
-    4.7e-5 with the 16-bit weights scaled to each block's own largest, 9.2e-5 when scaled to the running
-    maximum, where the small weights' rounding adds up)."""
+    4.7e-5 with 15-bit weights scaled to each 16-key block's own largest (AVX-512 builds), 4.0e-5 with
+    offset 16-bit weights over 64-key units (AVX2 builds), 7.2e-5 with 15-bit weights over 64-key units,
+    9.2e-5 when scaled to the running maximum, where the small weights' rounding adds up)."""
     ops = load_kernels()
     rng = random.Random(7)
     torch.manual_seed(7)

@@ -181,9 +181,9 @@ inline float channel_query(const float* q, const float* step, const float* mid, 
 // As attend_tile_channel, with the complete blocks read in registers (quant_loop.h's int8 loop): a key is
 // codes x step + zero point per channel, so q . k = (q x step) . (codes - 128) + q . (zero + 128 x step). Per
 // block, KV head and query row, q x step is brought to int16 lanes (its own scale) against the codes less 128
-// (ChannelLanes), and the second term, the same for every key of the block, moves the block's maximum in the
-// running softmax (block_weights' bias) rather than every score; the values are the int8 rows' own loop (pv_rows). The
-// filling block takes the float path.
+// (ChannelLanes), and the second term, the same for every key of the block, is added to the block's scores. As
+// in the int8 rows' loop, consecutive complete blocks go in units of up to the lanes' kUnitKeys: one softmax
+// step and one integer P.V sum (pv_rows) per unit. The filling block takes the float path.
 template <int64_t D>
 void attend_tile_channel_codes(const float* q, int64_t nq, int64_t H, int64_t G, const uint8_t* pages, int64_t page,
                                const int64_t* table, int64_t residual, int64_t seq_len, int64_t block_size,
@@ -194,73 +194,106 @@ void attend_tile_channel_codes(const float* q, int64_t nq, int64_t H, int64_t G,
   static_assert(D % L::kW == 0, "rows are read kW codes at a time");
   const int64_t n_bs = block_size, R = nq * H, head_keys = channel_block_bytes(n_bs, D);
   const int64_t values_at = kv_heads * head_keys, vrow = kv_heads * (D + kScaleBytes);
-  const int64_t ws = n_bs + 2, ss = n_bs + 8, G16 = (G + 15) / 16 * 16;
+  const int64_t blocks = std::clamp<int64_t>(L::kUnitKeys / n_bs, 1, kUnitBlocks), U = blocks * n_bs;
+  const int64_t ws = U + 2, ss = U + 8, G16 = (G + 15) / 16 * 16;
   thread_local std::vector<int16_t> q16, w16;
   q16.resize(static_cast<size_t>(G * D));
   w16.resize(static_cast<size_t>(G * ws));
-  scratch.resize(static_cast<size_t>(R * n_bs + 2 * n_bs * D + 2 * D + 2 * n_bs + 4 + G * ss + 2 * G16 + 2 * G + 8));
+  scratch.resize(static_cast<size_t>(R * n_bs + 2 * n_bs * D + 2 * blocks * D + U + 4 + U + G * ss + 2 * G16 +
+                                     2 * G + 8));
   float* fsc = scratch.data();      // the float path's scores (the filling block)
   float* kf = fsc + R * n_bs;       // and its key and value rows
   float* vf = kf + n_bs * D;
-  float* zero = vf + n_bs * D;      // this block's zero points (+ 128 steps) and steps (the current KV head)
-  float* step = zero + D;
-  float* ones = step + D;          // the key rows' factor (score_rows reads four at a time)
-  float* vs = ones + n_bs + 4;      // the value rows' scales
-  float* sc = vs + n_bs;            // scores, then weights x value scales, of the head's G rows: [g][i]
+  float* zero = vf + n_bs * D;      // each run's zero points (+ 128 steps) and steps (the current KV head)
+  float* step = zero + blocks * D;
+  float* ones = step + blocks * D;  // the key rows' factor (score_rows reads four at a time)
+  float* vs = ones + U + 4;         // the value rows' scales
+  float* sc = vs + U;               // scores, then weights x value scales, of the head's G rows: [g][i]
   float* corr = sc + G * ss;
   float* wscale = corr + G16;
   float* qs = wscale + G16;         // per row: its int16 lanes' scale, and q . zero
   float* bias = qs + G;
-  std::fill(ones, ones + n_bs + 4, 1.f);
+  std::fill(ones, ones + U + 4, 1.f);
   int16_t* const q16p = q16.data();
   int16_t* const w16p = w16.data();
   const int64_t half = (page + 1) / 2;  // the prefetch takes a page as two halves of n_bs rows
+  const int64_t half_rows = (half + n_bs - 1) / n_bs;
   const int64_t filling = seq_len % n_bs ? seq_len / n_bs : -1;
   reset_partials(acc, m, l, R, D);
   for (int64_t t = k_begin; t < k_end;) {
-    const int64_t off = t % n_bs, b = t / n_bs;
-    const int64_t n = std::min(n_bs - off, k_end - t);
-    const uint8_t* block = pages + table[b] * page;
-    LineStream ls(pages, pages + half, table, n_bs, page, (half + n_bs - 1) / n_bs, t, k_begin, k_end,
-                  kv_heads * (2 + G + n / 3 + D / L::kW), next);  // about the step() calls of this block
+    if (t / n_bs == filling) {  // the last block, partly written: its keys unrounded in the residual group
+      const int64_t off = t % n_bs, n = std::min(n_bs - off, k_end - t);
+      for (int64_t h = 0; h < kv_heads; ++h)
+        attend_run_float<D>(q, nq, H, G, h, pages + table[t / n_bs] * page, pages + residual * page, off, n, t, n_bs,
+                            kv_heads, D, pos0, window, kf, vf, zero, step, fsc, acc, m, l);
+      t += n;
+      continue;
+    }
+    // the unit: complete blocks from t, run b at [start[b], start[b] + len[b]) of it, in-block offset off[b]
+    int64_t start[kUnitBlocks], len[kUnitBlocks], off[kUnitBlocks];
+    const uint8_t* blk[kUnitBlocks];
+    int runs = 0;
+    int64_t n = 0;
+    LineStream ls;
+    while (runs < blocks && t + n < k_end && (t + n) / n_bs != filling) {
+      const int64_t u = t + n;
+      off[runs] = u % n_bs;
+      start[runs] = n;
+      len[runs] = std::min(n_bs - off[runs], k_end - u);
+      blk[runs] = pages + table[u / n_bs] * page;
+      ls.add(BlockPrefetch<uint8_t>(pages, pages + half, table, n_bs, page, half_rows, u, k_begin, k_end, next,
+                                    std::max<int64_t>(kPrefetchAhead, blocks)));
+      n += len[runs++];
+    }
+    ls.pace(kv_heads * (2 + G + n / 3 + D / L::kW + runs * G));  // about the step() calls of this unit
     for (int64_t h = 0; h < kv_heads; ++h) {
       ls.step();
-      if (b == filling) {
-        attend_run_float<D>(q, nq, H, G, h, block, pages + residual * page, off, n, t, n_bs, kv_heads, D, pos0,
-                            window, kf, vf, zero, step, fsc, acc, m, l);
-        continue;
-      }
-      const uint8_t* hk = block + h * head_keys;
-      const uint8_t* kb = hk + off * D;
-      const uint8_t* vb = block + values_at + off * vrow + h * (D + kScaleBytes);
-      channel_steps(hk, n_bs, D, zero, step);  // zero <- the zero points + 128 steps
       float vtop = 0.f;
-      for (int64_t i = 0; i < n; ++i) {
-        vs[i] = row_scale(vb + i * vrow, D);
-        vtop = std::max(vtop, vs[i]);
+      for (int b = 0; b < runs; ++b) {
+        channel_steps(blk[b] + h * head_keys, n_bs, D, zero + b * D, step + b * D);  // zero <- + 128 steps
+        const uint8_t* vb = blk[b] + values_at + off[b] * vrow + h * (D + kScaleBytes);
+        for (int64_t i = 0; i < len[b]; ++i) {
+          vs[start[b] + i] = row_scale(vb + i * vrow, D);
+          vtop = std::max(vtop, vs[start[b] + i]);
+        }
       }
       const float winv = L::weight_inv(vtop), wfactor = L::weight_factor(vtop);
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
         const int64_t first = window_first(window, pos0 + j, t, n);  // and keys before its window
         if (visible <= first) continue;
-        const int64_t r0 = j * H + h * G, cnt = visible - first;
-        for (int64_t g = 0; g < G; ++g)
-          qs[g] = channel_query<D>(q + (r0 + g) * D, step, zero, q16p + g * D, bias + g);
-        ls.step();
+        const int64_t r0 = j * H + h * G;
+        ValueRun vrun[kUnitBlocks];
+        int nv = 0;
+        // run by run: q x step in int16 lanes, the run's scores (score_rows stores four lanes past a run's last
+        // key: they land on the next run's, written after it), then its q . mid on them
+        for (int b = 0; b < runs; ++b) {
+          const int64_t lo = std::max(first, start[b]) - start[b], hi = std::min(visible, start[b] + len[b]) - start[b];
+          if (lo >= hi) continue;
+          for (int64_t g = 0; g < G; ++g)
+            qs[g] = channel_query<D>(q + (r0 + g) * D, step + b * D, zero + b * D, q16p + g * D, bias + g);
+          ls.step();
+          const uint8_t* kb = blk[b] + h * head_keys + off[b] * D;
 #define KVPAGE_SCORE(gt) \
-  score_rows<KL, gt, D>(q16p + g0 * D, qs + g0, kb, D, first, visible, ones, sc + g0 * ss, ss, ls)
-        KVPAGE_ROW_BATCHES(KVPAGE_SCORE)
+  score_rows<KL, gt, D>(q16p + g0 * D, qs + g0, kb, D, lo, hi, ones, sc + g0 * ss + start[b], ss, ls)
+          KVPAGE_ROW_BATCHES(KVPAGE_SCORE)
 #undef KVPAGE_SCORE
+          for (int64_t g = 0; g < G; ++g) {
+            float* s = sc + g * ss + start[b];
+            const __m256 vb8 = _mm256_set1_ps(bias[g]);
+            int64_t i = lo;
+            for (; i + 8 <= hi; i += 8) _mm256_storeu_ps(s + i, _mm256_add_ps(_mm256_loadu_ps(s + i), vb8));
+            for (; i < hi; ++i) s[i] += bias[g];
+          }
+          vrun[nv++] = {blk[b] + values_at + (off[b] + lo) * vrow + h * (D + kScaleBytes), hi - lo};
+        }
 #if KVPAGE_ISA_AVX512
-        block_weights16<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls,
-                           bias);
+        block_weights16<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls);
 #else
-        block_weights<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls,
-                         bias);
+        block_weights<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls);
 #endif
 #define KVPAGE_PV(gt) \
-  pv_rows<L, gt, D>(w16p + g0 * ws, ws, cnt, vb + first * vrow, vrow, acc + (r0 + g0) * D, corr + g0, wscale + g0, ls)
+  pv_rows<L, gt, D>(w16p + g0 * ws, ws, vrun, nv, vrow, acc + (r0 + g0) * D, corr + g0, wscale + g0, ls)
         KVPAGE_ROW_BATCHES(KVPAGE_PV)
 #undef KVPAGE_PV
       }

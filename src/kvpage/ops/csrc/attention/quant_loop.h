@@ -3,8 +3,9 @@
 // 32-bit accumulator lanes, never dequantized to a float32 row first:
 //   int8     int16 x int16 -> int32 (VNNI's fused multiply-add where the CPU has it), exact: the query row is
 //            quantized once per task to int16 (scale = absmax / 32767, 2^-16 of its range: far below the keys'
-//            own int8 step), and each block's weights times the value rows' scales to int16 against their
-//            largest (AVX-512 builds: against a bound of it, see block_weights16);
+//            own int8 step), and each unit's weights times the value rows' scales to 16-bit lanes against
+//            their largest (AVX2 builds: 0..65535 less 32768, all 16 bits; AVX-512 builds: 15 bits against a
+//            bound of it, see block_weights16);
 //   fp8      bf16 x bf16 -> float32 (dpbf16 on AVX512_BF16, two FMAs on the halves elsewhere): a code's sign,
 //            exponent and mantissa bits moved into a bf16's fields are the code's value times 2^-120 (e4m3) or
 //            2^-112 (e5m2), one shift and one mask per 16 codes; the query and the weights are rounded to bf16
@@ -13,10 +14,12 @@
 //            absmax, far under the code's own rounding).
 //   scores   q . k_i = (q' . codes_i) x q_factor x k_scale_i;
 //   P.V      sum_i w_i v_i = sum_i (w_i x v_scale_i)' codes_i: two tokens' codes interleaved feed one
-//            multiply-add per 8 dims, and each block's sum is scaled back and added to the float32 output row.
-// The float32 softmax (running max, exp, denominator) is the other paths' own. The next blocks are fetched in
-// small steps all through a block's work (LineStream). On a Zen 3 (AVX2, 64 sequences x 8K keys) this reads an
-// int8 cache in ~0.8x the bf16 cache's time, where dequantizing each block to float32 first took ~1.05x. On
+//            multiply-add per 8 dims, and each unit's sum is scaled back and added to the float32 output row.
+// Keys go in units of consecutive blocks (up to the lanes' kUnitKeys: 64 on AVX2 builds, 16 on AVX-512 ones),
+// one softmax step and one integer P.V sum per unit. The float32 softmax (running max, exp, denominator) is the
+// other paths' own. The next blocks are fetched in small steps all through a unit's work (LineStream). On a
+// Zen 3 (AVX2, 64 sequences x 8K keys) this read an int8 cache in ~0.8x the bf16 cache's time one block at a
+// time, where dequantizing each block to float32 first took ~1.05x. On
 // AVX-512 builds the softmax step takes 16 lanes and all of a KV head's rows at once (block_weights16), four
 // keys' sums are folded by one unpack tree, and the rows' scales come by gathers: on a Zen 5 (64 x 8K keys) the
 // int8 loop went from 8.1 to 6.65 ms, 0.72x to 0.58x the bf16 cache's time (fp8 0.71x to 0.54x).
@@ -208,10 +211,9 @@ inline void pv_rows(const int16_t* wq, int64_t ws, int64_t n, const uint8_t* v, 
   pv_rows<L, GT, D>(wq, ws, &run, 1, row_stride, acc, corr, wscale, ls);
 }
 
-// The softmax step of one block for the G query rows of a KV head (rows r0 .. r0 + G - 1 of m, l; scores sc[g][i]
-// for keys [first, visible), each plus bias[g] where a bias is given: keys per channel add each block's q . zero
-// point after the integer dot products): running maxima and sums updated, corr[g] the old partials' factor, and each row's
-// weights times the value rows' scales (vs) in 16-bit lanes at w16 + g * ws (a 0 after an odd count), whose
+// The softmax step of one block (or unit of blocks: sc, vs and the weights run on across them) for the G query
+// rows of a KV head (rows r0 .. r0 + G - 1 of m, l; scores sc[g][i] for keys [first, visible)): running maxima
+// and sums updated, corr[g] the old partials' factor, and each row's weights times the value rows' scales (vs) in 16-bit lanes at w16 + g * ws (a 0 after an odd count), whose
 // sum is multiplied by wscale[g]. The weights are taken against the block's own maximum, exp(s - bmax) <= 1
 // with 1 reached, and the block's factor exp(bmax - m) goes to the sums and the denominator: so the products
 // can be scaled to the block's largest value scale (`inv`, `factor`: the lanes' weight_inv / weight_factor of
@@ -224,9 +226,9 @@ inline void pv_rows(const int16_t* wq, int64_t ws, int64_t n, const uint8_t* v, 
 template <class L>
 inline void block_weights(const float* sc, int64_t ss, int64_t first, int64_t visible, const float* vs, float inv,
                           float factor, int64_t G, float* m, float* l, float* corr, float* wscale, int16_t* w16,
-                          int64_t ws, LineStream& ls, const float* bias = nullptr) {
+                          int64_t ws, LineStream& ls) {
   const int64_t cnt = visible - first;
-  float bmax[kMaxGroup], brun[kMaxGroup], bscale[kMaxGroup];  // brun: the block's maximum with its row's bias
+  float bmax[kMaxGroup], bscale[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
     const float* s = sc + g * ss;
     __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -235,11 +237,10 @@ inline void block_weights(const float* sc, int64_t ss, int64_t first, int64_t vi
     float mx = kvpage::hmax8(vmax);
     for (; i < visible; ++i) mx = std::max(mx, s[i]);
     bmax[g] = mx;
-    brun[g] = bias != nullptr ? mx + bias[g] : mx;
   }
   if (G <= 4) {  // lanes 0-3 the old partials' factors, 4-7 the blocks'; lanes past G are exp(0)
     const __m128 mo = _mm_setr_ps(m[0], G > 1 ? m[1] : 0.f, G > 2 ? m[2] : 0.f, G > 3 ? m[3] : 0.f);
-    const __m128 bm = _mm_setr_ps(brun[0], G > 1 ? brun[1] : 0.f, G > 2 ? brun[2] : 0.f, G > 3 ? brun[3] : 0.f);
+    const __m128 bm = _mm_setr_ps(bmax[0], G > 1 ? bmax[1] : 0.f, G > 2 ? bmax[2] : 0.f, G > 3 ? bmax[3] : 0.f);
     const __m128 mn = _mm_max_ps(mo, bm);
     const __m256 e = kvpage::exp8(_mm256_set_m128(_mm_sub_ps(bm, mn), _mm_sub_ps(mo, mn)));
     float mnew[4];
@@ -249,9 +250,9 @@ inline void block_weights(const float* sc, int64_t ss, int64_t first, int64_t vi
     for (int64_t g = 0; g < G; ++g) m[g] = mnew[g];
   } else {
     for (int64_t g = 0; g < G; ++g) {
-      const float mn = std::max(m[g], brun[g]);
+      const float mn = std::max(m[g], bmax[g]);
       corr[g] = exp_neg(m[g] - mn);
-      bscale[g] = exp_neg(brun[g] - mn);
+      bscale[g] = exp_neg(bmax[g] - mn);
       m[g] = mn;
     }
   }
@@ -287,7 +288,7 @@ inline void block_weights(const float* sc, int64_t ss, int64_t first, int64_t vi
 template <class L>
 inline void block_weights16(const float* sc, int64_t ss, int64_t first, int64_t visible, const float* vs, float inv,
                             float factor, int64_t G, float* m, float* l, float* corr, float* wscale, int16_t* w16,
-                            int64_t ws, LineStream& ls, const float* bias = nullptr) {
+                            int64_t ws, LineStream& ls) {
   const int64_t cnt = visible - first;
   const __m512 vinv = _mm512_set1_ps(inv), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t g0 = 0; g0 < G; g0 += 16) {
@@ -301,9 +302,8 @@ inline void block_weights16(const float* sc, int64_t ss, int64_t first, int64_t 
         vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, kvpage::tail_mask(visible - i), s + i));
       bm = _mm512_mask_mov_ps(bm, static_cast<__mmask16>(1u << g), _mm512_set1_ps(_mm512_reduce_max_ps(vmax)));
     }
-    const __m512 run = bias != nullptr ? _mm512_add_ps(bm, _mm512_maskz_loadu_ps(k, bias + g0)) : bm;
-    const __m512 mo = _mm512_maskz_loadu_ps(k, m + g0), mn = _mm512_max_ps(mo, run);
-    const __m512 dc = _mm512_sub_ps(mo, mn), db = _mm512_sub_ps(run, mn);
+    const __m512 mo = _mm512_maskz_loadu_ps(k, m + g0), mn = _mm512_max_ps(mo, bm);
+    const __m512 dc = _mm512_sub_ps(mo, mn), db = _mm512_sub_ps(bm, mn);
     __m512 vc, vb;  // the old partials' and the blocks' factors
     if (rows <= 8) {  // both in one exp: lanes 0-7 the old partials', 8-15 the block's
       const __m512 e = exp16(_mm512_shuffle_f32x4(dc, db, _MM_SHUFFLE(1, 0, 1, 0)), static_cast<__mmask16>(k | (k << 8)));
