@@ -44,7 +44,7 @@ namespace kvpage::attn {
 // blocks' scores go through one softmax step and their values into the same integer sums (attend_tile_codes),
 // so the per-block work (the softmax's maxima and factors, the scaling of the sums into the float32 output) is
 // paid once per 64 keys: on the family-23 EPYC (64 x 8K keys) int8 went from 0.87x to 0.75x the bf16 cache's
-// time, fp8 from 1.16x to 1.05x (32 keys: 0.81x; 128: 0.74x).
+// time, fp8 from 1.16x to 0.96-1.05x (32 keys: int8 0.81x; 128: 0.74x).
 constexpr int kUnitBlocks = 8;  // blocks of a unit at most (8-token blocks)
 
 // The blocks ahead of a unit (of one block or several), fetched into L2 a few lines of K and V at a time by
