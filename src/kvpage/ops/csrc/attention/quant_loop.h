@@ -109,35 +109,29 @@ inline void pv_rows(const int16_t* wq, int64_t ws, const ValueRun* runs, int nru
     for (int g = 0; g < GT; ++g) lo[g] = hi[g] = L::zero();
     V sx = L::zlanes(), sy = L::zlanes();  // offset weights: the codes' sums, 16-bit lanes (<= 40 x 128 each)
     const int16_t* w = wq;
+    // one pair of tokens: x, y their interleaved codes, wp their two weights of row 0 (row g's are g x ws on)
+    const auto take = [&](const V x, const V y, const int16_t* wp) {
+      if constexpr (L::kWeightOffset != 0) {
+        sx = L::add16(sx, x);
+        sy = L::add16(sy, y);
+      }
+      for (int g = 0; g < GT; ++g) {
+        const V pw = L::pair(wp + g * ws);
+        lo[g] = L::madd(lo[g], x, pw);
+        hi[g] = L::madd(hi[g], y, pw);
+      }
+    };
     for (int r = 0; r < nruns; ++r) {
       const int64_t full = runs[r].n / 2;
       const uint8_t* vr = runs[r].v + c;
       for (int64_t p = 0; p < full; ++p, vr += 2 * row_stride) {
         const V a = L::widen(vr), b = L::widen(vr + row_stride);
         // per 128-bit chunk k: x = dims 8k .. 8k + 3 and y = 8k + 4 .. 8k + 7, each as (token 2p, 2p + 1) pairs
-        const V x = L::unlo(a, b), y = L::unhi(a, b);
-        if constexpr (L::kWeightOffset != 0) {
-          sx = L::add16(sx, x);
-          sy = L::add16(sy, y);
-        }
-        for (int g = 0; g < GT; ++g) {
-          const V wp = L::pair(w + g * ws + 2 * p);
-          lo[g] = L::madd(lo[g], x, wp);
-          hi[g] = L::madd(hi[g], y, wp);
-        }
+        take(L::unlo(a, b), L::unhi(a, b), w + 2 * p);
       }
-      if (runs[r].n & 1) {
+      if (runs[r].n & 1) {  // the last token against zero codes
         const V a = L::widen(vr), z = L::zlanes();
-        const V x = L::unlo(a, z), y = L::unhi(a, z);
-        if constexpr (L::kWeightOffset != 0) {
-          sx = L::add16(sx, x);
-          sy = L::add16(sy, y);
-        }
-        for (int g = 0; g < GT; ++g) {
-          const V wp = L::pair(w + g * ws + 2 * full);
-          lo[g] = L::madd(lo[g], x, wp);
-          hi[g] = L::madd(hi[g], y, wp);
-        }
+        take(L::unlo(a, z), L::unhi(a, z), w + 2 * full);
       }
       w += runs[r].n;
     }
