@@ -151,8 +151,8 @@ struct BlockPrefetch {
 // Keys a pass of the loop takes at once (the lanes' kUnitKeys, 64 on AVX2 builds): with 16-token blocks, four
 // blocks' scores go through one softmax step and their values into the same integer sums (attend_tile_codes),
 // so the per-block work (the softmax's maxima and factors, the scaling of the sums into the float32 output) is
-// paid once per 64 keys: on the family-23 EPYC (64 x 8K keys) int8 went from 0.87x to 0.75x the bf16 cache's
-// time, fp8 from 1.16x to 0.96-1.05x (32 keys: int8 0.81x; 128: 0.74x).
+// paid once per 64 keys: on the family-23 EPYC (64 x 8K keys) int8 went from 0.87x to 0.74-0.81x the bf16
+// cache's time, fp8 from 1.16x to 0.96-1.05x (32 keys: int8 0.81x; 128: 0.74x).
 constexpr int kUnitBlocks = 8;  // blocks of a unit at most (8-token blocks)
 
 // The blocks ahead of a unit (of one block or several), fetched into L2 a few lines of K and V at a time by
@@ -164,21 +164,13 @@ struct LineStream {
   int count = 0, cur = 0;
   int64_t lines = 0, next = 0, per_step = 1;   // next: the line of blocks[cur] to fetch next
 
-  LineStream() = default;
-  // One block's: the block kPrefetchAhead ahead of the one at key t, in about `steps` calls of step().
-  LineStream(const uint8_t* kcache, const uint8_t* vcache, const int64_t* table, int64_t block_size,
-             int64_t block_stride, int64_t row_stride, int64_t t, int64_t k_begin, int64_t k_end, int64_t steps,
-             const NextKeys& next_keys) {
-    add(BlockPrefetch<uint8_t>(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin, k_end,
-                               next_keys));
-    pace(steps);
-  }
   void add(const BlockPrefetch<uint8_t>& b) {
     if (b.lines > 0 && count < kUnitBlocks) {
       blocks[count++] = b;
       lines += b.lines;
     }
   }
+  // spread the lines over about `steps` calls of step()
   void pace(int64_t steps) { per_step = std::max<int64_t>(1, (lines + steps - 1) / steps); }
   void step(int64_t n = 0) {
     for (int64_t todo = n > 0 ? n : per_step; todo > 0 && cur < count;) {

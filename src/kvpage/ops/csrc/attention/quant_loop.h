@@ -146,14 +146,6 @@ inline void pv_rows(const int16_t* wq, int64_t ws, const ValueRun* runs, int nru
   }
 }
 
-// The same over n value rows from v (one run).
-template <class L, int GT, int64_t D>
-inline void pv_rows(const int16_t* wq, int64_t ws, int64_t n, const uint8_t* v, int64_t row_stride, float* acc,
-                    const float* corr, const float* wscale, LineStream& ls) {
-  const ValueRun run{v, n};
-  pv_rows<L, GT, D>(wq, ws, &run, 1, row_stride, acc, corr, wscale, ls);
-}
-
 // The softmax step of one block (or unit of blocks: sc, vs and the weights run on across them) for the G query
 // rows of a KV head (rows r0 .. r0 + G - 1 of m, l; scores sc[g][i] for keys [first, visible)): running maxima
 // and sums updated, corr[g] the old partials' factor, and each row's weights times the value rows' scales (vs) in 16-bit lanes at w16 + g * ws (a 0 after an odd count), whose
