@@ -190,6 +190,35 @@ struct LineStream {
   }
   void rest() { step(lines); }
 };
+
+// The runs of one unit: keys [t, t + n) of a sequence, cut at block edges into at most `max_runs` runs that each
+// lie in one block (run b: keys [start[b], start[b] + len[b]) of the unit, from in-block offset off[b] of block
+// id block[b]). The unit stops before k_end and before block index `stop` (-1: none), and `on_run(u)` is called
+// with each run's first key (the caller's prefetch of what lies ahead).
+struct UnitRuns {
+  int64_t start[kUnitBlocks], len[kUnitBlocks], off[kUnitBlocks], block[kUnitBlocks];
+  int count = 0;
+  int64_t n = 0;
+
+  template <class OnRun>
+  UnitRuns(const int64_t* table, int64_t block_size, int64_t t, int64_t k_end, int64_t max_runs, int64_t stop,
+           OnRun&& on_run) {
+    while (count < max_runs && t + n < k_end && (t + n) / block_size != stop) {
+      const int64_t u = t + n;
+      off[count] = u % block_size;
+      start[count] = n;
+      len[count] = std::min(block_size - off[count], k_end - u);
+      block[count] = table[u / block_size];
+      on_run(u);
+      n += len[count++];
+    }
+  }
+  // run b's share of the unit's keys [first, visible), as offsets [lo, hi) into the run (empty: lo >= hi)
+  void part(int b, int64_t first, int64_t visible, int64_t& lo, int64_t& hi) const {
+    lo = std::max(first, start[b]) - start[b];
+    hi = std::min(visible, start[b] + len[b]) - start[b];
+  }
+};
 #endif
 
 }  // namespace kvpage::attn

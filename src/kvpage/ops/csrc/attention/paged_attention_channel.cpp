@@ -229,32 +229,26 @@ void attend_tile_channel_codes(const float* q, int64_t nq, int64_t H, int64_t G,
       t += n;
       continue;
     }
-    // the unit: complete blocks from t, run b at [start[b], start[b] + len[b]) of it, in-block offset off[b]
-    int64_t start[kUnitBlocks], len[kUnitBlocks], off[kUnitBlocks];
-    const uint8_t* blk[kUnitBlocks];
-    int runs = 0;
-    int64_t n = 0;
+    // the unit: complete blocks from t (it stops before the filling block)
     LineStream ls;
-    while (runs < blocks && t + n < k_end && (t + n) / n_bs != filling) {
-      const int64_t u = t + n;
-      off[runs] = u % n_bs;
-      start[runs] = n;
-      len[runs] = std::min(n_bs - off[runs], k_end - u);
-      blk[runs] = pages + table[u / n_bs] * page;
+    const UnitRuns unit(table, n_bs, t, k_end, blocks, filling, [&](int64_t u) {
       ls.add(BlockPrefetch<uint8_t>(pages, pages + half, table, n_bs, page, half_rows, u, k_begin, k_end, next,
                                     std::max<int64_t>(kPrefetchAhead, blocks)));
-      n += len[runs++];
-    }
+    });
+    const int runs = unit.count;
+    const int64_t n = unit.n;
+    const uint8_t* blk[kUnitBlocks];
+    for (int b = 0; b < runs; ++b) blk[b] = pages + unit.block[b] * page;
     ls.pace(kv_heads * (2 + G + n / 3 + D / L::kW + runs * G));  // about the step() calls of this unit
     for (int64_t h = 0; h < kv_heads; ++h) {
       ls.step();
       float vtop = 0.f;
       for (int b = 0; b < runs; ++b) {
         channel_steps(blk[b] + h * head_keys, n_bs, D, zero + b * D, step + b * D);  // zero <- + 128 steps
-        const uint8_t* vb = blk[b] + values_at + off[b] * vrow + h * (D + kScaleBytes);
-        for (int64_t i = 0; i < len[b]; ++i) {
-          vs[start[b] + i] = row_scale(vb + i * vrow, D);
-          vtop = std::max(vtop, vs[start[b] + i]);
+        const uint8_t* vb = blk[b] + values_at + unit.off[b] * vrow + h * (D + kScaleBytes);
+        for (int64_t i = 0; i < unit.len[b]; ++i) {
+          vs[unit.start[b] + i] = row_scale(vb + i * vrow, D);
+          vtop = std::max(vtop, vs[unit.start[b] + i]);
         }
       }
       const float winv = L::weight_inv(vtop), wfactor = L::weight_factor(vtop);
@@ -268,24 +262,25 @@ void attend_tile_channel_codes(const float* q, int64_t nq, int64_t H, int64_t G,
         // run by run: q x step in int16 lanes, the run's scores (score_rows stores four lanes past a run's last
         // key: they land on the next run's, written after it), then its q . mid on them
         for (int b = 0; b < runs; ++b) {
-          const int64_t lo = std::max(first, start[b]) - start[b], hi = std::min(visible, start[b] + len[b]) - start[b];
+          int64_t lo, hi;
+          unit.part(b, first, visible, lo, hi);
           if (lo >= hi) continue;
           for (int64_t g = 0; g < G; ++g)
             qs[g] = channel_query<D>(q + (r0 + g) * D, step + b * D, zero + b * D, q16p + g * D, bias + g);
           ls.step();
-          const uint8_t* kb = blk[b] + h * head_keys + off[b] * D;
+          const uint8_t* kb = blk[b] + h * head_keys + unit.off[b] * D;
 #define KVPAGE_SCORE(gt) \
-  score_rows<KL, gt, D>(q16p + g0 * D, qs + g0, kb, D, lo, hi, ones, sc + g0 * ss + start[b], ss, ls)
+  score_rows<KL, gt, D>(q16p + g0 * D, qs + g0, kb, D, lo, hi, ones, sc + g0 * ss + unit.start[b], ss, ls)
           KVPAGE_ROW_BATCHES(KVPAGE_SCORE)
 #undef KVPAGE_SCORE
           for (int64_t g = 0; g < G; ++g) {
-            float* s = sc + g * ss + start[b];
+            float* s = sc + g * ss + unit.start[b];
             const __m256 vb8 = _mm256_set1_ps(bias[g]);
             int64_t i = lo;
             for (; i + 8 <= hi; i += 8) _mm256_storeu_ps(s + i, _mm256_add_ps(_mm256_loadu_ps(s + i), vb8));
             for (; i < hi; ++i) s[i] += bias[g];
           }
-          vrun[nv++] = {blk[b] + values_at + (off[b] + lo) * vrow + h * (D + kScaleBytes), hi - lo};
+          vrun[nv++] = {blk[b] + values_at + (unit.off[b] + lo) * vrow + h * (D + kScaleBytes), hi - lo};
         }
 #if KVPAGE_ISA_AVX512
         block_weights16<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls);

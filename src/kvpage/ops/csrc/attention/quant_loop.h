@@ -334,20 +334,15 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
   reset_partials(acc, m, l, R, D);
   int64_t t = k_begin;
   while (t < k_end) {
-    // the unit: runs [start[b], start[b] + len[b]) of its keys, each within one block, at byte offset at[b]
-    int64_t start[kUnitBlocks], len[kUnitBlocks], at[kUnitBlocks];
-    int runs = 0;
-    int64_t n = 0;
     LineStream ls;
-    while (runs < blocks && t + n < k_end) {
-      const int64_t u = t + n, off = u % block_size;
-      start[runs] = n;
-      len[runs] = std::min(block_size - off, k_end - u);
-      at[runs] = table[u / block_size] * block_stride + off * row_stride;
+    const UnitRuns unit(table, block_size, t, k_end, blocks, -1, [&](int64_t u) {
       ls.add(BlockPrefetch<uint8_t>(kcache, vcache, table, block_size, block_stride, row_stride, u, k_begin, k_end,
                                     next, std::max<int64_t>(kPrefetchAhead, blocks)));
-      n += len[runs++];
-    }
+    });
+    const int runs = unit.count;
+    const int64_t n = unit.n;
+    int64_t at[kUnitBlocks];  // each run's byte offset in the caches
+    for (int b = 0; b < runs; ++b) at[b] = unit.block[b] * block_stride + unit.off[b] * row_stride;
     ls.pace(kv_heads * (2 + G + n / 3 + D / L::kW));  // about the step() calls of this unit
     for (int64_t h = 0; h < kv_heads; ++h) {
       ls.step();
@@ -357,14 +352,15 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
         const uint8_t* vb = vcache + at[b] + h * head_stride;
 #if KVPAGE_ISA_AVX512
         if constexpr (L::kW == 32) {
-          vtop = std::max(vtop, gather_scales(kb, vb, row_stride, D, len[b], ks + start[b], vs + start[b]));
+          const int64_t s0 = unit.start[b];
+          vtop = std::max(vtop, gather_scales(kb, vb, row_stride, D, unit.len[b], ks + s0, vs + s0));
           continue;
         }
 #endif
-        for (int64_t i = 0; i < len[b]; ++i) {
-          ks[start[b] + i] = row_scale(kb + i * row_stride, D);
-          vs[start[b] + i] = row_scale(vb + i * row_stride, D);
-          vtop = std::max(vtop, vs[start[b] + i]);
+        for (int64_t i = 0; i < unit.len[b]; ++i) {
+          ks[unit.start[b] + i] = row_scale(kb + i * row_stride, D);
+          vs[unit.start[b] + i] = row_scale(vb + i * row_stride, D);
+          vtop = std::max(vtop, vs[unit.start[b] + i]);
         }
       }
       const float winv = L::weight_inv(vtop), wfactor = L::weight_factor(vtop);
@@ -379,8 +375,7 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
         ValueRun vrun[kUnitBlocks];
         int nv = 0;
         for (int b = 0; b < runs; ++b) {
-          lo[b] = std::max(first, start[b]) - start[b];
-          hi[b] = std::min(visible, start[b] + len[b]) - start[b];
+          unit.part(b, first, visible, lo[b], hi[b]);
           if (lo[b] < hi[b]) vrun[nv++] = {vcache + at[b] + h * head_stride + lo[b] * row_stride, hi[b] - lo[b]};
         }
         // score_rows stores four lanes past a run's last key: they land on the next run's, written after it
@@ -388,7 +383,7 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
   for (int b = 0; b < runs; ++b)                                                                                \
     if (lo[b] < hi[b])                                                                                          \
       score_rows<L, gt, D>(q16p + (r0 + g0) * D, qs + r0 + g0, kcache + at[b] + h * head_stride, row_stride,   \
-                           lo[b], hi[b], ks + start[b], sc + g0 * ss + start[b], ss, ls)
+                           lo[b], hi[b], ks + unit.start[b], sc + g0 * ss + unit.start[b], ss, ls)
         KVPAGE_ROW_BATCHES(KVPAGE_SCORE)
 #undef KVPAGE_SCORE
 #if KVPAGE_ISA_AVX512
