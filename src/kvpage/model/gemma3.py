@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpage.attention.backends.base import AttentionBackend
-from kvpage.attention.kv_transform import LayerAttend
 from kvpage.model.config import SLIDING, ModelConfig
-from kvpage.model.logits import LogitsBuffer, LogitsResult, postprocess_raw
-from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from kvpage.model.llama import MLP, Attention
+from kvpage.model.logits import LogitsBuffer, LogitsResult, lm_head_logits
+from kvpage.model.rope import RotaryEmbedding, rope_inv_freq
 from kvpage.ops import Kernels
 
 
@@ -42,40 +42,8 @@ class GemmaRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
-class GemmaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.scale = cfg.attention_scale
-        self.backend = backend
-        self.attend = LayerAttend(backend.forward)  # the backend call, with a quantized cache's transform
-
-    def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -83,10 +51,11 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.self_attn = GemmaAttention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, qk_norm=GemmaRMSNorm, scale=cfg.attention_scale,
+                                   o_bias=cfg.attention_bias)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.mlp = GemmaMLP(cfg)
+        self.mlp = MLP(cfg, act=gelu_tanh)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
     def forward(self, x, cos, sin, kv_cache, meta):
@@ -145,14 +114,5 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
                           buffer: LogitsBuffer | None = None) -> LogitsResult:
-        """float32 logits, argmax and log-sum-exp from the tied embeddings (exact near the maximum with bf16
-        weights, as model/llama.py)."""
-        weight = self.embed_tokens.weight
-        raw = self.lm_product(hidden.to(weight.dtype), weight)
-        if raw.shape[0] == 0:
-            return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
-        ops = self.ops
-        if ops is not None:
-            return postprocess_raw(ops, raw, hidden, weight, argmax_only, buffer)
-        logits = raw.float()
-        return LogitsResult(logits, logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1))
+        """float32 logits, argmax and log-sum-exp from the tied embeddings (model/logits.py, lm_head_logits)."""
+        return lm_head_logits(self.lm_product, hidden, self.embed_tokens.weight, self.ops, argmax_only, buffer)

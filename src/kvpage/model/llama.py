@@ -17,7 +17,7 @@ from torch import nn
 from kvpage.attention.backends.base import AttentionBackend
 from kvpage.attention.kv_transform import LayerAttend
 from kvpage.model.config import ModelConfig
-from kvpage.model.logits import LogitsBuffer, LogitsResult, postprocess_raw
+from kvpage.model.logits import LogitsBuffer, LogitsResult, lm_head_logits
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from kvpage.ops import Kernels
 
@@ -39,36 +39,50 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    """Self-attention over the paged cache. Options for the models that share it: ``qk_norm`` builds a norm over
+    each query and key head, applied before RoPE (Gemma 3's QK-norm); ``scale`` replaces head_dim ** -0.5;
+    ``o_bias`` gives the output projection a bias (Qwen2 has biases on q/k/v only)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 qk_norm: Callable[[int, float], nn.Module] | None = None, scale: float | None = None,
+                 o_bias: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        self.q_norm = None if qk_norm is None else qk_norm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = None if qk_norm is None else qk_norm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim**-0.5 if scale is None else scale
         self.backend = backend
         self.attend = LayerAttend(backend.forward)  # the backend call, with a quantized cache's transform
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attend(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The gated MLP: down(act(gate(x)) * up(x)), SiLU unless the model says otherwise (Gemma: GELU-tanh)."""
+
+    def __init__(self, cfg: ModelConfig, act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -129,23 +143,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
                           buffer: LogitsBuffer | None = None) -> LogitsResult:
-        """float32 logits with each row's argmax and log-sum-exp; with ``argmax_only`` (plain greedy steps)
-        the compiled path returns only the argmax and never writes the [rows, vocab] float32 logits.
-
-        With bf16 weights the matmul's output is rounded to 8 mantissa bits (~0.06 at a logit of 15), enough
-        to flip near-ties; entries within that rounding distance of each row's maximum are recomputed exactly
-        in float32 from the float32 hidden state, so greedy choices and top logprobs do not depend on it.
-        """
+        """float32 logits, argmax and log-sum-exp of the lm head (model/logits.py, lm_head_logits)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        ops = self.ops
-        raw = self.lm_product(hidden.to(weight.dtype), weight)
-        if raw.shape[0] == 0:
-            return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
-        if ops is not None:
-            return postprocess_raw(ops, raw, hidden, weight, argmax_only, buffer)
-        logits = raw.float()
-        if weight.dtype != torch.float32:
-            top = logits.max(dim=-1, keepdim=True).values
-            rows, cols = (logits >= top - top.abs() / 32 - 1e-3).nonzero(as_tuple=True)
-            logits[rows, cols] = (hidden[rows].float() * weight[cols].float()).sum(dim=-1)
-        return LogitsResult(logits, logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1))
+        return lm_head_logits(self.lm_product, hidden, weight, self.ops, argmax_only, buffer)

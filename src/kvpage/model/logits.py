@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,30 @@ def postprocess_raw(ops: Kernels, raw: torch.Tensor, hidden: torch.Tensor, weigh
     else:
         res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only, out)
     return logits_result(*res, argmax_only)
+
+
+def lm_head_logits(lm_product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                   weight: torch.Tensor, ops: Kernels | None, argmax_only: bool,
+                   buffer: LogitsBuffer | None) -> LogitsResult:
+    """float32 logits with each row's argmax and log-sum-exp, for every model's lm head; with ``argmax_only``
+    (plain greedy steps) the compiled path returns only the argmax and never writes the [rows, vocab] logits.
+
+    With bf16 weights the product's output is rounded to 8 mantissa bits (~0.06 at a logit of 15), enough to
+    flip near-ties; entries within that rounding distance of each row's maximum are recomputed exactly in
+    float32 from the float32 hidden state (compiled: postprocess_raw; here in torch), so greedy choices and
+    top logprobs do not depend on it.
+    """
+    raw = lm_product(hidden.to(weight.dtype), weight)
+    if raw.shape[0] == 0:
+        return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
+    if ops is not None:
+        return postprocess_raw(ops, raw, hidden, weight, argmax_only, buffer)
+    logits = raw.float()
+    if weight.dtype != torch.float32:
+        top = logits.max(dim=-1, keepdim=True).values
+        rows, cols = (logits >= top - top.abs() / 32 - 1e-3).nonzero(as_tuple=True)
+        logits[rows, cols] = (hidden[rows].float() * weight[cols].float()).sum(dim=-1)
+    return LogitsResult(logits, logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1))
 
 
 class LogitsBuffer:
