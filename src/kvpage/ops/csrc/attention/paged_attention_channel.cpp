@@ -216,6 +216,7 @@ void attend_tile_channel_codes(const float* q, int64_t nq, int64_t H, int64_t G,
   std::fill(ones, ones + U + 4, 1.f);
   int16_t* const q16p = q16.data();
   int16_t* const w16p = w16.data();
+  const UnitBuffers buffers{sc, ss, vs, corr, wscale, w16p, ws};
   const int64_t half = (page + 1) / 2;  // the prefetch takes a page as two halves of n_bs rows
   const int64_t half_rows = (half + n_bs - 1) / n_bs;
   const int64_t filling = seq_len % n_bs ? seq_len / n_bs : -1;
@@ -282,15 +283,8 @@ void attend_tile_channel_codes(const float* q, int64_t nq, int64_t H, int64_t G,
           }
           vrun[nv++] = {blk[b] + values_at + (unit.off[b] + lo) * vrow + h * (D + kScaleBytes), hi - lo};
         }
-#if KVPAGE_ISA_AVX512
-        block_weights16<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls);
-#else
-        block_weights<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls);
-#endif
-#define KVPAGE_PV(gt) \
-  pv_rows<L, gt, D>(w16p + g0 * ws, ws, vrun, nv, vrow, acc + (r0 + g0) * D, corr + g0, wscale + g0, ls)
-        KVPAGE_ROW_BATCHES(KVPAGE_PV)
-#undef KVPAGE_PV
+        unit_softmax_pv<L, D>(buffers, first, visible, winv, wfactor, G, m + r0, l + r0, acc + r0 * D, vrun, nv,
+                              vrow, ls);
       }
     }
     ls.rest();

@@ -299,6 +299,36 @@ inline float gather_scales(const uint8_t* kb, const uint8_t* vb, int64_t row_str
 }
 #endif
 
+// One unit's softmax step and P.V for the G query rows of a KV head (m, l and acc at the head's first row) over
+// keys [first, visible) of the unit: scores at sc (row g at sc + g * ss), value scales at vs, the 16-bit
+// weights through w16 (row g at w16 + g * ws), the value rows in vrun. What both quantized loops share after
+// their scores (attend_tile_codes, attend_tile_channel_codes).
+struct UnitBuffers {
+  float* sc;
+  int64_t ss;
+  const float* vs;
+  float* corr;
+  float* wscale;
+  int16_t* w16;
+  int64_t ws;
+};
+
+template <class L, int64_t D>
+inline void unit_softmax_pv(const UnitBuffers& u, int64_t first, int64_t visible, float winv, float wfactor, int64_t G,
+                            float* m, float* l, float* acc, const ValueRun* vrun, int nv, int64_t row_stride,
+                            LineStream& ls) {
+#if KVPAGE_ISA_AVX512
+  if constexpr (L::kW == 32)
+    block_weights16<L>(u.sc, u.ss, first, visible, u.vs, winv, wfactor, G, m, l, u.corr, u.wscale, u.w16, u.ws, ls);
+  else
+#endif
+    block_weights<L>(u.sc, u.ss, first, visible, u.vs, winv, wfactor, G, m, l, u.corr, u.wscale, u.w16, u.ws, ls);
+#define KVPAGE_PV(gt) \
+  pv_rows<L, gt, D>(u.w16 + g0 * u.ws, u.ws, vrun, nv, row_stride, acc + g0 * D, u.corr + g0, u.wscale + g0, ls)
+  KVPAGE_ROW_BATCHES(KVPAGE_PV)
+#undef KVPAGE_PV
+}
+
 // attend_tile for quantized rows of codes C and head size D (a multiple of 16), the contract of attend_tile_quant:
 // q pre-scaled float32 rows in the keys' rotated basis, rows r = j * H + head, row r sees keys <= pos0 + r / H
 // and none before its window. Keys go in units of up to kUnitKeys (consecutive blocks of the sequence, one run
@@ -330,6 +360,7 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
   // the buffers' addresses taken once: a thread_local's address is a call (__tls_get_addr) in a shared object
   int16_t* const q16p = q16.data();
   int16_t* const w16p = w16.data();
+  const UnitBuffers buffers{sc, ss, vs, corr, wscale, w16p, ws};
   for (int64_t r = 0; r < R; ++r) qs[r] = L::query(q + r * D, D, q16p + r * D);
   reset_partials(acc, m, l, R, D);
   int64_t t = k_begin;
@@ -386,16 +417,8 @@ void attend_tile_codes(const float* q, int64_t nq, int64_t H, int64_t G, const u
                            lo[b], hi[b], ks + unit.start[b], sc + g0 * ss + unit.start[b], ss, ls)
         KVPAGE_ROW_BATCHES(KVPAGE_SCORE)
 #undef KVPAGE_SCORE
-#if KVPAGE_ISA_AVX512
-        if constexpr (L::kW == 32)
-          block_weights16<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls);
-        else
-#endif
-          block_weights<L>(sc, ss, first, visible, vs, winv, wfactor, G, m + r0, l + r0, corr, wscale, w16p, ws, ls);
-#define KVPAGE_PV(gt) \
-  pv_rows<L, gt, D>(w16p + g0 * ws, ws, vrun, nv, row_stride, acc + (r0 + g0) * D, corr + g0, wscale + g0, ls)
-        KVPAGE_ROW_BATCHES(KVPAGE_PV)
-#undef KVPAGE_PV
+        unit_softmax_pv<L, D>(buffers, first, visible, winv, wfactor, G, m + r0, l + r0, acc + r0 * D, vrun, nv,
+                              row_stride, ls);
       }
     }
     ls.rest();
