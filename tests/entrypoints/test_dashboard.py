@@ -44,9 +44,10 @@ def test_no_dashboard_flag():
 
 def _load(port: int, stop: threading.Event) -> None:
     """One long request: while the six of them decode, the running count holds still (a count that changes
-    between two polls of /metrics could be missed by them, and the page would seem wrong)."""
+    between two polls of /metrics could be missed by them, and the page would seem wrong). Long enough to
+    outlast the first of the page's checks, short enough that the server's drain at the end is quick."""
     request(port, "POST", "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time",
-                                              "max_tokens": 400, "temperature": 1.0, "ignore_eos": True})
+                                              "max_tokens": 200, "temperature": 1.0, "ignore_eos": True})
 
 
 @needs_chromium
@@ -86,7 +87,7 @@ def test_live_page_shows_what_metrics_say(srv, tmp_path):
             near = [s for s in samples if abs(s[0] - t) <= 0.6]
             assert any(s[1] == running for s in near), (running, near)
             assert min(s[2] for s in near) <= used <= max(s[2] for s in near), (used, near)
-            if running > 0 and not checks:  # while the load runs (six requests of 400 tokens end in seconds)
+            if running > 0 and not checks:  # while the load runs (six requests of 200 tokens end in seconds)
                 rows = browser.eval("document.querySelectorAll('#req-body tr').length")
                 assert rows >= 1
                 browser.eval("document.querySelector('#req-body tr').click()")  # pin a request's table

@@ -208,7 +208,7 @@ def test_key_from_a_file_queue_limit_sends_retry_after(tmp_path):
     with server("--api-key-file", str(key_file), "--max-num-seqs", "1", "--max-queue", "1", "--no-openapi") as port:
         assert request(port, "GET", "/v1/models", key=None)[0] == 401
         assert request(port, "GET", "/openapi.json")[0] == 404
-        long = {"prompt": "A long story", "max_tokens": 300, "ignore_eos": True}
+        long = {"prompt": "A long story", "max_tokens": 150, "ignore_eos": True}  # seconds apiece, one at a time
         threads = [threading.Thread(target=request, args=(port, "POST", "/v1/completions", long)) for _ in range(2)]
         for t, gauge in zip(threads, ("running", "waiting"), strict=True):  # one runs, one waits
             t.start()

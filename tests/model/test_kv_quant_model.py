@@ -37,13 +37,13 @@ def test_engine_runs_quantized_pages_with_hits_forks_and_swaps(kv_dtype):
     # Every step on one product path (no few-token quantized kernel): a row's arithmetic then does not depend on
     # how many others share its step, so a preempted run must give the roomy run's tokens exactly
     same_path = KernelConfig(quant_max_tokens=0)
-    llm = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory=40 * block, max_model_len=256, swap_space=48 * block,
+    llm = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory=24 * block, max_model_len=256, swap_space=48 * block,
               preemption_mode="swap", kernels=same_path)
     assert llm.engine.worker.kv_cache.tensors[0].dtype == kv_torch_dtype(kv_dtype)
-    greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     prompts = [f"{p} ({i})" for i in range(2) for p in PROMPTS]
-    outs = llm.generate(prompts, greedy, use_tqdm=False)  # 8 x ~130 tokens in 40 blocks: preemptions
-    assert all(len(o.outputs[0].token_ids) == 120 for o in outs)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)  # 8 x ~70 tokens (5 blocks each) in 24 blocks: preemptions
+    assert all(len(o.outputs[0].token_ids) == 60 for o in outs)
     assert llm.engine.stats()["preemptions"] > 0
     # swapped pages come back with their scales: the same tokens as an engine that never preempts
     roomy = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory=200 * block, max_model_len=256, kernels=same_path)
