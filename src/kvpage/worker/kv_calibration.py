@@ -6,7 +6,9 @@ text the accuracy benchmark scores. One pass through a float cache of the model'
 keys and values the constants come from and the reference hidden states; four passes through the quantized
 cache (no transform, keys only, values only, both) give each choice's error against that reference, and the
 smallest wins: a choice that measured better per layer can still lose end to end (SmolLM2 with fp8 pages).
-About 1.3 s at start-up for either packaged model in bf16 on a 2-core Zen 5 EPYC. Deterministic for one
+About 1.3 s at start-up for either packaged model in bf16 on a 2-core Zen 5 EPYC; 10.5 s for SmolLM2 in float32
+on the AVX2-only family-23 EPYC (five 512-token prompts' worth of forward passes at that CPU's float32 GEMM
+rate), where it is most of an int8 engine's start. Deterministic for one
 model, dtype and kernel configuration; the digest goes into the disk tier's identity, so blocks written under
 other constants are never served.
 """
