@@ -62,6 +62,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "held unrounded in a residual KV group); `kvpage plan` and `kvpage simulate` price int8 pages by it unless "
            "given `--int8-keys`", "int8_keys",
            ("rows", "channel")),
+    EnvVar("KVPAGE_CACHE_DIR", str, "", "where kvpage keeps what it computes once per model and machine (the "
+           "calibrated transforms of quantized KV pages); unset: $XDG_CACHE_HOME/kvpage or ~/.cache/kvpage; 'off' "
+           "keeps nothing"),
     EnvVar("KVPAGE_API_KEY", str, None, "the key `kvpage serve` requires (as --api-key; read by the serve command)"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}

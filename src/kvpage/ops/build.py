@@ -43,6 +43,12 @@ def _sources_tag() -> str:
     return digest.hexdigest()[:10]
 
 
+def build_tag() -> str:
+    """This machine's build of the kernels: its CPU's flags and the sources' hash (what a result computed with
+    them, such as calibrated KV transforms, depends on)."""
+    return f"{_cpu_tag()}_{_sources_tag()}"
+
+
 @contextmanager
 def _build_lock(name: str) -> Iterator[None]:
     """Serializes kernel builds across processes with a lock the kernel drops when its holder dies.

@@ -8,7 +8,8 @@ cache (no transform, keys only, values only, both) give each choice's error agai
 smallest wins: a choice that measured better per layer can still lose end to end (SmolLM2 with fp8 pages).
 About 1.3 s at start-up for either packaged model in bf16 on a 2-core Zen 5 EPYC; 10.5 s for SmolLM2 in float32
 on the AVX2-only family-23 EPYC (five 512-token prompts' worth of forward passes at that CPU's float32 GEMM
-rate), where it is most of an int8 engine's start. Deterministic for one
+rate), where it was most of an int8 engine's start before the result was kept on disk (worker/transform_cache.py:
+later starts read it back). Deterministic for one
 model, dtype and kernel configuration; the digest goes into the disk tier's identity, so blocks written under
 other constants are never served.
 """
@@ -17,10 +18,13 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvpage.attention.kv_transform import KVTransform, LayerAttend, transforms_fingerprint
+from kvpage.worker import transform_cache
 from kvpage.worker.scoring import chunked_hidden
 
 logger = logging.getLogger(__name__)
@@ -72,18 +76,33 @@ Questions about lost luggage go to lost@harbour.example or to +44 1632 960 018, 
 """
 
 
-def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False) -> str | None:
+def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False, cache_dir: Path | None = None,
+                            identity: dict[str, Any] | None = None) -> str | None:
     """Give every attention layer of loaded model ``lm`` its transform for pages of ``dtype`` (once per dtype: a model
     already calibrated for it is left as it is); returns the transforms' digest (None: the model does best
     without them). ``channel_keys``: int8 pages with keys per channel, whose tensors are bytes (uint8): their
     transforms are kept under that dtype, apart from int8 rows'. Rank-local under tensor parallelism: every rank
     runs the same passes at the same point of its start-up, so the collectives inside the forward pair up, and
-    every rank ends each pass with the same hidden states, so all make the same choice."""
+    every rank ends each pass with the same hidden states, so all make the same choice. With ``cache_dir`` the
+    result is kept there and read back by later starts (worker/transform_cache.py), ``identity`` naming what
+    else it depends on (the kernels' build and configuration, the shard)."""
     attends: list[LayerAttend] = [layer.self_attn.attend for layer in lm.model.layers]
     key = torch.uint8 if channel_keys else dtype  # the cache tensors' dtype, which LayerAttend looks up
     if all(key in a.transforms for a in attends):
         return transforms_fingerprint(attends, key)
     t0 = time.perf_counter()
+    entry = None
+    if cache_dir is not None:
+        entry = transform_cache.cache_key(lm.path, lm.dtype, dtype, channel_keys, identity or {})
+        kept = transform_cache.load(cache_dir, entry, len(attends))
+        if kept is not None:
+            for a, t in zip(attends, kept[0], strict=True):
+                a.transforms[key] = t
+            digest = transforms_fingerprint(attends, key)
+            if digest == kept[1]:
+                logger.info("%s pages: KV transforms from %s (digest %s)", dtype, cache_dir, digest)
+                return digest
+            logger.warning("calibrated KV transforms in %s give another digest: calibrating again", cache_dir)
     ids = lm.tokenizer.encode(CALIBRATION_TEXT)[:CALIBRATION_TOKENS]
     for a in attends:
         a.capture = []
@@ -105,6 +124,8 @@ def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False) 
     for a, t in zip(attends, full, strict=True):
         a.transforms[key] = t.parts(*best)
     digest = transforms_fingerprint(attends, key)
+    if entry is not None:
+        transform_cache.save(cache_dir, entry, [a.transforms[key] for a in attends], digest)
     logger.info("%s pages%s: key transform %s, value transform %s (hidden-state error %s), from %d tokens in "
                 "%.2f s (digest %s)", dtype, " (keys per channel)" if channel_keys else "",
                 *("on" if b else "off" for b in best),

@@ -18,7 +18,7 @@ from kvpage.distributed.config import ParallelConfig
 from kvpage.distributed.group import CommStats, VocabParallelHead, make_row_parallel
 from kvpage.distributed.ranks import RankFailure, RankGroup, StepPlan
 from kvpage.distributed.shard import check_tensor_parallel
-from kvpage.envs import kernel_config
+from kvpage.envs import kernel_config, read
 from kvpage.kv import KVCacheManager, KVPoolConfig
 from kvpage.kv.disk_tier import DiskTier
 from kvpage.kv.host_tier import HostTier
@@ -26,11 +26,13 @@ from kvpage.kv.offload import PrefixTiers
 from kvpage.model.loader import load_model
 from kvpage.model.logits import LogitsBuffer
 from kvpage.model.registry import load_model_config
+from kvpage.ops.build import build_tag
 from kvpage.units import format_bytes
 from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, kv_dtype_name, kv_torch_dtype, model_layout
 from kvpage.worker.kv_calibration import calibrate_kv_transforms
 from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq, StepLogits
 from kvpage.worker.sampler import SampleRequest, argmax_suffices, beam_candidates, sample_isolated, seeded_generator
+from kvpage.worker.transform_cache import default_dir
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +93,12 @@ class Worker:
         # int8 pages with keys per channel (KVPAGE_INT8_KEYS=channel, attention/kv_channel.py)
         self.channel_keys = self.kv_dtype == torch.int8 and self.kernel_config.int8_keys == "channel"
         # quantized pages: each layer's exact key/value transform, before any block is written
-        self.kv_transform = calibrate_kv_transforms(self.lm, self.kv_dtype, self.channel_keys) \
-            if is_quantized(self.kv_dtype) else None
+        self.kv_transform = None
+        if is_quantized(self.kv_dtype):
+            identity = {"kernels": build_tag(), "kernel_config": repr(self.kernel_config), "tp": self.tp,
+                        "backend": mc.attention_backend, "fast": self.lm.model.fast is not None}
+            self.kv_transform = calibrate_kv_transforms(self.lm, self.kv_dtype, self.channel_keys,
+                                                        default_dir(str(read("KVPAGE_CACHE_DIR"))), identity)
         self.layout = model_layout(cfg, self.channel_keys)
         self.bytes_per_block = kv_bytes_per_block(cfg, cc.block_size, self.kv_dtype, self.layout, self.channel_keys)
         self.num_blocks = int(cc.kv_cache_memory) // self.bytes_per_block

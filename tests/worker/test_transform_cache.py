@@ -1,0 +1,71 @@
+"""Calibrated KV transforms kept on disk (worker/transform_cache.py): a later start reads them back, bit for bit;
+anything the key holds that differs, or a damaged file, means calibrating again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpage.model.loader import load_model
+from kvpage.worker import kv_calibration
+from kvpage.worker.kv_calibration import calibrate_kv_transforms
+from kvpage.worker.transform_cache import default_dir
+from tests.helpers.tiny_models import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_hf_model(path, "llama", head_dim=64, heads=2, kv_heads=1)
+    return path
+
+
+def transforms(lm):
+    return [layer.self_attn.attend.transforms[torch.int8] for layer in lm.model.layers]
+
+
+def forget(lm):
+    """A start afresh: the loaded model is shared, so its calibration is dropped instead."""
+    for layer in lm.model.layers:
+        layer.self_attn.attend.transforms.pop(torch.int8, None)
+    return lm
+
+
+def same(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return all((x is None and y is None) or (x is not None and y is not None and all(
+        torch.equal(getattr(x, f), getattr(y, f)) for f in x.__dataclass_fields__))
+               for x, y in ((a.keys, b.keys), (a.values, b.values)))
+
+
+def test_a_later_start_reads_what_calibration_kept(tiny_path, tmp_path, monkeypatch):
+    lm = forget(load_model(str(tiny_path), torch.float32))
+    digest = calibrate_kv_transforms(lm, torch.int8, cache_dir=tmp_path, identity={"kernels": "a"})
+    assert digest is not None  # the tiny model keeps a transform: there are tensors to keep
+    kept = list((tmp_path / "kv-transforms").glob("*.pt"))
+    assert len(kept) == 1
+    first = transforms(lm)
+
+    def no_passes(*args, **kwargs):
+        raise AssertionError("calibrated again")
+
+    again = forget(load_model(str(tiny_path), torch.float32))
+    with monkeypatch.context() as m:
+        m.setattr(kv_calibration, "chunked_hidden", no_passes)
+        assert calibrate_kv_transforms(again, torch.int8, cache_dir=tmp_path, identity={"kernels": "a"}) == digest
+        assert all(same(a, b) for a, b in zip(first, transforms(again), strict=True))
+        with pytest.raises(AssertionError, match="calibrated again"):  # other kernels: another entry
+            calibrate_kv_transforms(forget(again), torch.int8, cache_dir=tmp_path, identity={"kernels": "b"})
+    kept[0].write_bytes(b"not a torch file")  # damaged: ignored, calibrated again and rewritten
+    third = forget(load_model(str(tiny_path), torch.float32))
+    assert calibrate_kv_transforms(third, torch.int8, cache_dir=tmp_path, identity={"kernels": "a"}) == digest
+    assert all(same(a, b) for a, b in zip(first, transforms(third), strict=True))
+    assert kept[0].read_bytes()[:4] != b"not "
+
+
+def test_the_directory_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_dir("") == tmp_path / "kvpage"
+    assert default_dir("off") is None
+    assert default_dir(str(tmp_path / "x")) == tmp_path / "x"
