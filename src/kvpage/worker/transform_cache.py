@@ -67,12 +67,13 @@ def save(directory: Path, key: str, transforms: list[KVTransform | None], digest
                 entry[f"{name}.{f.name}"] = getattr(part, f.name).contiguous().clone()
         layers.append(entry)
     path = _entry(directory, key)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         torch.save({"format": FORMAT, "digest": digest, "layers": layers}, tmp)
         os.replace(tmp, path)
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         logger.warning("could not keep the calibrated KV transforms in %s: %s", path.parent, e)
 
 
