@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvpage.model.loader import load_model
-from kvpage.worker import kv_calibration
+from kvpage.worker import kv_calibration, transform_cache
 from kvpage.worker.kv_calibration import calibrate_kv_transforms
 from kvpage.worker.transform_cache import default_dir
 from tests.helpers.tiny_models import make_hf_model
@@ -69,3 +69,11 @@ def test_the_directory_setting(tmp_path, monkeypatch):
     assert default_dir("") == tmp_path / "kvpage"
     assert default_dir("off") is None
     assert default_dir(str(tmp_path / "x")) == tmp_path / "x"
+
+
+def test_a_directory_that_cannot_be_written_costs_nothing_but_the_entry(tmp_path, caplog):
+    (tmp_path / "kv-transforms").write_text("a file where the entries' directory should be")
+    transform_cache.save(tmp_path, "k", [None], None)
+    assert "could not keep" in caplog.text
+    assert transform_cache.load(tmp_path, "k", 1) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv-transforms"]

@@ -10,6 +10,7 @@ parts and the digest they must give; one that does not load or gives another dig
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -72,8 +73,9 @@ def save(directory: Path, key: str, transforms: list[KVTransform | None], digest
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"format": FORMAT, "digest": digest, "layers": layers}, tmp)
         os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
+    except (OSError, RuntimeError) as e:  # torch's writer reports some of its OS errors as RuntimeError
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         logger.warning("could not keep the calibrated KV transforms in %s: %s", path.parent, e)
 
 
