@@ -62,6 +62,10 @@ def test_a_later_start_reads_what_calibration_kept(tiny_path, tmp_path, monkeypa
     assert calibrate_kv_transforms(third, torch.int8, cache_dir=tmp_path, identity={"kernels": "a"}) == digest
     assert all(same(a, b) for a, b in zip(first, transforms(third), strict=True))
     assert kept[0].read_bytes()[:4] != b"not "
+    transform_cache.save(tmp_path, kept[0].stem, first, "another digest")  # loads, but is not what was kept
+    fourth = forget(third)
+    assert calibrate_kv_transforms(fourth, torch.int8, cache_dir=tmp_path, identity={"kernels": "a"}) == digest
+    assert transform_cache.load(tmp_path, kept[0].stem, len(first))[1] == digest  # rewritten
 
 
 def test_the_directory_setting(tmp_path, monkeypatch):

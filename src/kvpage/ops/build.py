@@ -9,6 +9,7 @@ compiler ``load_kernels`` returns None and logs why; the engine then runs the re
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -43,9 +44,10 @@ def _sources_tag() -> str:
     return digest.hexdigest()[:10]
 
 
+@functools.cache
 def build_tag() -> str:
-    """This machine's build of the kernels: its CPU's flags and the sources' hash (what a result computed with
-    them, such as calibrated KV transforms, depends on)."""
+    """This machine's build of the kernels: its CPU's flags and the sources' hash, in the build's name and in
+    what a result computed with them depends on (calibrated KV transforms). Hashed once per process."""
     return f"{_cpu_tag()}_{_sources_tag()}"
 
 
@@ -83,7 +85,7 @@ def load_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        name = f"kvpage_kernels_{_cpu_tag()}_{_sources_tag()}"
+        name = f"kvpage_kernels_{build_tag()}"
         with _build_lock(name):
             _module = load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
                            extra_cflags=["-O3", "-march=native", "-fopenmp"],

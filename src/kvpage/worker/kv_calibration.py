@@ -102,6 +102,8 @@ def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False, 
             if digest == kept[1]:
                 logger.info("%s pages: KV transforms from %s (digest %s)", dtype, cache_dir, digest)
                 return digest
+            for a in attends:  # not to be taken for a calibration by the passes below
+                del a.transforms[key]
             logger.warning("calibrated KV transforms in %s give another digest: calibrating again", cache_dir)
     ids = lm.tokenizer.encode(CALIBRATION_TEXT)[:CALIBRATION_TOKENS]
     for a in attends:

@@ -299,10 +299,8 @@ inline float gather_scales(const uint8_t* kb, const uint8_t* vb, int64_t row_str
 }
 #endif
 
-// One unit's softmax step and P.V for the G query rows of a KV head (m, l and acc at the head's first row) over
-// keys [first, visible) of the unit: scores at sc (row g at sc + g * ss), value scales at vs, the 16-bit
-// weights through w16 (row g at w16 + g * ws), the value rows in vrun. What both quantized loops share after
-// their scores (attend_tile_codes, attend_tile_channel_codes).
+// A task's buffers for the steps after a unit's scores: scores at sc (row g at sc + g * ss), value scales at vs,
+// the rows' factors (corr, wscale) and 16-bit weights (row g at w16 + g * ws).
 struct UnitBuffers {
   float* sc;
   int64_t ss;
@@ -313,6 +311,9 @@ struct UnitBuffers {
   int64_t ws;
 };
 
+// One unit's softmax step and P.V for the G query rows of a KV head (m, l and acc at the head's first row) over
+// keys [first, visible) of the unit, the value rows in vrun: what both quantized loops share after their scores
+// (attend_tile_codes, attend_tile_channel_codes).
 template <class L, int64_t D>
 inline void unit_softmax_pv(const UnitBuffers& u, int64_t first, int64_t visible, float winv, float wfactor, int64_t G,
                             float* m, float* l, float* acc, const ValueRun* vrun, int nv, int64_t row_stride,
