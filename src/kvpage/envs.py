@@ -26,7 +26,9 @@ class EnvVar:
 
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("KVPAGE_QUANT_MAX_TOKENS", int, 4, "steps with at most this many tokens multiply the checkpoint's "
-           "quantized blocks directly (reading fewer bytes); 0 turns that off", "quant_max_tokens"),
+           "quantized blocks directly (reading fewer bytes); 0 turns that off, so that every step takes one product "
+           "and, on AVX2 builds' float32 path, a request's logits (and seeded draws) do not depend on what shares "
+           "its step", "quant_max_tokens"),
     EnvVar("KVPAGE_QUANT_INT16", bool, True, "those steps' activations as 16-bit integer blocks on AVX2 builds; "
            "0 keeps float32 (the exact-sum reference)", "quant_int16"),
     EnvVar("KVPAGE_DECODE_LAYERS", str, "compiled", "decode-only few-token steps run the whole layer stack in one "

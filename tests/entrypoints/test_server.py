@@ -60,6 +60,16 @@ def test_models_health_metrics(srv, model_id):
         assert f"kvpage:{name}" in text, name
 
 
+def test_model_labelled_metrics_are_exported_at_zero_before_their_first_event():
+    from kvpage.entrypoints.openai.metrics import ServerMetrics
+
+    text = ServerMetrics("m").render().decode()
+    for name in ("num_preemptions_total", "kv_cache_cow_copies_total", "generation_tokens_total",
+                 "num_requests_running", "time_to_first_token_seconds_count"):
+        assert f'kvpage:{name}{{model_name="m"}} 0.0' in text, name
+    assert "kvpage:kv_offload_disk_bytes{" not in text  # no disk tier, no figure for one
+
+
 def test_completions_match_offline_generate_streamed_or_not(srv, model_id, offline):
     from kvpage.sampling_params import SamplingParams
 

@@ -19,14 +19,21 @@ class ServerMetrics:
         lab = ["model_name"]
         r = self.registry
 
+        # A metric labelled by the model alone is exported from the start, at 0: a counter that appears only
+        # at its first event (the first preemption, say) reads as "missing" to dashboards and alerts.
+        def exported(metric):
+            metric.labels(model_name)
+            return metric
+
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"kvpage:{name}", doc, lab, registry=r)
+            return exported(Gauge(f"kvpage:{name}", doc, lab, registry=r))
 
         def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
-            return Counter(f"kvpage:{name}", doc, lab + (extra or []), registry=r)
+            made = Counter(f"kvpage:{name}", doc, lab + (extra or []), registry=r)
+            return made if extra else exported(made)
 
         def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(f"kvpage:{name}", doc, lab, buckets=_LATENCY_BUCKETS, registry=r)
+            return exported(Histogram(f"kvpage:{name}", doc, lab, buckets=_LATENCY_BUCKETS, registry=r))
 
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
@@ -45,7 +52,8 @@ class ServerMetrics:
                                  "that held them (device pool, host memory, disk)", ["tier"])
         self.tier_blocks = Gauge("kvpage:kv_offload_blocks", "Prefix blocks held below the pool, by tier",
                                  [*lab, "tier"], registry=r)
-        self.disk_bytes = gauge("kv_offload_disk_bytes", "Bytes of the disk tier's block files")
+        self.disk_bytes = Gauge("kvpage:kv_offload_disk_bytes", "Bytes of the disk tier's block files", lab,
+                                registry=r)  # only where there is a disk tier
         self.disk_problems = counter("kv_offload_disk_problems", "Disk tier files ignored (other model, dtype, "
                                      "block size or format), blocks that failed their checksum, failed writes",
                                      ["kind"])

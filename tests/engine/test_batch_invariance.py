@@ -1,0 +1,43 @@
+"""A seeded request draws the same tokens alone and in a busy step, where the float32 fast path's products do
+not depend on the rows around them (the panel GEMM of AVX2 builds) and no step size picks another product
+(KVPAGE_QUANT_MAX_TOKENS=0): the logits are then bit-identical, and so is every draw from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpage.engine.llm import LLM
+from kvpage.envs import KernelConfig
+from kvpage.sampling_params import SamplingParams
+
+WORDS = ["the", "cache", "block", "table", "of", "pages", "holds", "keys", "and", "values", "for", "every",
+         "token", "in", "a", "sequence", "while", "decode"]
+
+
+def prompt(i: int, n: int) -> str:
+    return " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(n))
+
+
+def test_seeded_and_greedy_requests_are_the_same_alone_and_in_a_busy_batch():
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=256, kernels=KernelConfig(quant_max_tokens=0))
+    ops = llm.engine.worker.runner.model.fast_ops
+    if ops is None or not ops.f32_gemm_ok:
+        pytest.skip("the batch-independent product is the float32 panel GEMM of AVX2 builds")
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=520, max_tokens=16, logprobs=2, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
+    probes = [(prompt(0, 40), seeded), (prompt(1, 9), greedy)]
+    # others of every length and setting around them: prompts chunked with theirs, n > 1, no seed
+    others = [(prompt(i, 8 + 29 * i), SamplingParams(n=1 + i % 3, max_tokens=12 + 3 * i, top_k=40))
+              for i in range(2, 9)]
+    mixed = others[:3] + probes[:1] + others[3:] + probes[1:]
+    busy = llm.generate([p for p, _ in mixed], [s for _, s in mixed], use_tqdm=False)
+    got = {mixed[i][0]: busy[i].outputs[0] for i in range(len(mixed))}
+    for text, params in probes:
+        alone = llm.generate([text], [params], use_tqdm=False)[0].outputs[0]
+        assert alone.token_ids == got[text].token_ids
+        # bit-identical logits: every reported logprob equal, not merely close
+        assert [{t: lp.logprob for t, lp in step.items()} for step in alone.logprobs] == \
+               [{t: lp.logprob for t, lp in step.items()} for step in got[text].logprobs]
+    kv = llm.engine.kv
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks
