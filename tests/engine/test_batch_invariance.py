@@ -27,9 +27,9 @@ def test_seeded_and_greedy_requests_are_the_same_alone_and_in_a_busy_batch():
     greedy = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
     probes = [(prompt(0, 40), seeded), (prompt(1, 9), greedy)]
     # others of every length and setting around them: prompts chunked with theirs, n > 1, no seed
-    others = [(prompt(i, 8 + 29 * i), SamplingParams(n=1 + i % 3, max_tokens=12 + 3 * i, top_k=40))
-              for i in range(2, 9)]
-    mixed = others[:3] + probes[:1] + others[3:] + probes[1:]
+    others = [(prompt(i, 8 + 37 * i), SamplingParams(n=1 + i % 3, max_tokens=10 + 3 * i, top_k=40))
+              for i in range(2, 7)]
+    mixed = others[:2] + probes[:1] + others[2:] + probes[1:]
     busy = llm.generate([p for p, _ in mixed], [s for _, s in mixed], use_tqdm=False)
     got = {mixed[i][0]: busy[i].outputs[0] for i in range(len(mixed))}
     for text, params in probes:

@@ -186,9 +186,14 @@ def smol_fp32_fast(load_fast):
     return load_fast()
 
 
-def int16_forms(lm) -> tuple[bool, ...]:
-    """Both activation forms of few-token steps where the build has 16-bit codes; elsewhere the flag does nothing."""
-    return (False, True) if lm.model.fast_ops.quant_int16_available() else (True,)
+# The activation forms of few-token steps: 16-bit codes (the default where the build has them) and float32 (the
+# exact-sum form, the only one elsewhere), which the default run leaves to `-m slow` where it is not the default.
+INT16_FORMS = [True, slow(False)]
+
+
+def check_int16_form(lm, int16: bool) -> None:
+    if not int16 and not lm.model.fast_ops.quant_int16_available():
+        pytest.skip("without 16-bit codes in this build the flag does nothing: the True case ran the float form")
 
 
 def test_int16_decode_agrees_with_fp32(smol_fp32, smol_fp32_fast, prompts, hf_greedy, record_property):
@@ -215,22 +220,23 @@ def test_int16_decode_agrees_with_fp32(smol_fp32, smol_fp32_fast, prompts, hf_gr
     assert worst < 0.05
 
 
-def test_compiled_decode_layers_equal_the_python_loop(smol_fp32_fast, load_fast, prompts, hf_greedy):
+@pytest.mark.parametrize("int16", INT16_FORMS)
+def test_compiled_decode_layers_equal_the_python_loop(smol_fp32_fast, load_fast, prompts, hf_greedy, int16):
     """Decode-only few-token steps run the layer stack in one compiled call (ops/csrc/decode_layers.cpp) with the
     same kernels in the same order as the Python layer loop (KernelConfig.decode_layers="python"): the logits
-    are bit-identical, one stream (teacher-forced) and a batch of streams (greedy), both activation forms."""
+    are bit-identical, one stream (teacher-forced) and a batch of streams (greedy), each activation form."""
+    check_int16_form(smol_fp32_fast, int16)
     names = sorted(prompts)
     seq = prompts[names[0]] + hf_greedy[names[0]]
-    for int16 in int16_forms(smol_fp32_fast):
-        lm = load_fast(KernelConfig(quant_int16=int16))
-        stack = lm.model.fast.decode_layers
-        assert stack is not None and stack.num_layers() == len(lm.model.layers)
-        compiled = teacher_forced_decode(lm, seq, len(prompts[names[0]]))
-        batch_compiled = generate(lm, [prompts[n] for n in names[:3]], 12)
-        loop = load_fast(KernelConfig(quant_int16=int16, decode_layers="python"))
-        assert loop.model.fast.decode_layers is None
-        assert torch.equal(compiled, teacher_forced_decode(loop, seq, len(prompts[names[0]]))), int16
-        assert batch_compiled == generate(loop, [prompts[n] for n in names[:3]], 12), int16
+    lm = load_fast(KernelConfig(quant_int16=int16))
+    stack = lm.model.fast.decode_layers
+    assert stack is not None and stack.num_layers() == len(lm.model.layers)
+    compiled = teacher_forced_decode(lm, seq, len(prompts[names[0]]))
+    batch_compiled = generate(lm, [prompts[n] for n in names[:3]], 12)
+    loop = load_fast(KernelConfig(quant_int16=int16, decode_layers="python"))
+    assert loop.model.fast.decode_layers is None
+    assert torch.equal(compiled, teacher_forced_decode(loop, seq, len(prompts[names[0]])))
+    assert batch_compiled == generate(loop, [prompts[n] for n in names[:3]], 12)
 
 
 def test_compiled_decode_layers_reject_bad_input(smol_fp32_fast):
@@ -244,18 +250,20 @@ def test_compiled_decode_layers_reject_bad_input(smol_fp32_fast):
         stack.run(h, torch.ones(1, 64), torch.zeros(1, 64), [], torch.zeros(1, dtype=torch.long), plan, False, False)
 
 
-def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast, load_fast, prompts, hf_greedy):
+@pytest.mark.parametrize("int16", INT16_FORMS)
+def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast, load_fast, prompts, hf_greedy,
+                                                      int16):
     """float32 on the fast path, as dtype auto runs it without AVX512_BF16: decode steps from the checkpoint's
     quantized blocks (the exact weights; float32 sums in another order, or 16-bit activation codes where the
     build has them), prompts through oneDNN's packed float32 product, fused norms / RoPE / SiLU. Greedy tokens
     equal transformers' float32 ones; one prompt at a time, so every decode step is a one-token step on the
-    quantized blocks. Both activation forms."""
+    quantized blocks. Each activation form."""
+    check_int16_form(smol_fp32_fast, int16)
     assert smol_fp32_fast is not smol_fp32 and smol_fp32.model.fast_ops is None  # the exact path stays as it was
-    for int16 in int16_forms(smol_fp32_fast):
-        lm = load_fast(KernelConfig(quant_int16=int16))
-        assert lm.model.layers[0].mlp.gate_up.quant is not None and lm.model.fast.lm_quant is not None
-        for name, ids in prompts.items():
-            assert generate(lm, [ids], MAX_NEW)[0] == hf_greedy[name], (name, int16)
+    lm = load_fast(KernelConfig(quant_int16=int16))
+    assert lm.model.layers[0].mlp.gate_up.quant is not None and lm.model.fast.lm_quant is not None
+    for name, ids in prompts.items():
+        assert generate(lm, [ids], MAX_NEW)[0] == hf_greedy[name], name
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, slow(torch.float16)])
