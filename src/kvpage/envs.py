@@ -26,9 +26,10 @@ class EnvVar:
 
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("KVPAGE_QUANT_MAX_TOKENS", int, 4, "steps with at most this many tokens multiply the checkpoint's "
-           "quantized blocks directly (reading fewer bytes); 0 turns that off, so that every step takes one product "
-           "and, on AVX2 builds' float32 path, a request's logits (and seeded draws) do not depend on what shares "
-           "its step", "quant_max_tokens"),
+           "quantized blocks directly (reading fewer bytes); 0 turns that off", "quant_max_tokens"),
+    EnvVar("KVPAGE_QUANT_PANELS", bool, True, "float32 models on AVX2 builds: those steps read the blocks in the "
+           "float32 panel GEMM's order and sums, so a request's logits are the same bits in any step; 0 keeps "
+           "rows of blocks (their own sums, and 16-bit activation codes below)", "quant_panels"),
     EnvVar("KVPAGE_QUANT_INT16", bool, True, "those steps' activations as 16-bit integer blocks on AVX2 builds; "
            "0 keeps float32 (the exact-sum reference)", "quant_int16"),
     EnvVar("KVPAGE_DECODE_LAYERS", str, "compiled", "decode-only few-token steps run the whole layer stack in one "
@@ -105,6 +106,7 @@ class KernelConfig:
     the machine has). Frozen: resolved once and handed down, never flipped while an engine runs."""
 
     quant_max_tokens: int = 4
+    quant_panels: bool = True
     quant_int16: bool = True
     decode_layers: str = "compiled"
     amx_linear: bool = True

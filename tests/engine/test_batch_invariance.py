@@ -1,13 +1,13 @@
-"""A seeded request draws the same tokens alone and in a busy step, where the float32 fast path's products do
-not depend on the rows around them (the panel GEMM of AVX2 builds) and no step size picks another product
-(KVPAGE_QUANT_MAX_TOKENS=0): the logits are then bit-identical, and so is every draw from them."""
+"""A seeded request draws the same tokens alone and in a busy step on the float32 fast path of AVX2 builds (the
+default there): many-token steps run the float32 panel GEMM, whose outputs do not depend on the rows around
+them, and few-token steps the checkpoint's blocks as panels with the same sums (model/quant.py), so the logits
+are bit-identical, and so is every draw from them."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvpage.engine.llm import LLM
-from kvpage.envs import KernelConfig
 from kvpage.sampling_params import SamplingParams
 
 WORDS = ["the", "cache", "block", "table", "of", "pages", "holds", "keys", "and", "values", "for", "every",
@@ -19,7 +19,8 @@ def prompt(i: int, n: int) -> str:
 
 
 def test_seeded_and_greedy_requests_are_the_same_alone_and_in_a_busy_batch():
-    llm = LLM(kv_cache_memory="64MiB", max_model_len=256, kernels=KernelConfig(quant_max_tokens=0))
+    """Alone, each probe's decode steps are one-token steps (the panels); in the batch, steps of many tokens."""
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=256)
     ops = llm.engine.worker.runner.model.fast_ops
     if ops is None or not ops.f32_gemm_ok:
         pytest.skip("the batch-independent product is the float32 panel GEMM of AVX2 builds")

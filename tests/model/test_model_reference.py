@@ -4,6 +4,7 @@ copy-on-write forks and swapping."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -186,24 +187,32 @@ def smol_fp32_fast(load_fast):
     return load_fast()
 
 
-# The activation forms of few-token steps: 16-bit codes (the default where the build has them) and float32 (the
-# exact-sum form, the only one elsewhere), which the default run leaves to `-m slow` where it is not the default.
-INT16_FORMS = [True, slow(False)]
+# The forms of few-token steps on the float32 fast path: the blocks as panels with the panel GEMM's sums (the
+# default where the build has that GEMM: AVX2), and rows of blocks (KVPAGE_QUANT_PANELS=0) with 16-bit activation
+# codes for one token (where the build has them) or float32 (the exact-sum form, the only one on other builds).
+# The default run keeps the default form; test_int16_decode_agrees_with_fp32 covers the codes.
+FORMS = {"default": KernelConfig(), "int16": KernelConfig(quant_panels=False),
+         "float": KernelConfig(quant_panels=False, quant_int16=False)}
+FORM_PARAMS = ["default", slow("int16"), slow("float")]
 
 
-def check_int16_form(lm, int16: bool) -> None:
-    if not int16 and not lm.model.fast_ops.quant_int16_available():
-        pytest.skip("without 16-bit codes in this build the flag does nothing: the True case ran the float form")
+def check_form(lm, form: str) -> None:
+    ops = lm.model.fast_ops
+    if form == "int16" and not ops.quant_int16_available():
+        pytest.skip("this build has no 16-bit activation codes")
+    if form == "float" and not ops.f32_gemm_ok:
+        pytest.skip("without the panel GEMM the default is this form")
 
 
-def test_int16_decode_agrees_with_fp32(smol_fp32, smol_fp32_fast, prompts, hf_greedy, record_property):
-    """One-token decode steps with 16-bit integer activation codes (KernelConfig.quant_int16, the default where
-    the build has the kernel), teacher-forced over prompt + transformers' continuation: the argmax equals the
-    exact float32 path's at every position and no logit moves by more than 0.05 (measured: 0.007;
+def test_int16_decode_agrees_with_fp32(smol_fp32, load_fast, prompts, hf_greedy, record_property):
+    """One-token decode steps with 16-bit integer activation codes (KernelConfig.quant_int16 on rows of blocks:
+    KVPAGE_QUANT_PANELS=0 on AVX2 builds), teacher-forced over prompt + transformers' continuation: the argmax
+    equals the exact float32 path's at every position and no logit moves by more than 0.05 (measured: 0.007;
     llama.cpp-style 8-bit codes moved them by up to 3.5 and agreed at 93%)."""
+    smol_fp32_fast = load_fast(FORMS["int16"])
     if not smol_fp32_fast.model.fast_ops.quant_int16_available():
         pytest.skip("this build has no 16-bit integer quantized product (AVX2 builds only)")
-    assert smol_fp32_fast.model.fast_ops.config.quant_int16
+    assert smol_fp32_fast.model.layers[0].mlp.gate_up.quant.kind == "q4"
     agree = total = 0
     worst = 0.0
     for ids, cont in ((prompts[n], hf_greedy[n]) for n in prompts):
@@ -220,20 +229,20 @@ def test_int16_decode_agrees_with_fp32(smol_fp32, smol_fp32_fast, prompts, hf_gr
     assert worst < 0.05
 
 
-@pytest.mark.parametrize("int16", INT16_FORMS)
-def test_compiled_decode_layers_equal_the_python_loop(smol_fp32_fast, load_fast, prompts, hf_greedy, int16):
+@pytest.mark.parametrize("form", FORM_PARAMS)
+def test_compiled_decode_layers_equal_the_python_loop(smol_fp32_fast, load_fast, prompts, hf_greedy, form):
     """Decode-only few-token steps run the layer stack in one compiled call (ops/csrc/decode_layers.cpp) with the
     same kernels in the same order as the Python layer loop (KernelConfig.decode_layers="python"): the logits
-    are bit-identical, one stream (teacher-forced) and a batch of streams (greedy), each activation form."""
-    check_int16_form(smol_fp32_fast, int16)
+    are bit-identical, one stream (teacher-forced) and a batch of streams (greedy), each form of the blocks."""
+    check_form(smol_fp32_fast, form)
     names = sorted(prompts)
     seq = prompts[names[0]] + hf_greedy[names[0]]
-    lm = load_fast(KernelConfig(quant_int16=int16))
+    lm = load_fast(FORMS[form])
     stack = lm.model.fast.decode_layers
     assert stack is not None and stack.num_layers() == len(lm.model.layers)
     compiled = teacher_forced_decode(lm, seq, len(prompts[names[0]]))
     batch_compiled = generate(lm, [prompts[n] for n in names[:3]], 12)
-    loop = load_fast(KernelConfig(quant_int16=int16, decode_layers="python"))
+    loop = load_fast(dataclasses.replace(FORMS[form], decode_layers="python"))
     assert loop.model.fast.decode_layers is None
     assert torch.equal(compiled, teacher_forced_decode(loop, seq, len(prompts[names[0]])))
     assert batch_compiled == generate(loop, [prompts[n] for n in names[:3]], 12)
@@ -250,17 +259,18 @@ def test_compiled_decode_layers_reject_bad_input(smol_fp32_fast):
         stack.run(h, torch.ones(1, 64), torch.zeros(1, 64), [], torch.zeros(1, dtype=torch.long), plan, False, False)
 
 
-@pytest.mark.parametrize("int16", INT16_FORMS)
+@pytest.mark.parametrize("form", FORM_PARAMS)
 def test_fp32_fast_path_generates_transformers_tokens(smol_fp32, smol_fp32_fast, load_fast, prompts, hf_greedy,
-                                                      int16):
+                                                      form):
     """float32 on the fast path, as dtype auto runs it without AVX512_BF16: decode steps from the checkpoint's
-    quantized blocks (the exact weights; float32 sums in another order, or 16-bit activation codes where the
-    build has them), prompts through oneDNN's packed float32 product, fused norms / RoPE / SiLU. Greedy tokens
+    quantized blocks (the exact weights: as panels with the panel GEMM's sums by default on AVX2 builds, or rows
+    of blocks with float32 sums in another order or 16-bit activation codes), prompts through the float32 panel
+    GEMM (oneDNN's packed product on other builds), fused norms / RoPE / SiLU. Greedy tokens
     equal transformers' float32 ones; one prompt at a time, so every decode step is a one-token step on the
-    quantized blocks. Each activation form."""
-    check_int16_form(smol_fp32_fast, int16)
+    quantized blocks. Each form of the blocks."""
+    check_form(smol_fp32_fast, form)
     assert smol_fp32_fast is not smol_fp32 and smol_fp32.model.fast_ops is None  # the exact path stays as it was
-    lm = load_fast(KernelConfig(quant_int16=int16))
+    lm = load_fast(FORMS[form])
     assert lm.model.layers[0].mlp.gate_up.quant is not None and lm.model.fast.lm_quant is not None
     for name, ids in prompts.items():
         assert generate(lm, [ids], MAX_NEW)[0] == hf_greedy[name], name

@@ -43,9 +43,10 @@ class FastPath:
             _pack_mlp(layer, quant, f"layers.{i}.mlp", ops)
         weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         self.lm_weight = weight
-        self.lm_quant = quant.get("embed_tokens.weight" if model.lm_head is None else "lm_head.weight")
-        self.lm_packed = PackedLinear(weight, None, self.lm_quant, ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS,
-                                      split_rows=LOGITS_SPLIT_ROWS)
+        self.lm_packed = PackedLinear(weight, None, quant.get("embed_tokens.weight" if model.lm_head is None
+                                                              else "lm_head.weight"),
+                                      ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS, split_rows=LOGITS_SPLIT_ROWS)
+        self.lm_quant = self.lm_packed.quant  # the blocks as the packed head keeps them (as panels, say)
         self.final_norm_f32 = model.norm.weight.float()  # final hidden stays float32 for exact top logits
         self.plan: list[_FastLayer] = []
         for i, layer in enumerate(model.layers):

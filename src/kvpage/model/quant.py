@@ -12,6 +12,10 @@ Layout (repacked once at load so the kernel reads aligned, homogeneous rows):
   U8 (from Q5_0 and Q4_K, or a mix of kinds concatenated): ``qs`` uint8 [N, K], one code per weight,
       ``d``/``m`` float32 [N, K/32]; weight = d * q + m. Only the int8 GEMM (many-row steps) reads it; Q4_K's
       per-32 scale and min (super-block scale times a 6-bit factor) are exact in float32, not in float16.
+  Panels (``as_panels``, float32 models on AVX2 builds): Q4 or Q8 in the float32 panel GEMM's order, 16 output
+      columns per panel: ``qs`` uint8 [N/16, K, 8] (byte j of row k: column j's code in the low nibble, column
+      j + 8's in the high) or int8 [N/16, K, 16]; ``d``/``m`` float16 [N/16, K/32, 16]. The kernel sums them as
+      the panel GEMM sums the float32 weights, so few-token steps give many-token steps' bits.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kvpage.model.dequant import nibbles
 # kernel (AVX2: one integer product per pair of weights instead of a float conversion and FMA per weight;
 # rounding <= 1.5e-5 of each 32-block's largest value), unless KernelConfig.quant_int16 is off.
 QUANT_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K}
+PANEL = 16  # output columns per panel of the float32 panel GEMM (ops/csrc/linear/gemm_f32.cpp)
 
 
 @dataclass
@@ -40,18 +45,45 @@ class QuantWeight:
 
     @property
     def kind(self) -> str:
+        if self.qs.dim() == 3:
+            return "q8p" if self.m is None else "q4p"
         if self.m is None:
             return "q8"
         return "u8" if self.qs.shape[1] == self.d.shape[1] * 32 else "q4"
 
     @property
     def few_token_ok(self) -> bool:
-        """The few-token kernels (quant_linear, the compiled decode layers) read Q4 and Q8 only."""
-        return self.kind in ("q4", "q8")
+        """The few-token kernels (quant_linear, the compiled decode layers) read Q4 and Q8 only (as rows of
+        blocks or as panels)."""
+        return self.kind in ("q4", "q8", "q4p", "q8p")
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.qs.dim() == 3:
+            return self.qs.shape[0] * PANEL, self.qs.shape[1]
         return self.qs.shape[0], self.d.shape[1] * 32
+
+    def codes(self) -> torch.Tensor:
+        """One code per weight, [N, K] (uint8 for Q4, int8 for Q8), from rows of blocks."""
+        n, k = self.shape
+        return nibbles(self.qs.reshape(-1, 16)).reshape(n, k) if self.kind == "q4" else self.qs
+
+    def as_panels(self) -> QuantWeight | None:
+        """Q4 / Q8 rows of blocks in the float32 panel GEMM's order (module docstring), or None where N is not
+        a multiple of 16."""
+        n, k = self.shape
+        if self.kind not in ("q4", "q8") or n % PANEL:
+            return None
+        q = self.codes().view(n // PANEL, PANEL, k)
+        if self.kind == "q4":
+            qs = (q[:, :8] | (q[:, 8:] << 4)).transpose(1, 2).contiguous()
+        else:
+            qs = q.transpose(1, 2).contiguous()
+
+        def scales(t: torch.Tensor) -> torch.Tensor:
+            return t.view(n // PANEL, PANEL, -1).transpose(1, 2).contiguous()
+
+        return QuantWeight(qs, scales(self.d), None if self.m is None else scales(self.m))
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +97,14 @@ class QuantWeight:
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K] (tests and diagnostics)."""
         n, k = self.shape
+        if self.qs.dim() == 3:  # panels: back to rows
+            if self.m is None:
+                q = self.qs.float()
+            else:
+                q = torch.cat((self.qs & 0x0F, self.qs >> 4), dim=2).float()
+            d = self.d.float().repeat_interleave(32, dim=1)
+            w = q * d if self.m is None else q * d + self.m.float().repeat_interleave(32, dim=1)
+            return w.transpose(1, 2).reshape(n, k)
         d = self.d.float()[:, :, None]
         if self.m is None:
             return (self.qs.view(n, -1, 32).float() * d).reshape(n, k)

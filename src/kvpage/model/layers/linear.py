@@ -68,6 +68,10 @@ class PackedLinear(nn.Module):
         self.n = n
         if weight.dtype == torch.float32 and ops is not None and ops.f32_gemm_ok:
             self.f32 = ops.f32_pack_weight(weight.contiguous())
+            # few-token steps then read the blocks in this GEMM's order and sums (model/quant.py, Panels): a
+            # token row's outputs are the same bits whichever product its step takes
+            panels = self.quant.as_panels() if self.quant is not None and ops.config.quant_panels else None
+            self.quant = panels or self.quant
         elif (self.amx is None and self.i8 is None) or (self.amx is not None and amx_max_rows is not None):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
         # split_rows (lm heads): oneDNN's product also by slices of at most this many output features, for

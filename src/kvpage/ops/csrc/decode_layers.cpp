@@ -28,9 +28,10 @@ void DecodeLayers::add_layer(const std::vector<c10::optional<torch::Tensor>>& ma
     q[i] = QuantMat{*mats[3 * i], *mats[3 * i + 1], mats[3 * i + 2]};
   }
   const int64_t q_out = num_heads_ * head_dim_, kv_out = num_kv_heads_ * head_dim_;
-  TORCH_CHECK(q[0].qs.size(0) == q_out + 2 * kv_out, "qkv has ", q[0].qs.size(0), " rows, expected ",
-              q_out + 2 * kv_out);
-  TORCH_CHECK(q[1].qs.size(0) == post_norm.size(0), "o's rows differ from the hidden size");
+  // output rows: qs is [N, bytes], or [N / 16, K, bytes] for panels (QuantWeight.as_panels)
+  const auto rows = [](const QuantMat& mat) { return mat.qs.dim() == 3 ? mat.qs.size(0) * 16 : mat.qs.size(0); };
+  TORCH_CHECK(rows(q[0]) == q_out + 2 * kv_out, "qkv has ", rows(q[0]), " rows, expected ", q_out + 2 * kv_out);
+  TORCH_CHECK(rows(q[1]) == post_norm.size(0), "o's rows differ from the hidden size");
   layers_.push_back(DecodeLayer{q[0], q[1], q[2], q[3], std::move(post_norm), std::move(next_norm), eps, next_eps});
 }
 

@@ -73,6 +73,10 @@ void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
                            bool float_out, bool int16, bool gated);
 bool quant_int16_available();
+// The same blocks in the float32 panel GEMM's order and sums (linear/quant_panels.cpp).
+torch::Tensor quant_panel_linear(torch::Tensor x, const torch::Tensor& codes, const torch::Tensor& d,
+                                 const c10::optional<torch::Tensor>& m, const c10::optional<torch::Tensor>& bias,
+                                 bool gated);
 namespace kvpage::amx {
 bool amx_linear_available();
 torch::Tensor amx_pack_weight(const torch::Tensor& w);

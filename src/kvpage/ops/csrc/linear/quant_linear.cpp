@@ -473,6 +473,10 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c
                            bool float_out, bool int16, bool gated) {
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, in_features]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  if (qs.dim() == 3) {  // panels (QuantWeight.as_panels): float32 in and out, the panel GEMM's sums
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "quant panels take float32 activations");
+    return quant_panel_linear(x, qs, d, m, c10::nullopt, gated);
+  }
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous(), "qs must be a dense [out_features, bytes] matrix");
   const bool q4 = qs.scalar_type() == at::kByte;
   TORCH_CHECK(q4 || qs.scalar_type() == at::kChar, "qs must be uint8 (Q4) or int8 (Q8)");
