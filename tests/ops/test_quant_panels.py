@@ -63,3 +63,20 @@ def test_bad_panels_are_refused_by_name(ops):
         ops.quant_linear(torch.randn(1, 64), p.qs, p.d, None, True)
     with pytest.raises(RuntimeError, match="float32 activations"):
         ops.quant_linear(torch.randn(1, 64).bfloat16(), p.qs, p.d, p.m, True)
+
+
+def test_the_default_models_panels_rebuild_its_float32_weights_exactly(ops):
+    """Every few-token matrix of SmolLM2's float32 fast path (fused q|k|v and gate|up with the loader's row
+    order, the Q8_0 lm head) rebuilds bit for bit the weights its panel GEMM holds: the premise of the equality
+    above, on the real model."""
+    from kvpage.model.loader import load_model
+
+    model = load_model("SmolLM2-135M-Instruct", dtype="float32", fast=True).model
+    linears = [lin for layer in model.layers for lin in (layer.self_attn.qkv, layer.self_attn.o_packed,
+                                                         layer.mlp.gate_up, layer.mlp.down)]
+    linears.append(model.fast.lm_packed)
+    for lin in linears:
+        assert lin.quant.kind in ("q4p", "q8p")
+        n, k = lin.quant.shape
+        held = lin.f32.transpose(1, 2).reshape(-1, k)[:n]  # the panel GEMM's [N/16, K, 16] back to [N, K]
+        assert torch.equal(lin.quant.dequantize(), held)
