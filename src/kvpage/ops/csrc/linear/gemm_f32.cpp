@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include "common.h"
+#include "linear/panel_step.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -36,12 +37,7 @@ void tile(const float* a, int64_t lda, const float* b, int64_t K, float* c, int6
   const __m256 zero = _mm256_setzero_ps();
   __m256 l0 = zero, h0 = zero, l1 = zero, h1 = zero, l2 = zero, h2 = zero, l3 = zero, h3 = zero, l4 = zero,
          h4 = zero, l5 = zero, h5 = zero;
-#define KVPAGE_GEMM_ROW(i)                                                \
-  if constexpr (R > i) {                                                  \
-    const __m256 av = _mm256_broadcast_ss(a + i * lda + k);              \
-    l##i = _mm256_fmadd_ps(av, b0, l##i);                                 \
-    h##i = _mm256_fmadd_ps(av, b1, h##i);                                 \
-  }
+#define KVPAGE_GEMM_ROW(i) KVPAGE_PANEL_ROW(R, i, a, lda, k, b0, b1)
   for (int64_t k = 0; k < K; ++k) {
     const __m256 b0 = _mm256_load_ps(b + kNR * k), b1 = _mm256_load_ps(b + kNR * k + 8);
     KVPAGE_GEMM_ROW(0) KVPAGE_GEMM_ROW(1) KVPAGE_GEMM_ROW(2) KVPAGE_GEMM_ROW(3) KVPAGE_GEMM_ROW(4)

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include "common.h"
+#include "linear/panel_step.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -49,12 +50,7 @@ void panel_rows(const float* x, int64_t K, const void* codes, const at::Half* d,
   __m256 l0 = zero, h0 = zero, l1 = zero, h1 = zero, l2 = zero, h2 = zero, l3 = zero, h3 = zero;
   const __m256i low4 = _mm256_set1_epi32(0x0F);
   const int64_t nb = K / kQK;
-#define KVPAGE_QP_ROW(i)                                              \
-  if constexpr (R > i) {                                              \
-    const __m256 av = _mm256_broadcast_ss(x + i * K + k);             \
-    l##i = _mm256_fmadd_ps(av, wlo, l##i);                            \
-    h##i = _mm256_fmadd_ps(av, whi, h##i);                            \
-  }
+#define KVPAGE_QP_ROW(i) KVPAGE_PANEL_ROW(R, i, x, K, k, wlo, whi)
   for (int64_t b = 0; b < nb; ++b) {
     const __m256 dlo = half8(d + b * kNR), dhi = half8(d + b * kNR + 8);
     [[maybe_unused]] __m256 mlo = zero, mhi = zero;
