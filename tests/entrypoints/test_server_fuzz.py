@@ -103,7 +103,7 @@ calls = st.one_of(st.tuples(st.just("/v1/completions"), completion), st.tuples(s
                   st.tuples(st.just("/tokenize"), tokenize), st.tuples(st.just("/detokenize"), detokenize))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(call=calls)
 def test_no_body_gets_a_5xx_or_hangs(port, call):
     path, body = call

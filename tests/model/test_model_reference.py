@@ -190,7 +190,7 @@ def smol_fp32_fast(load_fast):
 # The forms of few-token steps on the float32 fast path: the blocks as panels with the panel GEMM's sums (the
 # default where the build has that GEMM: AVX2), and rows of blocks (KVPAGE_QUANT_PANELS=0) with 16-bit activation
 # codes for one token (where the build has them) or float32 (the exact-sum form, the only one on other builds).
-# The default run keeps the default form; test_int16_decode_agrees_with_fp32 covers the codes.
+# The default run keeps the default form; the others, and test_int16_decode_agrees_with_fp32, run under -m slow.
 FORMS = {"default": KernelConfig(), "int16": KernelConfig(quant_panels=False),
          "float": KernelConfig(quant_panels=False, quant_int16=False)}
 FORM_PARAMS = ["default", slow("int16"), slow("float")]
@@ -204,6 +204,7 @@ def check_form(lm, form: str) -> None:
         pytest.skip("without the panel GEMM the default is this form")
 
 
+@pytest.mark.slow  # the opt-out form since the panels; its kernel's tests (tests/ops/test_quant_linear.py) stay
 def test_int16_decode_agrees_with_fp32(smol_fp32, load_fast, prompts, hf_greedy, record_property):
     """One-token decode steps with 16-bit integer activation codes (KernelConfig.quant_int16 on rows of blocks:
     KVPAGE_QUANT_PANELS=0 on AVX2 builds), teacher-forced over prompt + transformers' continuation: the argmax
