@@ -110,7 +110,7 @@ class QuantWeight:
             return (self.qs.view(n, -1, 32).float() * d).reshape(n, k)
         if self.kind == "u8":
             return (self.qs.view(n, -1, 32).float() * d + self.m.float()[:, :, None]).reshape(n, k)
-        q = nibbles(self.qs.reshape(-1, 16)).view(n, -1, 32).float()
+        q = self.codes().view(n, -1, 32).float()
         return (q * d + self.m.float()[:, :, None]).reshape(n, k)
 
     def as_u8(self) -> QuantWeight:
@@ -118,11 +118,10 @@ class QuantWeight:
         Q8's q becomes q + 128 with offset -128 d)."""
         if self.kind == "u8":
             return self
-        n, k = self.shape
         d = self.d.float()
         if self.m is None:
             return QuantWeight((self.qs.to(torch.int16) + 128).to(torch.uint8), d, d * -128)
-        return QuantWeight(nibbles(self.qs.reshape(-1, 16)).reshape(n, k), d, self.m.float())
+        return QuantWeight(self.codes(), d, self.m.float())
 
 
 def concat(parts: list[QuantWeight | None]) -> QuantWeight | None:
