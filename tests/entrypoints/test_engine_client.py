@@ -81,10 +81,15 @@ def test_outputs_arrive_and_bad_requests_are_refused():
 
 def test_a_dying_engine_resolves_every_submission_and_says_why():
     fatal: list[str] = []
+    told = threading.Event()
+
+    def on_fatal(error: str) -> None:
+        fatal.append(error)
+        told.set()
 
     async def main():
         gate = threading.Event()
-        client = AsyncEngine(StandInEngine(steps=100, fail_at=2, slow=gate), on_fatal=fatal.append)
+        client = AsyncEngine(StandInEngine(steps=100, fail_at=2, slow=gate), on_fatal=on_fatal)
         queues = [asyncio.Queue() for _ in range(8)]
         await client.submit("first", [1], SamplingParams(), queues[0])
         # more submissions race with the failing step: accepted or refused, none may hang
@@ -102,6 +107,8 @@ def test_a_dying_engine_resolves_every_submission_and_says_why():
             await client.submit("late", [1], SamplingParams(), asyncio.Queue())
 
     asyncio.run(main())
+    # the engine thread tells the server after failing the requests: the streams may end first
+    assert told.wait(10)
     assert len(fatal) == 1 and "a bug in the step" in fatal[0]
 
 
