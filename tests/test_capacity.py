@@ -86,6 +86,10 @@ def test_plan_rejects_bad_input_with_named_values():
         plan_capacity(shape(), GiB, context_len=9000, max_model_len=8192)
     with pytest.raises(ValueError, match="no context length"):
         plan_capacity(shape(), GiB)
+    with pytest.raises(ValueError, match="context_len must be positive, got 0"):  # not read as "the default"
+        plan_capacity(shape(), GiB, context_len=0, max_model_len=8192)
+    with pytest.raises(ValueError, match="max_model_len must be positive, got 0"):
+        plan_capacity(shape(), GiB, context_len=10, max_model_len=0)
     with pytest.raises(ValueError, match="tail waste"):
         plan_capacity(shape(), GiB, context_len=10, tail_waste=1.5)
     with pytest.raises(ValueError, match="unknown KV dtype 'int3'"):

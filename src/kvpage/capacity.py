@@ -250,6 +250,9 @@ def plan_capacity(
         raise ValueError(f"block_size must be positive, got {block_size}")
     if kv_memory_bytes <= 0:
         raise ValueError(f"KV memory budget must be positive, got {kv_memory_bytes} bytes")
+    for name, v in (("context_len", context_len), ("max_model_len", max_model_len)):
+        if v is not None and v <= 0:
+            raise ValueError(f"{name} must be positive, got {v}")
     max_len = max_model_len or shape.max_model_len
     ctx = context_len or max_len
     if not ctx:

@@ -6,6 +6,7 @@ import pytest
 
 from kvpage.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpage.core.sequence import Request, Sequence, SequenceStatus
+from kvpage.engine.arg_utils import EngineArgs
 from kvpage.kv import KVCacheManager
 from kvpage.outputs import RequestMetrics
 from kvpage.sampling_params import SamplingParams
@@ -67,6 +68,9 @@ def test_max_num_seqs_and_budget_limit_admissions():
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     with pytest.raises(ValueError, match="must be >= max_model_len"):
         SchedulerConfig(max_model_len=64, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1, got 0"):  # 0 is no default
+        EngineArgs(max_num_batched_tokens=0).scheduler_config(max_model_len=64)
+    assert EngineArgs(enable_chunked_prefill=False).scheduler_config(64).max_num_batched_tokens == 64
     s = sched(max_num_batched_tokens=64, enable_chunked_prefill=False)
     a, b = make_seq("a", 40), make_seq("b", 30)
     s.add(a)

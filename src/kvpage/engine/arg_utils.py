@@ -76,7 +76,9 @@ class EngineArgs:
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """With the model's context length resolved (the worker knows it): without chunked prefill a step must
         hold a whole prompt, so the token budget defaults to max_model_len."""
-        batched = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 2048 if self.enable_chunked_prefill else max_model_len
         return SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=batched,
                                max_num_seqs=self.max_num_seqs, enable_chunked_prefill=self.enable_chunked_prefill,
                                preemption_mode=self.preemption_mode, policy=self.scheduling_policy)
