@@ -145,3 +145,12 @@ def test_benchmark_scripts_import_names_that_exist():
                 missing += [f"{f.name}: {node.module}.{a.name}" for a in node.names if not hasattr(mod, a.name)
                             and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
     assert not missing, missing
+
+
+def test_python_files_stay_small():
+    """One concern per module: no Python file of the package, its tests, benchmarks or scripts runs much past
+    400 lines (a file that grows past the limit is split by concern, not squeezed)."""
+    limit = 430
+    long = [f"{f.relative_to(ROOT)}: {n} lines" for d in ("src", "tests", "benchmarks", "scripts")
+            for f in sorted((ROOT / d).rglob("*.py")) if (n := len(f.read_text().splitlines())) > limit]
+    assert not long, long

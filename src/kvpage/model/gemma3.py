@@ -22,24 +22,20 @@ from torch import nn
 
 from kvpage.attention.backends.base import AttentionBackend
 from kvpage.model.config import SLIDING, ModelConfig
-from kvpage.model.llama import MLP, Attention
+from kvpage.model.llama import MLP, Attention, RMSNorm
 from kvpage.model.logits import LogitsBuffer, LogitsResult, lm_head_logits
 from kvpage.model.rope import RotaryEmbedding, rope_inv_freq
 from kvpage.ops import Kernels
 
 
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + w), in float32, returned in x's dtype."""
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + w), all in float32, returned in x's dtype (w is stored less one: zeros are identity)."""
 
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        super().__init__(dim, eps, init=0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return (self.normalized(x) * (1.0 + self.weight.float())).type_as(x)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
