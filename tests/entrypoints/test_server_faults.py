@@ -208,10 +208,13 @@ def test_key_from_a_file_queue_limit_sends_retry_after(tmp_path):
     with server("--api-key-file", str(key_file), "--max-num-seqs", "1", "--max-queue", "1", "--no-openapi") as port:
         assert request(port, "GET", "/v1/models", key=None)[0] == 401
         assert request(port, "GET", "/openapi.json")[0] == 404
-        long = {"prompt": "A long story", "max_tokens": 150, "ignore_eos": True}  # seconds apiece, one at a time
-        threads = [threading.Thread(target=request, args=(port, "POST", "/v1/completions", long)) for _ in range(2)]
-        for t, gauge in zip(threads, ("running", "waiting"), strict=True):  # one runs, one waits
-            t.start()
+        long = json.dumps({"prompt": "A long story", "max_tokens": 150, "ignore_eos": True, "stream": True}).encode()
+        socks = []
+        for gauge in ("running", "waiting"):  # one runs, one waits (seconds apiece, one at a time)
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(long)}\r\n\r\n".encode() + long)
+            socks.append(s)
             deadline = time.time() + 20
             while metric(port, f"kvpage:num_requests_{gauge}") < 1 and time.time() < deadline:
                 time.sleep(0.05)
@@ -220,8 +223,9 @@ def test_key_from_a_file_queue_limit_sends_retry_after(tmp_path):
                      headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
         resp = conn.getresponse()
         assert resp.status == 429 and resp.getheader("Retry-After") == "1", resp.read()
-        for t in threads:
-            t.join()
+        for s in socks:  # both clients leave: their requests are aborted and free their blocks
+            s.close()
+        wait_idle(port)
 
 
 # ------------------------------------------------------------------ faults inside the engine

@@ -24,6 +24,7 @@ from kvpage.sampling_params import SamplingParams
 from tests.helpers.marks import slow
 
 NEW = 24
+GEMMA = "gemma-3-270m"  # the short name, as users give it: every engine here shares one load of the file
 SHORT = ["The capital of France is", "def fibonacci(n):\n    ", "東京は日本の首都です。つまり"]
 _PARAGRAPH = ("Paging splits memory into blocks of equal size. A sequence keeps a table of the blocks it holds, "
               "and the allocator hands them out as the sequence grows. Block {i} of the story: the value was "
@@ -102,7 +103,7 @@ def hf_gemma(gemma_path):
 
 @pytest.fixture(scope="module")
 def gemma_fp32(gemma_path):
-    return LLM(model=str(gemma_path), dtype="float32", kv_cache_memory="768MiB", max_model_len=2048)
+    return LLM(model=GEMMA, dtype="float32", kv_cache_memory="768MiB", max_model_len=2048)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +156,7 @@ def test_stored_reference_is_what_transformers_generates(hf_gemma, prompts):
 
 @pytest.mark.parametrize("block_size", [16, slow(32)])
 def test_greedy_equals_transformers_below_and_past_the_window(gemma_path, prompts, reference, block_size):
-    llm = LLM(model=str(gemma_path), dtype="float32", kv_cache_memory="768MiB", max_model_len=2048,
+    llm = LLM(model=GEMMA, dtype="float32", kv_cache_memory="768MiB", max_model_len=2048,
               block_size=block_size)
     assert llm.engine.worker.layout.hybrid
     assert generate(llm, prompts) == reference
@@ -165,7 +166,7 @@ def test_greedy_equals_transformers_below_and_past_the_window(gemma_path, prompt
 def test_prefix_hits_and_chunked_prefill_across_the_window_edge(gemma_path, prompts, reference):
     """Chunks of 300 tokens split the long prompt across position 512; the second run of the same prompt
     starts from the prefix cache (the full layers' blocks, and the sliding layers' window before the hit)."""
-    llm = LLM(model=str(gemma_path), dtype="float32", kv_cache_memory="768MiB", max_model_len=2048,
+    llm = LLM(model=GEMMA, dtype="float32", kv_cache_memory="768MiB", max_model_len=2048,
               max_num_batched_tokens=300)
     long = {"long": prompts["long"]}
     assert generate(llm, long) == {"long": reference["long"]}
@@ -178,7 +179,7 @@ def test_prefix_hits_and_chunked_prefill_across_the_window_edge(gemma_path, prom
 def test_static_baseline_with_kv_groups(gemma_path, prompts, reference):
     """The static-reservation baseline on the hybrid model: each request reserves max_model_len in all six
     groups (6 x 64 blocks here) and the tokens are the same as transformers'."""
-    llm = LLM(model=str(gemma_path), dtype="float32", kv_cache_memory="768MiB", max_model_len=1024,
+    llm = LLM(model=GEMMA, dtype="float32", kv_cache_memory="768MiB", max_model_len=1024,
               kv_policy="static")
     kv = llm.engine.kv
     assert kv.num_groups == 6 and kv.reserved_blocks == 6 * 64
@@ -196,7 +197,7 @@ def test_greedy_under_preemption(gemma_path, hf_gemma, prompts):
     batch = {f"p{i}": [long[0], *long[1 + 60 * i : 500 + 60 * i]] for i in range(3)}
     new = 120
     expected = transformers_greedy(hf_gemma, batch, new)
-    llm = LLM(model=str(gemma_path), dtype="float32", kv_cache_memory=400 * 96 * 1024, max_model_len=768,
+    llm = LLM(model=GEMMA, dtype="float32", kv_cache_memory=400 * 96 * 1024, max_model_len=768,
               enable_prefix_caching=False)
     assert llm.engine.kv.num_blocks == 400
     names = list(batch)
@@ -210,7 +211,7 @@ def test_greedy_under_preemption(gemma_path, hf_gemma, prompts):
 def test_sliding_layers_hold_only_their_window(gemma_path, prompts):
     """After the prompt of 1300 tokens, each sliding group holds at most ceil(511 / 16) + 1 = 33 blocks and the
     full group every block: the invariant, checked on the live engine."""
-    llm = LLM(model=str(gemma_path), dtype="float32", kv_cache_memory="768MiB", max_model_len=2048)
+    llm = LLM(model=GEMMA, dtype="float32", kv_cache_memory="768MiB", max_model_len=2048)
     eng = llm.engine
     eng.add_request("r", prompts["long"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while eng.scheduler.waiting or any(s.num_computed_tokens < len(s.token_ids) for s in eng.scheduler.running):
@@ -240,7 +241,7 @@ def test_bf16_agrees_with_float32_teacher_forced(gemma_path, prompts, reference)
     from kvpage.worker.model_runner import ModelRunner, ScheduledSeq
 
     def logits(dtype: str, ids: list[int]) -> torch.Tensor:
-        lm = load_model(str(gemma_path), dtype=dtype)
+        lm = load_model(GEMMA, dtype=dtype)
         cache = KVCache(lm.config, 1024, 16, lm.dtype)
         m = HybridKVManager(cache.layout, 1024, 16, watermark=0.0)
         assert m.allocate_slots(KVSequence("s", ids), len(ids)) is not None
@@ -267,7 +268,7 @@ def test_int8_pages_past_the_window(gemma_path, prompts):
     from kvpage.model.loader import load_model
     from kvpage.worker.scoring import chunked_logits
 
-    lm = load_model(str(gemma_path), dtype="float32")
+    lm = load_model(GEMMA, dtype="float32")
     ids = prompts["long"][:900]
     ref = chunked_logits(lm, ids, torch.float32).argmax(-1)
     got = chunked_logits(lm, ids, torch.int8).argmax(-1)
