@@ -45,7 +45,12 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("KVPAGE_AMX_DECODE", bool, True, "AMX tile products for decode attention where the CPU and OS allow them; "
            "0 keeps the AVX-512 loops", "amx_decode"),
     EnvVar("KVPAGE_SPLIT_SHORT", bool, True, "one stream's short contexts are cut over the threads; 0 keeps one task "
-           "per sequence", "split_short"),
+           "per sequence (batch-invariant attention never cuts them)", "split_short"),
+    EnvVar("KVPAGE_BATCH_INVARIANT", str, "auto", "attention whose every query row is the same bits alone, in a busy "
+           "step or in any chunk of its prompt: contexts cut at fixed 512-key partitions whatever the batch, and "
+           "whole prompts on the paged kernel instead of torch's SDPA; 'auto' on AVX2 builds without AVX-512, "
+           "where the float32 default path is batch-invariant in its products too (docs/engine.md, "
+           "Reproducibility); 0 lets the batch pick the cuts", "batch_invariant", ("auto", "1", "0")),
     EnvVar("KVPAGE_KV_LAYOUT", str, "auto", "bf16 and int8 KV blocks in the packed operand order of the dot-product "
            "instructions ('packed') or as rows ('rows'); 'auto': packed on Intel CPUs, rows on AMD's, where the row "
            "loops stream long contexts faster (Zen 5, 64 x 8K keys: bf16 0.69x, int8 0.81x the packed loops' time)",
@@ -114,6 +119,7 @@ class KernelConfig:
     f32_gemm: bool = True
     amx_decode: bool = True
     split_short: bool = True
+    batch_invariant: str = "auto"
     kv_layout: str = "auto"
     amx_prefill: bool = True
     prefill_cached: bool = True

@@ -1,7 +1,8 @@
 """A seeded request draws the same tokens alone and in a busy step on the float32 fast path of AVX2 builds (the
 default there): many-token steps run the float32 panel GEMM, whose outputs do not depend on the rows around
-them, and few-token steps the checkpoint's blocks as panels with the same sums (model/quant.py), so the logits
-are bit-identical, and so is every draw from them."""
+them, few-token steps the checkpoint's blocks as panels with the same sums (model/quant.py), and attention
+cuts every context at fixed partitions and reads every prompt on the paged kernel (KVPAGE_BATCH_INVARIANT), so
+the logits are bit-identical, and so is every draw from them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ WORDS = ["the", "cache", "block", "table", "of", "pages", "holds", "keys", "and"
 
 def prompt(i: int, n: int) -> str:
     return " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(n))
+
+
+def same_logprobs(a, b) -> bool:
+    """Every reported logprob equal, not merely close: bit-identical logits."""
+    return [{t: lp.logprob for t, lp in step.items()} for step in a.logprobs] == \
+        [{t: lp.logprob for t, lp in step.items()} for step in b.logprobs]
 
 
 def test_seeded_and_greedy_requests_are_the_same_alone_and_in_a_busy_batch():
@@ -36,9 +43,28 @@ def test_seeded_and_greedy_requests_are_the_same_alone_and_in_a_busy_batch():
     for text, params in probes:
         alone = llm.generate([text], [params], use_tqdm=False)[0].outputs[0]
         assert alone.token_ids == got[text].token_ids
-        # bit-identical logits: every reported logprob equal, not merely close
-        assert [{t: lp.logprob for t, lp in step.items()} for step in alone.logprobs] == \
-               [{t: lp.logprob for t, lp in step.items()} for step in got[text].logprobs]
+        assert same_logprobs(alone, got[text])
     kv = llm.engine.kv
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_long_prompts_are_the_same_bits_in_any_chunks_alone_or_busy():
+    """A prompt past one 512-key partition: whole and alone (its decode then one stream, which the threads would
+    otherwise share by cutting its context), in 96-token chunks among other requests (chunk edges wherever
+    the budget falls), and again after that with its blocks found in the prefix cache: the same logits."""
+    ids = [(i * 37) % 30000 + 200 for i in range(600)]
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=6, logprobs=1, ignore_eos=True)
+    whole = LLM(kv_cache_memory="64MiB", max_model_len=1024, enable_prefix_caching=False)
+    if not whole.engine.worker.runner.model.fast_ops.batch_invariant:
+        pytest.skip("batch-invariant attention is the default of AVX2 builds (KVPAGE_BATCH_INVARIANT=auto)")
+    alone = whole.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+    chunked = LLM(kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=96)
+    others = [{"prompt_token_ids": [500 + 3 * i + j for j in range(40 + 50 * i)]} for i in range(3)]
+    busy = chunked.generate([others[0], {"prompt_token_ids": ids}, *others[1:]],
+                            [SamplingParams(max_tokens=12, ignore_eos=True), params,
+                             *[SamplingParams(n=2, max_tokens=9, ignore_eos=True)] * 2], use_tqdm=False)
+    hit = chunked.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert hit.num_cached_tokens >= 576
+    for out in (busy[1].outputs[0], hit.outputs[0]):
+        assert out.token_ids == alone.token_ids and same_logprobs(out, alone)

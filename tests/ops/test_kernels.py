@@ -3,6 +3,7 @@ GQA ratios, float32, bfloat16 and float16 caches, contexts longer than one parti
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -13,7 +14,7 @@ from kvpage.attention.backends.reference import ReferenceAttention
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.envs import KernelConfig
 from kvpage.ops import PARTITION_SIZE, kernels, kernels_error, load_kernels, pack_kv_rows
-from tests.helpers.kernels import have_cxx
+from tests.helpers.kernels import have_cxx, scatter_tables
 from tests.helpers.paged_cases import LAYOUTS, dense_reference, make_case
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
@@ -260,3 +261,32 @@ def test_cpu_metadata_is_built_once_per_step_and_serves_every_layer(kv_layout):
     with pytest.raises(RuntimeError, match="the plan was checked against"):
         ops.paged_attention(torch.zeros(2, heads, dim).bfloat16(), caches[0][:, :4].contiguous(),
                             builder.build(decode).plan, 1.0, False)
+
+
+@pytest.mark.parametrize("ctx", [300, 700])
+def test_batch_invariant_plans_give_a_row_the_same_bits_alone_and_in_a_batch(ctx):
+    """KVPAGE_BATCH_INVARIANT: a decode row alone (one stream: its context would be cut over the threads, or into
+    partitions the batch does not get) and among eleven other sequences, and a prompt's rows in one chunk or
+    in two: equal bit for bit."""
+    ops = kernels(KernelConfig(batch_invariant="1"))
+    rng = random.Random(ctx)
+    bs, heads, kv_heads, dim = 16, 6, 2, 64
+    lens = [ctx] + [rng.randint(40, 900) for _ in range(11)]
+    blocks = [-(-c // bs) for c in lens]
+    tables = scatter_tables(rng, blocks, list(range(sum(blocks))))
+    cache = torch.randn(2, sum(blocks), bs, kv_heads, dim)
+    q = torch.randn(len(lens), heads, dim)
+
+    def run(rows: list[int], q_lens: list[int], seq_lens: list[int], query: torch.Tensor) -> torch.Tensor:
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)])
+        plan = ops.plan_attention(tables[rows], qsl, torch.tensor(seq_lens), heads, cache.shape[1], bs)
+        return ops.paged_attention(query, cache, plan, 0.125, False)
+
+    alone = run([0], [1], [ctx], q[:1])
+    busy = run(list(range(len(lens))), [1] * len(lens), lens, q)
+    assert torch.equal(alone[0], busy[0])
+    prompt = torch.randn(ctx, heads, dim)  # the same sequence's whole prompt, then in two chunks
+    whole = run([0], [ctx], [ctx], prompt)
+    cut = ctx // 2 + 5
+    first, second = run([0], [cut], [cut], prompt[:cut]), run([0], [ctx - cut], [ctx], prompt[cut:])
+    assert torch.equal(whole, torch.cat([first, second]))

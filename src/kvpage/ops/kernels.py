@@ -65,6 +65,9 @@ class Kernels:
         self.i8_gemm_ok = module.i8_gemm_available() and (
             config.i8_gemm == "1" or (config.i8_gemm == "auto" and int8_gemm_pays()))
         self.amx_prefill_ok = config.amx_prefill and module.prefill_amx_available()
+        # auto: where float32 runs the panel GEMM (AVX2 builds), the one path whose products are batch-invariant
+        self.batch_invariant = config.batch_invariant == "1" or (
+            config.batch_invariant == "auto" and module.f32_gemm_available())
         self.quant_int16 = config.quant_int16
 
     # what the build has (diagnostics and tests)
@@ -99,7 +102,7 @@ class Kernels:
         blocks of ``block_size`` tokens; every layer's ``paged_attention`` runs it. ``window``: a sliding-window
         layer's (a query sees itself and window - 1 positions back; keys before that are never read)."""
         return self._c.plan_attention(block_tables, query_start_loc, seq_lens, num_heads, num_blocks, block_size,
-                                      PARTITION_SIZE, self.config.split_short, window or 0)
+                                      PARTITION_SIZE, self.config.split_short, window or 0, self.batch_invariant)
 
     def paged_attention(self, query: Tensor, kv_cache: Tensor, plan, scale: float, packed: bool) -> Tensor:
         """Varlen causal attention of a flat batch over the paged cache, under the step's plan."""

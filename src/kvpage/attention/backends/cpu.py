@@ -87,7 +87,8 @@ class CpuMetadataBuilder:
         # bf16 caches without the AMX prompt kernel (benchmarks/prefill.py on a Zen 5 EPYC: the paged kernel
         # 1.7-2.8x SDPA at 64-2048 tokens over packed blocks, 1.9-3.2x over rows of head size 256).
         all_paged = window is not None or (backend.paged_prompts and not self.prompts_read_cache
-                                           and kv_cache.dtype == torch.bfloat16 and not backend.amx_prefill)
+                                           and kv_cache.dtype == torch.bfloat16 and not backend.amx_prefill) \
+            or (backend.invariant and not self.prompts_read_cache and not is_quantized(kv_cache.dtype))
         self.prefill_min: int | None = (None if all_paged
                                         else 16 if self.prompts_read_cache else PREFILL_KERNEL_MIN)
         # Quantized pages without a window: whole fresh prompts attend over their own bf16 K/V (never rounded
@@ -165,6 +166,9 @@ class CpuPagedAttention:
         # Without AMX, fresh prompts over bf16 caches on the paged kernel where its loops have AVX-512 BF16 dot
         # products (measured faster than SDPA there; AVX2 builds keep SDPA); paged_prompts=False keeps SDPA.
         self.paged_prompts = ops.config.paged_prompts and ops.bf16_dot
+        # Batch-invariant attention (KVPAGE_BATCH_INVARIANT): whole fresh prompts on the paged kernel too, whose
+        # every query row is the same bits whichever chunk of its prompt it comes in (SDPA's are not).
+        self.invariant = ops.batch_invariant
 
     def packed_layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether a cache written and read with activations of `dtype` holds the packed layout: decided by the

@@ -39,7 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan_attention", &kvpage::attn::plan_attention, "a step's paged-attention plan, checked against the cache",
         py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("num_heads"),
         py::arg("num_blocks"), py::arg("block_size"), py::arg("partition_size"), py::arg("split_short") = true,
-        py::arg("window") = 0);
+        py::arg("window") = 0, py::arg("invariant") = false);
   m.def("paged_attention_planned", &paged_attention_planned, "paged_attention of one layer under a step's plan",
         py::arg("query"), py::arg("kv_cache"), py::arg("plan"), py::arg("scale"), py::arg("packed") = false,
         py::arg("amx_decode") = true, py::arg("avx2_row_decode") = false, py::call_guard<py::gil_scoped_release>());

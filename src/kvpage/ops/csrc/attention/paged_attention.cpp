@@ -113,7 +113,8 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
 #if KVPAGE_ISA_AMX
   // Only for small batches (few tasks, contexts split into partitions): there the KV tends to sit in cache and
   // the AMX kernel is twice as fast; with many sequences streaming from memory the AVX-512 kernel is faster.
-  use_amx = !packed && window == 0 && few_tasks && use_dp && opt.amx_decode && (D == 64 || D == 128) && G <= 8 &&
+  use_amx = !packed && window == 0 && few_tasks && !plan.invariant && use_dp && opt.amx_decode &&
+            (D == 64 || D == 128) && G <= 8 &&
             block_size % 16 == 0 &&
             partition_size % 16 == 0 && kvpage::amx_permitted();
 #endif

@@ -46,7 +46,7 @@ void check_batch(const torch::Tensor& block_tables, const torch::Tensor& query_s
 std::shared_ptr<AttentionPlan> plan_attention(torch::Tensor block_tables, torch::Tensor query_start_loc,
                                               torch::Tensor seq_lens, int64_t num_heads, int64_t num_blocks,
                                               int64_t block_size, int64_t partition_size, bool split_short,
-                                              int64_t window) {
+                                              int64_t window, bool invariant) {
   TORCH_CHECK(partition_size > 0, "partition_size must be positive");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(num_heads > 0 && num_blocks > 0 && block_size > 0, "bad plan geometry");
@@ -70,8 +70,10 @@ std::shared_ptr<AttentionPlan> plan_attention(torch::Tensor block_tables, torch:
   for (int64_t s = 0; s < S; ++s) base_tasks += (qsl[s + 1] - qsl[s] + kTile - 1) / kTile;
   const int64_t threads = at::get_num_threads();
   plan->few_tasks = base_tasks < 4 * threads;
-  if (!plan->few_tasks) partition_size = std::numeric_limits<int64_t>::max() / 4 / 16 * 16;  // no split
-  if (split_short && base_tasks > 0 && base_tasks < threads) {
+  plan->invariant = invariant;
+  if (!plan->few_tasks && !invariant)
+    partition_size = std::numeric_limits<int64_t>::max() / 4 / 16 * 16;  // no split
+  if (split_short && !invariant && base_tasks > 0 && base_tasks < threads) {
     // Fewer tiles than threads (one stream's decode): contexts shorter than a partition would leave threads
     // idle, so cut them into one part per idle thread, in multiples of 16 keys and at least kMinPartition.
     int64_t longest = 0;

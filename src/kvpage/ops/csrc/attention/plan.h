@@ -47,6 +47,7 @@ struct AttentionPlan {
   int64_t partition_size = 0;  // keys per task, at most (a multiple of 16, or "no split")
   int64_t window = 0;          // sliding window in positions (a query sees itself and window - 1 keys back); 0: none
   bool few_tasks = false;  // contexts split into partitions because tiles alone would leave threads idle
+  bool invariant = false;  // the tasks and their arithmetic depend on each sequence alone, not on the batch
   std::vector<Task> tasks;
   std::vector<int64_t> offset;  // first partial row of each task (num_tasks + 1)
   std::vector<int64_t> cut;     // run c: tasks cut[c] .. cut[c+1]-1 (equal estimated cost, several per thread)
@@ -100,9 +101,12 @@ void run_claimed(const AttentionPlan& plan, F&& work) {
 // partition_size: keys per task when contexts are split; split_short: one stream's short contexts are cut over
 // the threads (kvpage.envs KVPAGE_SPLIT_SHORT).
 // window > 0: a sliding-window layer's plan (keys before a tile's window are neither read nor scored).
+// invariant (kvpage.envs KVPAGE_BATCH_INVARIANT): every context is cut at every partition_size keys whatever the
+// batch, short contexts are not cut over idle threads, and no loop is chosen by the batch's size, so a query
+// row's output is the same bits alone, in a busy step or in any chunk of its prompt.
 std::shared_ptr<AttentionPlan> plan_attention(torch::Tensor block_tables, torch::Tensor query_start_loc,
                                               torch::Tensor seq_lens, int64_t num_heads, int64_t num_blocks,
                                               int64_t block_size, int64_t partition_size, bool split_short,
-                                              int64_t window = 0);
+                                              int64_t window = 0, bool invariant = false);
 
 }  // namespace kvpage::attn
