@@ -210,7 +210,7 @@ def test_cpu_metadata_is_built_once_per_step_and_serves_every_layer(kv_layout):
     """The CPU backend's builder splits the step (decodes and short chunks for the paged kernel, long chunks
     after cached keys, whole fresh prompts) and plans the paged kernel's tasks once; every layer's forward then
     consumes that metadata, and equals the reference backend on each layer's own cache."""
-    ops = kernels(KernelConfig(kv_layout=kv_layout, paged_prompts=False))
+    ops = kernels(KernelConfig(kv_layout=kv_layout, paged_prompts=False, batch_invariant="0"))
     backend = CpuPagedAttention(ops)
     heads, kv_heads, dim, bs = 8, 2, 64, 16
     # runner order: decodes and short chunks, then long chunks after cached keys, then fresh prompts
@@ -246,9 +246,10 @@ def test_cpu_metadata_is_built_once_per_step_and_serves_every_layer(kv_layout):
         layer_cache = pack_kv_rows(cache) if meta.packed else cache.clone()
         out = backend.forward(q, k, v, layer_cache, meta, dim**-0.5)
         torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
-    # Without the AMX prompt kernel (and paged_prompts on, the default) every row goes to the paged kernel.
+    # Without the AMX prompt kernel (and paged_prompts on, the default), or with batch-invariant attention (the
+    # default on AVX2 builds), every row goes to the paged kernel.
     plain = CpuPagedAttention(kernels(KernelConfig(kv_layout=kv_layout)))
-    if not plain.amx_prefill and plain.paged_prompts:
+    if not plain.amx_prefill and (plain.paged_prompts or plain.invariant):
         all_paged = plain.metadata_builder(caches[0], torch.bfloat16, heads).build(common)
         assert all_paged.paged_seqs == 5 and all_paged.decode_only and all_paged.plan.num_rows == sum(q_lens)
         layer_cache = pack_kv_rows(caches[0]) if all_paged.packed else caches[0].clone()
