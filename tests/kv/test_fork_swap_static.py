@@ -90,6 +90,17 @@ def test_swap_in_reuses_blocks_still_cached_on_device():
 
 
 # --------------------------------------------------------------------- static
+def fill_reservation_then_fork(m, a: KVSequence):
+    """Grow ``a`` from 5 tokens to max_model_len=16 inside its reservation (no new block), check it can grow no
+    further, then fork it as C."""
+    for t in range(11):
+        a.token_ids.append(t)
+        assert m.allocate_slots(a, 1).new_blocks == ()
+    with pytest.raises(ValueError, match="max_model_len"):
+        m.allocate_slots(a, 1)
+    return m.fork(a, "C")
+
+
 def test_static_policy_reserves_max_model_len_and_never_shares():
     m = StaticReservationManager(16, 4, max_model_len=16, watermark=0.0)
     a = KVSequence("A", [1, 2, 3, 4, 5])
@@ -98,12 +109,7 @@ def test_static_policy_reserves_max_model_len_and_never_shares():
     b = KVSequence("B", [1, 2, 3, 4, 5])
     admit(m, b)
     assert not set(m.block_table("A")) & set(m.block_table("B"))
-    for t in range(11):
-        a.token_ids.append(t)
-        assert m.allocate_slots(a, 1).new_blocks == ()
-    with pytest.raises(ValueError, match="max_model_len"):
-        m.allocate_slots(a, 1)
-    fork = m.fork(a, "C")
+    fork = fill_reservation_then_fork(m, a)
     assert len(fork.new_blocks) == 4 and len(fork.copies) == 4
     assert m.allocate_slots(KVSequence("D", [1]), 1) is not None  # 12 of 16 used: one more fits
     assert m.allocate_slots(KVSequence("E", [1]), 1) is None  # a one-token request still needs 4 blocks
@@ -171,12 +177,7 @@ def test_static_policy_with_kv_groups_reserves_every_group_the_whole_length():
     assert m.slot_mapping("A", 4, 1) == [tables[0][1] * 4]
     st = m.stats()
     assert st.used_blocks == 12 and st.live_tokens == 3 * 5
-    for t in range(11):
-        a.token_ids.append(t)
-        assert m.allocate_slots(a, 1).new_blocks == ()
-    with pytest.raises(ValueError, match="max_model_len"):
-        m.allocate_slots(a, 1)
-    fork = m.fork(a, "C")
+    fork = fill_reservation_then_fork(m, a)
     assert len(fork.new_blocks) == 12 and len(fork.copies) == 12
     assert [dst for _, dst in fork.copies] == list(fork.new_blocks)
     assert m.allocate_slots(KVSequence("D", [1]), 1) is not None
