@@ -5,8 +5,9 @@
 // 0.6-1.1 TFLOP/s with the weights streaming, i.e. neither at the tile unit's rate nor at the memory's. Here:
 //   - the weight is stored as the product's B operand, [N/32][K/32][2 column tiles][16 k pairs][16][2], so a
 //     32-column block is one contiguous run of K * 64 bytes;
-//   - each thread walks its column blocks in order; every block is read from memory once and then serves all
-//     row tiles from cache (2 x 2 output tiles per product group, each operand tile used twice);
+//   - the threads claim runs of column blocks in order (common.h ChunkClaims); every block is read from memory
+//     once and then serves all row tiles from cache (2 x 2 output tiles per product group, each operand tile
+//     used twice);
 //   - the next block's lines are requested into L2 spread over the current block's products, so the memory
 //     stream overlaps the tile work instead of stalling the first tile load of every block.
 // For the MLP's [gate; up] projection the weight is packed so that each 32-column block holds 16 gate columns
@@ -143,7 +144,11 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   constexpr int64_t kChunkTiles = 16;
   const int64_t steps = (std::min(row_tiles, kChunkTiles) + 1) / 2 * KB;
   const int64_t per_kb = (block_lines + steps - 1) / steps;
-  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+  // Tasks (row chunk, column block), row chunk major, claimed about eight runs a thread at a time (common.h
+  // ChunkClaims: a thread the OS parks leaves its blocks to the other).
+  const int64_t tasks = (row_tiles + kChunkTiles - 1) / kChunkTiles * NB;
+  kvpage::ChunkClaims claims(tasks, NB / (8 * at::get_num_threads()));
+  kvpage::on_claiming_threads(claims, [&](kvpage::ChunkClaims& queue) {
     kvpage::amx_configure_full();
     alignas(64) float buf[512];
     // accumulator tile `tile` copied to dst (16 x 16 float32)
@@ -177,12 +182,14 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
       store_rows_bf16(buf, yb, N, valid, bb);
       store_rows_bf16(buf + 256, yb + 16, N, valid, bb != nullptr ? bb + 16 : nullptr);
     };
-    for (int64_t t0 = 0; t0 < row_tiles; t0 += kChunkTiles) {
-      const int64_t t1 = std::min(row_tiles, t0 + kChunkTiles);
-      for (int64_t nb = nb0; nb < nb1; ++nb) {
+    int64_t first = 0, last = 0;
+    while (queue.next(first, last)) {
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t nb = task % NB, t0 = task / NB * kChunkTiles, t1 = std::min(row_tiles, t0 + kChunkTiles);
         const at::BFloat16* wb = wptr + nb * KB * 1024;
         const char* pf = reinterpret_cast<const char*>(wb + KB * 1024);
-        const int64_t pf_lines = nb + 1 < nb1 ? block_lines : 0;
+        // the next block's lines while this one is multiplied, when this thread takes it next
+        const int64_t pf_lines = task + 1 < last && nb + 1 < NB ? block_lines : 0;
         int64_t pf_line = 0;
         for (int64_t t = t0; t < t1; t += 2) {
           if (t + 1 < t1) {
