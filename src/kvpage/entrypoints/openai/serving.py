@@ -99,12 +99,15 @@ class RequestRunner:
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             while open_ids:
-                get = asyncio.ensure_future(queue.get())
-                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
-                    raise APIError(499, "client disconnected")
-                item = get.result()
+                try:  # what a step already delivered, without a task and a wait per item
+                    item = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    get = asyncio.ensure_future(queue.get())
+                    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():
+                        get.cancel()
+                        raise APIError(499, "client disconnected") from None
+                    item = get.result()
                 if isinstance(item, BaseException):
                     open_ids.clear()  # the engine client already dropped every request of this queue
                     raise api_error(item)
