@@ -301,13 +301,16 @@ def test_fp32_weights_with_a_half_size_cache_on_the_fast_path(smol_fp32, smol_fp
 def test_bf16_paths_without_amx_compute_the_same_function(smol_fp32, smol_bf16, prompts, hf_greedy):
     """The fallbacks where a CPU has no AMX (oneDNN projections + silu_mul, SDPA for prompts) and the AMX
     kernels (tile GEMM with the gated epilogue, prefill_attention) differ only in bf16 rounding: teacher-forced
-    argmax agreement >= 99% and logits within a small distance."""
+    argmax agreement >= 99% and logits within a small distance. The int8 GEMM, which Intel CPUs without AMX
+    take instead of oneDNN, is held off here: its rounding is another one (two approximations of float32 agree
+    with each other less than each agrees with float32: 642/650 on the AMX Xeon), and its own test checks it
+    against float32 (tests/model/test_i8_gemm_model.py)."""
     from kvpage.model import loader
 
     amx_ops("amx_linear_available")  # without AMX, smol_bf16 already is the fallback: nothing to compare
     before = set(loader._LOADED)
     plain = loader.load_model("SmolLM2-135M-Instruct", dtype="bfloat16", attention_backend="cpu",
-                              kernel_config=KernelConfig(amx_linear=False, amx_prefill=False))
+                              kernel_config=KernelConfig(amx_linear=False, amx_prefill=False, i8_gemm="0"))
     try:
         assert plain is not smol_bf16 and plain.model.layers[0].mlp.gate_up.amx is None
         agree, total, worst = teacher_forced_agreement(smol_bf16, plain, prompts, hf_greedy)
