@@ -83,9 +83,10 @@ class ChunkClaims {
 };
 
 // work(claims) on as many of the pool's threads as there are chunks; each thread sets itself up once (tile
-// configuration, scratch) and then claims chunks until none are left.
-template <typename F>
-void on_claiming_threads(ChunkClaims& claims, const F& work) {
+// configuration, scratch) and then claims chunks until none are left. Claims: ChunkClaims or a type that hands
+// out its own units through one (attention's RunClaims).
+template <typename Claims, typename F>
+void on_claiming_threads(Claims& claims, const F& work) {
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), claims.chunks());
   at::parallel_for(0, nt, 1, [&](int64_t, int64_t) { work(claims); });
 }

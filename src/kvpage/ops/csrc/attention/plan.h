@@ -15,7 +15,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <tuple>
@@ -62,18 +61,20 @@ struct AttentionPlan {
 // contiguous, so the loops' prefetch still runs on into the next task within it.
 class RunClaims {
  public:
-  explicit RunClaims(const AttentionPlan& plan) : cut_(plan.cut) {}
+  explicit RunClaims(const AttentionPlan& plan)
+      : cut_(plan.cut), runs_(static_cast<int64_t>(plan.cut.size()) - 1, 1) {}
+  int64_t chunks() const { return runs_.chunks(); }
   bool next(int64_t& begin, int64_t& end) {
-    const int64_t c = next_.fetch_add(1, std::memory_order_relaxed);
-    if (c + 1 >= static_cast<int64_t>(cut_.size())) return false;
-    begin = cut_[c];
-    end = cut_[c + 1];
+    int64_t run = 0, after = 0;
+    if (!runs_.next(run, after)) return false;
+    begin = cut_[run];
+    end = cut_[run + 1];
     return true;
   }
 
  private:
   const std::vector<int64_t>& cut_;
-  std::atomic<int64_t> next_{0};
+  kvpage::ChunkClaims runs_;  // the runs' indices, one at a time
 };
 
 // The keys of the task after task ti within its run (which ends at `end`), for the loops' prefetch to run on
@@ -93,8 +94,7 @@ inline kvpage::NextKeys next_keys(const AttentionPlan& plan, const int64_t* tabl
 template <typename F>
 void run_claimed(const AttentionPlan& plan, F&& work) {
   RunClaims claims(plan);
-  const int64_t nt = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(plan.cut.size()) - 1);
-  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) { work(claims); });
+  kvpage::on_claiming_threads(claims, work);
 }
 
 // The plan of a batch over caches of num_blocks blocks of block_size tokens, for queries of num_heads heads.
