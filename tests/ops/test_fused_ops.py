@@ -152,6 +152,20 @@ def test_silu_mul_matches_torch(dtype):
     torch.testing.assert_close(out, expect, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_mul_matches_torch(dtype):
+    g = torch.Generator().manual_seed(5)
+    ops = load_kernels()
+    gu = (torch.randn(9, 2 * 1537, generator=g) * 3).to(dtype)  # odd width: a 16-lane tail
+    gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # saturated exponentials stay finite
+    expect = (F.gelu(gu[:, :1537].float(), approximate="tanh") * gu[:, 1537:].float()).to(dtype)
+    out = ops.gelu_mul(gu)
+    assert out.dtype == dtype and out.shape == (9, 1537)
+    assert torch.isfinite(out).all()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
+    torch.testing.assert_close(out, expect, **tol)
+
+
 def test_packed_linear_split_rows_gives_the_same_logits():
     """An lm head whose oneDNN product runs by vocabulary slices: the same outputs, and the same logits pass."""
     from kvpage.envs import KernelConfig
@@ -184,3 +198,29 @@ def test_packed_linear_split_rows_gives_the_same_logits():
     kept = packed_logits(ops, split, w, h, False, buffer).logits
     assert kept.data_ptr() == packed_logits(ops, split, w, h[:5], False, buffer).logits.data_ptr()  # reused
     assert packed_logits(ops, split, w, h[:0], False).logits.shape == (0, 1000)
+
+
+def test_amx_lm_head_by_slices_gives_the_same_logits():
+    """The AMX tile GEMM's head by vocabulary slices (views of its packed operand): the same bits as whole."""
+    from kvpage.envs import KernelConfig
+    from kvpage.model.fast_path import packed_logits
+    from kvpage.model.layers.linear import PackedLinear
+    from kvpage.ops import kernels
+
+    ops = kernels(KernelConfig(quant_max_tokens=0))
+    if not ops.amx_linear_ok:
+        pytest.skip("no AMX tile GEMM on this CPU/OS")
+    g = torch.Generator().manual_seed(12)
+    w = (torch.randn(992, 64, generator=g) * 0.1).bfloat16()
+    whole, split = PackedLinear(w, None, ops=ops), PackedLinear(w, None, ops=ops, split_rows=384)
+    assert whole.amx_split is None and split.amx_split == 384
+    h = torch.randn(37, 64, generator=g)
+    parts = list(split.forward_parts(h.bfloat16()))
+    assert [(s, p.shape[1]) for s, p in parts] == [(0, 384), (384, 384), (768, 224)]
+    assert torch.equal(torch.cat([p for _, p in parts], 1), whole(h.bfloat16()))
+    assert torch.equal(split(h.bfloat16()), whole(h.bfloat16()))
+    for argmax_only in (False, True):
+        a, b = packed_logits(ops, whole, w, h, argmax_only), packed_logits(ops, split, w, h, argmax_only)
+        assert torch.equal(a.argmax, b.argmax)
+        if not argmax_only:
+            assert torch.equal(a.logits, b.logits) and torch.equal(a.lse, b.lse)

@@ -56,7 +56,8 @@ def poison_unwritten(cache: torch.Tensor, tables: torch.Tensor, seq_lens: list[i
 
 @pytest.mark.parametrize("block_size", [16, 32, 48])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"),
-                         [(9, 3, 64), (8, 1, 128), (4, 4, 64), (16, 2, 64), (8, 1, 64), (5, 5, 64), (24, 3, 64)])
+                         [(9, 3, 64), (8, 1, 128), (4, 4, 64), (16, 2, 64), (8, 1, 64), (5, 5, 64), (24, 3, 64),
+                          (4, 1, 256), (8, 2, 256)])
 @pytest.mark.parametrize("long", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_packed_layout_matches_reference(block_size, heads, kv_heads, dim, long, layout):
@@ -156,6 +157,7 @@ def test_backend_packs_bf16_caches_and_keeps_rows_otherwise():
     assert not backend.packed_layout(bf16, torch.float32)  # float32 activations over a bf16 cache: rows
     assert not backend.packed_layout(bf16.float(), torch.float32)
     assert not backend.packed_layout(torch.zeros(2, 4, 8, 3, 64, dtype=torch.bfloat16), torch.bfloat16)
+    assert backend.packed_layout(torch.zeros(2, 4, 16, 1, 256, dtype=torch.bfloat16), torch.bfloat16)
     assert not backend.packed_layout(torch.zeros(2, 4, 16, 3, 32, dtype=torch.bfloat16), torch.bfloat16)
     assert not CpuPagedAttention(kernels(KernelConfig(kv_layout="rows"))).packed_layout(bf16, torch.bfloat16)
 
@@ -224,5 +226,3 @@ def test_backend_packs_int8_pages_where_the_build_has_vnni():
     assert not backend.packed_layout(torch.zeros(2, 4, 16, 3, 82, dtype=torch.int8), torch.bfloat16)
     assert not backend.packed_layout(int8.view(torch.float8_e4m3fn), torch.bfloat16)
     assert not CpuPagedAttention(kernels(KernelConfig(kv_layout="rows"))).packed_layout(int8, torch.bfloat16)
-    assert backend.packs_windows(int8) == has  # the packed int8 loop takes sliding windows, bf16's do not
-    assert not backend.packs_windows(torch.zeros(2, 4, 16, 3, 64, dtype=torch.bfloat16))

@@ -1,6 +1,7 @@
 """Sliding-window attention in the compiled kernels against the reference backend: every row-layout loop
-(float32, bf16 and float16 caches; bf16 and float32 queries), head sizes 64, 128 and 256, decodes, chunks and
-whole prompts that cross the window's edge, block sizes that cut it mid-block, partitions. Blocks wholly before
+(float32, bf16 and float16 caches; bf16 and float32 queries) and the packed bf16 loops (AVX-512 and AMX),
+head sizes 64, 128 and 256, decodes, chunks and whole prompts that cross the window's edge, block sizes that
+cut it mid-block and window edges inside a 16-key group, partitions. Blocks wholly before
 every query's window hold NaN and sit behind placeholder table entries: a kernel that read one would say so."""
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import pytest
 import torch
 
 from kvpage.attention.backends.reference import ReferenceAttention
-from kvpage.envs import KernelConfig
-from kvpage.ops import kernels, load_kernels
+from kvpage.ops import load_kernels, pack_kv_rows
 from tests.helpers.kernels import have_cxx, step_metadata
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
@@ -93,12 +93,30 @@ def test_window_plans_skip_whole_blocks_and_partitions():
         ops.plan_attention(bad, qsl, lens, 4, 400, 16, 512, False, 0)
 
 
-def test_packed_layout_refuses_a_window():
-    ops = kernels(KernelConfig(kv_layout="packed"))
-    if not ops.packed_layout:
-        pytest.skip("no packed layout in this build")
-    cache = torch.zeros(2, 4, 16, 1, 64, dtype=torch.bfloat16)
-    plan = ops.plan_attention(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([1]), 1, 4, 16,
-                              window=8)
-    with pytest.raises(RuntimeError, match="sliding-window"):
-        ops.paged_attention(torch.zeros(1, 1, 64, dtype=torch.bfloat16), cache, plan, 1.0, True)
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32, 48])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 1)])
+def test_packed_sliding_window_matches_the_reference(dim, block_size, heads, kv_heads):
+    """The packed bf16 layout under a window: decode on the AVX-512 loop and on AMX tiles (all-rows kernel at
+    head size 64, per-head kernel otherwise), chunks and prompts on the AVX-512 loop; a window's edge falls
+    anywhere in a 16-key group, so each loop starts at the group and masks the keys before the edge."""
+    ops = load_kernels()
+    if not ops.has_packed_layout():
+        pytest.skip("this build has no packed layout (no AVX512-BF16)")
+    rng = random.Random(dim * 11 + block_size + heads)
+    for window in (1, 7, 33, 64):
+        q, k, v, cache, meta = window_case(rng, block_size, heads, kv_heads, dim, window, torch.bfloat16,
+                                           torch.bfloat16)
+        ref, _ = reference(q, k, v, cache, meta, dim**-0.5)
+        packed = pack_kv_rows(cache)  # NaN blocks stay NaN: packing only moves elements within a block
+        ops.reshape_and_cache(k, v, packed, meta.slot_mapping, True)
+        for part in (512, 16):
+            plan = ops.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, heads,
+                                      cache.shape[1], block_size, part, True, window)
+            for amx in (False, True):
+                out = ops.paged_attention_planned(q, packed, plan, dim**-0.5, True, amx, False)
+                on_tiles = amx and ops.amx_decode_available()
+                assert ops.last_decode_kernel() == ("avx512-packed" if not on_tiles
+                                                    else "amx-pairs" if dim == 64 else "amx-packed")
+                assert not out.float().isnan().any(), "a block outside the window was read"
+                torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)

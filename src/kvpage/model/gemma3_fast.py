@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from kvpage.model.fast_path import AMX_LOGITS_MAX_ROWS, LOGITS_SPLIT_ROWS, packed_logits
 from kvpage.model.layers.linear import PackedLinear
@@ -101,7 +100,7 @@ class Gemma3FastPath:
             normed = ops.rms_norm(a.float(), p.post_attn, p.eps)
             h = ops.add_rms_norm(normed, residual, p.pre_ff, p.eps).to(dtype)  # residual += post-norm(attn)
             gu = p.gate_up(h)
-            mid = F.gelu(gu[:, : p.inter], approximate="tanh") * gu[:, p.inter :]
+            mid = ops.gelu_mul(gu)
             normed = ops.rms_norm(p.down(mid).float(), p.post_ff, p.eps)
             h = ops.add_rms_norm(normed, residual, self.in_norms[i + 1], p.eps)  # residual += post-norm(mlp)
             if i + 1 < len(self.layers):

@@ -177,6 +177,10 @@ class Kernels:
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return self._c.silu_mul(gate_up)
 
+    def gelu_mul(self, gate_up: Tensor) -> Tensor:
+        """gelu_tanh(gate) * up for [gate | up] rows (Gemma's MLP), one pass."""
+        return self._c.gelu_mul(gate_up)
+
     def logits_postprocess(self, logits: Tensor | Sequence[Tensor], hidden: Tensor, weight: Tensor,
                            with_logits: bool, out: Tensor | None = None) -> list[Tensor]:
         """float32 logits with exact near-max entries, the argmax and the log-sum-exp. ``logits`` may come as

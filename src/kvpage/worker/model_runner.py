@@ -102,13 +102,11 @@ class ModelRunner:
         self.persist: Callable[[Any, bytes], None] = _no_disk_tier
         layout = self.layout = kv_cache.layout
         attn = model.layers[0].self_attn
-        # One builder per KV group: it splits and plans each step once for all the group's layers. The groups
-        # share tensors, so with a window every group keeps rows unless the backend's packed loops take windows.
-        packed_ok = (all(g.spec.window is None for g in layout.groups)
-                     or attn.backend.packs_windows(kv_cache.tensors[0]))
+        # One builder per KV group: it splits and plans each step once for all the group's layers (the groups
+        # share tensors, and every layout's loops take sliding windows).
         # (residual-key groups have no attention of their own: their tables ride with their partner's metadata)
         self.builders = [attn.backend.metadata_builder(kv_cache.tensors[0], model.embed_tokens.weight.dtype,
-                                                       attn.num_heads, window=g.spec.window, allow_packed=packed_ok)
+                                                       attn.num_heads, window=g.spec.window)
                          for g in layout.groups if not g.spec.residual]
         self.layer_group = [layout.group(i) for i in range(layout.num_layers)]
         # the batch order the prompt kernels want (the first group that has any)

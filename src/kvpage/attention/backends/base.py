@@ -30,15 +30,10 @@ class AttentionBackend(Protocol):
     name: str
 
     def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
-                         window: int | None = None, allow_packed: bool = True) -> MetadataBuilder:
+                         window: int | None = None) -> MetadataBuilder:
         """The builder of one KV group: caches shaped like ``kv_cache`` under activations of ``dtype``, queries
-        of ``num_heads`` heads, the group's sliding ``window`` (None: full attention). ``allow_packed``: the
-        caches may take a layout of the backend's own (False where groups of other kinds share them)."""
-        ...
-
-    def packs_windows(self, kv_cache: torch.Tensor) -> bool:
-        """Whether caches like ``kv_cache`` keep the backend's own layout under sliding-window groups too (the
-        groups of a model share tensors, so they take that layout together or not at all)."""
+        of ``num_heads`` heads, the group's sliding ``window`` (None: full attention). The groups of a model
+        share tensors, so a layout of the backend's own must follow from the tensors alone, window or not."""
         ...
 
     def forward(

@@ -66,7 +66,7 @@ class CpuMetadataBuilder:
     """Splits and plans one step for caches of one shape and dtype (every layer of a KV group)."""
 
     def __init__(self, backend: CpuPagedAttention, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
-                 window: int | None = None, allow_packed: bool = True) -> None:
+                 window: int | None = None) -> None:
         self.ops = backend.ops
         self.num_heads = num_heads
         self.window = window
@@ -79,7 +79,7 @@ class CpuMetadataBuilder:
             return
         self.num_blocks, self.block_size, self.kv_heads = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
         self.head_dim = head_dim_of(kv_cache)
-        self.packed = allow_packed and backend.packed_layout(kv_cache, dtype)
+        self.packed = backend.packed_layout(kv_cache, dtype)
         self.prompts_read_cache = self.packed and backend.prompts_read_cache(kv_cache, dtype)
         # 16 where chunks read the packed cache with AMX (1.7-3x the paged kernel at 16 rows after 500-2000
         # cached keys, at par near 8), else 64 (the paged kernel; SDPA for longer fresh prompts). A sliding
@@ -177,11 +177,7 @@ class CpuPagedAttention:
         if kv_cache.dtype == torch.int8:  # int8 pages: any activation dtype (the kernel quantizes queries)
             return self.packed_int8_ok and block_size % 16 == 0 and head_dim in (64, 128, 256)
         return (self.packed_ok and kv_cache.dtype == torch.bfloat16 and dtype == torch.bfloat16
-                and block_size % 16 == 0 and head_dim in (64, 128))
-
-    def packs_windows(self, kv_cache: torch.Tensor) -> bool:
-        """int8 pages: the packed loop takes sliding windows (the bf16 ones do not)."""
-        return kv_cache.dtype == torch.int8 and self.packed_layout(kv_cache, torch.float32)
+                and block_size % 16 == 0 and head_dim in (64, 128, 256))
 
     def prompts_read_cache(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether long prompt chunks over this cache (fresh or after cached keys) go to the AMX prompt kernel
@@ -190,8 +186,8 @@ class CpuPagedAttention:
                 and kv_cache.shape[4] == 64)
 
     def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
-                         window: int | None = None, allow_packed: bool = True) -> CpuMetadataBuilder:
-        return CpuMetadataBuilder(self, kv_cache, dtype, num_heads, window, allow_packed)
+                         window: int | None = None) -> CpuMetadataBuilder:
+        return CpuMetadataBuilder(self, kv_cache, dtype, num_heads, window)
 
     def forward(self, query, key, value, kv_cache, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
         ops, packed, common = self.ops, meta.packed, meta.common

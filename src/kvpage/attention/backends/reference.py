@@ -20,11 +20,8 @@ class ReferenceAttention:
     name = "reference"
 
     def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
-                         window: int | None = None, allow_packed: bool = True) -> CommonMetadata:
+                         window: int | None = None) -> CommonMetadata:
         return CommonMetadata()
-
-    def packs_windows(self, kv_cache: torch.Tensor) -> bool:
-        return False  # one layout only
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         bs = meta.block_size

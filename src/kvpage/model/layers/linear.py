@@ -74,19 +74,29 @@ class PackedLinear(nn.Module):
             self.quant = panels or self.quant
         elif (self.amx is None and self.i8 is None) or (self.amx is not None and amx_max_rows is not None):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
-        # split_rows (lm heads): oneDNN's product also by slices of at most this many output features, for
+        # split_rows (lm heads): the product also by slices of at most this many output features, for
         # forward_parts: outputs small enough for malloc to reuse step after step, where one [rows, 262144]
-        # bf16 output is a fresh mapping faulted in page by page every step (~20% of the product's time)
+        # bf16 output is a fresh mapping faulted in page by page every step (oneDNN: ~20% of the product's
+        # time; the AMX tile GEMM at 128 rows of Gemma 3's head, AMX Xeon: 50 ms whole, 33 ms into reused pages).
+        # The AMX operand's 32-column blocks are contiguous, so its slices are views.
+        splittable = split_rows is not None and n > split_rows and bias is None and not gated
+        self.amx_split = split_rows if splittable and self.amx is not None and split_rows % 32 == 0 else None
         self.packed_parts: list[tuple[int, torch.Tensor]] = []  # (first output feature, packed slice)
-        if self.packed is not None and split_rows is not None and n > split_rows and bias is None and not gated:
+        if self.packed is not None and splittable:
             self.packed_parts = [(i, torch.ops.mkldnn._reorder_linear_weight(weight[i : i + split_rows].contiguous(),
                                                                             64)) for i in range(0, n, split_rows)]
             self.packed = None
 
+    def _on_amx(self, rows: int) -> bool:
+        q = self.quant
+        return rows <= self.amx_max_rows and (q is None or rows > self.quant_max_tokens)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quant
         rows = x.shape[0]
-        if rows <= self.amx_max_rows and (q is None or rows > self.quant_max_tokens):
+        if self._on_amx(rows):
+            if self.amx_split is not None:
+                return torch.cat([part for _, part in self.forward_parts(x)], dim=1)
             return self.ops.amx_linear(x, self.amx, self.amx_bias, self.gated)
         if q is not None and rows <= self.quant_max_tokens:
             if self.bias is None:  # the gated activation in the kernel's epilogue
@@ -103,16 +113,22 @@ class PackedLinear(nn.Module):
         return self.ops.silu_mul(out) if self.gated else out
 
     def splits(self, rows: int) -> bool:
-        """Whether a call with this many rows runs oneDNN's product slice by slice (forward_parts)."""
+        """Whether a call with this many rows runs slice by slice (forward_parts): the AMX tile GEMM's or
+        oneDNN's product."""
+        if self._on_amx(rows):
+            return self.amx_split is not None
         q = self.quant
-        return bool(self.packed_parts) and rows > self.amx_max_rows and not (q is not None and
-                                                                              rows <= self.quant_max_tokens)
+        return bool(self.packed_parts) and not (q is not None and rows <= self.quant_max_tokens)
 
     def forward_parts(self, x: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """(first output feature, output slice) in order: the slices of split_rows where the call splits,
         else the whole output. Each slice is computed when asked for and not kept."""
         if not self.splits(x.shape[0]):
             yield 0, self.forward(x)
+            return
+        if self._on_amx(x.shape[0]):
+            for start in range(0, self.n, self.amx_split):
+                yield start, self.ops.amx_linear(x, self.amx[start : start + self.amx_split], None, False)
             return
         for start, p in self.packed_parts:
             yield start, torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")

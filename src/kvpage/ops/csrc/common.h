@@ -36,6 +36,9 @@ inline float to_float(at::Half x) { return static_cast<float>(x); }
 constexpr float kExp2Poly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
                                 5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
 
+// gelu_tanh(x) = 0.5 x (1 + tanh(kGeluC0 (x + kGeluC1 x^3))), sqrt(2 / pi) and the cubic's weight.
+constexpr float kGeluC0 = 0.7978845608028654f, kGeluC1 = 0.044715f;
+
 // exp(x) for x <= 0 (softmax weights), vectorizable: 2^(x log2 e) = 2^n * 2^f with a degree-6 polynomial
 // for 2^f on [-0.5, 0.5] (relative error ~2e-7, close to libm's expf).
 inline float exp_neg(float x) {
@@ -146,6 +149,16 @@ inline __m512 silu_mul16(__m512 g, __m512 u, __mmask16 keep) {
   const __m512 ex = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g), keep);
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), ex)), u);
 }
+
+// gelu_tanh(g) * u for 16 lanes (Gemma's gated MLP). 0.5 g (1 + tanh(y)), y = kGeluC0 (g + kGeluC1 g^3), is
+// g / (1 + e^(-2y)): SiLU's form with 2y in place of g, so the same exponential and limits (g << 0 gives -0).
+inline __m512 gelu_mul16(__m512 g, __m512 u, __mmask16 keep) {
+  const __m512 g2 = _mm512_mul_ps(g, g);
+  const __m512 minus_2y = _mm512_mul_ps(g, _mm512_fmadd_ps(g2, _mm512_set1_ps(-2.f * kGeluC0 * kGeluC1),
+                                                            _mm512_set1_ps(-2.f * kGeluC0)));
+  const __m512 ex = exp16(minus_2y, keep);
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), ex)), u);
+}
 #endif
 
 #if KVPAGE_ISA_AVX2
@@ -180,6 +193,14 @@ inline __m256 exp8(__m256 x) {
 // silu(g) * u for 8 lanes (g << 0 gives -0).
 inline __m256 silu_mul8(__m256 g, __m256 u) {
   const __m256 ex = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), ex)), u);
+}
+
+// gelu_tanh(g) * u for 8 lanes (gelu_mul16's form).
+inline __m256 gelu_mul8(__m256 g, __m256 u) {
+  const __m256 minus_2y = _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(-2.f * kGeluC0 * kGeluC1),
+                                                           _mm256_set1_ps(-2.f * kGeluC0)));
+  const __m256 ex = exp8(minus_2y);
   return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), ex)), u);
 }
 #endif

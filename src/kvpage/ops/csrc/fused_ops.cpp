@@ -376,9 +376,10 @@ std::vector<torch::Tensor> logits_postprocess(std::vector<torch::Tensor> parts, 
   return {out, res[0], res[1]};
 }
 
-// silu(gate) * up for gu = [gate | up] rows (the gate_up projection's output), one pass, no temporaries.
-template <typename T>
-void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t stride) {
+// act(gate) * up for gu = [gate | up] rows (the gate_up projection's output), one pass, no temporaries; act is
+// SiLU (Llama-family MLPs) or GELU with the tanh approximation (Gemma's).
+template <typename T, bool GELU>
+void act_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t stride) {
   at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* g = gu + r * stride;
@@ -388,32 +389,42 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t str
 #if KVPAGE_ISA_AVX512
       for (; i < inter; i += 16) {
         const __mmask16 k = tail_mask(inter - i);
-        store16(o + i, kvpage::silu_mul16(load16(g + i, k), load16(u + i, k), k), k);
+        const __m512 gv = load16(g + i, k), uv = load16(u + i, k);
+        store16(o + i, GELU ? kvpage::gelu_mul16(gv, uv, k) : kvpage::silu_mul16(gv, uv, k), k);
       }
 #else
 #if KVPAGE_ISA_AVX2_ONLY
       if constexpr (std::is_same_v<T, float>)
-        for (; i + 8 <= inter; i += 8)
-          _mm256_storeu_ps(o + i, kvpage::silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+        for (; i + 8 <= inter; i += 8) {
+          const __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i);
+          _mm256_storeu_ps(o + i, GELU ? kvpage::gelu_mul8(gv, uv) : kvpage::silu_mul8(gv, uv));
+        }
 #endif
       for (; i < inter; ++i) {
         const float x = f32(g[i]);
-        o[i] = static_cast<T>(x / (1.f + std::exp(-x)) * f32(u[i]));
+        const float z = GELU ? 2.f * kvpage::kGeluC0 * (x + kvpage::kGeluC1 * x * x * x) : x;
+        o[i] = static_cast<T>(x / (1.f + std::exp(-z)) * f32(u[i]));
       }
 #endif
     }
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor gu) {
+template <bool GELU>
+torch::Tensor act_mul(const torch::Tensor& gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0 && gu.stride(1) == 1, "gu must be [tokens, 2 * inter], rows dense");
   const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
   auto out = at::empty({rows, inter}, gu.options());
   if (gu.scalar_type() == at::kBFloat16)
-    silu_mul_rows(gu.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter, gu.stride(0));
+    act_mul_rows<at::BFloat16, GELU>(gu.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter,
+                                     gu.stride(0));
   else {
     TORCH_CHECK(gu.scalar_type() == at::kFloat, "gu must be float32 or bfloat16");
-    silu_mul_rows(gu.data_ptr<float>(), out.data_ptr<float>(), rows, inter, gu.stride(0));
+    act_mul_rows<float, GELU>(gu.data_ptr<float>(), out.data_ptr<float>(), rows, inter, gu.stride(0));
   }
   return out;
 }
+
+torch::Tensor silu_mul(torch::Tensor gu) { return act_mul<false>(gu); }
+
+torch::Tensor gelu_mul(torch::Tensor gu) { return act_mul<true>(gu); }

@@ -17,6 +17,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 torch::Tensor rms_norm(torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gu);
+torch::Tensor gelu_mul(torch::Tensor gu);
 std::vector<torch::Tensor> logits_postprocess(std::vector<torch::Tensor> parts, torch::Tensor hidden,
                                               torch::Tensor weight, bool with_logits,
                                               c10::optional<torch::Tensor> out_buf);

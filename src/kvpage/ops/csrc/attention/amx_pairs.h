@@ -47,7 +47,7 @@ inline void amx_configure_pairs(int64_t R) {
 inline void prefetch_group_l1(const at::BFloat16* p) { prefetch_lines<_MM_HINT_T0>(p, 16 * 64 * 2); }
 
 // One decode query (rows r = query heads, KV head r / G) over keys [k_begin, k_end), k_begin a multiple of
-// 16. Same results contract as attend_decode_amx_packed: unnormalized float32 acc[R][64], the maxima the
+// 16 unless it is a window's edge (keys before it in its group are masked). Same results contract as attend_decode_amx_packed: unnormalized float32 acc[R][64], the maxima the
 // weights are relative to in m[R] and the weight sums in l[R].
 inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv_heads, const at::BFloat16* kcache,
                                     const at::BFloat16* vcache, const int64_t* table, int64_t block_size,
@@ -99,12 +99,13 @@ inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
+  const int64_t t0 = k_begin - k_begin % 16;
+  for (int64_t t = t0; t < k_end; t += kPackedStep) {
     const PackedGroups::Step st = groups.step(t, k_end);
     const int64_t* n = st.n;
     const int64_t* base = st.base;
     // K of the next step's two groups (this task's, or the next task's first ones), -1 where there is none
-    const int64_t next_k[2] = {groups.ahead(t, k_begin, k_end, 1, 0), groups.ahead(t, k_begin, k_end, 1, 1)};
+    const int64_t next_k[2] = {groups.ahead(t, t0, k_end, 1, 0), groups.ahead(t, t0, k_end, 1, 1)};
 
     // Scores of every row for each group, in address order (a group's heads are adjacent). The K operand
     // alternates between tiles 5 (dims 0-31) and 7 (dims 32-63).
@@ -126,7 +127,7 @@ inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv
 
     // Softmax against each row's reference maximum, which moves (rescaling the output) only when a score
     // passes it by more than kLazyRescale. Lanes past the keys' end are -inf (their K may be anything).
-    const __mmask16 keep0 = static_cast<__mmask16>((1u << n[0]) - 1u), keep1 = static_cast<__mmask16>((1u << n[1]) - 1u);
+    const __mmask16 keep0 = packed_keep(t, k_begin, n[0]), keep1 = packed_keep(t + 16, k_begin, n[1]);
     bool rescale = false;
     for (int64_t r = 0; r < R; ++r) {
       const __m512 s0 = _mm512_mask_blend_ps(keep0, vneg_inf, _mm512_mul_ps(_mm512_loadu_ps(sbuf + 32 * r), vscale));

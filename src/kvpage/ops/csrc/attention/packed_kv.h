@@ -154,9 +154,19 @@ inline void online_softmax_step(__m512 s0, __m512 s1, __mmask16 keep0, __mmask16
   }
 }
 
+// The lanes of a decode query's 16-key group starting at key g that it weighs: the group's n keys (never-written
+// slots past them may hold anything, NaN included: blended out, never multiplied) from k_begin on (keys
+// before it, e.g. before a sliding window's edge, lie in the same group when k_begin is not a multiple of 16).
+inline __mmask16 packed_keep(int64_t g, int64_t k_begin, int64_t n) {
+  const int64_t lead = std::clamp<int64_t>(k_begin - g, 0, n);
+  return static_cast<__mmask16>(((1u << n) - 1u) & ~((1u << lead) - 1u));
+}
+
 // Attention of nq query tokens x H heads (rows r = j * H + head, like attend_tile_bf16) over keys
-// [k_begin, k_end) of one sequence in the packed layout; row r sees keys <= pos0 + r / H. k_begin must be a
-// multiple of 16. Writes unnormalized float32 sums acc[R][D], row maxima m[R] and weight sums l[R].
+// [k_begin, k_end) of one sequence in the packed layout; row r sees keys <= pos0 + r / H, and under a sliding
+// window (window > 0) none before pos0 + r / H - window + 1. k_begin may fall inside a 16-key group (a window's
+// edge): the walk starts at the group and masks the keys before it. Writes unnormalized float32 sums
+// acc[R][D], row maxima m[R] and weight sums l[R].
 // Per step of 32 keys (two 16-key groups, which may sit in different blocks) and KV head: the scores of up to
 // 4 rows at once, each summed in 4 independent partial accumulators (one chain of D/2 dependent dpbf16 per
 // row would leave the unit waiting on latency); one online-softmax update per row for both groups; then P.V
@@ -166,7 +176,7 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
                         const at::BFloat16* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
                         int64_t kv_heads,
                         int64_t pos0, int64_t k_begin, int64_t k_end, float* acc, float* m, float* l,
-                        std::vector<float>& scratch, float scale, NextKeys next = {}) {
+                        std::vector<float>& scratch, float scale, int64_t window = 0, NextKeys next = {}) {
   static_assert(D % 32 == 0, "head size must be a multiple of 32");
   constexpr int64_t NF = D / 16;           // 512-bit chunks of a float row
   constexpr int64_t RB = D == 64 ? 6 : 3;  // rows per register batch in P.V (RB * NF accumulators)
@@ -180,31 +190,40 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
   const __m512i low_halves = _mm512_set1_epi32(0xFFFF);
   reset_partials(acc, m, l, R, D);
-  for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
+  // Query j's first visible key; and whether it sees any key of the step at t (the others' weights are 0).
+  const auto first_key = [&](int64_t j) { return window > 0 ? std::max(k_begin, pos0 + j - window + 1) : k_begin; };
+  const auto sees = [&](int64_t j, int64_t t) {
+    return std::max(t, first_key(j)) < std::min({pos0 + j + 1, k_end, t + kPackedStep});
+  };
+  const int64_t t0 = k_begin - k_begin % 16;
+  for (int64_t t = t0; t < k_end; t += kPackedStep) {
     const PackedGroups::Step st = groups.step(t, k_end);
-    const PackedGroups::Far far = groups.far(t, k_begin, k_end);
+    const PackedGroups::Far far = groups.far(t, t0, k_end);
     const int64_t* n = st.n;
     const int64_t* base = st.base;
     for (int64_t h = 0; h < kv_heads; ++h) {
       groups.prefetch(far, h);
       int64_t vis_max[2] = {0, 0};
+      bool any = false;
       for (int64_t j = 0; j < nq; ++j) {
-        int64_t visible[2];
+        int64_t visible[2], lead[2];
         __mmask16 keep[2];
         for (int64_t u = 0; u < 2; ++u) {
           // keys after this query's position are masked, and so are lanes past k_end (never-written slots
-          // may hold anything, NaN included: blended out, never multiplied)
+          // may hold anything, NaN included: blended out, never multiplied) and keys before its first
           visible[u] = std::clamp<int64_t>(pos0 + j + 1 - (t + 16 * u), 0, n[u]);
+          lead[u] = std::clamp<int64_t>(first_key(j) - (t + 16 * u), 0, visible[u]);
           vis_max[u] = std::max(vis_max[u], visible[u]);
-          keep[u] = static_cast<__mmask16>((1u << visible[u]) - 1u);
+          keep[u] = static_cast<__mmask16>(((1u << visible[u]) - 1u) & ~((1u << lead[u]) - 1u));
         }
-        if (visible[0] <= 0) {
+        if (!sees(j, t)) {
           for (int64_t g = 0; g < G; ++g) {
             _mm512_storeu_ps(wts + (j * H + h * G + g) * kPackedStep, _mm512_setzero_ps());
             _mm512_storeu_ps(wts + (j * H + h * G + g) * kPackedStep + 16, _mm512_setzero_ps());
           }
           continue;
         }
+        any = true;
         for (int64_t g0 = 0; g0 < G; g0 += SB) {
           const int64_t gn = std::min<int64_t>(SB, G - g0);
           const int32_t* q32[SB];
@@ -212,7 +231,7 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
             q32[i] = reinterpret_cast<const int32_t*>(qb[j * H + h * G + g0 + std::min(i, gn - 1)]);
           __m512 sc[2][SB];
           for (int64_t u = 0; u < 2; ++u) {
-            if (visible[u] <= 0) {
+            if (keep[u] == 0) {
               for (int64_t i = 0; i < SB; ++i) sc[u][i] = vneg_inf;
               continue;
             }
@@ -241,11 +260,12 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
           }
         }
       }
-      if (vis_max[0] <= 0) continue;
+      if (!any) continue;
       // P.V: the weights as bf16 pairs; each value load serves a batch of rows. In a group's last pair a key
-      // at or past n (never written: may be NaN) is zeroed, since 0 * NaN would poison the sum.
+      // at or past n (never written: may be NaN) is zeroed, since 0 * NaN would poison the sum. Keys before a
+      // window's edge inside the step have weight 0 and finite values (their block is held for the others).
       for (int64_t j = 0; j < nq; ++j) {
-        if (pos0 + j + 1 - t <= 0) continue;
+        if (!sees(j, t)) continue;
         for (int64_t g0 = 0; g0 < G; g0 += RB) {
           const int64_t gn = std::min<int64_t>(RB, G - g0);
           __m512 av[RB][NF];
@@ -309,7 +329,8 @@ inline void amx_configure_packed(int64_t G) {
 // group's heads are adjacent), then the next group, softmax, and P.V the same way, so a block's K and V are
 // each read front to back and consecutive blocks of a sequence form one stream (5-12% faster than head by
 // head on block tables taken from a sharegpt run, 6-10% slower on randomly permuted blocks). Same results
-// contract as attend_tile_packed; G <= 16 (tile rows), tiles configured by amx_configure_packed(G).
+// contract as attend_tile_packed (k_begin, a window's edge for a sliding layer, may fall inside a group);
+// G <= 16 (tile rows), tiles configured by amx_configure_packed(G).
 template <int64_t D>
 void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads, const at::BFloat16* kcache,
                               const at::BFloat16* vcache, const int64_t* table, int64_t block_size,
@@ -333,13 +354,15 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
   reset_partials(acc, m, l, R, D);
-  for (int64_t t = k_begin; t < k_end; t += kPackedStep) {
+  const int64_t t0 = k_begin - k_begin % 16;
+  for (int64_t t = t0; t < k_end; t += kPackedStep) {
     const PackedGroups::Step st = groups.step(t, k_end);
-    const PackedGroups::Far far = groups.far(t, k_begin, k_end);
+    const PackedGroups::Far far = groups.far(t, t0, k_end);
     const int64_t* n = st.n;
     const int64_t* base = st.base;
+    const __mmask16 keep0 = packed_keep(t, k_begin, n[0]), keep1 = packed_keep(t + 16, k_begin, n[1]);
     for (int64_t u = 0; u < 2; ++u) {
-      if (n[u] == 0) continue;
+      if ((u == 0 ? keep0 : keep1) == 0) continue;
       for (int64_t h = 0; h < kv_heads; ++h) {
         groups.prefetch_group(far.pf[2 * u], h);
         const at::BFloat16* kp = kcache + base[u] + h * group;
@@ -352,7 +375,6 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
         _tile_stored(2, sbuf + h * G * 32 + 16 * u, 128);
       }
     }
-    const __mmask16 keep0 = static_cast<__mmask16>((1u << n[0]) - 1u), keep1 = static_cast<__mmask16>((1u << n[1]) - 1u);
     for (int64_t r = 0; r < R; ++r) {
       const __m512 s0 = _mm512_mask_blend_ps(keep0, vneg_inf, _mm512_mul_ps(_mm512_loadu_ps(sbuf + 32 * r), vscale));
       const __m512 s1 = _mm512_mask_blend_ps(keep1, vneg_inf, _mm512_mul_ps(_mm512_loadu_ps(sbuf + 32 * r + 16), vscale));
@@ -362,7 +384,7 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + 16 * (R + r)), (__m256i)_mm512_cvtneps_pbh(e1));
     }
     for (int64_t u = 0; u < 2; ++u) {
-      if (n[u] == 0) continue;
+      if ((u == 0 ? keep0 : keep1) == 0) continue;
       for (int64_t h = 0; h < kv_heads; ++h) {
         groups.prefetch_group(far.pf[2 * u + 1], h);
         const at::BFloat16* vp = vcache + base[u] + h * group;

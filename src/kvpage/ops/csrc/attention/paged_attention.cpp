@@ -187,12 +187,17 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
             continue;
           }
           if (use_amx_packed && tk.nq == 1) {
+            // (a decode query's k_begin is already its window's edge: the kernel masks the keys before it)
             if (D == 64)
               kvpage::attend_decode_amx_packed<64>(qb[0], G, kv_heads, kcache, vcache, table, block_size,
                                                    block_stride, k_begin,
                                                    k_end, pa, pm, pl, scratch, sc, next);
-            else
+            else if (D == 128)
               kvpage::attend_decode_amx_packed<128>(qb[0], G, kv_heads, kcache, vcache, table, block_size,
+                                                    block_stride, k_begin,
+                                                    k_end, pa, pm, pl, scratch, sc, next);
+            else
+              kvpage::attend_decode_amx_packed<256>(qb[0], G, kv_heads, kcache, vcache, table, block_size,
                                                     block_stride, k_begin,
                                                     k_end, pa, pm, pl, scratch, sc, next);
             continue;
@@ -201,11 +206,15 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
           if (D == 64)
             kvpage::attend_tile_packed<64>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride, kv_heads,
                                            tk.pos0,
-                                           k_begin, k_end, pa, pm, pl, scratch, sc, next);
-          else
+                                           k_begin, k_end, pa, pm, pl, scratch, sc, window, next);
+          else if (D == 128)
             kvpage::attend_tile_packed<128>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
                                             kv_heads, tk.pos0,
-                                            k_begin, k_end, pa, pm, pl, scratch, sc, next);
+                                            k_begin, k_end, pa, pm, pl, scratch, sc, window, next);
+          else
+            kvpage::attend_tile_packed<256>(qb, tk.nq, H, G, kcache, vcache, table, block_size, block_stride,
+                                            kv_heads, tk.pos0,
+                                            k_begin, k_end, pa, pm, pl, scratch, sc, window, next);
           continue;
         }
       }
@@ -384,7 +393,8 @@ void check_packed(const torch::Tensor& kv_cache) {
     TORCH_CHECK(KVPAGE_PACKED_INT8, "this build has no packed int8 KV layout (needs AVX512-VNNI and AVX512-BF16)");
     return;
   }
-  TORCH_CHECK(kv_cache.size(4) == 64 || kv_cache.size(4) == 128, "the packed KV layout needs head size 64 or 128");
+  TORCH_CHECK(kv_cache.size(4) == 64 || kv_cache.size(4) == 128 || kv_cache.size(4) == 256,
+              "the packed KV layout needs head size 64, 128 or 256");
   TORCH_CHECK(KVPAGE_PACKED, "this build has no packed KV layout (needs AVX512-BF16)");
 }
 
@@ -442,8 +452,6 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
     TORCH_CHECK(query.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kChar,
                 "the packed bf16 KV layout needs bfloat16 queries");
     TORCH_CHECK(plan.partition_size % 16 == 0, "the packed KV layout needs partitions of a multiple of 16 keys");
-    TORCH_CHECK(plan.window == 0 || kv_cache.scalar_type() == at::kChar,
-                "the packed bf16 KV layout has no sliding-window loops: keep sliding layers in rows");
   }
   TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, dim]");
   const bool quantized = is_quantized_kv(kv_cache);
