@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpage.ops import kernels_error, load_kernels
+from kvpage.ops import kernels, kernels_error, load_kernels
 from tests.helpers.kernels import have_cxx
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
@@ -164,6 +164,48 @@ def test_gelu_mul_matches_torch(dtype):
     assert torch.isfinite(out).all()
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
     torch.testing.assert_close(out, expect, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_norm_add_norm_is_the_two_norms_in_sequence(dtype, out_dtype):
+    """Gemma's sandwich norms in one kernel: the same bits as rms_norm, add_rms_norm and the cast in turn."""
+    ops = kernels()
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(37, 640, generator=g) * 4).to(dtype)
+    residual = torch.randn(37, 640, generator=g) * 10
+    before = residual.clone()
+    w1, w2 = torch.rand(640, generator=g) + 0.5, torch.rand(640, generator=g) + 0.5
+    expect_res = residual.clone()
+    expect = ops.add_rms_norm(ops.rms_norm(x.float(), w1, 1e-6), expect_res, w2, 1e-6).to(out_dtype)
+    out = ops.norm_add_norm(x, residual, w1, w2, 1e-6, out_dtype)
+    assert out.dtype == out_dtype and torch.equal(out, expect) and torch.equal(residual, expect_res)
+    torch.testing.assert_close(residual, before + F.rms_norm(x.float(), (640,), eps=1e-6) * w1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.float(), (F.rms_norm(residual, (640,), eps=1e-6) * w2).to(out_dtype).float(),
+                               rtol=1e-2 if out_dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_is_norm_cast_and_rotary_in_sequence(dtype):
+    """Gemma's QK-norm and RoPE in one kernel: the same bits as rms_norm per head, the cast and rotary_."""
+    ops = kernels()
+    g = torch.Generator().manual_seed(7)
+    t, hq, hk, d = 13, 4, 1, 256
+    qkv = (torch.randn(t, (hq + 2 * hk) * d, generator=g) * 3).to(dtype)
+    qw, kw = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+    pos = torch.arange(100, 100 + t, dtype=torch.float32)[:, None] * (1e4 ** (-torch.arange(0, d, 2) / d))[None]
+    emb = torch.cat([pos, pos], -1)
+    cos, sin = emb.cos(), emb.sin()
+    q_end, k_end = hq * d, (hq + hk) * d
+    eq = ops.rms_norm(qkv[:, :q_end].float().contiguous().view(t * hq, d), qw, 1e-6).to(dtype).view(t, hq, d)
+    ek = ops.rms_norm(qkv[:, q_end:k_end].float().contiguous().view(t * hk, d), kw, 1e-6).to(dtype).view(t, hk, d)
+    ops.rotary_(eq, ek, cos, sin)
+    q, k = ops.qk_norm_rope(qkv, qw, kw, 1e-6, cos, sin, hq, hk)
+    assert q.shape == (t, hq, d) and k.shape == (t, hk, d) and q.dtype == k.dtype == dtype
+    assert torch.equal(q, eq) and torch.equal(k, ek)
+    from kvpage.model.rope import apply_rope
+    ref_q = apply_rope(F.rms_norm(qkv[:, :q_end].float().view(t, hq, d), (d,), eps=1e-6) * qw, cos, sin)
+    torch.testing.assert_close(q.float(), ref_q, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=2e-2)
 
 
 def test_packed_linear_split_rows_gives_the_same_logits():

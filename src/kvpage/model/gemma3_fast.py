@@ -88,23 +88,16 @@ class Gemma3FastPath:
         h = ops.rms_norm(residual, self.in_norms[0], self.layers[0].eps).to(dtype)
         for i, (p, kv_cache, meta) in enumerate(zip(self.layers, kv_caches, metas, strict=True)):
             qkv = p.qkv(h)
-            q = ops.rms_norm(qkv[:, : p.q_end].float().reshape(t * p.num_heads, p.head_dim), p.q_norm, p.eps)
-            k = ops.rms_norm(qkv[:, p.q_end : p.k_end].float().reshape(t * p.num_kv_heads, p.head_dim), p.k_norm,
-                             p.eps)
-            q = q.to(dtype).view(t, p.num_heads, p.head_dim)
-            k = k.to(dtype).view(t, p.num_kv_heads, p.head_dim)
-            v = qkv[:, p.k_end :].view(t, p.num_kv_heads, p.head_dim)
             cos, sin = local if p.sliding else glob
-            ops.rotary_(q, k, cos, sin)
+            q, k = ops.qk_norm_rope(qkv, p.q_norm, p.k_norm, p.eps, cos, sin, p.num_heads, p.num_kv_heads)
+            v = qkv[:, p.k_end :].view(t, p.num_kv_heads, p.head_dim)
             a = p.o(p.attend(q, k, v, kv_cache, meta, p.scale).reshape(t, p.q_end))
-            normed = ops.rms_norm(a.float(), p.post_attn, p.eps)
-            h = ops.add_rms_norm(normed, residual, p.pre_ff, p.eps).to(dtype)  # residual += post-norm(attn)
-            gu = p.gate_up(h)
-            mid = ops.gelu_mul(gu)
-            normed = ops.rms_norm(p.down(mid).float(), p.post_ff, p.eps)
-            h = ops.add_rms_norm(normed, residual, self.in_norms[i + 1], p.eps)  # residual += post-norm(mlp)
-            if i + 1 < len(self.layers):
-                h = h.to(dtype)
+            # residual += post-norm(attn); the MLP's input norm
+            h = ops.norm_add_norm(a, residual, p.post_attn, p.pre_ff, p.eps, dtype)
+            mid = ops.gelu_mul(p.gate_up(h))
+            # residual += post-norm(mlp); the next layer's input norm (the last: the final norm, kept float32)
+            h = ops.norm_add_norm(p.down(mid), residual, p.post_ff, self.in_norms[i + 1], p.eps,
+                                  dtype if i + 1 < len(self.layers) else torch.float32)
         return h
 
     def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,

@@ -177,6 +177,19 @@ class Kernels:
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return self._c.silu_mul(gate_up)
 
+    def norm_add_norm(self, x: Tensor, residual: Tensor, w1: Tensor, w2: Tensor, eps: float,
+                      out_dtype: torch.dtype) -> Tensor:
+        """Gemma's norms around a sublayer's output x: residual += rms_norm(x) * w1, then rms_norm(residual) * w2
+        in out_dtype (bfloat16 or float32); float32 weights."""
+        return self._c.norm_add_norm(x, residual, w1, w2, eps, out_dtype == torch.bfloat16)
+
+    def qk_norm_rope(self, qkv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
+                     num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor]:
+        """Gemma's QK-norm then RoPE over the q and k heads at the front of qkv's rows: new q [tokens, num_heads,
+        D] and k [tokens, num_kv_heads, D] in qkv's dtype."""
+        q, k = self._c.qk_norm_rope(qkv, q_weight, k_weight, eps, cos, sin, num_heads, num_kv_heads)
+        return q, k
+
     def gelu_mul(self, gate_up: Tensor) -> Tensor:
         """gelu_tanh(gate) * up for [gate | up] rows (Gemma's MLP), one pass."""
         return self._c.gelu_mul(gate_up)

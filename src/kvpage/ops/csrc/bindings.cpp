@@ -16,6 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // fused_ops.cpp
   m.def("add_rms_norm", &add_rms_norm, "residual += x; return rms_norm(residual) * weight", py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows", py::call_guard<py::gil_scoped_release>());
+  m.def("norm_add_norm", &norm_add_norm, "residual += rms_norm(x) * w1; return rms_norm(residual) * w2",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("qk_norm_rope", &qk_norm_rope, "per-head rms_norm of qkv's q and k heads, then RoPE: new q, k",
+        py::call_guard<py::gil_scoped_release>());
   m.def("gelu_mul", &gelu_mul, "gelu_tanh(gate) * up for [gate | up] rows", py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "rms_norm(residual) * weight", py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &rotary_, "in-place rotate-half RoPE on q and k", py::call_guard<py::gil_scoped_release>());

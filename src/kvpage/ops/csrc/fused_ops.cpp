@@ -1,8 +1,5 @@
 // Fused per-token operations for the bf16 fast path: each replaces several small torch dispatches.
 //
-//   add_rms_norm(x, residual, weight, eps) -> out       residual += x (float32), out = norm(residual) * w
-//   rms_norm(residual, weight, eps) -> out              out = norm(residual) * w
-//   rotary_(q, k, cos, sin)                             in place, rotate-half convention
 //   logits_postprocess(parts, hidden, weight)           float32 logits, exact near-max entries, argmax, lse
 //
 // The residual stream is float32; outputs take the weight's dtype (the projections' input dtype).
@@ -25,119 +22,7 @@ namespace {
 inline float f32(float x) { return x; }
 inline float f32(at::BFloat16 x) { return kvpage::to_float(x); }
 
-template <typename IN, typename W>
-void norm_rows(float* res, const IN* add, const W* w, W* out, int64_t rows, int64_t H, double eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      float* x = res + r * H;
-      if (add != nullptr) {
-        const IN* a = add + r * H;
-        for (int64_t i = 0; i < H; ++i) x[i] += f32(a[i]);
-      }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-      W* o = out + r * H;
-      for (int64_t i = 0; i < H; ++i) o[i] = static_cast<W>(f32(w[i]) * (x[i] * inv));
-    }
-  });
-}
-
 }  // namespace
-
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual must be contiguous float32");
-  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
-  x = x.contiguous();
-  const int64_t H = residual.size(-1), rows = residual.numel() / H;
-  auto out = at::empty(residual.sizes(), residual.options().dtype(weight.scalar_type()));
-  if (weight.scalar_type() == at::kBFloat16) {
-    if (x.scalar_type() == at::kBFloat16)
-      norm_rows<at::BFloat16, at::BFloat16>(residual.data_ptr<float>(), x.data_ptr<at::BFloat16>(),
-                                            weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, H, eps);
-    else
-      norm_rows<float, at::BFloat16>(residual.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<at::BFloat16>(),
-                                     out.data_ptr<at::BFloat16>(), rows, H, eps);
-  } else {
-    TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight must be float32 or bfloat16");
-    if (x.scalar_type() == at::kBFloat16)
-      norm_rows<at::BFloat16, float>(residual.data_ptr<float>(), x.data_ptr<at::BFloat16>(), weight.data_ptr<float>(),
-                                     out.data_ptr<float>(), rows, H, eps);
-    else
-      norm_rows<float, float>(residual.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
-                              out.data_ptr<float>(), rows, H, eps);
-  }
-  return out;
-}
-
-torch::Tensor rms_norm(torch::Tensor residual, torch::Tensor weight, double eps) {
-  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual must be contiguous float32");
-  const int64_t H = residual.size(-1), rows = residual.numel() / H;
-  auto out = at::empty(residual.sizes(), residual.options().dtype(weight.scalar_type()));
-  if (weight.scalar_type() == at::kBFloat16)
-    norm_rows<float, at::BFloat16>(residual.data_ptr<float>(), nullptr, weight.data_ptr<at::BFloat16>(),
-                                   out.data_ptr<at::BFloat16>(), rows, H, eps);
-  else
-    norm_rows<float, float>(residual.data_ptr<float>(), nullptr, weight.data_ptr<float>(), out.data_ptr<float>(), rows,
-                            H, eps);
-  return out;
-}
-
-// One token's heads rotated in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] (float32
-// arithmetic, rounded once per element to T, as the scalar loop does).
-template <typename T>
-inline void rotate_heads(T* v0, int64_t heads, int64_t D, const float* c, const float* s) {
-  const int64_t half = D / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    T* v = v0 + h * D;
-    int64_t i = 0;
-#if KVPAGE_ISA_AVX512
-    for (; i < half; i += 16) {  // 16 lanes at a time (bf16 widened in registers), masked tail
-      const __mmask16 k = kvpage::tail_mask(half - i);
-      const __m512 a = kvpage::load16(v + i, k), bb = kvpage::load16(v + i + half, k);
-      const __m512 lo = _mm512_fmsub_ps(a, _mm512_maskz_loadu_ps(k, c + i),
-                                        _mm512_mul_ps(bb, _mm512_maskz_loadu_ps(k, s + i)));
-      const __m512 hi = _mm512_fmadd_ps(bb, _mm512_maskz_loadu_ps(k, c + i + half),
-                                        _mm512_mul_ps(a, _mm512_maskz_loadu_ps(k, s + i + half)));
-      kvpage::store16(v + i, lo, k);
-      kvpage::store16(v + i + half, hi, k);
-    }
-#endif
-    for (; i < half; ++i) {
-      const float a = f32(v[i]), bb = f32(v[i + half]);
-      v[i] = static_cast<T>(a * c[i] - bb * s[i]);
-      v[i + half] = static_cast<T>(bb * c[i + half] + a * s[i + half]);
-    }
-  }
-}
-
-// q and k of every token in one pass over the threads.
-template <typename T>
-void rotate_qk(T* q, T* k, const float* cos, const float* sin, int64_t tokens, int64_t hq, int64_t hk, int64_t D,
-               int64_t q_stride, int64_t k_stride) {
-  at::parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      rotate_heads(q + t * q_stride, hq, D, cos + t * D, sin + t * D);
-      rotate_heads(k + t * k_stride, hk, D, cos + t * D, sin + t * D);
-    }
-  });
-}
-
-void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
-  // q: [T, Hq, D], k: [T, Hk, D] (views with a row stride), cos/sin: [T, D] float32
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "cos/sin: float32");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
-              "q/k heads must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must share a dtype");
-  const int64_t T = q.size(0), D = q.size(2);
-  if (q.scalar_type() == at::kBFloat16)
-    rotate_qk(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T,
-              q.size(1), k.size(1), D, q.stride(0), k.stride(0));
-  else
-    rotate_qk(q.data_ptr<float>(), k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, q.size(1),
-              k.size(1), D, q.stride(0), k.stride(0));
-}
 
 // Row passes of logits_postprocess, 16 lanes at a time where the CPU has AVX-512 (a plain loop otherwise):
 // widen to float32 while taking the max; visit entries >= a threshold; max; sum of exp(x - mx).

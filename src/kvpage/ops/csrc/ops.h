@@ -18,6 +18,10 @@ torch::Tensor rms_norm(torch::Tensor residual, torch::Tensor weight, double eps)
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gu);
 torch::Tensor gelu_mul(torch::Tensor gu);
+torch::Tensor norm_add_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w1, torch::Tensor w2, double eps,
+                            bool bf16_out);
+std::vector<torch::Tensor> qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight, double eps,
+                                        torch::Tensor cos, torch::Tensor sin, int64_t hq, int64_t hk);
 std::vector<torch::Tensor> logits_postprocess(std::vector<torch::Tensor> parts, torch::Tensor hidden,
                                               torch::Tensor weight, bool with_logits,
                                               c10::optional<torch::Tensor> out_buf);

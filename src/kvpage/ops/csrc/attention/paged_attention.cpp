@@ -18,6 +18,7 @@
 #include "ops.h"
 #include "attention/amx_rows.h"
 #include "attention/packed_kv.h"
+#include "attention/amx_packed.h"
 #include "attention/amx_pairs.h"
 #include "attention/avx2.h"
 #include "attention/avx512_bf16.h"
