@@ -29,7 +29,7 @@ def _one_plus(w: torch.Tensor) -> torch.Tensor:
 
 
 class _Layer:
-    __slots__ = ("attend", "down", "eps", "gate_up", "head_dim", "inter", "k_end", "k_norm", "num_heads",
+    __slots__ = ("attend", "down", "eps", "gate_up", "head_dim", "k_end", "k_norm", "num_heads",
                  "num_kv_heads", "o", "post_attn", "post_ff", "pre_ff", "q_end", "q_norm", "qkv", "scale",
                  "sliding")
 
@@ -57,7 +57,6 @@ class Gemma3FastPath:
             p.gate_up = PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None,
                                      blocks(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), ops=ops)
             p.down = PackedLinear(m.down_proj.weight, None, blocks(f"{mlp}.down_proj.weight"), ops=ops)
-            p.inter = m.gate_proj.weight.shape[0]
             p.q_norm, p.k_norm = _one_plus(a.q_norm.weight), _one_plus(a.k_norm.weight)
             p.post_attn = _one_plus(layer.post_attention_layernorm.weight)
             p.pre_ff = _one_plus(layer.pre_feedforward_layernorm.weight)

@@ -154,12 +154,16 @@ inline void online_softmax_step(__m512 s0, __m512 s1, __mmask16 keep0, __mmask16
   }
 }
 
+// Lanes [lo, hi) of a 16-key group (0 <= lo <= hi <= 16).
+inline __mmask16 lane_range(int64_t lo, int64_t hi) {
+  return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
 // The lanes of a decode query's 16-key group starting at key g that it weighs: the group's n keys (never-written
 // slots past them may hold anything, NaN included: blended out, never multiplied) from k_begin on (keys
 // before it, e.g. before a sliding window's edge, lie in the same group when k_begin is not a multiple of 16).
 inline __mmask16 packed_keep(int64_t g, int64_t k_begin, int64_t n) {
-  const int64_t lead = std::clamp<int64_t>(k_begin - g, 0, n);
-  return static_cast<__mmask16>(((1u << n) - 1u) & ~((1u << lead) - 1u));
+  return lane_range(std::clamp<int64_t>(k_begin - g, 0, n), n);
 }
 
 // Attention of nq query tokens x H heads (rows r = j * H + head, like attend_tile_bf16) over keys
@@ -206,15 +210,14 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
       int64_t vis_max[2] = {0, 0};
       bool any = false;
       for (int64_t j = 0; j < nq; ++j) {
-        int64_t visible[2], lead[2];
+        int64_t visible[2];
         __mmask16 keep[2];
         for (int64_t u = 0; u < 2; ++u) {
           // keys after this query's position are masked, and so are lanes past k_end (never-written slots
           // may hold anything, NaN included: blended out, never multiplied) and keys before its first
           visible[u] = std::clamp<int64_t>(pos0 + j + 1 - (t + 16 * u), 0, n[u]);
-          lead[u] = std::clamp<int64_t>(first_key(j) - (t + 16 * u), 0, visible[u]);
           vis_max[u] = std::max(vis_max[u], visible[u]);
-          keep[u] = static_cast<__mmask16>(((1u << visible[u]) - 1u) & ~((1u << lead[u]) - 1u));
+          keep[u] = lane_range(std::clamp<int64_t>(first_key(j) - (t + 16 * u), 0, visible[u]), visible[u]);
         }
         if (!sees(j, t)) {
           for (int64_t g = 0; g < G; ++g) {
