@@ -139,27 +139,14 @@ def test_logits_postprocess_bf16_recomputes_near_max_entries_exactly():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_torch(dtype):
+@pytest.mark.parametrize(("op", "act"), [("silu_mul", F.silu), ("gelu_mul", lambda x: F.gelu(x, approximate="tanh"))])
+def test_gated_activations_match_torch(dtype, op, act):
     g = torch.Generator().manual_seed(4)
     ops = load_kernels()
     gu = (torch.randn(9, 2 * 1537, generator=g) * 6).to(dtype)  # odd width: a 16-lane tail
     gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # saturated exponentials stay finite
-    expect = (F.silu(gu[:, :1537].float()) * gu[:, 1537:].float()).to(dtype)
-    out = ops.silu_mul(gu)
-    assert out.dtype == dtype and out.shape == (9, 1537)
-    assert torch.isfinite(out).all()
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
-    torch.testing.assert_close(out, expect, **tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gelu_mul_matches_torch(dtype):
-    g = torch.Generator().manual_seed(5)
-    ops = load_kernels()
-    gu = (torch.randn(9, 2 * 1537, generator=g) * 3).to(dtype)  # odd width: a 16-lane tail
-    gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # saturated exponentials stay finite
-    expect = (F.gelu(gu[:, :1537].float(), approximate="tanh") * gu[:, 1537:].float()).to(dtype)
-    out = ops.gelu_mul(gu)
+    expect = (act(gu[:, :1537].float()) * gu[:, 1537:].float()).to(dtype)
+    out = getattr(ops, op)(gu)
     assert out.dtype == dtype and out.shape == (9, 1537)
     assert torch.isfinite(out).all()
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
