@@ -58,7 +58,7 @@ void attend_decode_amx_packed(const at::BFloat16* q, int64_t G, int64_t kv_heads
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
   reset_partials(acc, m, l, R, D);
-  const int64_t t0 = k_begin - k_begin % 16;
+  const int64_t t0 = group_start(k_begin);
   for (int64_t t = t0; t < k_end; t += kPackedStep) {
     const PackedGroups::Step st = groups.step(t, k_end);
     const PackedGroups::Far far = groups.far(t, t0, k_end);

@@ -99,7 +99,7 @@ inline void attend_decode_amx_pairs(const at::BFloat16* q, int64_t G, int64_t kv
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t t0 = k_begin - k_begin % 16;
+  const int64_t t0 = group_start(k_begin);
   for (int64_t t = t0; t < k_end; t += kPackedStep) {
     const PackedGroups::Step st = groups.step(t, k_end);
     const int64_t* n = st.n;

@@ -154,6 +154,10 @@ inline void online_softmax_step(__m512 s0, __m512 s1, __mmask16 keep0, __mmask16
   }
 }
 
+// The first key of the 16-key group holding key k: where a walk over keys from k starts (k may be a sliding
+// window's edge; the keys before it in the group are masked).
+inline int64_t group_start(int64_t k) { return k - k % 16; }
+
 // Lanes [lo, hi) of a 16-key group (0 <= lo <= hi <= 16).
 inline __mmask16 lane_range(int64_t lo, int64_t hi) {
   return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
@@ -199,7 +203,7 @@ void attend_tile_packed(const at::BFloat16* const* qb, int64_t nq, int64_t H, in
   const auto sees = [&](int64_t j, int64_t t) {
     return std::max(t, first_key(j)) < std::min({pos0 + j + 1, k_end, t + kPackedStep});
   };
-  const int64_t t0 = k_begin - k_begin % 16;
+  const int64_t t0 = group_start(k_begin);
   for (int64_t t = t0; t < k_end; t += kPackedStep) {
     const PackedGroups::Step st = groups.step(t, k_end);
     const PackedGroups::Far far = groups.far(t, t0, k_end);
