@@ -298,12 +298,18 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
         caches[name] = as_block_major(rows, huge_pages)  # as the engine's prefaulted pool is stored
         del base, rows
     caches["int8-channel"] = channel_pages(ops, seqs, context, tables, kv_heads, dim, bs, gen, huge_pages)
+    # where decode over packed int8 pages runs on AMX byte tiles, the same pages through the VNNI loop beside it
+    vnni_ops = kernels(KernelConfig(amx_decode=False))
+    if "int8" in packed_names and ops.amx_int8_decode_available():
+        caches["int8-vnni"] = caches["int8"]
     residual = torch.zeros_like(tables)  # contexts of whole blocks: no sequence reads a residual block
     channel_plan = ops.plan_attention(tables, qsl, lens, heads, caches["int8-channel"].shape[0], bs)
 
     def run(name: str, cache: torch.Tensor) -> None:
         if name == "int8-channel":
             ops.paged_attention_channel(q, cache, channel_plan, residual, dim**-0.5)
+        elif name == "int8-vnni":
+            vnni_ops.paged_attention(q, cache, plan, dim**-0.5, True)
         else:
             ops.paged_attention(q, cache, plan, dim**-0.5, name in packed_names)
 
@@ -312,7 +318,7 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
     for _ in range(rounds):
         for name, cache in caches.items():
             run(name, cache)  # warm
-            kernel[name] = ops.last_decode_kernel()
+            kernel[name] = (vnni_ops if name == "int8-vnni" else ops).last_decode_kernel()
             t0 = time.perf_counter()
             for _ in range(3):
                 run(name, cache)

@@ -154,11 +154,13 @@ def test_packed_int8_pages_match_the_reference(dim, block_size):
         for part in (512, 16):
             plan = ops.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, heads, cache.shape[1],
                                       block_size, part, True, window or 0)
-            out = ops.paged_attention_planned(q, ours, plan, scale, True, True)
-            # queries as two int8 codes (~16 bits), weights x value scales as 16-bit codes per group
-            tol = 1e-3 if q_dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
-        assert ops.last_decode_kernel() == "avx512-int8-packed"
+            for amx in (False, True):  # decode tasks: the VNNI loop, then AMX byte tiles where granted
+                out = ops.paged_attention_planned(q, ours, plan, scale, True, amx)
+                # queries as two int8 codes (~16 bits), weights x value scales as 16-bit codes per group
+                tol = 1e-3 if q_dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+                on_tiles = amx and ops.amx_int8_decode_available()
+                assert ops.last_decode_kernel() == ("amx-int8-packed" if on_tiles else "avx512-int8-packed")
 
 
 @needs_cxx
@@ -213,6 +215,14 @@ def test_int8_weights_keep_their_precision_over_long_contexts():
     out = ops.paged_attention_planned(q, ours, plan, dim**-0.5, False, True).float()
     err = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
     assert err.median() < 7e-5, err
+    if ops.has_packed_int8_layout():  # the packed pages: the VNNI loop (16-key groups), AMX tiles (64-key spans)
+        packed = pack_kv_rows(cache)
+        ops.reshape_and_cache(k, v, packed, meta.slot_mapping, True)
+        for amx in (False, True):
+            out = ops.paged_attention_planned(q, packed, plan, dim**-0.5, True, amx).float()
+            err = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
+            print(f"packed, amx={amx}: median relative error {err.median():.2e}")
+            assert err.median() < 7e-5, err
 
 
 @needs_cxx

@@ -84,6 +84,9 @@ class Kernels:
     def amx_decode_available(self) -> bool:
         return self._c.amx_decode_available()
 
+    def amx_int8_decode_available(self) -> bool:
+        return self._c.amx_int8_decode_available()
+
     # attention (csrc/attention/)
     def reshape_and_cache(self, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
                           packed: bool) -> None:

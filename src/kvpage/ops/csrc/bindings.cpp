@@ -67,6 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_packed_int8_layout", &has_packed_int8_layout,
         "whether this build has the packed int8 KV layout (packed_int8.h)");
   m.def("amx_decode_available", &amx_decode_available, "whether decode tasks can use AMX tiles on this build and OS");
+  m.def("amx_int8_decode_available", &amx_int8_decode_available,
+        "whether decode over packed int8 pages can use AMX byte tiles on this build and OS (amx_int8.h)");
 
   // attention/prefill_amx.cpp
   m.def("prefill_amx_available", &kvpage::prefill::prefill_amx_available,

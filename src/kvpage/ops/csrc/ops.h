@@ -42,11 +42,12 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch
                               int64_t partition_size, bool packed, bool split_short, bool amx_decode,
                               bool avx2_row_decode);
 // Quantized KV pages: int8 / fp8 codes with a bfloat16 scale per row (attention/paged_attention_quant.cpp);
-// packed: int8 pages in the packed layout (attention/packed_int8.h). paged_attention_quant returns the name of
-// the main loop it ran.
+// packed: int8 pages in the packed layout (attention/packed_int8.h); amx_decode: decode tasks over them may take
+// AMX byte tiles (attention/amx_int8.h). paged_attention_quant returns the name of the main loop it ran.
 bool is_quantized_kv(const torch::Tensor& kv_cache);
 const char* paged_attention_quant(const torch::Tensor& query, const torch::Tensor& kv_cache,
-                           const kvpage::attn::AttentionPlan& plan, double scale, bool packed, torch::Tensor& out);
+                                  const kvpage::attn::AttentionPlan& plan, double scale, bool packed, bool amx_decode,
+                                  torch::Tensor& out);
 void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
                              const torch::Tensor& slot_mapping, bool packed);
 // int8 pages with keys per channel (attention/paged_attention_channel.cpp, attention/channel_keys.h).
@@ -60,6 +61,7 @@ void note_decode_kernel(const char* name);
 bool has_packed_layout();
 bool has_packed_int8_layout();
 bool amx_decode_available();
+bool amx_int8_decode_available();
 
 // Prompt attention with AMX tiles (attention/prefill_amx.cpp).
 namespace kvpage::prefill {

@@ -63,14 +63,20 @@ void merge_partitions(const AttentionPlan& plan, int64_t H, int64_t D, const std
 
 // Every task of the plan through tile(task, q, acc, m, l, next, scratch): q the task's query rows in float32
 // times `scale` (rows r = j * H + head), acc / m / l its partial results, next the keys the thread runs on to
-// (for prefetching), scratch a per-thread buffer; then the partitions merged into out.
-template <typename Q, typename Tile>
-void run_tasks(const AttentionPlan& plan, const Q* qptr, int64_t H, int64_t D, double scale, Q* out, Tile&& tile) {
+// (for prefetching), scratch a per-thread buffer; then the partitions merged into out. enter() and leave() run on
+// each working thread before its first task and after its last (e.g. to configure AMX tiles and release them).
+struct NoHook {
+  void operator()() const {}
+};
+template <typename Q, typename Tile, typename Enter = NoHook, typename Leave = NoHook>
+void run_tasks(const AttentionPlan& plan, const Q* qptr, int64_t H, int64_t D, double scale, Q* out, Tile&& tile,
+               Enter enter = {}, Leave leave = {}) {
   const int64_t T = plan.num_tasks(), max_blocks = plan.block_tables.size(1);
   const int64_t* tables = plan.block_tables.data_ptr<int64_t>();
   std::vector<float> part_acc(static_cast<size_t>(plan.offset[T] * D));
   std::vector<float> part_m(static_cast<size_t>(plan.offset[T])), part_l(static_cast<size_t>(plan.offset[T]));
   run_claimed(plan, [&](RunClaims& claims) {
+    enter();
     std::vector<float> qbuf(static_cast<size_t>(kTile * H * D)), scratch;
     for (int64_t begin = 0, end = 0; claims.next(begin, end);)
       for (int64_t ti = begin; ti < end; ++ti) {
@@ -81,6 +87,7 @@ void run_tasks(const AttentionPlan& plan, const Q* qptr, int64_t H, int64_t D, d
         tile(tk, qbuf.data(), part_acc.data() + at * D, part_m.data() + at, part_l.data() + at,
              next_keys(plan, tables, max_blocks, ti, end), scratch);
       }
+    leave();
   });
   merge_partitions(plan, H, D, part_acc, part_m, part_l, out);
 }

@@ -469,7 +469,7 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
   query = query.contiguous();
   auto out = at::empty_like(query);
   if (quantized) {
-    g_decode_kernel = paged_attention_quant(query, kv_cache, plan, scale, packed, out);
+    g_decode_kernel = paged_attention_quant(query, kv_cache, plan, scale, packed, opt.amx_decode, out);
     return out;
   }
   const bool kv_bf16 = kv_cache.scalar_type() == at::kBFloat16;
@@ -511,6 +511,14 @@ bool has_packed_int8_layout() { return KVPAGE_PACKED_INT8 == 1; }
 
 bool amx_decode_available() {
 #if KVPAGE_ISA_AMX
+  return kvpage::amx_permitted();
+#else
+  return false;
+#endif
+}
+
+bool amx_int8_decode_available() {
+#if KVPAGE_AMX_INT8
   return kvpage::amx_permitted();
 #else
   return false;

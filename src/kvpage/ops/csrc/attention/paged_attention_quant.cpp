@@ -8,6 +8,7 @@
 
 #include "common.h"
 #include "ops.h"
+#include "attention/amx_int8.h"
 #include "attention/loop.h"
 #include "attention/merge.h"
 #include "attention/packed_int8.h"
@@ -22,9 +23,25 @@ namespace {
 
 using namespace kvpage::attn;
 
+// Decode tasks over packed int8 pages on AMX byte tiles (attention/amx_int8.h) where the build, the CPU and
+// the OS allow them and the caller asks: query groups of up to 8 rows, head sizes 64, 128 and 256.
+bool int8_amx_decode(const torch::Tensor& query, const torch::Tensor& kv_cache, bool packed, bool amx_decode) {
+#if KVPAGE_AMX_INT8
+  const int64_t D = query.size(2), G = query.size(1) / kv_cache.size(3);
+  return packed && amx_decode && kv_cache.scalar_type() == at::kChar && G <= 8 &&
+         (D == 64 || D == 128 || D == 256) && kvpage::amx_permitted();
+#else
+  (void)query;
+  (void)kv_cache;
+  (void)packed;
+  (void)amx_decode;
+  return false;
+#endif
+}
+
 template <KVCode C, typename Q>
 void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan, double scale,
-               bool packed, torch::Tensor& out) {
+               bool packed, bool amx, torch::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);  // in bytes: one byte per element
@@ -34,6 +51,7 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
   const auto* kcache = static_cast<const uint8_t*>(kv_cache.data_ptr());
   const uint8_t* vcache = kcache + geo.v_offset;
   (void)packed;  // only KVPAGE_PACKED_INT8 builds have the packed int8 loop
+  (void)amx;     // nor the AMX one (KVPAGE_AMX_INT8)
   run_tasks(plan, query.data_ptr<Q>(), H, D, scale, out.data_ptr<Q>(),
             [&](const Task& tk, float* q, float* pa, float* pm, float* pl, const kvpage::NextKeys& next,
                 std::vector<float>& scratch) {
@@ -41,6 +59,20 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
       const auto [k_begin, k_end] = tk.keys(plan.partition_size);
       const int64_t* table = tables + tk.seq * max_blocks;
       (void)next;  // builds without the AVX2 loops have no use for it
+#if KVPAGE_AMX_INT8
+      if (amx && tk.nq == 1) {
+        if (D == 64)
+          attend_decode_int8_amx<64>(q, G, kv_heads, kcache, vcache, table, block_size, geo.block_stride, k_begin,
+                                     k_end, pa, pm, pl, next);
+        else if (D == 128)
+          attend_decode_int8_amx<128>(q, G, kv_heads, kcache, vcache, table, block_size, geo.block_stride, k_begin,
+                                      k_end, pa, pm, pl, next);
+        else
+          attend_decode_int8_amx<256>(q, G, kv_heads, kcache, vcache, table, block_size, geo.block_stride, k_begin,
+                                      k_end, pa, pm, pl, next);
+        return;
+      }
+#endif
 #if KVPAGE_PACKED_INT8
       if (packed) {
         if (D == 64)
@@ -73,6 +105,16 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
       else if (D == 256) KVPAGE_QUANT_TILE(256);
       else KVPAGE_QUANT_TILE(0);
 #undef KVPAGE_QUANT_TILE
+    },
+    [&] {
+#if KVPAGE_AMX_INT8
+      if (amx) amx_configure_int8(G);
+#endif
+    },
+    [&] {
+#if KVPAGE_AMX_INT8
+      if (amx) kvpage::amx_release();
+#endif
     });
 }
 
@@ -129,9 +171,9 @@ void by_code(at::ScalarType t, A&&... args) {
 template <KVCode C>
 struct Attend {
   static void run(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan, double scale,
-                  bool packed, torch::Tensor& out) {
-    if (query.scalar_type() == at::kFloat) run_quant<C, float>(query, kv_cache, plan, scale, packed, out);
-    else run_quant<C, at::BFloat16>(query, kv_cache, plan, scale, packed, out);
+                  bool packed, bool amx, torch::Tensor& out) {
+    if (query.scalar_type() == at::kFloat) run_quant<C, float>(query, kv_cache, plan, scale, packed, amx, out);
+    else run_quant<C, at::BFloat16>(query, kv_cache, plan, scale, packed, amx, out);
   }
 };
 
@@ -152,12 +194,15 @@ bool is_quantized_kv(const torch::Tensor& kv_cache) {
 }
 
 const char* paged_attention_quant(const torch::Tensor& query, const torch::Tensor& kv_cache,
-                                  const AttentionPlan& plan, double scale, bool packed, torch::Tensor& out) {
+                                  const AttentionPlan& plan, double scale, bool packed, bool amx_decode,
+                                  torch::Tensor& out) {
   TORCH_CHECK(query.size(2) + kScaleBytes == kv_cache.size(4), "a quantized cache row is head_dim + 2 bytes: ",
               "head_dim of query ", query.size(2), ", cache rows ", kv_cache.size(4));
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "query must be float32 or bfloat16");
-  by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, packed, out);
+  const bool amx = int8_amx_decode(query, kv_cache, packed, amx_decode);
+  by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, packed, amx, out);
+  if (amx) return "amx-int8-packed";  // decode tasks on tiles (prompt tiles keep the VNNI loop)
   if (packed) return "avx512-int8-packed";  // check_packed: int8 pages on a KVPAGE_PACKED_INT8 build
   const int64_t D = query.size(2);  // run_quant's templated head sizes take quant_loop.h's loop
   if (!KVPAGE_ISA_AVX2) return "generic-quant";

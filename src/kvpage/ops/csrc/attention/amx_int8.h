@@ -1,0 +1,197 @@
+// Decode attention over packed int8 pages with AMX byte products.
+//
+// Why: the packed int8 loop (packed_int8.h) spends a vpdpbusd per 4 dims x 16 keys x one code half of one query
+// row: for SmolLM2 (3 rows per KV head, D = 64) 96 instructions for a 16-key group's scores and as many for its
+// P.V, so on the Xeon with AMX it read int8 pages in 0.88x the bf16 pages' time, which decode on AMX tiles at
+// memory speed. The packed int8 groups are already AMX's byte operand order (a tile row = 4 bytes for each of
+// 16 columns), so one tile product replaces each of those runs:
+//   scores  [hi codes of the head's G rows; lo codes of them] (2G x 64 bytes, signed) times the group's K
+//           (16 dim quads x 16 keys x 4 bytes, codes + 128: unsigned) -> tdpbsud, 2G x 16 int32 per 64 dims;
+//   P.V     [hi bytes of the rows' weights; lo bytes] (2G x 16 keys, unsigned) times 16 dims of the group's V
+//           (4 key quads x 16 dims x 4 bytes, signed; rows 4D bytes apart) -> tdpbusd, 2G x 16 int32.
+// The arithmetic between the products is packed_int8.h's own (the same query codes, biases, softmax and
+// 16-bit weights), so the two loops give the same sums; per group, the int32 tiles are stored and folded into
+// the float32 output rows in vectors (a group's weights carry their own scale, so sums cannot stay in a tile
+// across groups). Needs 2G <= 16 and D % 64 == 0; tiles configured by amx_configure_int8(G).
+#pragma once
+
+#include "isa.h"
+
+#if KVPAGE_AMX_INT8
+
+#include "attention/amx_rows.h"
+#include "attention/packed_int8.h"
+
+namespace kvpage::attn {
+
+constexpr int64_t kInt8Span = 64;  // keys per softmax step: four 16-key groups
+
+// Tiles: 0 = query codes (2G rows x 64 bytes), 1 and 5 = K (16 dim quads x 64 bytes), then V in turn (16 key
+// quads x 64 bytes), 2 and 3 = a group's scores in turn (2G x 16 int32), 4 = the span's weights (2G x 64
+// bytes), 6 and 7 = P.V sums in turn (2G x 16 int32).
+inline void amx_configure_int8(int64_t G) {
+  TileConfig cfg;
+  const auto rows2g = static_cast<uint8_t>(2 * G);
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t == 1 || t == 5 ? 16 : rows2g;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One decode query (rows r = h * G + g, pre-scaled float32 in the keys' rotated basis) over keys
+// [k_begin, k_end) of packed int8 pages; k_begin may fall inside a group (a window's edge: the keys before it
+// are masked). Same results contract as attend_tile_int8_packed for one query token.
+template <int64_t D>
+void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const uint8_t* kcache,
+                            const uint8_t* vcache, const int64_t* table, int64_t block_size, int64_t block_stride,
+                            int64_t k_begin, int64_t k_end, float* acc, float* m, float* l, NextKeys next) {
+  static_assert(D % 64 == 0, "AMX byte tiles take 64 dims of a query row at a time");
+  constexpr int64_t NQ = D / 64, NV = D / 16, NG = kInt8Span / 16;
+  const int64_t R = kv_heads * G, G2 = 2 * G;
+  const Int8Groups groups{kcache, vcache, table, block_size, block_stride, kv_heads, D, 16 * (D + kScaleBytes), next};
+  // Per thread: query operands [kv_heads][NQ][2G][64] | one row's codes [2][D] | scores [NG][2G][16] int32 |
+  // weights [2G][64] | staged V [NV][16 key quads][64] | P.V sums [NV][2G][16] int32
+  thread_local std::vector<int8_t> qtiles, row, vstage;
+  thread_local std::vector<int32_t> sbuf, pv, bias;
+  thread_local std::vector<uint8_t> wbuf;
+  thread_local std::vector<float> qscale;
+  qtiles.resize(static_cast<size_t>(kv_heads * NQ * G2 * 64));
+  row.resize(static_cast<size_t>(2 * D));
+  sbuf.resize(static_cast<size_t>(NG * G2 * 16));
+  wbuf.resize(static_cast<size_t>(G2 * 64));
+  vstage.resize(static_cast<size_t>(NV * 16 * 64));
+  pv.resize(static_cast<size_t>(NV * G2 * 16));
+  bias.resize(static_cast<size_t>(2 * R));
+  qscale.resize(static_cast<size_t>(R));
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = h * G + g;
+      qscale[r] = quantize_query_i8(q + r * D, row.data(), row.data() + D, D, bias.data() + 2 * r);
+      for (int64_t c = 0; c < NQ; ++c) {
+        int8_t* a = qtiles.data() + (h * NQ + c) * G2 * 64;
+        std::memcpy(a + g * 64, row.data() + 64 * c, 64);
+        std::memcpy(a + (G + g) * 64, row.data() + D + 64 * c, 64);
+      }
+    }
+  reset_partials(acc, m, l, R, D);
+  const __m512 vneg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t t0 = group_start(k_begin);
+  for (int64_t t = t0; t < k_end; t += kInt8Span) {
+    int64_t base[NG], far[NG];
+    __mmask16 keep[NG];
+    int64_t ng = 0;  // groups of the span that hold keys
+    for (int64_t u = 0; u < NG; ++u) {
+      const int64_t tu = t + 16 * u;
+      keep[u] = tu < k_end ? packed_keep(tu, k_begin, std::min<int64_t>(16, k_end - tu)) : 0;
+      if (tu < k_end) {
+        ng = u + 1;
+        base[u] = groups.at(table, tu);
+        far[u] = groups.ahead(tu, k_end);
+      }
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      // scores of each group: 2G rows (hi codes' sums, then lo codes') x 16 keys
+      for (int64_t u = 0; u < ng; ++u) {
+        groups.prefetch(far[u], h);
+        const uint8_t* kp = kcache + base[u] + h * groups.group;
+        int32_t* s = sbuf.data() + u * G2 * 16;
+#define KVPAGE_INT8_SCORES(tile)                                                  \
+  {                                                                               \
+    _tile_zero(tile);                                                             \
+    for (int64_t c = 0; c < NQ; ++c) {                                            \
+      _tile_loadd(0, qtiles.data() + (h * NQ + c) * G2 * 64, 64);                 \
+      _tile_loadd(1, kp + 1024 * c, 64);                                          \
+      _tile_dpbsud(tile, 0, 1);                                                   \
+    }                                                                             \
+    _tile_stored(tile, s, 64);                                                    \
+  }
+        if (u % 2 == 0) KVPAGE_INT8_SCORES(2) else KVPAGE_INT8_SCORES(3)
+#undef KVPAGE_INT8_SCORES
+      }
+      // the span's V staged as 16 key quads per 16 dims (groups past the keys' end keep stale codes: their
+      // weights are 0)
+      for (int64_t u = 0; u < ng; ++u) {
+        const uint8_t* vp = vcache + base[u] + h * groups.group;
+        for (int64_t p = 0; p < 4; ++p)
+          for (int64_t c = 0; c < NV; ++c)
+            _mm512_storeu_si512(vstage.data() + (c * 16 + 4 * u + p) * 64,
+                                _mm512_loadu_si512(vp + p * 4 * D + 64 * c));
+      }
+      // softmax of each row over the span; weights x value scales as 16-bit codes against the span's largest
+      float corr[8], wscale[8];
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = h * G + g;
+        __m512 s[NG], vs[NG];
+        __m512 mx = vneg_inf;
+        for (int64_t u = 0; u < NG; ++u) {
+          if (u >= ng) {
+            s[u] = vneg_inf;
+            vs[u] = _mm512_setzero_ps();
+            continue;
+          }
+          const uint8_t* kp = kcache + base[u] + h * groups.group;
+          const int32_t* su = sbuf.data() + u * G2 * 16;
+          const __m512i hi = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * g), _mm512_set1_epi32(bias[2 * r]));
+          const __m512i lo = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * (G + g)), _mm512_set1_epi32(bias[2 * r + 1]));
+          const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo)),
+                                         _mm512_mul_ps(load_scales16(kp + 16 * D), _mm512_set1_ps(qscale[r])));
+          s[u] = _mm512_mask_blend_ps(keep[u], vneg_inf, f);
+          vs[u] = load_scales16(vcache + base[u] + h * groups.group + 16 * D);
+          mx = _mm512_max_ps(mx, s[u]);
+        }
+        const float new_m = std::max(m[r], _mm512_reduce_max_ps(mx));
+        corr[g] = exp_neg(m[r] - new_m);
+        m[r] = new_m;
+        const __m512 vm = _mm512_set1_ps(new_m);
+        __m512 sum = _mm512_setzero_ps(), top = _mm512_setzero_ps();
+        for (int64_t u = 0; u < NG; ++u) {
+          const __m512 e = exp16(_mm512_sub_ps(s[u], vm), keep[u]);
+          sum = _mm512_add_ps(sum, e);
+          vs[u] = _mm512_maskz_mul_ps(keep[u], e, vs[u]);  // unwritten lanes' scales may be NaN: never used
+          top = _mm512_max_ps(top, vs[u]);
+        }
+        l[r] = l[r] * corr[g] + _mm512_reduce_add_ps(sum);
+        const float tmax = _mm512_reduce_max_ps(top);
+        const __m512 inv = _mm512_set1_ps(tmax > 0.f ? 65535.f / tmax : 0.f);
+        wscale[g] = tmax / 65535.f;
+        for (int64_t u = 0; u < NG; ++u) {
+          const __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(vs[u], inv));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(wbuf.data() + g * 64 + 16 * u),
+                           _mm512_cvtepi32_epi8(_mm512_srli_epi32(w, 8)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(wbuf.data() + (G + g) * 64 + 16 * u),
+                           _mm512_cvtepi32_epi8(_mm512_and_si512(w, _mm512_set1_epi32(255))));
+        }
+      }
+      // P.V: the span's 64 keys in one product per 16 dims
+      _tile_loadd(4, wbuf.data(), 64);
+#define KVPAGE_INT8_PV(c, vt, st)                                   \
+  {                                                                 \
+    _tile_zero(st);                                                 \
+    _tile_loadd(vt, vstage.data() + (c) * 16 * 64, 64);             \
+    _tile_dpbusd(st, 4, vt);                                        \
+    _tile_stored(st, pv.data() + (c) * G2 * 16, 64);                \
+  }
+      for (int64_t c = 0; c < NV; c += 2) {
+        KVPAGE_INT8_PV(c, 1, 6);
+        KVPAGE_INT8_PV(c + 1, 5, 7);
+      }
+#undef KVPAGE_INT8_PV
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 vc = _mm512_set1_ps(corr[g]), vw = _mm512_set1_ps(wscale[g]);
+        float* out = acc + (h * G + g) * D;
+        for (int64_t c = 0; c < NV; ++c) {
+          const int32_t* sums = pv.data() + c * G2 * 16;
+          const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(sums + 16 * g), 8),
+                                             _mm512_loadu_si512(sums + 16 * (G + g)));
+          _mm512_storeu_ps(out + 16 * c,
+                           _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), vw, _mm512_mul_ps(_mm512_loadu_ps(out + 16 * c), vc)));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace kvpage::attn
+
+#endif
