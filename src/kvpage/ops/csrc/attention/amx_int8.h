@@ -2,17 +2,22 @@
 //
 // Why: the packed int8 loop (packed_int8.h) spends a vpdpbusd per 4 dims x 16 keys x one code half of one query
 // row: for SmolLM2 (3 rows per KV head, D = 64) 96 instructions for a 16-key group's scores and as many for its
-// P.V, so on the Xeon with AMX it read int8 pages in 0.88x the bf16 pages' time, which decode on AMX tiles at
-// memory speed. The packed int8 groups are already AMX's byte operand order (a tile row = 4 bytes for each of
-// 16 columns), so one tile product replaces each of those runs:
-//   scores  [hi codes of the head's G rows; lo codes of them] (2G x 64 bytes, signed) times the group's K
+// P.V, so on the Xeon with AMX it read int8 pages in 0.8-0.88x the bf16 pages' time, which decode on AMX tiles
+// near memory speed. The packed int8 groups are already AMX's byte operand order (a tile row = 4 bytes for each
+// of 16 columns), so tile products replace those runs:
+//   scores  [hi codes of the head's G rows; lo codes of them] (2G x 64 bytes, signed) times a group's K
 //           (16 dim quads x 16 keys x 4 bytes, codes + 128: unsigned) -> tdpbsud, 2G x 16 int32 per 64 dims;
-//   P.V     [hi bytes of the rows' weights; lo bytes] (2G x 16 keys, unsigned) times 16 dims of the group's V
-//           (4 key quads x 16 dims x 4 bytes, signed; rows 4D bytes apart) -> tdpbusd, 2G x 16 int32.
-// The arithmetic between the products is packed_int8.h's own (the same query codes, biases, softmax and
-// 16-bit weights), so the two loops give the same sums; per group, the int32 tiles are stored and folded into
-// the float32 output rows in vectors (a group's weights carry their own scale, so sums cannot stay in a tile
-// across groups). Needs 2G <= 16 and D % 64 == 0; tiles configured by amx_configure_int8(G).
+//   P.V     [hi bytes of the rows' weights; lo bytes] (2G x 64 keys, unsigned) times 16 dims of 64 keys' V
+//           (16 key quads x 16 dims x 4 bytes, signed) -> tdpbusd, 2G x 16 int32. A group's V is 4 key quads
+//           4D bytes apart and the next group lies elsewhere, so each span's V is first copied into one run of
+//           quads (one vector load and store per 64 bytes).
+// The query codes, their biases and the 16-bit weights are packed_int8.h's; what differs is the unit of the
+// softmax step: a span of 128 keys (eight groups) instead of one group, the weights scaled to the span's
+// largest. Between the products everything crosses through memory (tile stores, vector loads and back), and
+// each crossing waits for the store before it, so the fewer steps the better: at 64 sequences x 8K keys, one
+// group per step took 1.07x the bf16 time, 64-key spans 0.62x, 128-key spans 0.56-0.61x. Per span the int32
+// sums are folded into the float32 output rows (a span's weights carry their own scale). Needs 2G <= 16 and
+// D % 64 == 0; tiles configured by amx_configure_int8(G).
 #pragma once
 
 #include "isa.h"
@@ -24,11 +29,11 @@
 
 namespace kvpage::attn {
 
-constexpr int64_t kInt8Span = 64;  // keys per softmax step: four 16-key groups
+constexpr int64_t kInt8Span = 128;  // keys per softmax step: eight 16-key groups, two byte products per 16 dims
 
-// Tiles: 0 = query codes (2G rows x 64 bytes), 1 and 5 = K (16 dim quads x 64 bytes), then V in turn (16 key
-// quads x 64 bytes), 2 and 3 = a group's scores in turn (2G x 16 int32), 4 = the span's weights (2G x 64
-// bytes), 6 and 7 = P.V sums in turn (2G x 16 int32).
+// Tiles: 0 = query codes (2G rows x 64 bytes), then the weights of the span's keys 64-127; 1 = K (16 dim quads
+// x 64 bytes), then V of keys 64-127; 2 and 3 = a group's scores in turn (2G x 16 int32); 4 = the weights of
+// keys 0-63 (2G x 64 bytes); 5 = V of keys 0-63 (16 key quads x 64 bytes); 6 and 7 = P.V sums in turn.
 inline void amx_configure_int8(int64_t G) {
   TileConfig cfg;
   const auto rows2g = static_cast<uint8_t>(2 * G);
@@ -59,8 +64,8 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
   qtiles.resize(static_cast<size_t>(kv_heads * NQ * G2 * 64));
   row.resize(static_cast<size_t>(2 * D));
   sbuf.resize(static_cast<size_t>(NG * G2 * 16));
-  wbuf.resize(static_cast<size_t>(G2 * 64));
-  vstage.resize(static_cast<size_t>(NV * 16 * 64));
+  wbuf.resize(static_cast<size_t>(G2 * kInt8Span));
+  vstage.resize(static_cast<size_t>(NV * (kInt8Span / 4) * 64));
   pv.resize(static_cast<size_t>(NV * G2 * 16));
   bias.resize(static_cast<size_t>(2 * R));
   qscale.resize(static_cast<size_t>(R));
@@ -87,7 +92,7 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
       if (tu < k_end) {
         ng = u + 1;
         base[u] = groups.at(table, tu);
-        far[u] = groups.ahead(tu, k_end);
+        far[u] = groups.ahead(tu, k_end);  // 4 groups ahead: 8, 16 and 24 were slower (64 x 8K keys)
       }
     }
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -115,11 +120,16 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
         const uint8_t* vp = vcache + base[u] + h * groups.group;
         for (int64_t p = 0; p < 4; ++p)
           for (int64_t c = 0; c < NV; ++c)
-            _mm512_storeu_si512(vstage.data() + (c * 16 + 4 * u + p) * 64,
+            _mm512_storeu_si512(vstage.data() + (c * (kInt8Span / 4) + 4 * u + p) * 64,
                                 _mm512_loadu_si512(vp + p * 4 * D + 64 * c));
       }
       // softmax of each row over the span; weights x value scales as 16-bit codes against the span's largest
       float corr[8], wscale[8];
+      __m512 kscale[NG], vscale[NG];
+      for (int64_t u = 0; u < ng; ++u) {
+        kscale[u] = load_scales16(kcache + base[u] + h * groups.group + 16 * D);
+        vscale[u] = load_scales16(vcache + base[u] + h * groups.group + 16 * D);
+      }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = h * G + g;
         __m512 s[NG], vs[NG];
@@ -130,14 +140,13 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
             vs[u] = _mm512_setzero_ps();
             continue;
           }
-          const uint8_t* kp = kcache + base[u] + h * groups.group;
           const int32_t* su = sbuf.data() + u * G2 * 16;
           const __m512i hi = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * g), _mm512_set1_epi32(bias[2 * r]));
           const __m512i lo = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * (G + g)), _mm512_set1_epi32(bias[2 * r + 1]));
           const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo)),
-                                         _mm512_mul_ps(load_scales16(kp + 16 * D), _mm512_set1_ps(qscale[r])));
+                                         _mm512_mul_ps(kscale[u], _mm512_set1_ps(qscale[r])));
           s[u] = _mm512_mask_blend_ps(keep[u], vneg_inf, f);
-          vs[u] = load_scales16(vcache + base[u] + h * groups.group + 16 * D);
+          vs[u] = vscale[u];
           mx = _mm512_max_ps(mx, s[u]);
         }
         const float new_m = std::max(m[r], _mm512_reduce_max_ps(mx));
@@ -157,26 +166,34 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
         wscale[g] = tmax / 65535.f;
         for (int64_t u = 0; u < NG; ++u) {
           const __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(vs[u], inv));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(wbuf.data() + g * 64 + 16 * u),
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(wbuf.data() + g * kInt8Span + 16 * u),
                            _mm512_cvtepi32_epi8(_mm512_srli_epi32(w, 8)));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(wbuf.data() + (G + g) * 64 + 16 * u),
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(wbuf.data() + (G + g) * kInt8Span + 16 * u),
                            _mm512_cvtepi32_epi8(_mm512_and_si512(w, _mm512_set1_epi32(255))));
         }
       }
-      // P.V: the span's 64 keys in one product per 16 dims
-      _tile_loadd(4, wbuf.data(), 64);
-#define KVPAGE_INT8_PV(c, vt, st)                                   \
-  {                                                                 \
-    _tile_zero(st);                                                 \
-    _tile_loadd(vt, vstage.data() + (c) * 16 * 64, 64);             \
-    _tile_dpbusd(st, 4, vt);                                        \
-    _tile_stored(st, pv.data() + (c) * G2 * 16, 64);                \
+      // P.V: the span's keys 0-63 and 64-127 in one product each per 16 dims (the second half's weights in the
+      // query's tile, free until the next head's scores)
+      _tile_loadd(4, wbuf.data(), kInt8Span);
+      const bool two = ng > 4;
+      if (two) _tile_loadd(0, wbuf.data() + 64, kInt8Span);
+      for (int64_t c = 0; c < NV; ++c) {
+        const int8_t* vc = vstage.data() + c * (kInt8Span / 4) * 64;
+        int32_t* dst = pv.data() + c * G2 * 16;
+#define KVPAGE_INT8_PV(st)                  \
+  {                                         \
+    _tile_zero(st);                         \
+    _tile_loadd(5, vc, 64);                 \
+    _tile_dpbusd(st, 4, 5);                 \
+    if (two) {                              \
+      _tile_loadd(1, vc + 16 * 64, 64);     \
+      _tile_dpbusd(st, 0, 1);               \
+    }                                       \
+    _tile_stored(st, dst, 64);              \
   }
-      for (int64_t c = 0; c < NV; c += 2) {
-        KVPAGE_INT8_PV(c, 1, 6);
-        KVPAGE_INT8_PV(c + 1, 5, 7);
-      }
+        if (c % 2 == 0) KVPAGE_INT8_PV(6) else KVPAGE_INT8_PV(7)
 #undef KVPAGE_INT8_PV
+      }
       for (int64_t g = 0; g < G; ++g) {
         const __m512 vc = _mm512_set1_ps(corr[g]), vw = _mm512_set1_ps(wscale[g]);
         float* out = acc + (h * G + g) * D;
