@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -96,18 +96,16 @@ class RequestRunner:
         the engine raises its APIError."""
         by_id = {j.request_id: j for j in jobs}
         open_ids = set(by_id)
+        # The disconnect watcher posts a marker into the same queue, so each output costs one plain await on
+        # the queue (a task and an asyncio.wait over two futures per streamed token cost the event loop more
+        # than rendering the token did).
         gone = asyncio.ensure_future(_until_disconnect(request))
+        gone.add_done_callback(_post_disconnect(queue))
         try:
             while open_ids:
-                try:  # what a step already delivered, without a task and a wait per item
-                    item = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    get = asyncio.ensure_future(queue.get())
-                    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-                    if not get.done():
-                        get.cancel()
-                        raise APIError(499, "client disconnected") from None
-                    item = get.result()
+                item = await queue.get()
+                if item is _DISCONNECTED:
+                    raise APIError(499, "client disconnected")
                 if isinstance(item, BaseException):
                     open_ids.clear()  # the engine client already dropped every request of this queue
                     raise api_error(item)
@@ -140,6 +138,18 @@ class RequestRunner:
                 for c in out.outputs:
                     if c.text or c.token_ids or c.finish_reason is not None:
                         yield job, out, c
+
+
+_DISCONNECTED = object()  # the marker _until_disconnect's end puts into a request's output queue
+
+
+def _post_disconnect(queue: asyncio.Queue) -> Callable[[asyncio.Future], None]:
+    def done(watcher: asyncio.Future) -> None:
+        if watcher.cancelled():  # the stream ended first
+            return
+        watcher.exception()  # retrieved: a watcher that failed counts as a disconnect too
+        queue.put_nowait(_DISCONNECTED)
+    return done
 
 
 async def _until_disconnect(request: Request) -> None:
