@@ -139,8 +139,8 @@ def test_packed_int8_pages_match_the_reference(dim, block_size):
     if not ops.has_packed_int8_layout():
         pytest.skip("this build has no packed int8 layout (AVX512-VNNI)")
     rng = random.Random(dim + block_size)
-    for case in range(12):  # query groups of 4, 3, 4, 5, 1, 2; decodes, chunks after cached keys, prompts
-        heads, kv_heads = [(8, 2), (9, 3), (4, 1), (10, 2), (6, 6), (8, 4)][case % 6]
+    for case in range(14):  # query groups of 4, 3, 4, 5, 1, 2, 8 (AMX: 16 tile rows); decodes, chunks, prompts
+        heads, kv_heads = [(8, 2), (9, 3), (4, 1), (10, 2), (6, 6), (8, 4), (16, 2)][case % 7]
         q_dtype = torch.float32 if case % 2 else torch.bfloat16
         window = [None, None, 1, 24, None, 37][case % 6]  # edges inside 16-key groups, and a window of one
         q, k, v, cache, meta = quant_case(rng, torch.int8, block_size, heads, kv_heads, dim, window, q_dtype)

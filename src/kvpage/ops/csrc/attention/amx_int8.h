@@ -150,7 +150,7 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
           mx = _mm512_max_ps(mx, s[u]);
         }
         const float new_m = std::max(m[r], _mm512_reduce_max_ps(mx));
-        corr[g] = exp_neg(m[r] - new_m);
+        corr[g] = new_m == m[r] ? 1.f : exp_neg(m[r] - new_m);  // both -inf while no key has counted yet
         m[r] = new_m;
         const __m512 vm = _mm512_set1_ps(new_m);
         __m512 sum = _mm512_setzero_ps(), top = _mm512_setzero_ps();
