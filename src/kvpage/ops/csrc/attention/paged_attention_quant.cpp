@@ -24,11 +24,12 @@ namespace {
 using namespace kvpage::attn;
 
 // Decode tasks over packed int8 pages on AMX byte tiles (attention/amx_int8.h) where the build, the CPU and
-// the OS allow them and the caller asks: query groups of up to 8 rows, head sizes 64, 128 and 256.
+// the OS allow them and the caller asks: query groups of up to 5 rows (three tile rows each), head sizes 64,
+// 128 and 256.
 bool int8_amx_decode(const torch::Tensor& query, const torch::Tensor& kv_cache, bool packed, bool amx_decode) {
 #if KVPAGE_AMX_INT8
   const int64_t D = query.size(2), G = query.size(1) / kv_cache.size(3);
-  return packed && amx_decode && kv_cache.scalar_type() == at::kChar && G <= 8 &&
+  return packed && amx_decode && kv_cache.scalar_type() == at::kChar && G <= 5 &&
          (D == 64 || D == 128 || D == 256) && kvpage::amx_permitted();
 #else
   (void)query;
