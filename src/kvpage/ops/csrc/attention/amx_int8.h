@@ -4,9 +4,9 @@
 // row: for SmolLM2 (3 rows per KV head, D = 64) 96 instructions for a 16-key group's scores and as many for its
 // P.V, so on the Xeon with AMX it read int8 pages in 0.8-0.88x the bf16 pages' time, which decode on AMX tiles
 // near memory speed. The packed int8 groups are already AMX's byte operand order (a tile row = 4 bytes for each
-// of 16 columns), so tile products replace those runs. Tiles have 3G rows for a head's G query rows:
-//   scores  [hi codes of the G rows; lo codes; zeros] (3G x 64 bytes, signed) times a group's K (16 dim quads
-//           x 16 keys x 4 bytes, codes + 128: unsigned) -> tdpbsud, 3G x 16 int32 per 64 dims;
+// of 16 columns), so tile products replace those runs, for a head's G query rows:
+//   scores  [hi codes of the G rows; lo codes] (2G x 64 bytes, signed) times a group's K (16 dim quads x 16
+//           keys x 4 bytes, codes + 128: unsigned) -> tdpbsud, 2G x 16 int32 per 64 dims;
 //   P.V     [high bytes of the rows' weights; middle bytes; low bytes] (3G x 64 keys, unsigned) times 16 dims of
 //           64 keys' V (16 key quads x 16 dims x 4 bytes, signed) -> tdpbusd, 3G x 16 int32. A group's V is
 //           4 key quads 4D bytes apart and the next group lies elsewhere, so each span's V is first copied into
@@ -15,9 +15,9 @@
 // of 128 keys (eight groups) instead of one group. Between the products everything crosses through memory
 // (tile stores, vector loads and back), and each crossing waits for the store before it, so the fewer steps
 // the better: at 64 sequences x 8K keys, one group per step took 1.07x the bf16 time, 64-key spans 0.62x,
-// 128-key spans 0.56-0.61x. Weights scaled to a whole span's largest need more than the loop's 16 bits: with
+// 128-key spans 0.59-0.64x (the spread is mostly the bf16 pages' own, 16.9-18.7 ms). Weights scaled to a whole span's largest need more than the loop's 16 bits: with
 // 16 the median error over 4K keys with an attention sink was 3.7e-5 against the loop's 2.7e-5, with 24 bits
-// (three bytes) 2.4e-5, at the same speed. Per span the int32 sums are folded into the float32 output rows (a
+// (three bytes) 2.4e-5 (the int8 pages' time stayed 10.8-11.5 ms in either form). Per span the int32 sums are folded into the float32 output rows (a
 // span's weights carry their own scale). Needs 3G <= 16 and D % 64 == 0; tiles configured by
 // amx_configure_int8(G).
 #pragma once
@@ -34,14 +34,14 @@ namespace kvpage::attn {
 constexpr int64_t kInt8Span = 128;  // keys per softmax step: eight 16-key groups, two byte products per 16 dims
 constexpr float kWeightCodes = 16777215.f;  // 2^24 - 1: a weight's three bytes against the span's largest
 
-// Tiles (3G rows unless said): 0 = query codes (x 64 bytes), then the weights of the span's keys 64-127; 1 = K
-// (16 dim quads x 64 bytes), then V of keys 64-127; 2 and 3 = a group's scores in turn (x 16 int32); 4 = the
-// weights of keys 0-63 (x 64 bytes); 5 = V of keys 0-63 (16 key quads x 64 bytes); 6 and 7 = P.V sums in turn.
+// Tiles: 0 = query codes (2G rows x 64 bytes); 1 = K (16 dim quads x 64 bytes), then V of the span's keys
+// 64-127; 2 and 3 = a group's scores in turn (2G x 16 int32); 4 and 7 = the weights of keys 0-63 and 64-127
+// (3G x 64 bytes); 5 = V of keys 0-63 (16 key quads x 64 bytes); 6 = P.V sums (3G x 16 int32). (3G rows
+// everywhere, the query's third G zero, with the sums in tiles 6 and 7 in turn: the same speed.)
 inline void amx_configure_int8(int64_t G) {
   TileConfig cfg;
-  const auto rows = static_cast<uint8_t>(3 * G);
   for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = t == 1 || t == 5 ? 16 : rows;
+    cfg.rows[t] = static_cast<uint8_t>(t == 1 || t == 5 ? 16 : t == 0 || t == 2 || t == 3 ? 2 * G : 3 * G);
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
@@ -56,17 +56,17 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
                             int64_t k_begin, int64_t k_end, float* acc, float* m, float* l, NextKeys next) {
   static_assert(D % 64 == 0, "AMX byte tiles take 64 dims of a query row at a time");
   constexpr int64_t NQ = D / 64, NV = D / 16, NG = kInt8Span / 16;
-  const int64_t R = kv_heads * G, TR = 3 * G;  // tile rows: three per query row
+  const int64_t R = kv_heads * G, QR = 2 * G, TR = 3 * G;  // tile rows: query codes and scores; weights and sums
   const Int8Groups groups{kcache, vcache, table, block_size, block_stride, kv_heads, D, 16 * (D + kScaleBytes), next};
-  // Per thread: query operands [kv_heads][NQ][3G][64] | one row's codes [2][D] | scores [NG][3G][16] int32 |
+  // Per thread: query operands [kv_heads][NQ][2G][64] | one row's codes [2][D] | scores [NG][2G][16] int32 |
   // weights [3G][128] | staged V [NV][32 key quads][64] | P.V sums [NV][3G][16] int32
   thread_local std::vector<int8_t> qtiles, row, vstage;
   thread_local std::vector<int32_t> sbuf, pv, bias;
   thread_local std::vector<uint8_t> wbuf;
   thread_local std::vector<float> qscale;
-  qtiles.assign(static_cast<size_t>(kv_heads * NQ * TR * 64), 0);  // rows 2G-3G stay zero
+  qtiles.resize(static_cast<size_t>(kv_heads * NQ * QR * 64));
   row.resize(static_cast<size_t>(2 * D));
-  sbuf.resize(static_cast<size_t>(NG * TR * 16));
+  sbuf.resize(static_cast<size_t>(NG * QR * 16));
   wbuf.resize(static_cast<size_t>(TR * kInt8Span));
   vstage.resize(static_cast<size_t>(NV * (kInt8Span / 4) * 64));
   pv.resize(static_cast<size_t>(NV * TR * 16));
@@ -77,7 +77,7 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
       const int64_t r = h * G + g;
       qscale[r] = quantize_query_i8(q + r * D, row.data(), row.data() + D, D, bias.data() + 2 * r);
       for (int64_t c = 0; c < NQ; ++c) {
-        int8_t* a = qtiles.data() + (h * NQ + c) * TR * 64;
+        int8_t* a = qtiles.data() + (h * NQ + c) * QR * 64;
         std::memcpy(a + g * 64, row.data() + 64 * c, 64);
         std::memcpy(a + (G + g) * 64, row.data() + D + 64 * c, 64);
       }
@@ -99,16 +99,16 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
       }
     }
     for (int64_t h = 0; h < kv_heads; ++h) {
-      // scores of each group: 3G rows (hi codes' sums, lo codes', zeros) x 16 keys
+      // scores of each group: 2G rows (hi codes' sums, then lo codes') x 16 keys
       for (int64_t u = 0; u < ng; ++u) {
         groups.prefetch(far[u], h);
         const uint8_t* kp = kcache + base[u] + h * groups.group;
-        int32_t* s = sbuf.data() + u * TR * 16;
+        int32_t* s = sbuf.data() + u * QR * 16;
 #define KVPAGE_INT8_SCORES(tile)                                                  \
   {                                                                               \
     _tile_zero(tile);                                                             \
     for (int64_t c = 0; c < NQ; ++c) {                                            \
-      _tile_loadd(0, qtiles.data() + (h * NQ + c) * TR * 64, 64);                 \
+      _tile_loadd(0, qtiles.data() + (h * NQ + c) * QR * 64, 64);                 \
       _tile_loadd(1, kp + 1024 * c, 64);                                          \
       _tile_dpbsud(tile, 0, 1);                                                   \
     }                                                                             \
@@ -143,7 +143,7 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
             vs[u] = _mm512_setzero_ps();
             continue;
           }
-          const int32_t* su = sbuf.data() + u * TR * 16;
+          const int32_t* su = sbuf.data() + u * QR * 16;
           const __m512i hi = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * g), _mm512_set1_epi32(bias[2 * r]));
           const __m512i lo = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * (G + g)), _mm512_set1_epi32(bias[2 * r + 1]));
           const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo)),
@@ -179,11 +179,10 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
                            _mm512_cvtepi32_epi8(_mm512_and_si512(w, byte)));
         }
       }
-      // P.V: the span's keys 0-63 and 64-127 in one product each per 16 dims (the second half's weights in the
-      // query's tile, free until the next head's scores)
+      // P.V: the span's keys 0-63 and 64-127 in one product each per 16 dims
       _tile_loadd(4, wbuf.data(), kInt8Span);
       const bool two = ng > 4;
-      if (two) _tile_loadd(0, wbuf.data() + 64, kInt8Span);
+      if (two) _tile_loadd(7, wbuf.data() + 64, kInt8Span);
       for (int64_t c = 0; c < NV; ++c) {
         const int8_t* vc = vstage.data() + c * (kInt8Span / 4) * 64;
         int32_t* dst = pv.data() + c * TR * 16;
@@ -194,11 +193,11 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
     _tile_dpbusd(st, 4, 5);                 \
     if (two) {                              \
       _tile_loadd(1, vc + 16 * 64, 64);     \
-      _tile_dpbusd(st, 0, 1);               \
+      _tile_dpbusd(st, 7, 1);               \
     }                                       \
     _tile_stored(st, dst, 64);              \
   }
-        if (c % 2 == 0) KVPAGE_INT8_PV(6) else KVPAGE_INT8_PV(7)
+        KVPAGE_INT8_PV(6)
 #undef KVPAGE_INT8_PV
       }
       for (int64_t g = 0; g < G; ++g) {
