@@ -9,7 +9,8 @@ how well the model predicts from them, and how fast the paged kernel reads them.
   the perplexity, float32 weights throughout, so only the cache differs;
 * speed: one layer's paged decode attention over 64 sequences x 8K tokens of context, median of rounds,
   every cache dtype side by side in each round, the caches allocated as the engine's pool is (2 MiB pages
-  where the OS allows; --small-pages for 4 KiB pages);
+  where the OS allows; --small-pages for 4 KiB pages); where decode over packed int8 pages runs on AMX byte
+  tiles, "int8-vnni" times the same pages on the VNNI loop;
 * split (--split): where int8's disagreement comes from. A float32 cache is written with keys and/or values
   that went through int8 rows and back (the oracle's rounding: row scales, keys rotated), on all layers or on
   some (e.g. only a hybrid model's sliding-window layers), with one scale per 64 values instead of per row,
