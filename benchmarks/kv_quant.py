@@ -300,8 +300,9 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
         del base, rows
     caches["int8-channel"] = channel_pages(ops, seqs, context, tables, kv_heads, dim, bs, gen, huge_pages)
     # where decode over packed int8 pages runs on AMX byte tiles, the same pages through the VNNI loop beside it
-    vnni_ops = kernels(KernelConfig(amx_decode=False))
+    vnni_ops = None
     if "int8" in packed_names and ops.amx_int8_decode_available():
+        vnni_ops = kernels(KernelConfig(amx_decode=False))
         caches["int8-vnni"] = caches["int8"]
     residual = torch.zeros_like(tables)  # contexts of whole blocks: no sequence reads a residual block
     channel_plan = ops.plan_attention(tables, qsl, lens, heads, caches["int8-channel"].shape[0], bs)

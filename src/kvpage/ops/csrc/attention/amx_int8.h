@@ -117,7 +117,7 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
         if (u % 2 == 0) KVPAGE_INT8_SCORES(2) else KVPAGE_INT8_SCORES(3)
 #undef KVPAGE_INT8_SCORES
       }
-      // the span's V staged as 16 key quads per 16 dims (groups past the keys' end keep stale codes: their
+      // the span's V staged as 32 key quads per 16 dims (groups past the keys' end keep stale codes: their
       // weights are 0)
       for (int64_t u = 0; u < ng; ++u) {
         const uint8_t* vp = vcache + base[u] + h * groups.group;
@@ -128,10 +128,10 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
       }
       // softmax of each row over the span; weights x value scales as 24-bit codes against the span's largest
       float corr[8], wscale[8];
-      __m512 kscale[NG], vscale[NG];
-      for (int64_t u = 0; u < ng; ++u) {
-        kscale[u] = load_scales16(kcache + base[u] + h * groups.group + 16 * D);
-        vscale[u] = load_scales16(vcache + base[u] + h * groups.group + 16 * D);
+      __m512 kscale[NG], vscale[NG];  // groups past the keys' end: 0 (their lanes are masked anyway)
+      for (int64_t u = 0; u < NG; ++u) {
+        kscale[u] = u < ng ? load_scales16(kcache + base[u] + h * groups.group + 16 * D) : _mm512_setzero_ps();
+        vscale[u] = u < ng ? load_scales16(vcache + base[u] + h * groups.group + 16 * D) : _mm512_setzero_ps();
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = h * G + g;
@@ -140,7 +140,6 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
         for (int64_t u = 0; u < NG; ++u) {
           if (u >= ng) {
             s[u] = vneg_inf;
-            vs[u] = _mm512_setzero_ps();
             continue;
           }
           const int32_t* su = sbuf.data() + u * QR * 16;
@@ -149,7 +148,6 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
           const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo)),
                                          _mm512_mul_ps(kscale[u], _mm512_set1_ps(qscale[r])));
           s[u] = _mm512_mask_blend_ps(keep[u], vneg_inf, f);
-          vs[u] = vscale[u];
           mx = _mm512_max_ps(mx, s[u]);
         }
         const float new_m = std::max(m[r], _mm512_reduce_max_ps(mx));
@@ -160,7 +158,7 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
         for (int64_t u = 0; u < NG; ++u) {
           const __m512 e = exp16(_mm512_sub_ps(s[u], vm), keep[u]);
           sum = _mm512_add_ps(sum, e);
-          vs[u] = _mm512_maskz_mul_ps(keep[u], e, vs[u]);  // unwritten lanes' scales may be NaN: never used
+          vs[u] = _mm512_maskz_mul_ps(keep[u], e, vscale[u]);  // unwritten lanes' scales may be NaN: never used
           top = _mm512_max_ps(top, vs[u]);
         }
         l[r] = l[r] * corr[g] + _mm512_reduce_add_ps(sum);
@@ -185,20 +183,14 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
       if (two) _tile_loadd(7, wbuf.data() + 64, kInt8Span);
       for (int64_t c = 0; c < NV; ++c) {
         const int8_t* vc = vstage.data() + c * (kInt8Span / 4) * 64;
-        int32_t* dst = pv.data() + c * TR * 16;
-#define KVPAGE_INT8_PV(st)                  \
-  {                                         \
-    _tile_zero(st);                         \
-    _tile_loadd(5, vc, 64);                 \
-    _tile_dpbusd(st, 4, 5);                 \
-    if (two) {                              \
-      _tile_loadd(1, vc + 16 * 64, 64);     \
-      _tile_dpbusd(st, 7, 1);               \
-    }                                       \
-    _tile_stored(st, dst, 64);              \
-  }
-        KVPAGE_INT8_PV(6)
-#undef KVPAGE_INT8_PV
+        _tile_zero(6);
+        _tile_loadd(5, vc, 64);
+        _tile_dpbusd(6, 4, 5);
+        if (two) {
+          _tile_loadd(1, vc + 16 * 64, 64);
+          _tile_dpbusd(6, 7, 1);
+        }
+        _tile_stored(6, pv.data() + c * TR * 16, 64);
       }
       for (int64_t g = 0; g < G; ++g) {
         const __m512 vc = _mm512_set1_ps(corr[g]), vw = _mm512_set1_ps(wscale[g]);

@@ -215,7 +215,7 @@ void attend_tile_int8_packed(const float* q, int64_t nq, int64_t H, int64_t G, c
     qscale[r] = quantize_query_i8(q + r * D, q8.data() + r * 2 * D, q8.data() + r * 2 * D + D, D, qbias.data() + 2 * r);
   reset_partials(acc, m, l, R, D);
   float corr[4], wscale[4];
-  for (int64_t t = k_begin - k_begin % 16; t < k_end; t += 16) {
+  for (int64_t t = group_start(k_begin); t < k_end; t += 16) {
     const int64_t n = std::min<int64_t>(16, k_end - t);
     const int64_t lane0 = std::max<int64_t>(0, k_begin - t);  // keys before the task's range
     const int64_t base = groups.at(table, t), far = groups.ahead(t, k_end);
@@ -228,7 +228,7 @@ void attend_tile_int8_packed(const float* q, int64_t nq, int64_t H, int64_t G, c
         const int64_t visible = std::clamp<int64_t>(pos0 + j + 1 - t, 0, n);  // later keys are masked
         const int64_t first = std::max(lane0, window_first(window, pos0 + j, t, n));  // and those before its window
         if (visible <= first) continue;
-        const __mmask16 keep = static_cast<__mmask16>(((1u << visible) - 1u) & ~((1u << first) - 1u));
+        const __mmask16 keep = lane_range(first, visible);
         const int64_t r0 = j * H + h * G;
 #define KVPAGE_INT8_BATCH(sb)                                                                             \
   {                                                                                                        \
