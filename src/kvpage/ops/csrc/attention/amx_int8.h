@@ -15,7 +15,7 @@
 // of 128 keys (eight groups) instead of one group. Between the products everything crosses through memory
 // (tile stores, vector loads and back), and each crossing waits for the store before it, so the fewer steps
 // the better: at 64 sequences x 8K keys, one group per step took 1.07x the bf16 time, 64-key spans 0.62x,
-// 128-key spans 0.59-0.64x (the spread is mostly the bf16 pages' own, 16.9-18.7 ms). Weights scaled to a whole span's largest need more than the loop's 16 bits: with
+// 128-key spans 0.59-0.66x (the spread is mostly the bf16 pages' own, 16.4-18.7 ms). Weights scaled to a whole span's largest need more than the loop's 16 bits: with
 // 16 the median error over 4K keys with an attention sink was 3.7e-5 against the loop's 2.7e-5, with 24 bits
 // (three bytes) 2.4e-5 (the int8 pages' time stayed 10.8-11.5 ms in either form). Per span the int32 sums are folded into the float32 output rows (a
 // span's weights carry their own scale). Needs 3G <= 16 and D % 64 == 0; tiles configured by
