@@ -15,10 +15,11 @@
 // of 128 keys (eight groups) instead of one group. Between the products everything crosses through memory
 // (tile stores, vector loads and back), and each crossing waits for the store before it, so the fewer steps
 // the better: at 64 sequences x 8K keys, one group per step took 1.07x the bf16 time, 64-key spans 0.62x,
-// 128-key spans 0.59-0.66x (the spread is mostly the bf16 pages' own, 16.4-18.7 ms). Weights scaled to a whole span's largest need more than the loop's 16 bits: with
-// 16 the median error over 4K keys with an attention sink was 3.7e-5 against the loop's 2.7e-5, with 24 bits
-// (three bytes) 2.4e-5 (the int8 pages' time stayed 10.8-11.5 ms in either form). Per span the int32 sums are folded into the float32 output rows (a
-// span's weights carry their own scale). Needs 3G <= 16 and D % 64 == 0; tiles configured by
+// 128-key spans 0.59-0.66x (the spread is mostly the bf16 pages' own, 16.4-18.7 ms). Weights scaled to a
+// whole span's largest need more than the loop's 16 bits: with 16 the median error over 4K keys with an
+// attention sink was 3.7e-5 against the loop's 2.7e-5, with 24 bits (three bytes) 2.4e-5 (the int8 pages'
+// time stayed 10.7-11.5 ms in either form). Per span the int32 sums are folded into the float32 output rows
+// (a span's weights carry their own scale). Needs 3G <= 16 and D % 64 == 0; tiles configured by
 // amx_configure_int8(G).
 #pragma once
 
@@ -135,6 +136,7 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = h * G + g;
+        const __m512i bias_hi = _mm512_set1_epi32(bias[2 * r]), bias_lo = _mm512_set1_epi32(bias[2 * r + 1]);
         __m512 s[NG], vs[NG];
         __m512 mx = vneg_inf;
         for (int64_t u = 0; u < NG; ++u) {
@@ -143,8 +145,8 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
             continue;
           }
           const int32_t* su = sbuf.data() + u * QR * 16;
-          const __m512i hi = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * g), _mm512_set1_epi32(bias[2 * r]));
-          const __m512i lo = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * (G + g)), _mm512_set1_epi32(bias[2 * r + 1]));
+          const __m512i hi = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * g), bias_hi);
+          const __m512i lo = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * (G + g)), bias_lo);
           const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo)),
                                          _mm512_mul_ps(kscale[u], _mm512_set1_ps(qscale[r])));
           s[u] = _mm512_mask_blend_ps(keep[u], vneg_inf, f);
