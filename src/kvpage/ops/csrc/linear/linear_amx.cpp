@@ -34,15 +34,6 @@ namespace kvpage::amx {
 // Tiles (all full, amx_configure_full): 0-3 = output [2 row tiles][2 column tiles] (16 x 16 float32), 4/5 =
 // activation rows (16 x 32 bf16), 6/7 = weight (16 k pairs x 16 columns x 2).
 
-// The first `valid` rows of a 16 x 16 float32 tile (staged in buf) plus bias, rounded to bf16 into y.
-inline void store_rows_bf16(const float* buf, at::BFloat16* y, int64_t ldy, int64_t valid, const float* bias) {
-  const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < valid; ++r) {
-    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(buf + 16 * r), b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(v));
-  }
-}
-
 // float32 lanes rounded to bf16 and back (round to nearest even).
 inline __m512 bf16_round(__m512 v) {
   const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
@@ -50,10 +41,12 @@ inline __m512 bf16_round(__m512 v) {
 }
 
 // One 32-column block (weights wb) times row tiles a0 (and a1 when TWO) over K = 32 * KB; lines of the next
-// block are requested into L2, `per_kb` of them per k step, starting at pf[*pf_line].
-template <bool TWO>
+// block are requested into L2, `per_kb` of them per k step, starting at pf[*pf_line]. After each k step
+// `drain(kb)` writes out part of the previous block's outputs (vector work that the tile unit's products hide).
+template <bool TWO, class Drain>
 inline void block_product(const at::BFloat16* a0, const at::BFloat16* a1, int64_t lda, const at::BFloat16* wb,
-                          int64_t KB, const char* pf, int64_t pf_lines, int64_t per_kb, int64_t* pf_line) {
+                          int64_t KB, const char* pf, int64_t pf_lines, int64_t per_kb, int64_t* pf_line,
+                          const Drain& drain) {
   _tile_zero(0);
   _tile_zero(1);
   if (TWO) {
@@ -75,9 +68,19 @@ inline void block_product(const at::BFloat16* a0, const at::BFloat16* a1, int64_
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    drain(kb);
   }
   *pf_line = line;
 }
+
+// A finished block's accumulators (tiles 0-3 stored as [4][16 rows][16] float32: row tile t in 0/1, t + 1 in
+// 2/3) whose rows are written out while the next block's products run: writing them right after the
+// products left the tile unit idle for the stores and conversions (~25% of a 256-row product at K = 640).
+struct Pending {
+  const float* buf = nullptr;
+  int64_t t = 0, nb = 0;
+  int rows = 0, done = 0;  // its valid output rows (row tile t's 16, then t + 1's), and how many are written
+};
 #endif
 
 bool amx_linear_available() {
@@ -150,37 +153,51 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   kvpage::ChunkClaims claims(tasks, NB / (8 * at::get_num_threads()));
   kvpage::on_claiming_threads(claims, [&](kvpage::ChunkClaims& queue) {
     kvpage::amx_configure_full();
-    alignas(64) float buf[512];
-    // accumulator tile `tile` copied to dst (16 x 16 float32)
-    auto stage_tile = [&](int tile, float* dst) {
-      switch (tile) {  // the tile number must be a constant
-        case 0: _tile_stored(0, dst, 64); break;
-        case 1: _tile_stored(1, dst, 64); break;
-        case 2: _tile_stored(2, dst, 64); break;
-        default: _tile_stored(3, dst, 64); break;
-      }
-    };
-    // Row tile t's outputs of block nb from accumulator tiles `first` and first + 1: two 16-column halves,
-    // or with silu_gate one 16-column block silu(gate) * up, each rounded to bf16 first as the separate
-    // projection and silu_mul would.
-    auto store = [&](int first, int64_t t, int64_t nb) {
-      const int64_t valid = std::min<int64_t>(16, M - 16 * t);
-      stage_tile(first, buf);
-      stage_tile(first + 1, buf + 256);
+    alignas(64) float bufs[2][1024];  // the pending block's accumulators and the one being stored
+    int cur = 0;
+    Pending pend;
+    // Output row `u` of the pending block (u < 16: row tile t from tiles 0/1, else t + 1 from tiles 2/3): two
+    // 16-column halves plus bias, or with silu_gate one 16-column block silu(gate) * up, each rounded to bf16
+    // first as the separate projection and silu_mul would.
+    auto write_row = [&](int u) {
+      const int pair = u / 16, r = u % 16;
+      const float* g = pend.buf + pair * 512 + r * 16;
+      const int64_t row = 16 * (pend.t + pair) + r;
       if (silu_gate) {
-        at::BFloat16* yr = yp + 16 * t * out_cols + nb * 16;
-        for (int64_t r = 0; r < valid; ++r) {
-          const __m512 g = bf16_round(_mm512_loadu_ps(buf + 16 * r));
-          const __m512 u = bf16_round(_mm512_loadu_ps(buf + 256 + 16 * r));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + r * out_cols),
-                              (__m256i)_mm512_cvtneps_pbh(kvpage::silu_mul16(g, u, 0xFFFF)));
-        }
+        const __m512 gv = bf16_round(_mm512_load_ps(g)), uv = bf16_round(_mm512_load_ps(g + 256));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + row * out_cols + pend.nb * 16),
+                            (__m256i)_mm512_cvtneps_pbh(kvpage::silu_mul16(gv, uv, 0xFFFF)));
         return;
       }
-      const float* bb = bp != nullptr ? bp + nb * 32 : nullptr;
-      at::BFloat16* yb = yp + 16 * t * N + nb * 32;
-      store_rows_bf16(buf, yb, N, valid, bb);
-      store_rows_bf16(buf + 256, yb + 16, N, valid, bb != nullptr ? bb + 16 : nullptr);
+      __m512 lo = _mm512_load_ps(g), hi = _mm512_load_ps(g + 256);
+      if (bp != nullptr) {
+        lo = _mm512_add_ps(lo, _mm512_loadu_ps(bp + pend.nb * 32));
+        hi = _mm512_add_ps(hi, _mm512_loadu_ps(bp + pend.nb * 32 + 16));
+      }
+      at::BFloat16* yr = yp + row * N + pend.nb * 32;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr), (__m256i)_mm512_cvtneps_pbh(lo));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+    };
+    auto drain_to = [&](int upto) {
+      for (; pend.done < upto; ++pend.done) write_row(pend.done);
+    };
+    // Stores the accumulators of the block just multiplied (row tiles t, and t + 1 when two) and makes them
+    // the pending block, after writing out what is left of the previous one.
+    auto retire = [&](int64_t t, int64_t nb, bool two) {
+      drain_to(pend.rows);
+      float* b = bufs[cur];
+      cur ^= 1;
+      _tile_stored(0, b, 64);
+      _tile_stored(1, b + 256, 64);
+      if (two) {
+        _tile_stored(2, b + 512, 64);
+        _tile_stored(3, b + 768, 64);
+      }
+      pend.buf = b;
+      pend.t = t;
+      pend.nb = nb;
+      pend.rows = static_cast<int>(std::min<int64_t>(two ? 32 : 16, M - 16 * t));
+      pend.done = 0;
     };
     int64_t first = 0, last = 0;
     while (queue.next(first, last)) {
@@ -192,17 +209,19 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
         const int64_t pf_lines = task + 1 < last && nb + 1 < NB ? block_lines : 0;
         int64_t pf_line = 0;
         for (int64_t t = t0; t < t1; t += 2) {
+          const int total = pend.rows;
+          auto drain = [&](int64_t kb) { drain_to(static_cast<int>((kb + 1) * total / KB)); };
           if (t + 1 < t1) {
-            block_product<true>(row_tile(t), row_tile(t + 1), lda, wb, KB, pf, pf_lines, per_kb, &pf_line);
-            store(0, t, nb);
-            store(2, t + 1, nb);
+            block_product<true>(row_tile(t), row_tile(t + 1), lda, wb, KB, pf, pf_lines, per_kb, &pf_line, drain);
+            retire(t, nb, true);
           } else {
-            block_product<false>(row_tile(t), nullptr, lda, wb, KB, pf, pf_lines, per_kb, &pf_line);
-            store(0, t, nb);
+            block_product<false>(row_tile(t), nullptr, lda, wb, KB, pf, pf_lines, per_kb, &pf_line, drain);
+            retire(t, nb, false);
           }
         }
       }
     }
+    drain_to(pend.rows);
     _tile_release();
   });
 #endif
