@@ -32,7 +32,7 @@ import torch
 
 from _common import alternating_medians
 from kvpage.model.loader import load_model
-from kvpage.ops import load_kernels
+from kvpage.ops import ACT_NONE, ACT_SILU, load_kernels
 
 
 def dense_weights(model) -> list[torch.Tensor]:
@@ -112,7 +112,7 @@ def main() -> None:
                     elif args.i8:
                         ops.i8_linear(inputs[w.shape[1]], *p, None)
                     else:
-                        ops.amx_linear(inputs[w.shape[1]], p, None, f)
+                        ops.amx_linear(inputs[w.shape[1]], p, None, ACT_SILU if f else ACT_NONE)
                 return time.perf_counter() - t
 
             a, b = alternating_medians(pass_onednn, pass_kvpage, args.rounds)
@@ -150,14 +150,14 @@ def cold_vs_hot(ops, layers, gated, rows: list[int], rounds: int) -> None:
         def cold(m=m, inputs=inputs) -> float:
             t = time.perf_counter()
             for w, f, p in zip(layers, gated, packed, strict=True):
-                ops.amx_linear(inputs[w.shape[1]], p, None, f)
+                ops.amx_linear(inputs[w.shape[1]], p, None, ACT_SILU if f else ACT_NONE)
             return time.perf_counter() - t
 
         def hot(m=m, inputs=inputs) -> float:
             t = time.perf_counter()
             for w, f, p in zip(layers[:4], gated[:4], packed[:4], strict=True):
                 for _ in range(len(layers) // 4):
-                    ops.amx_linear(inputs[w.shape[1]], p, None, f)
+                    ops.amx_linear(inputs[w.shape[1]], p, None, ACT_SILU if f else ACT_NONE)
             return time.perf_counter() - t
 
         c, h = alternating_medians(cold, hot, rounds)

@@ -10,7 +10,7 @@ import torch
 
 from kvpage.envs import KernelConfig
 from kvpage.model.layers.linear import PackedLinear
-from kvpage.ops import kernels
+from kvpage.ops import ACT_GELU_TANH, ACT_SILU, kernels
 from tests.helpers.kernels import amx_ops
 
 
@@ -39,14 +39,18 @@ def test_matches_float32_product(rows, n, k):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 19, 45, 300])
-def test_silu_gate_epilogue_matches_projection_then_silu_mul(rows):
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_epilogue_matches_projection_then_act_mul(rows, act):
     ops = _ops()
-    x, w = _rand(rows, 576, seed=rows), _rand(2 * 48, 576, seed=9) * 3  # large values: both SiLU tails
-    fused = ops.amx_linear(x, ops.amx_pack_gate_up(w), None, True)
+    x, w = _rand(rows, 576, seed=rows), _rand(2 * 48, 576, seed=9) * 3  # large values: both tails
+    code, separate = (ACT_SILU, ops.silu_mul) if act == "silu" else (ACT_GELU_TANH, ops.gelu_mul)
+    fused = ops.amx_linear(x, ops.amx_pack_gate_up(w), None, code)
     assert fused.shape == (rows, 48)
-    assert torch.equal(fused, ops.silu_mul(ops.amx_linear(x, ops.amx_pack_weight(w))))
+    assert torch.equal(fused, separate(ops.amx_linear(x, ops.amx_pack_weight(w))))
     with pytest.raises(RuntimeError, match="no bias"):
-        ops.amx_linear(x, ops.amx_pack_gate_up(w), torch.zeros(96), True)
+        ops.amx_linear(x, ops.amx_pack_gate_up(w), torch.zeros(96), code)
+    with pytest.raises(RuntimeError, match="act must be"):
+        ops.amx_linear(x, ops.amx_pack_gate_up(w), None, 3)
 
 
 def test_rows_do_not_depend_on_the_batch():
@@ -114,4 +118,11 @@ def test_packed_linear_routes_by_rows():
         y = gated(x[:rows])
         g, u = ref[:rows, :48].bfloat16().float(), ref[:rows, 48:].bfloat16().float()
         assert torch.allclose(y.float(), (g * torch.sigmoid(g) * u), rtol=0.02, atol=0.02)
+    gelu = PackedLinear(w, None, ops=ops, amx_max_rows=40, gated=True, activation="gelu_tanh")
+    for rows in (3, 40, 41):  # AMX's epilogue up to 40 rows, oneDNN + gelu_mul above
+        y = gelu(x[:rows])
+        g, u = ref[:rows, :48].bfloat16().float(), ref[:rows, 48:].bfloat16().float()
+        assert torch.allclose(y.float(), torch.nn.functional.gelu(g, approximate="tanh") * u, rtol=0.02, atol=0.02)
+    with pytest.raises(ValueError, match="activation"):
+        PackedLinear(w, None, ops=ops, gated=True, activation="relu")
     assert PackedLinear(w, None, ops=kernels(KernelConfig(amx_linear=False))).amx is None

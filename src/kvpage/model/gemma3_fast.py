@@ -55,7 +55,8 @@ class Gemma3FastPath:
                                  blocks(f"{at}.q_proj.weight", f"{at}.k_proj.weight", f"{at}.v_proj.weight"), ops=ops)
             p.o = PackedLinear(a.o_proj.weight, None, blocks(f"{at}.o_proj.weight"), ops=ops)
             p.gate_up = PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None,
-                                     blocks(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), ops=ops)
+                                     blocks(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), ops=ops,
+                                     gated=True, activation="gelu_tanh")
             p.down = PackedLinear(m.down_proj.weight, None, blocks(f"{mlp}.down_proj.weight"), ops=ops)
             p.q_norm, p.k_norm = _one_plus(a.q_norm.weight), _one_plus(a.k_norm.weight)
             p.post_attn = _one_plus(layer.post_attention_layernorm.weight)
@@ -93,7 +94,7 @@ class Gemma3FastPath:
             a = p.o(p.attend(q, k, v, kv_cache, meta, p.scale).reshape(t, p.q_end))
             # residual += post-norm(attn); the MLP's input norm
             h = ops.norm_add_norm(a, residual, p.post_attn, p.pre_ff, p.eps, dtype)
-            mid = ops.gelu_mul(p.gate_up(h))
+            mid = p.gate_up(h)  # gelu_tanh(gate) * up
             # residual += post-norm(mlp); the next layer's input norm (the last: the final norm, kept float32)
             h = ops.norm_add_norm(p.down(mid), residual, p.post_ff, self.in_norms[i + 1], p.eps,
                                   dtype if i + 1 < len(self.layers) else torch.float32)

@@ -17,6 +17,8 @@ from kvpage.envs import KernelConfig, kernel_config
 from kvpage.ops.build import load_kernels
 
 Tensor = torch.Tensor
+# amx_linear's act (ops.h): the plain product, or act(gate) * up from a [gate; up] weight in the epilogue
+ACT_NONE, ACT_SILU, ACT_GELU_TANH = 0, 1, 2
 PARTITION_SIZE = 512  # keys per context partition: long contexts split into this many keys per task
 
 
@@ -147,9 +149,10 @@ class Kernels:
     def amx_pack_gate_up(self, w: Tensor) -> Tensor:
         return self._c.amx_pack_gate_up(w)
 
-    def amx_linear(self, x: Tensor, packed: Tensor, bias: Tensor | None, silu_gate: bool) -> Tensor:
-        """x . W^T (+ bias) with AMX tile products; silu_gate: the gated MLP half in the epilogue."""
-        return self._c.amx_linear(x, packed, bias, silu_gate)
+    def amx_linear(self, x: Tensor, packed: Tensor, bias: Tensor | None = None, act: int = ACT_NONE) -> Tensor:
+        """x . W^T (+ bias) with AMX tile products; act (ACT_SILU, ACT_GELU_TANH) on a [gate; up] weight packed by
+        amx_pack_gate_up: act(gate) * up in the epilogue, the gated MLP's half."""
+        return self._c.amx_linear(x, packed, bias, act)
 
     def i8_pack_weight(self, qs: Tensor, d: Tensor, m: Tensor | None, gated: bool) -> tuple[Tensor, Tensor]:
         """Q4 / Q8 blocks as i8_linear's 16-column panels: (unsigned byte codes, per-block scales and offsets)."""

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from kvpage.model.quant import QuantWeight
-from kvpage.ops import Kernels
+from kvpage.ops import ACT_GELU_TANH, ACT_NONE, ACT_SILU, Kernels
+
+ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
 
 
 class PackedLinear(nn.Module):
@@ -29,13 +31,19 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
                  ops: Kernels | None = None, amx_max_rows: int | None = None, gated: bool = False,
-                 split_rows: int | None = None) -> None:
+                 split_rows: int | None = None, activation: str = "silu") -> None:
         super().__init__()
-        # gated: weight = [gate; up] and the layer returns silu(x Wg^T) * (x Wu^T), the MLP's input half; the
-        # AMX path computes it in its epilogue instead of writing both halves out for silu_mul to read back.
+        # gated: weight = [gate; up] and the layer returns act(x Wg^T) * (x Wu^T), the MLP's input half, with act
+        # `activation` (SiLU: Llama-family MLPs; GELU-tanh: Gemma's); the AMX path computes it in its epilogue
+        # instead of writing both halves out for silu_mul / gelu_mul to read back, and so do the quantized and
+        # int8 kernels for SiLU.
         self.gated = gated
         if gated and ops is None:
-            raise ValueError("a gated PackedLinear needs the compiled kernels (silu_mul)")
+            raise ValueError("a gated PackedLinear needs the compiled kernels (silu_mul, gelu_mul)")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.act = ACTIVATIONS[activation] if gated else ACT_NONE
+        self.fused_silu = gated and self.act == ACT_SILU  # the quantized and int8 kernels' gated epilogue
         self.out_features = weight.shape[0] // 2 if gated else weight.shape[0]
         self.bias = bias
         # The checkpoint's own quantized blocks: steps of at most config.quant_max_tokens tokens multiply Q4 / Q8
@@ -60,7 +68,7 @@ class PackedLinear(nn.Module):
         self.i8: tuple[torch.Tensor, torch.Tensor] | None = None
         if (self.amx is None and quant is not None and ops is not None and ops.i8_gemm_ok
                 and weight.dtype == torch.bfloat16 and quant.shape == (n, k) and not (gated and n % 32)):
-            self.i8 = ops.i8_pack_weight(quant.qs, quant.d, quant.m, gated)
+            self.i8 = ops.i8_pack_weight(quant.qs, quant.d, quant.m, self.fused_silu)
         # float32 weights on AVX2 builds: kvpage's panel GEMM (ops/csrc/linear/gemm_f32.cpp; 1.1-1.65x oneDNN's packed
         # product on a pass of this model's layers at 1-2048 rows: benchmarks/linear.py --dtype float32),
         # oneDNN's packing otherwise.
@@ -97,20 +105,26 @@ class PackedLinear(nn.Module):
         if self._on_amx(rows):
             if self.amx_split is not None:
                 return torch.cat([part for _, part in self.forward_parts(x)], dim=1)
-            return self.ops.amx_linear(x, self.amx, self.amx_bias, self.gated)
+            return self.ops.amx_linear(x, self.amx, self.amx_bias, self.act)
         if q is not None and rows <= self.quant_max_tokens:
-            if self.bias is None:  # the gated activation in the kernel's epilogue
+            if self.bias is None and (self.fused_silu or not self.gated):  # SiLU in the kernel's epilogue
                 return self.ops.quant_linear(x, q.qs, q.d, q.m, False, self.gated)
-            out = self.ops.quant_linear(x, q.qs, q.d, q.m, False) + self.bias.to(x.dtype)
-        elif self.i8 is not None:  # the gated activation in the kernel's epilogue
-            return self.ops.i8_linear(x, self.i8[0], self.i8[1], self.n, self.gated, self.bias)
+            out = self.ops.quant_linear(x, q.qs, q.d, q.m, False)
+            if self.bias is not None:
+                out = out + self.bias.to(x.dtype)
+        elif self.i8 is not None:  # SiLU in the kernel's epilogue
+            out = self.ops.i8_linear(x, self.i8[0], self.i8[1], self.n, self.fused_silu, self.bias)
+            if self.fused_silu or not self.gated:
+                return out
         elif self.f32 is not None:
             out = self.ops.f32_linear(x, self.f32, self.n, self.bias)
         elif self.packed_parts:
             return torch.cat([part for _, part in self.forward_parts(x)], dim=1)
         else:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return self.ops.silu_mul(out) if self.gated else out
+        if not self.gated:
+            return out
+        return self.ops.silu_mul(out) if self.act == ACT_SILU else self.ops.gelu_mul(out)
 
     def splits(self, rows: int) -> bool:
         """Whether a call with this many rows runs slice by slice (forward_parts): the AMX tile GEMM's or
@@ -128,7 +142,7 @@ class PackedLinear(nn.Module):
             return
         if self._on_amx(x.shape[0]):
             for start in range(0, self.n, self.amx_split):
-                yield start, self.ops.amx_linear(x, self.amx[start : start + self.amx_split], None, False)
+                yield start, self.ops.amx_linear(x, self.amx[start : start + self.amx_split])
             return
         for start, p in self.packed_parts:
             yield start, torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")

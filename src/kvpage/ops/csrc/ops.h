@@ -85,11 +85,13 @@ torch::Tensor quant_panel_linear(torch::Tensor x, const torch::Tensor& codes, co
                                  const c10::optional<torch::Tensor>& m, const c10::optional<torch::Tensor>& bias,
                                  bool gated);
 namespace kvpage::amx {
+// amx_linear's act: the plain product, or [gate; up] (amx_pack_gate_up) with the gated MLP half in the epilogue
+constexpr int64_t kActNone = 0, kActSilu = 1, kActGeluTanh = 2;
 bool amx_linear_available();
 torch::Tensor amx_pack_weight(const torch::Tensor& w);
 torch::Tensor amx_pack_gate_up(const torch::Tensor& w);
 torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp, const c10::optional<torch::Tensor>& bias_in,
-                         bool silu_gate);
+                         int64_t act);
 }  // namespace kvpage::amx
 namespace kvpage::gemm {
 bool f32_gemm_available();

@@ -11,8 +11,8 @@
 //   - the next block's lines are requested into L2 spread over the current block's products, so the memory
 //     stream overlaps the tile work instead of stalling the first tile load of every block.
 // For the MLP's [gate; up] projection the weight is packed so that each 32-column block holds 16 gate columns
-// and the same 16 up columns; the epilogue then writes silu(gate) * up directly (silu_gate), and the two
-// [rows, inter] halves are never written out and read back.
+// and the same 16 up columns; the epilogue then writes act(gate) * up directly (act: SiLU for Llama-family MLPs,
+// GELU-tanh for Gemma's), and the two [rows, inter] halves are never written out and read back.
 // Activations are read in place (tile stride = the row pitch); a last partial row tile is staged zero-padded.
 // Every output element is one float32 sum over K in a fixed order whatever the number of rows (the result of a
 // row does not depend on the batch it came in), rounded once to bf16.
@@ -101,7 +101,7 @@ torch::Tensor amx_pack_weight(const torch::Tensor& w) {
 }
 
 // w = [gate; up] ([2 * inter, K] bf16, inter % 16 == 0) -> packed so that every 32-column block holds 16
-// gate columns and the same 16 up columns: amx_linear(..., silu_gate=True) then returns silu(gate) * up.
+// gate columns and the same 16 up columns: amx_linear(..., act) then returns act(gate) * up.
 torch::Tensor amx_pack_gate_up(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) % 32 == 0, "gate_up weight must be [2 * inter, K] with inter % 16 == 0");
   const int64_t N = w.size(0), K = w.size(1);
@@ -109,7 +109,7 @@ torch::Tensor amx_pack_gate_up(const torch::Tensor& w) {
 }
 
 torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
-                         const c10::optional<torch::Tensor>& bias_in, bool silu_gate) {
+                         const c10::optional<torch::Tensor>& bias_in, int64_t act) {
   TORCH_CHECK(amx_linear_available(), "AMX tile products are not available on this CPU/OS");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be a 2-D bfloat16 tensor");
   TORCH_CHECK(wp.dim() == 2 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous(),
@@ -117,9 +117,12 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   const int64_t M = x_in.size(0), K = x_in.size(1), N = wp.size(0);
   TORCH_CHECK(wp.size(1) == K, "x has ", K, " columns, the weight ", wp.size(1));
   TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "weight sides must be multiples of 32, got ", N, " x ", K);
+  TORCH_CHECK(act == kActNone || act == kActSilu || act == kActGeluTanh, "act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh), got ",
+              act);
+  const bool gated = act != kActNone;
   const bool has_bias = bias_in.has_value() && bias_in->defined();
-  TORCH_CHECK(!(silu_gate && has_bias), "silu_gate takes no bias");
-  const int64_t out_cols = silu_gate ? N / 2 : N;
+  TORCH_CHECK(!(gated && has_bias), "a gated product (act) takes no bias");
+  const int64_t out_cols = gated ? N / 2 : N;
   auto y = at::empty({M, out_cols}, x_in.options());
   if (M == 0) return y;
 #if KVPAGE_ISA_AMX
@@ -157,16 +160,20 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
     int cur = 0;
     Pending pend;
     // Output row `u` of the pending block (u < 16: row tile t from tiles 0/1, else t + 1 from tiles 2/3): two
-    // 16-column halves plus bias, or with silu_gate one 16-column block silu(gate) * up, each rounded to bf16
-    // first as the separate projection and silu_mul would.
+    // 16-column halves plus bias, or gated one 16-column block act(gate) * up, each rounded to bf16 first as the
+    // separate projection and silu_mul / gelu_mul would (and stored as they round).
     auto write_row = [&](int u) {
       const int pair = u / 16, r = u % 16;
       const float* g = pend.buf + pair * 512 + r * 16;
       const int64_t row = 16 * (pend.t + pair) + r;
-      if (silu_gate) {
+      if (gated) {
         const __m512 gv = bf16_round(_mm512_load_ps(g)), uv = bf16_round(_mm512_load_ps(g + 256));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + row * out_cols + pend.nb * 16),
-                            (__m256i)_mm512_cvtneps_pbh(kvpage::silu_mul16(gv, uv, 0xFFFF)));
+        at::BFloat16* yr = yp + row * out_cols + pend.nb * 16;
+        if (act == kActSilu)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr),
+                              (__m256i)_mm512_cvtneps_pbh(kvpage::silu_mul16(gv, uv, 0xFFFF)));
+        else
+          kvpage::store16(yr, kvpage::gelu_mul16(gv, uv, 0xFFFF), 0xFFFF);
         return;
       }
       __m512 lo = _mm512_load_ps(g), hi = _mm512_load_ps(g + 256);
