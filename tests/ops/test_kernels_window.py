@@ -120,3 +120,46 @@ def test_packed_sliding_window_matches_the_reference(dim, block_size, heads, kv_
                                                     else "amx-pairs" if dim == 64 else "amx-packed")
                 assert not out.float().isnan().any(), "a block outside the window was read"
                 torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dim", [64, 256])
+@pytest.mark.parametrize("window", [7, 33, 100])
+def test_backend_sends_long_window_chunks_to_the_amx_prompt_kernel(dim, window):
+    """Under a window the CPU backend sends chunks of >= 16 rows (after cached keys or fresh) to the AMX prompt
+    kernel with the window, decodes and short chunks to the paged kernel: the step equals the reference, and
+    none of the poisoned blocks before each sequence's first window is read."""
+    from kvpage.attention.backends.cpu import CpuPagedAttention
+    from kvpage.envs import KernelConfig
+    from kvpage.ops import kernels
+
+    backend = CpuPagedAttention(kernels(KernelConfig(batch_invariant="0")))
+    if not (backend.prefill_cached and backend.packed_ok):
+        pytest.skip("no AMX prompt kernel reading the packed cache on this CPU")
+    heads, kv_heads, bs = 4, 1, 16
+    # runner order: decodes and short chunks, long chunks after cached keys, whole fresh prompts
+    q_lens, seq_lens = [1, 1, 5, 40, 20, 70, 200], [50, 700, 90, 140, 620, 70, 200]
+    blocks = [-(-c // bs) for c in seq_lens]
+    num_blocks = sum(blocks) + 1
+    g = torch.Generator().manual_seed(dim + window)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=g).bfloat16()
+    tables = torch.zeros(len(q_lens), max(blocks), dtype=torch.long)
+    at = 1
+    for i, n in enumerate(blocks):
+        first_needed = max(0, seq_lens[i] - q_lens[i] - window + 1) // bs
+        for b in range(n):
+            if b < first_needed:  # a placeholder naming a poisoned block
+                cache[:, at] = float("nan")
+            tables[i, b] = at
+            at += 1
+    meta = step_metadata(tables, q_lens, seq_lens, bs, window)
+    q = torch.randn(sum(q_lens), heads, dim, generator=g).bfloat16()
+    k = torch.randn(sum(q_lens), kv_heads, dim, generator=g).bfloat16()
+    v = torch.randn(sum(q_lens), kv_heads, dim, generator=g).bfloat16()
+    ref, _ = reference(q, k, v, cache, meta, dim**-0.5)
+    packed = pack_kv_rows(cache)
+    step = backend.metadata_builder(packed, torch.bfloat16, heads, window).build(meta)
+    assert step.prompts_read_cache and step.window == window
+    assert step.paged_seqs == 3 and step.cached_prefills == ((7, 40), (47, 20)) and len(step.fresh_prefills) == 2
+    out = backend.forward(q, k, v, packed, step, dim**-0.5)
+    assert not out.float().isnan().any(), "a block before the window was read"
+    torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)

@@ -1,7 +1,8 @@
-"""Causal attention of whole fresh prompts with AMX tiles (csrc/attention/prefill_amx.cpp): matches a float32 reference
-for ragged prompt lengths (partial 16-row and 32-key blocks), GQA ratios and prompts packed at any offset of a
-step's batch read through strided views of one qkv tensor; leaves rows outside the prompts alone; refuses what
-it cannot take."""
+"""Causal attention of prompts with AMX tiles (csrc/attention/prefill_amx.cpp): matches a float32 reference
+for ragged prompt lengths (partial 16-row and 32-key blocks), GQA ratios, head sizes 64 / 128 / 256, sliding
+windows (reading none of the blocks before a chunk's first window) and prompts packed at any offset of a step's
+batch read through strided views of one qkv tensor; leaves rows outside the prompts alone; refuses what it
+cannot take."""
 
 from __future__ import annotations
 
@@ -16,24 +17,25 @@ def _ops():
     return amx_ops("prefill_amx_available")
 
 
-def _batch(heads, kv_heads, lengths, seed, gap=3):
+def _batch(heads, kv_heads, lengths, seed, gap=3, dim=64):
     g = torch.Generator().manual_seed(seed)
     starts, pos = [], gap
     for n in lengths:
         starts.append(pos)
         pos += n + gap
-    qkv = (torch.randn(pos, (heads + 2 * kv_heads) * 64, generator=g) * 2).bfloat16()
-    q = qkv[:, : heads * 64].view(pos, heads, 64)
-    k = qkv[:, heads * 64 : (heads + kv_heads) * 64].view(pos, kv_heads, 64)
-    v = qkv[:, (heads + kv_heads) * 64 :].view(pos, kv_heads, 64)
+    qkv = (torch.randn(pos, (heads + 2 * kv_heads) * dim, generator=g) * 2).bfloat16()
+    q = qkv[:, : heads * dim].view(pos, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(pos, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(pos, kv_heads, dim)
     return q, k, v, starts
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 2), (6, 1)])
-def test_matches_float32_causal_attention(heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 64), (8, 2, 64), (6, 1, 64), (4, 1, 256),
+                                                (4, 2, 128)])
+def test_matches_float32_causal_attention(heads, kv_heads, dim):
     ops = _ops()
     lengths = [1, 15, 16, 17, 31, 33, 100, 257]
-    q, k, v, starts = _batch(heads, kv_heads, lengths, seed=heads * 10 + kv_heads)
+    q, k, v, starts = _batch(heads, kv_heads, lengths, seed=heads * 10 + kv_heads, dim=dim)
     out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
     ops.prefill_attention(q, k, v, out, starts, lengths, 0.125)
     covered = torch.zeros(q.shape[0], dtype=torch.bool)
@@ -71,10 +73,11 @@ def test_refuses_bad_input():
         ops.prefill_attention(q.float(), k, v, out, starts, [20], 0.125)
 
 
-def _paged_case(heads, kv_heads, chunks, seed, block_size=16, block_major=True):
+def _paged_case(heads, kv_heads, chunks, seed, block_size=16, block_major=True, dim=64, window=0):
     """A packed bf16 cache holding, per sequence, `cached + n` keys in randomly placed blocks, every other slot
     NaN; queries for its last n positions at scattered rows of one step's batch. Block-major storage as the
-    engine allocates it, or a plain contiguous tensor."""
+    engine allocates it, or a plain contiguous tensor. With a window, the table entries of blocks wholly before
+    the first query's window name a spare all-NaN block instead (a freed block may hold anything)."""
     from kvpage.ops import pack_kv_rows
     from kvpage.worker.kv_cache import as_block_major
 
@@ -82,24 +85,27 @@ def _paged_case(heads, kv_heads, chunks, seed, block_size=16, block_major=True):
     need = [-(-(c + n) // block_size) + 1 for c, n in chunks]  # one spare block per sequence (never read)
     num_blocks = sum(need) + 3
     perm = torch.randperm(num_blocks, generator=g)
-    rows = torch.full((2, num_blocks, block_size, kv_heads, 64), float("nan"), dtype=torch.bfloat16)
+    rows = torch.full((2, num_blocks, block_size, kv_heads, dim), float("nan"), dtype=torch.bfloat16)
     tables = torch.zeros(len(chunks), max(need), dtype=torch.long)
     keys, values, used = [], [], 0
     for i, (c, n) in enumerate(chunks):
         tables[i, : need[i]] = perm[used : used + need[i]]
         used += need[i]
-        k = (torch.randn(c + n, kv_heads, 64, generator=g) * 2).bfloat16()
-        v = (torch.randn(c + n, kv_heads, 64, generator=g) * 2).bfloat16()
+        k = (torch.randn(c + n, kv_heads, dim, generator=g) * 2).bfloat16()
+        v = (torch.randn(c + n, kv_heads, dim, generator=g) * 2).bfloat16()
         for pos in range(c + n):
             blk, off = tables[i, pos // block_size], pos % block_size
             rows[0, blk, off], rows[1, blk, off] = k[pos], v[pos]
+        if window:
+            edge = max(0, c - window + 1)
+            tables[i, : edge // block_size] = perm[-1]  # never written: all NaN
         keys.append(k)
         values.append(v)
     starts, pos = [], 2
     for _, n in chunks:
         starts.append(pos)
         pos += n + 2
-    q = (torch.randn(pos, heads, 64, generator=g) * 2).bfloat16()
+    q = (torch.randn(pos, heads, dim, generator=g) * 2).bfloat16()
     packed = pack_kv_rows(rows)
     return q, as_block_major(packed) if block_major else packed, tables, starts, keys, values
 
@@ -130,6 +136,30 @@ def test_paged_chunks_after_cached_keys_match_float32(heads, kv_heads, block_siz
         assert (out[sl].float() - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (c, n)
         covered[sl] = True
     assert (out[~covered] == 7.0).all()
+
+
+@pytest.mark.parametrize("dim,window,block_size", [(256, 40, 16), (256, 100, 32), (64, 17, 16), (128, 512, 16)])
+def test_paged_window_matches_float32(dim, window, block_size):
+    """A sliding window (query r of a chunk after c cached keys sees keys c + r - window + 1 .. c + r) against
+    float32 attention under the same mask; the blocks before each chunk's first window are NaN placeholders, so
+    reading (or weighting) any of them would show."""
+    ops = _ops()
+    chunks = [(0, 40), (5, 1), (16, 16), (37, 70), (249, 130), (3, 257), (600, 15), (100, 33)]
+    q, cache, tables, starts, keys, values = _paged_case(4, 1, chunks, seed=dim + window, block_size=block_size,
+                                                         dim=dim, window=window)
+    out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
+    ops.prefill_attention_paged(q, cache, tables, out, starts, [n for _, n in chunks], [c + n for c, n in chunks],
+                                list(range(len(chunks))), 0.125, window=window)
+    for i, (c, n) in enumerate(chunks):
+        sl = slice(starts[i], starts[i] + n)
+        key_pos, query_pos = torch.arange(c + n)[None, :], (c + torch.arange(n))[:, None]
+        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        ref = F.scaled_dot_product_attention(q[sl].transpose(0, 1)[None].float(),
+                                             keys[i].transpose(0, 1)[None].float(),
+                                             values[i].transpose(0, 1)[None].float(), attn_mask=mask, scale=0.125,
+                                             enable_gqa=True)[0].transpose(0, 1)
+        assert torch.isfinite(out[sl].float()).all(), (c, n)
+        assert (out[sl].float() - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (c, n)
 
 
 def test_paged_fresh_prompt_equals_rows_kernel():
@@ -166,3 +196,8 @@ def test_paged_refuses_bad_input():
         ops.prefill_attention_paged(q, cache, tables, out, [q.shape[0] - 5], [20], [30], [0], 0.125)
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.prefill_attention_paged(q, cache.float(), tables, out, starts, [20], [30], [0], 0.125)
+    with pytest.raises(RuntimeError, match="window must be"):
+        ops.prefill_attention_paged(q, cache, tables, out, starts, [20], [30], [0], 0.125, window=-1)
+    with pytest.raises(RuntimeError, match="head size"):
+        ops.prefill_attention_paged(q[..., :32].contiguous(), cache, tables, out[..., :32].contiguous(), starts, [20],
+                                    [30], [0], 0.125)

@@ -122,14 +122,17 @@ class Kernels:
 
     def prefill_attention(self, query: Tensor, key: Tensor, value: Tensor, out: Tensor, starts: list[int],
                           lengths: list[int], scale: float) -> None:
-        """Whole fresh prompts (bf16, head size 64) with AMX tiles, into ``out``."""
+        """Whole fresh prompts (bf16, head size 64, 128 or 256) with AMX tiles, into ``out``."""
         self._c.prefill_attention(query, key, value, out, starts, lengths, scale)
 
     def prefill_attention_paged(self, query: Tensor, kv_cache: Tensor, block_tables: Tensor, out: Tensor,
                                 starts: list[int], lengths: list[int], seq_lens: list[int], seqs: list[int],
-                                scale: float) -> None:
-        """Prompt chunks whose keys (cached prefix and their own) are in the packed cache, with AMX tiles."""
-        self._c.prefill_attention_paged(query, kv_cache, block_tables, out, starts, lengths, seq_lens, seqs, scale)
+                                scale: float, window: int | None = None) -> None:
+        """Prompt chunks whose keys (cached prefix and their own) are in the packed cache, with AMX tiles; with a
+        sliding window only the keys each row's window reaches (the cache's blocks before the first row's window
+        may be freed)."""
+        self._c.prefill_attention_paged(query, kv_cache, block_tables, out, starts, lengths, seq_lens, seqs, scale,
+                                        window=window or 0)
 
     def decode_layers(self, first_norm: Tensor, first_eps: float, num_heads: int, num_kv_heads: int,
                       head_dim: int, scale: float):

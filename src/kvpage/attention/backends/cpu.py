@@ -51,6 +51,7 @@ class CpuAttentionMetadata:
     fresh_first_rows: tuple[int, ...] = ()
     # int8 pages with keys per channel: every row on their paged kernel (paged_attention_channel)
     channel: bool = False
+    window: int | None = None  # the layers' sliding window (the AMX prompt kernel reads it; the plans hold it)
 
     @property
     def decode_only(self) -> bool:
@@ -82,11 +83,13 @@ class CpuMetadataBuilder:
         self.packed = backend.packed_layout(kv_cache, dtype)
         self.prompts_read_cache = self.packed and backend.prompts_read_cache(kv_cache, dtype)
         # 16 where chunks read the packed cache with AMX (1.7-3x the paged kernel at 16 rows after 500-2000
-        # cached keys, at par near 8), else 64 (the paged kernel; SDPA for longer fresh prompts). A sliding
-        # window sends everything to the paged kernel, whose tiles skip what lies before each window; so do
-        # bf16 caches without the AMX prompt kernel (benchmarks/prefill.py on a Zen 5 EPYC: the paged kernel
-        # 1.7-2.8x SDPA at 64-2048 tokens over packed blocks, 1.9-3.2x over rows of head size 256).
-        all_paged = window is not None or (backend.paged_prompts and not self.prompts_read_cache
+        # cached keys, at par near 8; with a sliding window its tasks start at each row block's window edge),
+        # else 64 (the paged kernel; SDPA for longer fresh prompts). Without that kernel a sliding window sends
+        # everything to the paged kernel, whose tiles skip what lies before each window; so do bf16 caches
+        # without the AMX prompt kernel (benchmarks/prefill.py on a Zen 5 EPYC: the paged kernel 1.7-2.8x SDPA at
+        # 64-2048 tokens over packed blocks, 1.9-3.2x over rows of head size 256).
+        all_paged = (window is not None and not self.prompts_read_cache) or (
+            backend.paged_prompts and not self.prompts_read_cache
                                            and kv_cache.dtype == torch.bfloat16 and not backend.amx_prefill) \
             or (backend.invariant and not self.prompts_read_cache and not is_quantized(kv_cache.dtype))
         self.prefill_min: int | None = (None if all_paged
@@ -128,7 +131,7 @@ class CpuMetadataBuilder:
             r0 = starts[ns]
             cached_plan = self._plan(common.block_tables[ns:nc], qsl[ns : nc + 1] - r0, common.seq_lens[ns:nc])
         meta = CpuAttentionMetadata(common, self.packed, self.prompts_read_cache, ns, starts[ns], cached, fresh,
-                                    plan, cached_plan)
+                                    plan, cached_plan, window=self.window)
         if fresh and self.fresh_on_scratch:
             self._plan_scratch(meta)
         return meta
@@ -183,7 +186,7 @@ class CpuPagedAttention:
         """Whether long prompt chunks over this cache (fresh or after cached keys) go to the AMX prompt kernel
         that reads their keys from the packed cache (prefill_attention_paged)."""
         return (self.prefill_cached and kv_cache.dtype == torch.bfloat16 and self.packed_layout(kv_cache, dtype)
-                and kv_cache.shape[4] == 64)
+                and kv_cache.shape[4] in (64, 128, 256))
 
     def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
                          window: int | None = None) -> CpuMetadataBuilder:
@@ -209,7 +212,7 @@ class CpuPagedAttention:
             seqs = range(ns, ns + len(prompts))
             ops.prefill_attention_paged(query, kv_cache, common.block_tables, out, [s for s, _ in prompts],
                                         [n for _, n in prompts], [common.seq_lens_list[i] for i in seqs],
-                                        list(seqs), scale)
+                                        list(seqs), scale, meta.window)
             return out
         if meta.cached_prefills:  # chunks after cached keys: the paged kernel over their slice of the batch
             r0 = meta.cached_prefills[0][0]
@@ -219,7 +222,8 @@ class CpuPagedAttention:
             return out
         if meta.fresh_plan is not None:
             return self._fresh_on_scratch(query, key, value, out, meta, scale)
-        if self.amx_prefill and query.dtype == key.dtype == value.dtype == torch.bfloat16 and query.shape[2] == 64:
+        if (self.amx_prefill and query.dtype == key.dtype == value.dtype == torch.bfloat16
+                and query.shape[2] in (64, 128, 256)):
             # whole prompts, nothing cached: one call for all of them (ops/csrc/attention/prefill_amx.cpp)
             starts = [start for start, _ in meta.fresh_prefills]
             ops.prefill_attention(query, key, value, out, starts, [n for _, n in meta.fresh_prefills], scale)

@@ -74,15 +74,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_amx_available", &kvpage::prefill::prefill_amx_available,
         "whether prefill_attention can run on this CPU/OS");
   m.def("prefill_attention", &kvpage::prefill::prefill_attention,
-        "causal attention of whole fresh prompts (bf16, head size 64) with AMX tiles, written into out",
+        "causal attention of whole fresh prompts (bf16, head size 64, 128 or 256) with AMX tiles, written into out",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"), py::arg("starts"), py::arg("lengths"),
         py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_paged", &kvpage::prefill::prefill_attention_paged,
         "causal attention of prompts or prompt chunks whose keys (a cached prefix and their own) are in the packed "
-        "bf16 cache (head size 64) with AMX tiles, written into out",
+        "bf16 cache (head size 64, 128 or 256; window > 0: a sliding window) with AMX tiles, written into out",
         py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("out"), py::arg("starts"),
         py::arg("lengths"), py::arg("seq_lens"), py::arg("seqs"), py::arg("scale"),
-        py::arg("max_scratch_bytes") = int64_t{64} << 20, py::call_guard<py::gil_scoped_release>());
+        py::arg("max_scratch_bytes") = int64_t{64} << 20, py::arg("window") = 0,
+        py::call_guard<py::gil_scoped_release>());
 
   // linear/quant_linear.cpp
   m.def("quant_linear", &quant_linear,

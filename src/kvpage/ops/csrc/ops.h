@@ -72,7 +72,8 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, con
 void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv_cache,
                              const torch::Tensor& block_tables, torch::Tensor& out, const std::vector<int64_t>& starts,
                              const std::vector<int64_t>& lengths, const std::vector<int64_t>& seq_lens,
-                             const std::vector<int64_t>& seqs, double scale, int64_t max_scratch_bytes);
+                             const std::vector<int64_t>& seqs, double scale, int64_t max_scratch_bytes,
+                             int64_t window);
 }  // namespace kvpage::prefill
 
 // Linear layers: quantized GGUF blocks (linear/quant_linear.cpp), AMX tiles (linear/linear_amx.cpp), the

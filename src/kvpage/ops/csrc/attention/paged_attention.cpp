@@ -14,6 +14,8 @@
 #include "tensor.h"
 #include <ATen/Parallel.h>
 
+#include <type_traits>
+
 #include "common.h"
 #include "ops.h"
 #include "attention/amx_rows.h"
@@ -345,22 +347,30 @@ void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, to
   const __m512i rows16 = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
 #endif
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    std::vector<at::BFloat16> krow(static_cast<size_t>(D)), vrow(static_cast<size_t>(D));
+    std::vector<at::BFloat16> krow(std::is_same_v<IN, float> ? D : 0), vrow(std::is_same_v<IN, float> ? D : 0);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i];
       TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
       const int64_t off = slot % block_size;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        for (int64_t d = 0; d < D; ++d) {
-          krow[d] = static_cast<at::BFloat16>(ksrc[i * ks + h * D + d]);
-          vrow[d] = static_cast<at::BFloat16>(vsrc[i * vs + h * D + d]);
+        // bf16 rows are read in place; float32 ones rounded into krow / vrow first
+        const at::BFloat16* kr = krow.data();
+        const at::BFloat16* vr = vrow.data();
+        if constexpr (std::is_same_v<IN, at::BFloat16>) {
+          kr = ksrc + i * ks + h * D;
+          vr = vsrc + i * vs + h * D;
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            krow[d] = static_cast<at::BFloat16>(ksrc[i * ks + h * D + d]);
+            vrow[d] = static_cast<at::BFloat16>(vsrc[i * vs + h * D + d]);
+          }
         }
         // K: the token's dim pairs are 32-bit words one 16-key row (64 bytes) apart; V: its elements every
         // other bf16 of its key pair's row (packed_kv.h).
         const int64_t base = kvpage::packed_group_offset(slot / block_size, off, geo.block_stride, kv_heads,
                                                          D) + h * 16 * D;
         auto* k32 = reinterpret_cast<uint32_t*>(kdst + base + (off % 16) * 2);
-        const auto* kw = reinterpret_cast<const uint32_t*>(krow.data());
+        const auto* kw = reinterpret_cast<const uint32_t*>(kr);
         at::BFloat16* vpair = vdst + base + ((off % 16) / 2) * 2 * D;
 #if KVPAGE_ISA_AVX512
         // 16 dim pairs per scatter; 16 values per masked store into the low or high halves of a pair row
@@ -368,13 +378,13 @@ void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, to
           _mm512_i32scatter_epi32(k32 + p * 16, rows16, _mm512_loadu_si512(kw + p), 4);
         const __mmask32 half = off % 2 ? 0xAAAAAAAAu : 0x55555555u;
         for (int64_t d = 0; d < D; d += 16) {
-          __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow.data() + d)));
+          __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + d)));
           if (off % 2) w = _mm512_slli_epi32(w, 16);
           _mm512_mask_storeu_epi16(vpair + 2 * d, half, w);
         }
 #else
         for (int64_t p = 0; p < D / 2; ++p) k32[p * 16] = kw[p];
-        for (int64_t d = 0; d < D; ++d) vpair[2 * d + off % 2] = vrow[d];
+        for (int64_t d = 0; d < D; ++d) vpair[2 * d + off % 2] = vr[d];
 #endif
       }
     }
