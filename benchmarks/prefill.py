@@ -8,11 +8,12 @@ SmolLM2's shape (9 query heads over 3 KV heads, head size 64), bf16, one prompt 
 one call for a step's worth of ShareGPT-like prompts (lognormal lengths, median ~160, capped at 1024, as in
 benchmarks/throughput.py); medians of alternating rounds.
 
-Second table: prompt chunks after cached keys (a prefix-cache hit, or the later chunks of a chunked prefill),
-their keys in the packed paged cache (16-token blocks, randomly placed): the paged kernel (paged_attention,
-which served them before) vs the prompt kernel reading the cache (prefill_attention_paged).
+Second table (AMX CPUs): prompt chunks after cached keys (a prefix-cache hit, or the later chunks of a chunked
+prefill), their keys in the packed paged cache (16-token blocks, randomly placed): the paged kernel
+(paged_attention, which served them before) vs the prompt kernel reading the cache (prefill_attention_paged);
+with --window W both under a sliding window of W positions (Gemma 3's local layers: --gemma --window 512).
 
-    python benchmarks/prefill.py [--lengths 64 160 220 400 1000] [--rounds 15] [--gemma]
+    python benchmarks/prefill.py [--lengths 64 160 220 400 1000] [--rounds 15] [--gemma] [--window W]
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 160, 220, 400, 1000])
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--gemma", action="store_true", help="Gemma 3's global layers instead: 4 query heads / 1 KV "
-                    "head of size 256, bf16 rows (no packed layout at that head size), on the paged kernel")
+    ap.add_argument("--gemma", action="store_true", help="Gemma 3's shape instead: 4 query heads / 1 KV head of "
+                    "size 256")
+    ap.add_argument("--window", type=int, default=0, help="a sliding window for the chunks after cached keys")
     args = ap.parse_args()
     global HEADS, KV_HEADS, D
     if args.gemma:
@@ -57,8 +59,8 @@ def main() -> None:
     ops = load_kernels()
     if ops is None or not (ops.prefill_amx_available() or ops.has_packed_layout()):
         raise SystemExit("needs the compiled kernels with AMX tile products or the packed bf16 layout")
-    amx = ops.prefill_amx_available() and not args.gemma
-    packed = not args.gemma and kernels().packed_layout  # the engine's layout here (rows on AMD CPUs)
+    amx = ops.prefill_amx_available()
+    packed = kernels().packed_layout  # the engine's layout here (rows on AMD CPUs)
     rng = random.Random(0)
     step = []  # one step's prompts, up to 2048 tokens (the engine's max_num_batched_tokens)
     while True:
@@ -97,8 +99,8 @@ def main() -> None:
         a, b = alternating_medians(sdpa, kvpage, args.rounds, warmup=3)
         flops = sum(2 * 2 * HEADS * D * n * (n + 1) / 2 for n in lengths)  # causal q.k and p.v
         print(f"| {name} | {a * 1e6:.0f} | {b * 1e6:.0f} | {a / b:.2f}x | {flops / b / 1e12:.2f} |", flush=True)
-    if amx and not args.gemma:
-        chunks_after_cached_keys(ops, args.rounds)
+    if amx:
+        chunks_after_cached_keys(ops, args.rounds, args.window)
 
 
 def paged_prompts(k: torch.Tensor, v: torch.Tensor, lengths: list[int], packed: bool, bs: int = 16):
@@ -120,8 +122,9 @@ def paged_prompts(k: torch.Tensor, v: torch.Tensor, lengths: list[int], packed: 
     return as_block_major(pack_kv_rows(rows) if packed else rows), tables, qsl, torch.tensor(lengths)
 
 
-def chunks_after_cached_keys(ops, rounds: int) -> None:
-    print("\n| cached keys | chunk tokens | paged_attention (us) | prefill_attention_paged (us) "
+def chunks_after_cached_keys(ops, rounds: int, window: int) -> None:
+    print(f"\n{'window ' + str(window) if window else 'no window'}:")
+    print("| cached keys | chunk tokens | paged_attention (us) | prefill_attention_paged (us) "
           "| paged / prompt kernel | prompt kernel TFLOP/s |")
     print("|---:|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
@@ -137,19 +140,21 @@ def chunks_after_cached_keys(ops, rounds: int) -> None:
         q = torch.randn(n, HEADS, D, generator=g).bfloat16()
         out = torch.empty_like(q)
         qsl, lens = torch.tensor([0, n]), torch.tensor([ctx])
+        plan = ops.plan_attention(table, qsl, lens, HEADS, nblk, bs, PARTITION_SIZE, True, window)
 
-        def paged(q=q, cache=cache, table=table, qsl=qsl, lens=lens) -> float:
+        def paged(q=q, cache=cache, plan=plan) -> float:
             t = time.perf_counter()
-            ops.paged_attention(q, cache, table, qsl, lens, D**-0.5, PARTITION_SIZE, True)
+            ops.paged_attention_planned(q, cache, plan, D**-0.5, True, True, False)
             return time.perf_counter() - t
 
         def prompt(q=q, cache=cache, table=table, out=out, n=n, ctx=ctx) -> float:
             t = time.perf_counter()
-            ops.prefill_attention_paged(q, cache, table, out, [0], [n], [ctx], [0], D**-0.5)
+            ops.prefill_attention_paged(q, cache, table, out, [0], [n], [ctx], [0], D**-0.5, 64 << 20, window)
             return time.perf_counter() - t
 
         a, b = alternating_medians(paged, prompt, rounds, warmup=2)
-        flops = 2 * 2 * HEADS * D * (n * cached + n * (n + 1) / 2)
+        seen = sum(min(cached + r + 1, window or ctx) for r in range(n))  # keys each query row sees
+        flops = 2 * 2 * HEADS * D * seen
         print(f"| {cached} | {n} | {a * 1e6:.0f} | {b * 1e6:.0f} | {a / b:.2f}x | {flops / b / 1e12:.2f} |", flush=True)
 
 
