@@ -110,6 +110,20 @@ def _paged_case(heads, kv_heads, chunks, seed, block_size=16, block_major=True, 
     return q, as_block_major(packed) if block_major else packed, tables, starts, keys, values
 
 
+def _check_chunk(out, q, keys, values, c, n, window):
+    """A chunk of n queries after c cached keys against float32 attention: query r sees keys 0 .. c + r (with a
+    window, only c + r - window + 1 .. c + r); finite, within a few bf16 ulps of the output's magnitude."""
+    key_pos, query_pos = torch.arange(c + n)[None, :], (c + torch.arange(n))[:, None]
+    mask = key_pos <= query_pos
+    if window:
+        mask &= key_pos > query_pos - window
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), keys.transpose(0, 1)[None].float(),
+                                         values.transpose(0, 1)[None].float(), attn_mask=mask, scale=0.125,
+                                         enable_gqa=True)[0].transpose(0, 1)
+    assert torch.isfinite(out.float()).all(), (c, n)
+    assert (out.float() - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (c, n)
+
+
 @pytest.mark.parametrize("heads,kv_heads,block_size,scratch,block_major",
                          [(9, 3, 16, 64 << 20, True), (4, 4, 32, 64 << 20, False), (8, 2, 16, 1, True),
                           (6, 1, 64, 100_000, False)])
@@ -127,13 +141,7 @@ def test_paged_chunks_after_cached_keys_match_float32(heads, kv_heads, block_siz
     covered = torch.zeros(q.shape[0], dtype=torch.bool)
     for i, (c, n) in enumerate(chunks):
         sl = slice(starts[i], starts[i] + n)
-        mask = torch.arange(c + n)[None, :] <= (c + torch.arange(n))[:, None]  # query r sees keys 0 .. c + r
-        ref = F.scaled_dot_product_attention(q[sl].transpose(0, 1)[None].float(),
-                                             keys[i].transpose(0, 1)[None].float(),
-                                             values[i].transpose(0, 1)[None].float(), attn_mask=mask, scale=0.125,
-                                             enable_gqa=True)[0].transpose(0, 1)
-        assert torch.isfinite(out[sl].float()).all(), (c, n)
-        assert (out[sl].float() - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (c, n)
+        _check_chunk(out[sl], q[sl], keys[i], values[i], c, n, window=0)
         covered[sl] = True
     assert (out[~covered] == 7.0).all()
 
@@ -152,14 +160,7 @@ def test_paged_window_matches_float32(dim, window, block_size):
                                 list(range(len(chunks))), 0.125, window=window)
     for i, (c, n) in enumerate(chunks):
         sl = slice(starts[i], starts[i] + n)
-        key_pos, query_pos = torch.arange(c + n)[None, :], (c + torch.arange(n))[:, None]
-        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
-        ref = F.scaled_dot_product_attention(q[sl].transpose(0, 1)[None].float(),
-                                             keys[i].transpose(0, 1)[None].float(),
-                                             values[i].transpose(0, 1)[None].float(), attn_mask=mask, scale=0.125,
-                                             enable_gqa=True)[0].transpose(0, 1)
-        assert torch.isfinite(out[sl].float()).all(), (c, n)
-        assert (out[sl].float() - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3, (c, n)
+        _check_chunk(out[sl], q[sl], keys[i], values[i], c, n, window)
 
 
 def test_paged_fresh_prompt_equals_rows_kernel():

@@ -96,10 +96,32 @@ void pack_head_cached(const at::BFloat16* kcache, const at::BFloat16* vcache, co
     std::memset(vp + groups * group, 0, group * sizeof(at::BFloat16));
 }
 
+// One 32-dim chunk of the scores of NB consecutive 16-key blocks: K operands from kptr (blocks 16 * D apart)
+// times the Q tile QT, into tiles 0..NB-1; K loads alternate between tiles 6 and 7 so that each waits only for
+// the product two places earlier (tiles are not renamed). A macro: tile numbers are spelled into the instruction.
+#define KVPAGE_SCORE_CHUNK(QT, kptr)     \
+  do {                                   \
+    const at::BFloat16* k_ = (kptr);     \
+    _tile_loadd(6, k_, 64);              \
+    _tile_dpbf16ps(0, QT, 6);            \
+    if constexpr (NB > 1) {              \
+      _tile_loadd(7, k_ + 16 * D, 64);   \
+      _tile_dpbf16ps(1, QT, 7);          \
+    }                                    \
+    if constexpr (NB > 2) {              \
+      _tile_loadd(6, k_ + 32 * D, 64);   \
+      _tile_dpbf16ps(2, QT, 6);          \
+    }                                    \
+    if constexpr (NB > 3) {              \
+      _tile_loadd(7, k_ + 48 * D, 64);   \
+      _tile_dpbf16ps(3, QT, 7);          \
+    }                                    \
+  } while (0)
+
 // Scores of NB consecutive 16-key blocks (K operands from k0 on) against 16 query rows q (row pitch qstride
-// bytes), into tiles 0..NB-1, stored at dst (row stride span floats). Several blocks at once: tiles are not
-// renamed, so a single score tile would serialize zero -> product -> product -> store for every block. Head size
-// 64 keeps its two Q tiles (4/5) loaded by the caller; larger heads load them chunk by chunk, alternating.
+// bytes), into tiles 0..NB-1, stored at dst (row stride span floats). Several blocks at once: a single score
+// tile would serialize zero -> product -> product -> store for every block. Head size 64 keeps its two Q tiles
+// (4/5) loaded by the caller; larger heads load them chunk by chunk, alternating.
 template <int64_t D, int NB>
 inline void score_blocks(const at::BFloat16* q, int64_t qstride, const at::BFloat16* k0, float* dst, int64_t span) {
   _tile_zero(0);
@@ -108,43 +130,16 @@ inline void score_blocks(const at::BFloat16* q, int64_t qstride, const at::BFloa
   if constexpr (NB > 3) _tile_zero(3);
   for (int64_t c = 0; c < D / 32; c += 2) {
     if constexpr (D != 64) _tile_loadd(4, q + c * 32, qstride);
-    const at::BFloat16* k = k0 + c * 512;
-    _tile_loadd(6, k, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NB > 1) {
-      _tile_loadd(7, k + 16 * D, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (NB > 2) {
-      _tile_loadd(6, k + 32 * D, 64);
-      _tile_dpbf16ps(2, 4, 6);
-    }
-    if constexpr (NB > 3) {
-      _tile_loadd(7, k + 48 * D, 64);
-      _tile_dpbf16ps(3, 4, 7);
-    }
+    KVPAGE_SCORE_CHUNK(4, k0 + c * 512);
     if constexpr (D != 64) _tile_loadd(5, q + (c + 1) * 32, qstride);
-    k += 512;
-    _tile_loadd(6, k, 64);
-    _tile_dpbf16ps(0, 5, 6);
-    if constexpr (NB > 1) {
-      _tile_loadd(7, k + 16 * D, 64);
-      _tile_dpbf16ps(1, 5, 7);
-    }
-    if constexpr (NB > 2) {
-      _tile_loadd(6, k + 32 * D, 64);
-      _tile_dpbf16ps(2, 5, 6);
-    }
-    if constexpr (NB > 3) {
-      _tile_loadd(7, k + 48 * D, 64);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+    KVPAGE_SCORE_CHUNK(5, k0 + (c + 1) * 512);
   }
   _tile_stored(0, dst, span * 4);
   if constexpr (NB > 1) _tile_stored(1, dst + 16, span * 4);
   if constexpr (NB > 2) _tile_stored(2, dst + 32, span * 4);
   if constexpr (NB > 3) _tile_stored(3, dst + 48, span * 4);
 }
+#undef KVPAGE_SCORE_CHUNK
 
 // P (16 rows x 32 keys, row pitch p_stride bytes) times one 32-key V block's 64 dims from v (key-pair rows
 // 4 * D bytes apart) into accumulator tiles 0-3.
