@@ -83,28 +83,32 @@ inline void amx_configure_full() {
   _tile_loadconfig(&cfg);
 }
 
-// One P.V product step for head size 64: the P tile (bf16 weights of 32 keys per row, row stride p_stride
-// bytes) times 32 keys of V in [16 key pairs][64 dims][2] order, accumulated into tiles 0-3 (dims 0-15, ...,
-// 48-63). P goes to tile 4; the V operands alternate between tiles 5 and 7, so that loading the next need not
-// wait for the product reading the last (tiles are not renamed).
-inline void pv_product64(const at::BFloat16* p, int64_t p_stride, const at::BFloat16* v) {
+// One P.V product step over 64 dims: the P tile (bf16 weights of 32 keys per row, row stride p_stride bytes)
+// times 32 keys of V in [16 key pairs][D dims][2] order from v (its first of the 64 dims), accumulated into
+// tiles 0-3 (dims 0-15, ..., 48-63). P goes to tile 4; the V operands alternate between tiles 5 and 7, so that
+// loading the next need not wait for the product reading the last (tiles are not renamed).
+template <int64_t D>
+inline void pv_product(const at::BFloat16* p, int64_t p_stride, const at::BFloat16* v) {
   _tile_loadd(4, p, p_stride);
-  _tile_loadd(5, v, 256);
+  _tile_loadd(5, v, 4 * D);
   _tile_dpbf16ps(0, 4, 5);
-  _tile_loadd(7, v + 32, 256);
+  _tile_loadd(7, v + 32, 4 * D);
   _tile_dpbf16ps(1, 4, 7);
-  _tile_loadd(5, v + 64, 256);
+  _tile_loadd(5, v + 64, 4 * D);
   _tile_dpbf16ps(2, 4, 5);
-  _tile_loadd(7, v + 96, 256);
+  _tile_loadd(7, v + 96, 4 * D);
   _tile_dpbf16ps(3, 4, 7);
 }
+inline void pv_product64(const at::BFloat16* p, int64_t p_stride, const at::BFloat16* v) {
+  pv_product<64>(p, p_stride, v);
+}
 
-// Accumulator tiles 0-3 (16 dims each) to / from acc rows of 64 floats.
-inline void store_acc64(float* acc) {
-  _tile_stored(0, acc, 256);
-  _tile_stored(1, acc + 16, 256);
-  _tile_stored(2, acc + 32, 256);
-  _tile_stored(3, acc + 48, 256);
+// Accumulator tiles 0-3 (16 dims each) to / from acc rows of row_floats floats (64: one head of 64 dims).
+inline void store_acc64(float* acc, int64_t row_floats = 64) {
+  _tile_stored(0, acc, row_floats * 4);
+  _tile_stored(1, acc + 16, row_floats * 4);
+  _tile_stored(2, acc + 32, row_floats * 4);
+  _tile_stored(3, acc + 48, row_floats * 4);
 }
 inline void load_acc64(const float* acc) {
   _tile_loadd(0, acc, 256);

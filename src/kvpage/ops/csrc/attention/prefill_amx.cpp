@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace kvpage::prefill {
@@ -75,9 +76,8 @@ void fresh_prompts(std::vector<Prompt>& prompts, const torch::Tensor& query, con
 // prompt larger than the bound is one group.
 template <int64_t D>
 void cached_prompts(const std::vector<Prompt>& prompts, const torch::Tensor& query, const torch::Tensor& kv_cache,
-                    const int64_t* tables, int64_t max_blocks, torch::Tensor& out, double scale, int64_t window,
-                    int64_t max_scratch_bytes) {
-  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);
+                    const kvpage::KVGeometry& geo, const int64_t* tables, int64_t max_blocks, torch::Tensor& out,
+                    double scale, int64_t window, int64_t max_scratch_bytes) {
   const int64_t H = query.size(1), KVH = kv_cache.size(3), bs = kv_cache.size(2);
   const auto* kcache = kv_cache.data_ptr<at::BFloat16>();
   const auto* vcache = kcache + geo.v_offset;
@@ -147,14 +147,16 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, con
 void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv_cache,
                              const torch::Tensor& block_tables, torch::Tensor& out, const std::vector<int64_t>& starts,
                              const std::vector<int64_t>& lengths, const std::vector<int64_t>& seq_lens,
-                             const std::vector<int64_t>& seqs, double scale, int64_t max_scratch_bytes, int64_t window) {
+                             const std::vector<int64_t>& seqs, double scale, int64_t max_scratch_bytes,
+                             int64_t window) {
   check_query_out(query, out, scale);
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == at::kBFloat16,
               "kv_cache must be a bfloat16 [2, blocks, block_size, kv_heads, D] tensor");
-  kvpage::kv_geometry(kv_cache);  // shape and strides
+  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);  // checks shape and strides
   const int64_t T = query.size(0), H = query.size(1), KVH = kv_cache.size(3), bs = kv_cache.size(2);
   const int64_t num_blocks = kv_cache.size(1), D = query.size(2);
-  TORCH_CHECK(kv_cache.size(4) == D, "the cache's head size (", kv_cache.size(4), ") differs from the query's (", D, ")");
+  TORCH_CHECK(kv_cache.size(4) == D, "the cache's head size (", kv_cache.size(4), ") differs from the query's (", D,
+              ")");
   TORCH_CHECK(bs % 16 == 0, "the packed layout needs a block size that is a multiple of 16, got ", bs);
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
@@ -179,12 +181,16 @@ void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv
     if (lengths[i] > 0) prompts.push_back({starts[i], lengths[i], cached, kbase, 0, 0, seqs[i]});
   }
   if (prompts.empty()) return;
-  if (D == 64) cached_prompts<64>(prompts, query, kv_cache, tables, max_blocks, out, scale, window, max_scratch_bytes);
-  else if (D == 128) cached_prompts<128>(prompts, query, kv_cache, tables, max_blocks, out, scale, window, max_scratch_bytes);
-  else cached_prompts<256>(prompts, query, kv_cache, tables, max_blocks, out, scale, window, max_scratch_bytes);
+  const auto run = [&](auto d) {
+    cached_prompts<decltype(d)::value>(prompts, query, kv_cache, geo, tables, max_blocks, out, scale, window,
+                                       max_scratch_bytes);
+  };
+  if (D == 64) run(std::integral_constant<int64_t, 64>{});
+  else if (D == 128) run(std::integral_constant<int64_t, 128>{});
+  else run(std::integral_constant<int64_t, 256>{});
 #else
-  (void)tables, (void)max_blocks, (void)num_blocks, (void)T, (void)H, (void)starts, (void)lengths, (void)seq_lens,
-      (void)seqs;
+  (void)geo, (void)tables, (void)max_blocks, (void)num_blocks, (void)T, (void)H, (void)starts, (void)lengths,
+      (void)seq_lens, (void)seqs;
 #endif
 }
 

@@ -13,7 +13,7 @@
 
 #include <ATen/Parallel.h>
 
-#include "attention/amx_rows.h"  // TileConfig, amx_configure_full, exp16, tail_mask, KVPAGE_ISA_AMX
+#include "attention/amx_rows.h"  // amx_configure_full, pv_product, store_acc64, exp16, KVPAGE_ISA_AMX
 #include "attention/packed_kv.h"  // packed_group_offset, stage_value_group
 
 #include <algorithm>
@@ -141,21 +141,6 @@ inline void score_blocks(const at::BFloat16* q, int64_t qstride, const at::BFloa
 }
 #undef KVPAGE_SCORE_CHUNK
 
-// P (16 rows x 32 keys, row pitch p_stride bytes) times one 32-key V block's 64 dims from v (key-pair rows
-// 4 * D bytes apart) into accumulator tiles 0-3.
-template <int64_t D>
-inline void pv_block(const at::BFloat16* p, int64_t p_stride, const at::BFloat16* v) {
-  _tile_loadd(4, p, p_stride);
-  _tile_loadd(5, v, 4 * D);
-  _tile_dpbf16ps(0, 4, 5);
-  _tile_loadd(7, v + 32, 4 * D);
-  _tile_dpbf16ps(1, 4, 7);
-  _tile_loadd(5, v + 64, 4 * D);
-  _tile_dpbf16ps(2, 4, 5);
-  _tile_loadd(7, v + 96, 4 * D);
-  _tile_dpbf16ps(3, 4, 7);
-}
-
 // The attention of every prompt (its packed K/V in kpack / vpack, KV head h at k_off + h * k_slots(held)) into
 // out: tasks of (prompt, query head, 16 query rows), taken costliest first from a shared counter.
 template <int64_t D>
@@ -260,19 +245,16 @@ void attend_prompts(const std::vector<Prompt>& prompts, const at::BFloat16* kpac
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kb = 0; kb < nk32; ++kb)
-          pv_block<D>(probs.data() + kb * 32, span * 2, vh + (s0 / 32 + kb) * 32 * D + 2 * d0);
-        float* ob = obuf.data() + d0;
-        _tile_stored(0, ob, D * 4);
-        _tile_stored(1, ob + 16, D * 4);
-        _tile_stored(2, ob + 32, D * 4);
-        _tile_stored(3, ob + 48, D * 4);
+          kvpage::pv_product<D>(probs.data() + kb * 32, span * 2, vh + (s0 / 32 + kb) * 32 * D + 2 * d0);
+        kvpage::store_acc64(obuf.data() + d0, D);
       }
       for (int64_t r = 0; r < rows; ++r) {
         at::BFloat16* o = op + (p.start + r0 + r) * so + task.head * D;
         const __m512 inv = _mm512_set1_ps(1.f / rsum[r]);
+        const float* orow = obuf.data() + r * D;
         for (int64_t d = 0; d < D; d += 16)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(obuf.data() + r * D + d), inv)));
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(orow + d), inv)));
       }
     }
     _tile_release();

@@ -117,8 +117,8 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   const int64_t M = x_in.size(0), K = x_in.size(1), N = wp.size(0);
   TORCH_CHECK(wp.size(1) == K, "x has ", K, " columns, the weight ", wp.size(1));
   TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "weight sides must be multiples of 32, got ", N, " x ", K);
-  TORCH_CHECK(act == kActNone || act == kActSilu || act == kActGeluTanh, "act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh), got ",
-              act);
+  TORCH_CHECK(act == kActNone || act == kActSilu || act == kActGeluTanh,
+              "act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh), got ", act);
   const bool gated = act != kActNone;
   const bool has_bias = bias_in.has_value() && bias_in->defined();
   TORCH_CHECK(!(gated && has_bias), "a gated product (act) takes no bias");
@@ -156,8 +156,7 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   kvpage::ChunkClaims claims(tasks, NB / (8 * at::get_num_threads()));
   kvpage::on_claiming_threads(claims, [&](kvpage::ChunkClaims& queue) {
     kvpage::amx_configure_full();
-    alignas(64) float bufs[2][1024];  // the pending block's accumulators and the one being stored
-    int cur = 0;
+    alignas(64) float buf[1024];  // the pending block's accumulators (written out before the next are stored)
     Pending pend;
     // Output row `u` of the pending block (u < 16: row tile t from tiles 0/1, else t + 1 from tiles 2/3): two
     // 16-column halves plus bias, or gated one 16-column block act(gate) * up, each rounded to bf16 first as the
@@ -192,15 +191,13 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
     // the pending block, after writing out what is left of the previous one.
     auto retire = [&](int64_t t, int64_t nb, bool two) {
       drain_to(pend.rows);
-      float* b = bufs[cur];
-      cur ^= 1;
-      _tile_stored(0, b, 64);
-      _tile_stored(1, b + 256, 64);
+      _tile_stored(0, buf, 64);
+      _tile_stored(1, buf + 256, 64);
       if (two) {
-        _tile_stored(2, b + 512, 64);
-        _tile_stored(3, b + 768, 64);
+        _tile_stored(2, buf + 512, 64);
+        _tile_stored(3, buf + 768, 64);
       }
-      pend.buf = b;
+      pend.buf = buf;
       pend.t = t;
       pend.nb = nb;
       pend.rows = static_cast<int>(std::min<int64_t>(two ? 32 : 16, M - 16 * t));
