@@ -244,7 +244,7 @@ def channel_pages(ops, seqs: int, context: int, tables: torch.Tensor, kv_heads: 
     """int8 pages with keys per channel holding every sequence's context, written by the engine's own write
     (each sequence as one prompt, its residual keys in scratch blocks past the pool's end)."""
     from kvpage.attention.kv_channel import page_bytes
-    from kvpage.worker.kv_cache import advise_huge_pages
+    from kvpage.pages import advise_huge_pages
 
     per = tables.shape[1]
     nb = int(tables.max()) + 1

@@ -70,6 +70,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "held unrounded in a residual KV group); `kvpage plan` and `kvpage simulate` price int8 pages by it unless "
            "given `--int8-keys`", "int8_keys",
            ("rows", "channel")),
+    EnvVar("KVPAGE_WEIGHT_HUGE_PAGES", bool, True, "the packed weights a step streams gathered into one arena on 2 MiB "
+           "pages (where transparent huge pages are 'madvise' or 'always'): no TLB miss every 4 KiB of weights; 0 "
+           "leaves each on the allocator's pages", "weight_huge_pages"),
     EnvVar("KVPAGE_CACHE_DIR", str, "", "where kvpage keeps what it computes once per model and machine (the "
            "calibrated transforms of quantized KV pages); unset: $XDG_CACHE_HOME/kvpage or ~/.cache/kvpage; 'off' "
            "keeps nothing"),
@@ -126,6 +129,7 @@ class KernelConfig:
     paged_prompts: bool = True
     tp_vocab_head: bool = True
     int8_keys: str = "rows"
+    weight_huge_pages: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):

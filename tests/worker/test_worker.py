@@ -68,7 +68,7 @@ def test_prefault_makes_the_pages_resident():
 
     import torch
 
-    from kvpage.worker.kv_cache import prefault_pages
+    from kvpage.pages import prefault_pages
 
     # A fresh anonymous mapping is never resident before it is touched (a torch.empty of the same size may
     # reuse memory the allocator already holds after other tests).
@@ -114,7 +114,7 @@ def test_kv_cache_asks_for_huge_pages():
 
     import torch
 
-    from kvpage.worker.kv_cache import advise_huge_pages
+    from kvpage.pages import advise_huge_pages
 
     # a fresh private mapping of its own (as the allocator's), so its flags are this test's
     buf = mmap.mmap(-1, 8 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

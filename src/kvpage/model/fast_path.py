@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpage.model.layers.linear import PackedLinear
+from kvpage.model.layers.linear import PackedLinear, gather_weights
 from kvpage.model.logits import LogitsBuffer, LogitsResult, postprocess_raw
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.ops import Kernels
@@ -47,6 +47,10 @@ class FastPath:
                                                               else "lm_head.weight"),
                                       ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS, split_rows=LOGITS_SPLIT_ROWS)
         self.lm_quant = self.lm_packed.quant  # the blocks as the packed head keeps them (as panels, say)
+        if ops.config.weight_huge_pages:  # before the plan binds the few-token projections' blocks
+            gather_weights([w for layer in model.layers for w in (layer.self_attn.qkv, layer.self_attn.o_packed,
+                                                                  layer.mlp.gate_up, layer.mlp.down)]
+                           + [self.lm_packed])
         self.final_norm_f32 = model.norm.weight.float()  # final hidden stays float32 for exact top logits
         self.plan: list[_FastLayer] = []
         for i, layer in enumerate(model.layers):

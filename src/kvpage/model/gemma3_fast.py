@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpage.model.fast_path import AMX_LOGITS_MAX_ROWS, LOGITS_SPLIT_ROWS, packed_logits
-from kvpage.model.layers.linear import PackedLinear
+from kvpage.model.layers.linear import PackedLinear, gather_weights
 from kvpage.model.logits import LogitsBuffer, LogitsResult
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.ops import Kernels
@@ -76,6 +76,8 @@ class Gemma3FastPath:
         self.lm_packed = PackedLinear(self.lm_weight, None, blocks("embed_tokens.weight"), ops=ops,
                                       amx_max_rows=AMX_LOGITS_MAX_ROWS, split_rows=LOGITS_SPLIT_ROWS)
         self.embed_scale = torch.tensor(model.config.hidden_size**0.5, dtype=self.lm_weight.dtype)
+        if ops.config.weight_huge_pages:
+            gather_weights([w for p in self.layers for w in (p.qkv, p.o, p.gate_up, p.down)] + [self.lm_packed])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  metas: list) -> torch.Tensor:

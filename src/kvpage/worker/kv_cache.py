@@ -17,7 +17,6 @@ with keys per channel (``KVPAGE_INT8_KEYS=channel``, attention/kv_channel.py) ar
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from kvpage.attention.kv_quant import cache_row_width
 from kvpage.capacity import KVShape
 from kvpage.kv.specs import KVLayout, group_layers, with_residual_keys
 from kvpage.model.config import ModelConfig
+from kvpage.pages import advise_huge_pages, prefault_pages
 
 logger = logging.getLogger(__name__)
 
@@ -61,55 +61,6 @@ def kv_torch_dtype(name: str) -> torch.dtype:
 def kv_dtype_name(dtype: torch.dtype) -> str:
     """The dtype table's name of a cache stored in ``dtype``."""
     return dtypes.lookup(str(dtype).removeprefix("torch.")).name
-
-
-_MADV_HUGEPAGE = 14
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in (writable) without changing their contents
-_PAGE = 4096
-_HUGE = 2 << 20
-
-
-def _madvise():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return fn
-
-
-def advise_huge_pages(tensors: Sequence[torch.Tensor]) -> int:
-    """Ask for 2 MiB pages under the tensors (before their pages are first touched); returns the bytes
-    advised. Decode attention reads a sequence's blocks scattered over the pool: with 4 KiB pages nearly every
-    block costs a TLB miss and a page walk. Where transparent huge pages are off, or the call fails, nothing
-    changes and the pool works on small pages."""
-    madvise = _madvise()
-    if madvise is None:
-        return 0
-    advised = 0
-    for t in tensors:
-        begin = t.data_ptr()
-        end = begin + t.numel() * t.element_size()
-        lo, hi = -(-begin // _HUGE) * _HUGE, end // _HUGE * _HUGE  # the whole 2 MiB pages inside the tensor
-        if hi > lo and madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0:
-            advised += hi - lo
-    return advised
-
-
-def prefault_pages(tensors: Sequence[torch.Tensor]) -> str:
-    """Fault every page of the tensors in now; returns how ("madvise" or "zero-fill"). Contents are not
-    meaningful before the engine writes them either way."""
-    madvise = _madvise()
-    how = "madvise"
-    for t in tensors:
-        if t.numel() == 0:
-            continue
-        start = t.data_ptr() // _PAGE * _PAGE
-        length = t.data_ptr() + t.numel() * t.element_size() - start
-        if madvise is None or madvise(start, length, _MADV_POPULATE_WRITE) != 0:
-            t.zero_()  # older kernels: touching every page does the same, a little slower
-            how = "zero-fill"
-    return how
 
 
 def block_major(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -10,13 +10,17 @@ kernel configuration's i8_gemm ("auto": Intel CPUs; ops/kernels.py int8_gemm_pay
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from kvpage.model.quant import QuantWeight
 from kvpage.ops import ACT_GELU_TANH, ACT_NONE, ACT_SILU, Kernels
+from kvpage.pages import gather_on_huge_pages
+
+logger = logging.getLogger(__name__)
 
 ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
 
@@ -146,6 +150,48 @@ class PackedLinear(nn.Module):
             return
         for start, p in self.packed_parts:
             yield start, torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+
+def gather_weights(linears: Sequence[PackedLinear]) -> int:
+    """Moves the packed operands the layers' products stream (tile GEMM operands, quantized blocks and their
+    scales, int8 and float32 panels) into one arena on 2 MiB pages, in the order given (the order a step reads
+    them); returns the bytes advised onto huge pages. Why: a step reads every weight once, and on 4 KiB pages
+    each 4 KiB of it is a TLB miss and a page walk that also holds up the GEMM's prefetch of the next block
+    (kvpage/pages.py). oneDNN's packing is an opaque tensor and stays where it is. Call before anything binds
+    the tensors themselves (the fast path's few-token projections do)."""
+    slots: list[tuple[object, str]] = []  # (holder, attribute) of every operand, in order
+    for lin in linears:
+        slots += [(lin, name) for name in ("amx", "f32") if getattr(lin, name) is not None]
+        if lin.i8 is not None:
+            lin.i8 = list(lin.i8)  # back to a tuple below
+            slots += [(lin.i8, 0), (lin.i8, 1)]
+        if lin.quant is not None:  # the blocks are replaced in place: the fast path holds the QuantWeight too
+            slots += [(lin.quant, name) for name in ("qs", "d", "m") if getattr(lin.quant, name) is not None]
+
+    def get(holder: object, key: str | int) -> torch.Tensor:
+        return holder[key] if isinstance(key, int) else getattr(holder, key)
+
+    unique: dict[int, torch.Tensor] = {}  # a tensor two layers share is copied once
+    for holder, key in slots:
+        t = get(holder, key)
+        if t.layout == torch.strided and t.is_contiguous():
+            unique.setdefault(id(t), t)
+    copies, advised = gather_on_huge_pages(list(unique.values()))
+    moved = dict(zip(unique, copies, strict=True))
+    for holder, key in slots:
+        new = moved.get(id(get(holder, key)))
+        if new is None:
+            continue
+        if isinstance(key, int):
+            holder[key] = new
+        else:
+            setattr(holder, key, new)
+    for lin in linears:
+        if lin.i8 is not None:
+            lin.i8 = tuple(lin.i8)
+    logger.info("packed weights: %.0f MB in one arena (%s)", sum(c.numel() * c.element_size() for c in copies) / 1e6,
+                "on 2 MiB pages" if advised else "on the allocator's pages: transparent huge pages are off")
+    return advised
 
 
 def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
