@@ -19,6 +19,12 @@ layer 0's four projections each repeated 30 times (the same FLOPs, weights in ca
 is what the weights' read adds on top of the products.
 
     python benchmarks/linear.py --hot [--rows 32 64 96 128 256]
+
+--pages instead times the tile GEMM's pass (layers, then the lm head) with the packed weights on the allocator's
+4 KiB pages against the same weights gathered into one arena on 2 MiB pages (what the fast path does: kvpage/pages.py,
+KVPAGE_WEIGHT_HUGE_PAGES), each pass after a 600 MB read that evicts them from cache, as a step's KV reads do.
+
+    python benchmarks/linear.py --pages [--rows 16 64 128 256]
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from _common import alternating_medians
 from kvpage.model.loader import load_model
 from kvpage.ops import ACT_NONE, ACT_SILU, load_kernels
+from kvpage.pages import gather_on_huge_pages
 
 
 def dense_weights(model) -> list[torch.Tensor]:
@@ -52,12 +59,13 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--hot", action="store_true", help="cold vs hot weights for the tile GEMM (see above)")
+    ap.add_argument("--pages", action="store_true", help="4 KiB pages vs the 2 MiB-page arena (see above)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--i8", action="store_true", help="the int8 GEMM on the quantized blocks against oneDNN bf16")
     args = ap.parse_args()
     ops = load_kernels()
     f32 = args.dtype == "float32"
-    if f32 and (ops is None or not ops.f32_gemm_available() or args.hot):
+    if f32 and (ops is None or not ops.f32_gemm_available() or args.hot or args.pages):
         raise SystemExit("--dtype float32 needs the compiled kernels built for AVX2 without AVX-512 (and no --hot)")
     if args.i8 and (f32 or args.hot or ops is None or not ops.i8_gemm_available()):
         raise SystemExit("--i8 needs the compiled kernels built for AVX-512 VNNI (bf16, no --hot)")
@@ -74,6 +82,9 @@ def main() -> None:
           f"{head[0].numel() * head[0].element_size() / 1e6:.0f} MB lm head per pass")
     if args.hot:
         cold_vs_hot(ops, layers, gated, args.rows, args.rounds)
+        return
+    if args.pages:
+        small_vs_huge_pages(ops, weights, [*gated, False], args.rows, args.rounds)
         return
     i8_packs = i8_weights(args.i8)
     name = "kvpage f32" if f32 else "i8" if args.i8 else "amx"
@@ -163,6 +174,42 @@ def cold_vs_hot(ops, layers, gated, rows: list[int], rounds: int) -> None:
         c, h = alternating_medians(cold, hot, rounds)
         print(f"| {m} | {c * 1e3:.2f} | {flops * m / c / 1e12:.2f} | {h * 1e3:.2f} | {flops * m / h / 1e12:.2f} | "
               f"{(c - h) * 1e3:.1f} |", flush=True)
+
+
+def small_vs_huge_pages(ops, weights, gated, rows: list[int], rounds: int) -> None:
+    small = [ops.amx_pack_gate_up(w) if f else ops.amx_pack_weight(w) for w, f in zip(weights, gated, strict=True)]
+    huge, advised = gather_on_huge_pages(small)
+    print(f"arena: {sum(p.numel() * p.element_size() for p in huge) / 1e6:.0f} MB, {advised / 1e6:.0f} MB advised "
+          f"onto 2 MiB pages (transparent huge pages: {thp_mode()})")
+    flush = torch.ones(150 * 2**20, dtype=torch.float32)  # 600 MB
+    print("| rows | layers 4 KiB (ms) | layers 2 MiB (ms) | 2 MiB / 4 KiB | lm head 4 KiB (ms) | lm head 2 MiB (ms) | "
+          "2 MiB / 4 KiB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for m in rows:
+        g = torch.Generator().manual_seed(m)
+        inputs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {w.shape[1] for w in weights}}
+
+        def one_pass(packs, part: slice, inputs=inputs) -> float:
+            flush.sum()
+            t = time.perf_counter()
+            for w, f, p in zip(weights[part], gated[part], packs[part], strict=True):
+                ops.amx_linear(inputs[w.shape[1]], p, None, ACT_SILU if f else ACT_NONE)
+            return time.perf_counter() - t
+
+        cells = []
+        for part in (slice(0, -1), slice(-1, None)):
+            cells += alternating_medians(lambda part=part: one_pass(small, part),
+                                         lambda part=part: one_pass(huge, part), rounds)
+        a, b, c, d = (x * 1e3 for x in cells)
+        print(f"| {m} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {c:.2f} | {d:.2f} | {d / c:.2f}x |", flush=True)
+
+
+def thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
 
 
 if __name__ == "__main__":
