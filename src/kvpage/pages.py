@@ -3,9 +3,10 @@
 Why: the two kinds of memory a step streams are both far larger than the TLB covers on 4 KiB pages. A
 sequence's KV blocks lie scattered over the pool, so nearly every block read is a TLB miss; and a step reads
 every packed weight once (~270 MB for SmolLM2-135M in bf16), a page walk every 4 KiB, which also stalls the
-kernels' software prefetches of the next weight block (measured on the AMX Xeon, 2026-11-29: one pass of
-SmolLM2's layer projections on the tile GEMM at 128 rows 0.85x the time on 2 MiB pages, the lm head 0.64x;
-docs/model.md). Where transparent huge pages are off, or madvise fails, nothing changes but the page size.
+kernels' software prefetches of the next weight block (AMX Xeon, 2026-11-29, `benchmarks/linear.py --pages`:
+a pass of SmolLM2's layer projections on the tile GEMM at 16-256 rows 0.73-0.85x the time on 2 MiB pages, the
+lm head 0.70-0.80x at 16-128 rows; docs/model.md). Where transparent huge pages are off, or madvise fails,
+nothing changes but the page size.
 """
 
 from __future__ import annotations

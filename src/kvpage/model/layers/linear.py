@@ -159,7 +159,7 @@ def gather_weights(linears: Sequence[PackedLinear]) -> int:
     each 4 KiB of it is a TLB miss and a page walk that also holds up the GEMM's prefetch of the next block
     (kvpage/pages.py). oneDNN's packing is an opaque tensor and stays where it is. Call before anything binds
     the tensors themselves (the fast path's few-token projections do)."""
-    slots: list[tuple[object, str]] = []  # (holder, attribute) of every operand, in order
+    slots: list[tuple[object, str | int]] = []  # (holder, attribute or index) of every operand, in order
     for lin in linears:
         slots += [(lin, name) for name in ("amx", "f32") if getattr(lin, name) is not None]
         if lin.i8 is not None:
