@@ -39,7 +39,7 @@ import torch
 from _common import alternating_medians
 from kvpage.model.loader import load_model
 from kvpage.ops import ACT_NONE, ACT_SILU, load_kernels
-from kvpage.pages import gather_on_huge_pages
+from kvpage.pages import gather_on_huge_pages, thp_mode
 
 
 def dense_weights(model) -> list[torch.Tensor]:
@@ -66,9 +66,10 @@ def main() -> None:
     ops = load_kernels()
     f32 = args.dtype == "float32"
     if f32 and (ops is None or not ops.f32_gemm_available() or args.hot or args.pages):
-        raise SystemExit("--dtype float32 needs the compiled kernels built for AVX2 without AVX-512 (and no --hot)")
-    if args.i8 and (f32 or args.hot or ops is None or not ops.i8_gemm_available()):
-        raise SystemExit("--i8 needs the compiled kernels built for AVX-512 VNNI (bf16, no --hot)")
+        raise SystemExit("--dtype float32 needs the compiled kernels built for AVX2 without AVX-512 (and neither "
+                         "--hot nor --pages)")
+    if args.i8 and (f32 or args.hot or args.pages or ops is None or not ops.i8_gemm_available()):
+        raise SystemExit("--i8 needs the compiled kernels built for AVX-512 VNNI (bf16, neither --hot nor --pages)")
     if not f32 and not args.i8 and (ops is None or not ops.amx_linear_available()):
         raise SystemExit("needs the compiled kernels and AMX tile products (CPU with AMX-BF16, Linux >= 5.16)")
     dtype = torch.float32 if f32 else torch.bfloat16
@@ -180,7 +181,7 @@ def small_vs_huge_pages(ops, weights, gated, rows: list[int], rounds: int) -> No
     small = [ops.amx_pack_gate_up(w) if f else ops.amx_pack_weight(w) for w, f in zip(weights, gated, strict=True)]
     huge, advised = gather_on_huge_pages(small)
     print(f"arena: {sum(p.numel() * p.element_size() for p in huge) / 1e6:.0f} MB, {advised / 1e6:.0f} MB advised "
-          f"onto 2 MiB pages (transparent huge pages: {thp_mode()})")
+          f"onto 2 MiB pages (transparent huge pages: {thp_mode() or 'unknown'})")
     flush = torch.ones(150 * 2**20, dtype=torch.float32)  # 600 MB
     print("| rows | layers 4 KiB (ms) | layers 2 MiB (ms) | 2 MiB / 4 KiB | lm head 4 KiB (ms) | lm head 2 MiB (ms) | "
           "2 MiB / 4 KiB |")
@@ -202,14 +203,6 @@ def small_vs_huge_pages(ops, weights, gated, rows: list[int], rounds: int) -> No
                                          lambda part=part: one_pass(huge, part), rounds)
         a, b, c, d = (x * 1e3 for x in cells)
         print(f"| {m} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {c:.2f} | {d:.2f} | {d / c:.2f}x |", flush=True)
-
-
-def thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "unknown"
 
 
 if __name__ == "__main__":

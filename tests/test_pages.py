@@ -7,8 +7,8 @@ from itertools import pairwise
 import pytest
 import torch
 
-from kvpage.pages import HUGE_PAGE, gather_on_huge_pages
-from tests.worker.test_worker import _thp_eligible, _thp_mode
+from kvpage.pages import HUGE_PAGE, gather_on_huge_pages, thp_mode
+from tests.worker.test_worker import _thp_eligible
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -41,7 +41,7 @@ def test_empty_and_non_contiguous():
         gather_on_huge_pages([torch.ones(4, 4).t()])
 
 
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
 def test_arena_is_advised_onto_huge_pages():
     out, advised = gather_on_huge_pages(_tensors())
     size = out[-1].data_ptr() + out[-1].numel() * out[-1].element_size() - out[0].data_ptr()

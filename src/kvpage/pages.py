@@ -23,6 +23,15 @@ HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor of an arena starts on a cache line (the tile loads' operands)
 
 
+def thp_mode() -> str | None:
+    """Linux's transparent huge page mode ("always", "madvise" or "never"), or None where it is not reported."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _madvise():
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise

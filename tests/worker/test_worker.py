@@ -9,6 +9,7 @@ import pytest
 from kvpage.capacity import KVShape, num_blocks_for_budget
 from kvpage.config import CacheConfig, ModelRunConfig
 from kvpage.kv import KVSequence
+from kvpage.pages import thp_mode
 from kvpage.units import parse_size
 from kvpage.worker.model_runner import ScheduledSeq
 from kvpage.worker.worker import Worker
@@ -86,14 +87,6 @@ def test_kv_prefault_option_reaches_the_cache(caplog):
     assert "KV pages faulted in" in caplog.text
 
 
-def _thp_mode() -> str | None:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
 def _thp_eligible(addr: int) -> bool | None:
     """The THPeligible flag of the mapping holding ``addr`` (None where smaps does not report it)."""
     with open("/proc/self/smaps") as f:
@@ -108,7 +101,7 @@ def _thp_eligible(addr: int) -> bool | None:
     return None
 
 
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
 def test_kv_cache_asks_for_huge_pages():
     import mmap
 
@@ -133,7 +126,7 @@ def test_kv_huge_pages_option_reaches_the_cache():
                                                                kv_huge_pages=False))
     assert off.kv_cache.huge_page_bytes == 0 and "2 MiB pages" not in off.describe()
     assert CacheConfig().huge_pages is False and CacheConfig(kv_prefault=True).huge_pages is True
-    if _thp_mode() in ("madvise", "always"):
+    if thp_mode() in ("madvise", "always"):
         assert on.kv_cache.huge_page_bytes > 0 and "2 MiB pages advised" in on.describe()
 
 

@@ -159,36 +159,24 @@ def gather_weights(linears: Sequence[PackedLinear]) -> int:
     each 4 KiB of it is a TLB miss and a page walk that also holds up the GEMM's prefetch of the next block
     (kvpage/pages.py). oneDNN's packing is an opaque tensor and stays where it is. Call before anything binds
     the tensors themselves (the fast path's few-token projections do)."""
-    slots: list[tuple[object, str | int]] = []  # (holder, attribute or index) of every operand, in order
+    streamed = []  # every operand, in order
     for lin in linears:
-        slots += [(lin, name) for name in ("amx", "f32") if getattr(lin, name) is not None]
-        if lin.i8 is not None:
-            lin.i8 = list(lin.i8)  # back to a tuple below
-            slots += [(lin.i8, 0), (lin.i8, 1)]
-        if lin.quant is not None:  # the blocks are replaced in place: the fast path holds the QuantWeight too
-            slots += [(lin.quant, name) for name in ("qs", "d", "m") if getattr(lin.quant, name) is not None]
-
-    def get(holder: object, key: str | int) -> torch.Tensor:
-        return holder[key] if isinstance(key, int) else getattr(holder, key)
-
-    unique: dict[int, torch.Tensor] = {}  # a tensor two layers share is copied once
-    for holder, key in slots:
-        t = get(holder, key)
-        if t.layout == torch.strided and t.is_contiguous():
-            unique.setdefault(id(t), t)
+        q = lin.quant
+        streamed += [t for t in (lin.amx, lin.f32, *(lin.i8 or ()), *((q.qs, q.d, q.m) if q else ())) if t is not None]
+    unique = {id(t): t for t in streamed if t.layout == torch.strided and t.is_contiguous()}  # shared: copied once
     copies, advised = gather_on_huge_pages(list(unique.values()))
     moved = dict(zip(unique, copies, strict=True))
-    for holder, key in slots:
-        new = moved.get(id(get(holder, key)))
-        if new is None:
-            continue
-        if isinstance(key, int):
-            holder[key] = new
-        else:
-            setattr(holder, key, new)
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else moved.get(id(t), t)
+
     for lin in linears:
+        lin.amx, lin.f32 = move(lin.amx), move(lin.f32)
         if lin.i8 is not None:
-            lin.i8 = tuple(lin.i8)
+            lin.i8 = (move(lin.i8[0]), move(lin.i8[1]))
+        if lin.quant is not None:  # in place: the fast path holds the QuantWeight too
+            q = lin.quant
+            q.qs, q.d, q.m = move(q.qs), move(q.d), move(q.m)
     logger.info("packed weights: %.0f MB in one arena (%s)", sum(c.numel() * c.element_size() for c in copies) / 1e6,
                 "on 2 MiB pages" if advised else "on the allocator's pages: transparent huge pages are off")
     return advised
