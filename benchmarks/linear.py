@@ -25,6 +25,12 @@ is what the weights' read adds on top of the products.
 KVPAGE_WEIGHT_HUGE_PAGES), each pass after a 600 MB read that evicts them from cache, as a step's KV reads do.
 
     python benchmarks/linear.py --pages [--rows 16 64 128 256]
+
+--stream instead times the lm head as the fast path runs it on the tile GEMM (by slices of 32,768 vocabulary
+rows, from the 2 MiB arena, after a 600 MB read) with its logits written by plain stores against streamed ones
+(non-temporal: PackedLinear's stream_out, what the fast path's head does), the same bits either way.
+
+    python benchmarks/linear.py --stream [--rows 64 128 192 256 512 1024]
 """
 
 from __future__ import annotations
@@ -60,16 +66,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--hot", action="store_true", help="cold vs hot weights for the tile GEMM (see above)")
     ap.add_argument("--pages", action="store_true", help="4 KiB pages vs the 2 MiB-page arena (see above)")
+    ap.add_argument("--stream", action="store_true", help="the lm head's plain vs streamed stores (see above)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--i8", action="store_true", help="the int8 GEMM on the quantized blocks against oneDNN bf16")
     args = ap.parse_args()
     ops = load_kernels()
     f32 = args.dtype == "float32"
-    if f32 and (ops is None or not ops.f32_gemm_available() or args.hot or args.pages):
-        raise SystemExit("--dtype float32 needs the compiled kernels built for AVX2 without AVX-512 (and neither "
-                         "--hot nor --pages)")
-    if args.i8 and (f32 or args.hot or args.pages or ops is None or not ops.i8_gemm_available()):
-        raise SystemExit("--i8 needs the compiled kernels built for AVX-512 VNNI (bf16, neither --hot nor --pages)")
+    amx_only = args.hot or args.pages or args.stream
+    if f32 and (ops is None or not ops.f32_gemm_available() or amx_only):
+        raise SystemExit("--dtype float32 needs the compiled kernels built for AVX2 without AVX-512 (and none of "
+                         "--hot, --pages, --stream)")
+    if args.i8 and (f32 or amx_only or ops is None or not ops.i8_gemm_available()):
+        raise SystemExit("--i8 needs the compiled kernels built for AVX-512 VNNI (bf16, none of --hot, --pages, "
+                         "--stream)")
     if not f32 and not args.i8 and (ops is None or not ops.amx_linear_available()):
         raise SystemExit("needs the compiled kernels and AMX tile products (CPU with AMX-BF16, Linux >= 5.16)")
     dtype = torch.float32 if f32 else torch.bfloat16
@@ -86,6 +95,9 @@ def main() -> None:
         return
     if args.pages:
         small_vs_huge_pages(ops, weights, [*gated, False], args.rows, args.rounds)
+        return
+    if args.stream:
+        plain_vs_streamed_head(ops, head[0], args.rows, args.rounds)
         return
     i8_packs = i8_weights(args.i8)
     name = "kvpage f32" if f32 else "i8" if args.i8 else "amx"
@@ -123,8 +135,8 @@ def main() -> None:
                             ops.silu_mul(y)
                     elif args.i8:
                         ops.i8_linear(inputs[w.shape[1]], *p, None)
-                    else:
-                        ops.amx_linear(inputs[w.shape[1]], p, None, ACT_SILU if f else ACT_NONE)
+                    else:  # the head's logits streamed, as the fast path writes them
+                        ops.amx_linear(inputs[w.shape[1]], p, None, ACT_SILU if f else ACT_NONE, group is head)
                 return time.perf_counter() - t
 
             a, b = alternating_medians(pass_onednn, pass_kvpage, args.rounds)
@@ -203,6 +215,31 @@ def small_vs_huge_pages(ops, weights, gated, rows: list[int], rounds: int) -> No
                                          lambda part=part: one_pass(huge, part), rounds)
         a, b, c, d = (x * 1e3 for x in cells)
         print(f"| {m} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {c:.2f} | {d:.2f} | {d / c:.2f}x |", flush=True)
+
+
+def plain_vs_streamed_head(ops, weight: torch.Tensor, rows: list[int], rounds: int) -> None:
+    from kvpage.model.fast_path import LOGITS_SPLIT_ROWS
+
+    slices, advised = gather_on_huge_pages([ops.amx_pack_weight(weight[i : i + LOGITS_SPLIT_ROWS].contiguous())
+                                            for i in range(0, weight.shape[0], LOGITS_SPLIT_ROWS)])
+    print(f"lm head: {len(slices)} slices of at most {LOGITS_SPLIT_ROWS} rows, {advised / 1e6:.0f} MB on 2 MiB pages")
+    flush = torch.ones(150 * 2**20, dtype=torch.float32)  # 600 MB
+    print("| rows | plain stores (ms) | streamed (ms) | streamed / plain |")
+    print("|---:|---:|---:|---:|")
+    for m in rows:
+        x = torch.randn(m, weight.shape[1], generator=torch.Generator().manual_seed(m)).bfloat16()
+        outs = {}
+
+        def one_pass(stream: bool, x=x, outs=outs) -> float:
+            flush.sum()
+            t = time.perf_counter()
+            outs[stream] = [ops.amx_linear(x, p, None, ACT_NONE, stream) for p in slices]
+            return time.perf_counter() - t
+
+        a, b = alternating_medians(lambda: one_pass(False), lambda: one_pass(True), rounds)
+        if not all(torch.equal(u, v) for u, v in zip(outs[False], outs[True], strict=True)):
+            raise SystemExit(f"streamed logits differ from plain stores at {m} rows")
+        print(f"| {m} | {a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

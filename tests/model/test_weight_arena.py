@@ -1,6 +1,7 @@
 """The fast path gathers its packed weights into one arena on 2 MiB pages (KernelConfig.weight_huge_pages, on by
 default): every projection's operands and the lm head's live there, and the model computes the same bits as
-with the weights where packing left them."""
+with the weights where packing left them. Its lm head, alone of the projections, writes its output around the
+cache (stream_out), the same bits."""
 
 from __future__ import annotations
 
@@ -60,3 +61,21 @@ def test_same_logits_with_and_without_the_arena(pair, length):
     on, off = pair
     seq = [(7 * i + 11) % 4000 + 10 for i in range(length)]
     assert torch.equal(teacher_forced_logits(on, seq), teacher_forced_logits(off, seq))
+
+
+def test_only_the_lm_head_streams_its_output(pair):
+    on, _ = pair
+    fast = on.model.fast
+    if fast is None:
+        pytest.skip("no compiled kernels here: no fast path")
+    assert fast.lm_packed.stream_out
+    assert not any(w.stream_out for layer in on.model.layers for w in (layer.self_attn.qkv, layer.self_attn.o_packed,
+                                                                       layer.mlp.gate_up, layer.mlp.down))
+    hidden = torch.randn(200, fast.lm_weight.shape[1], generator=torch.Generator().manual_seed(5))
+    streamed = fast.compute_logits_ex(hidden)
+    fast.lm_packed.stream_out = False
+    try:
+        plain = fast.compute_logits_ex(hidden)
+    finally:
+        fast.lm_packed.stream_out = True
+    assert torch.equal(streamed.logits, plain.logits) and torch.equal(streamed.argmax, plain.argmax)

@@ -126,3 +126,45 @@ def test_packed_linear_routes_by_rows():
     with pytest.raises(ValueError, match="activation"):
         PackedLinear(w, None, ops=ops, gated=True, activation="relu")
     assert PackedLinear(w, None, ops=kernels(KernelConfig(amx_linear=False))).amx is None
+
+
+@pytest.mark.parametrize("rows", [1, 17, 100, 257])
+@pytest.mark.parametrize("n", [32, 960, 4096])
+def test_streamed_output_is_the_same_bits(rows, n):
+    """stream=True (the lm head's logits, written with non-temporal stores) changes where the lines go, not
+    what they hold: bit-equal to the plain stores, with a bias too; a gated product ignores it."""
+    ops = _ops()
+    x, w, b = _rand(rows, 576, seed=rows), _rand(n, 576, seed=n), _rand(n, seed=3)
+    wp = ops.amx_pack_weight(w)
+    assert torch.equal(ops.amx_linear(x, wp, stream=True), ops.amx_linear(x, wp))
+    assert torch.equal(ops.amx_linear(x, wp, b, stream=True), ops.amx_linear(x, wp, b))
+    gp = ops.amx_pack_gate_up(w)
+    assert torch.equal(ops.amx_linear(x, gp, None, ACT_SILU, True), ops.amx_linear(x, gp, None, ACT_SILU))
+
+
+def test_packed_linear_streams_only_where_asked():
+    """An lm head (stream_out) asks the tile GEMM for streamed output, whole or by vocabulary slices; other
+    projections do not; both give the plain product's bits."""
+    _ops()
+    ops = kernels(KernelConfig())
+    w, x = _rand(256, 64, seed=8), _rand(24, 64, seed=9)
+    seen = []
+    real = ops.amx_linear
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def amx_linear(self, *a, **kw):
+            seen.append(a[4] if len(a) > 4 else kw.get("stream", False))
+            return real(*a, **kw)
+
+    plain = PackedLinear(w, None, ops=ops)
+    head = PackedLinear(w, None, ops=ops, stream_out=True)
+    sliced = PackedLinear(w, None, ops=ops, split_rows=96, stream_out=True)
+    for lin in (plain, head, sliced):
+        lin.ops = Spy()
+    want = plain(x)
+    assert torch.equal(head(x), want)
+    assert torch.equal(torch.cat([part for _, part in sliced.forward_parts(x)], dim=1), want)
+    assert seen == [False, True, True, True, True]  # plain, head, then the slices of 96, 96, 64 columns

@@ -21,10 +21,12 @@ from kvpage.ops import Kernels
 if TYPE_CHECKING:
     from kvpage.model.llama import DecoderLayer, LlamaForCausalLM
 
-# The wide output projection keeps oneDNN above this many rows, where oneDNN measured faster than kvpage's AMX
-# tile GEMM (benchmarks/linear.py on the AMX Xeon, 2026-11-25: the tile GEMM 1.16x oneDNN at 128 rows, 1.03x
-# at 192, 0.99x at 256, 0.70x at 384).
-AMX_LOGITS_MAX_ROWS = 192
+# The wide output projection keeps oneDNN above this many rows. Since the tile GEMM writes the logits around the
+# cache (stream_out), it is the faster of the two at every row count measured, 128-1024 (AMX Xeon, 2026-11-29,
+# the head's product and logits pass, weights cold: SmolLM2 greedy 9.3 against 11.6-12.1 ms at 256 rows, 33-35
+# against 60-68 ms at 1024; Gemma 3 48 against 56-58 ms at 256, 67 against 70-73 at 320); with plain stores it
+# had been slower from 192 rows on. Beyond 1024 (prompt log-probabilities) is not measured.
+AMX_LOGITS_MAX_ROWS = 1024
 # oneDNN's lm-head product by vocabulary slices of this many rows: a slice's bf16 output at 256 rows is 16 MiB,
 # under the 32 MiB up to which glibc's malloc reuses a freed block instead of mapping fresh pages each step.
 LOGITS_SPLIT_ROWS = 32768
@@ -45,7 +47,8 @@ class FastPath:
         self.lm_weight = weight
         self.lm_packed = PackedLinear(weight, None, quant.get("embed_tokens.weight" if model.lm_head is None
                                                               else "lm_head.weight"),
-                                      ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS, split_rows=LOGITS_SPLIT_ROWS)
+                                      ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS, split_rows=LOGITS_SPLIT_ROWS,
+                                      stream_out=True)
         self.lm_quant = self.lm_packed.quant  # the blocks as the packed head keeps them (as panels, say)
         if ops.config.weight_huge_pages:  # before the plan binds the few-token projections' blocks
             gather_weights([w for layer in model.layers for w in (layer.self_attn.qkv, layer.self_attn.o_packed,

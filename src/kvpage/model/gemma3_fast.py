@@ -74,7 +74,8 @@ class Gemma3FastPath:
             model.norm.weight)]
         self.lm_weight = model.embed_tokens.weight
         self.lm_packed = PackedLinear(self.lm_weight, None, blocks("embed_tokens.weight"), ops=ops,
-                                      amx_max_rows=AMX_LOGITS_MAX_ROWS, split_rows=LOGITS_SPLIT_ROWS)
+                                      amx_max_rows=AMX_LOGITS_MAX_ROWS, split_rows=LOGITS_SPLIT_ROWS,
+                                      stream_out=True)
         self.embed_scale = torch.tensor(model.config.hidden_size**0.5, dtype=self.lm_weight.dtype)
         if ops.config.weight_huge_pages:
             gather_weights([w for p in self.layers for w in (p.qkv, p.o, p.gate_up, p.down)] + [self.lm_packed])

@@ -152,10 +152,12 @@ class Kernels:
     def amx_pack_gate_up(self, w: Tensor) -> Tensor:
         return self._c.amx_pack_gate_up(w)
 
-    def amx_linear(self, x: Tensor, packed: Tensor, bias: Tensor | None = None, act: int = ACT_NONE) -> Tensor:
+    def amx_linear(self, x: Tensor, packed: Tensor, bias: Tensor | None = None, act: int = ACT_NONE,
+                   stream: bool = False) -> Tensor:
         """x . W^T (+ bias) with AMX tile products; act (ACT_SILU, ACT_GELU_TANH) on a [gate; up] weight packed by
-        amx_pack_gate_up: act(gate) * up in the epilogue, the gated MLP's half."""
-        return self._c.amx_linear(x, packed, bias, act)
+        amx_pack_gate_up: act(gate) * up in the epilogue, the gated MLP's half. stream: the output written with
+        non-temporal stores (wide outputs read once afterwards: logits), the same values."""
+        return self._c.amx_linear(x, packed, bias, act, stream)
 
     def i8_pack_weight(self, qs: Tensor, d: Tensor, m: Tensor | None, gated: bool) -> tuple[Tensor, Tensor]:
         """Q4 / Q8 blocks as i8_linear's 16-column panels: (unsigned byte codes, per-block scales and offsets)."""

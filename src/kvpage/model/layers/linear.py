@@ -35,8 +35,11 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
                  ops: Kernels | None = None, amx_max_rows: int | None = None, gated: bool = False,
-                 split_rows: int | None = None, activation: str = "silu") -> None:
+                 split_rows: int | None = None, activation: str = "silu", stream_out: bool = False) -> None:
         super().__init__()
+        # stream_out (lm heads): the AMX product writes its output around the cache, as it is read once, from
+        # memory, by the logits pass (ops/csrc/linear/linear_amx.cpp)
+        self.stream_out = stream_out
         # gated: weight = [gate; up] and the layer returns act(x Wg^T) * (x Wu^T), the MLP's input half, with act
         # `activation` (SiLU: Llama-family MLPs; GELU-tanh: Gemma's); the AMX path computes it in its epilogue
         # instead of writing both halves out for silu_mul / gelu_mul to read back, and so do the quantized and
@@ -109,7 +112,7 @@ class PackedLinear(nn.Module):
         if self._on_amx(rows):
             if self.amx_split is not None:
                 return torch.cat([part for _, part in self.forward_parts(x)], dim=1)
-            return self.ops.amx_linear(x, self.amx, self.amx_bias, self.act)
+            return self.ops.amx_linear(x, self.amx, self.amx_bias, self.act, self.stream_out)
         if q is not None and rows <= self.quant_max_tokens:
             if self.bias is None and (self.fused_silu or not self.gated):  # SiLU in the kernel's epilogue
                 return self.ops.quant_linear(x, q.qs, q.d, q.m, False, self.gated)
@@ -146,7 +149,7 @@ class PackedLinear(nn.Module):
             return
         if self._on_amx(x.shape[0]):
             for start in range(0, self.n, self.amx_split):
-                yield start, self.ops.amx_linear(x, self.amx[start : start + self.amx_split])
+                yield start, self.ops.amx_linear(x, self.amx[start : start + self.amx_split], stream=self.stream_out)
             return
         for start, p in self.packed_parts:
             yield start, torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")

@@ -98,7 +98,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_available", &kvpage::amx::amx_linear_available, "whether amx_linear can run on this CPU/OS");
   m.def("amx_pack_weight", &kvpage::amx::amx_pack_weight, "a bf16 [N, K] weight in amx_linear's operand order");
   m.def("amx_linear", &kvpage::amx::amx_linear, "x . W^T (+ bias) with AMX tile products from a packed bf16 weight",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("act") = 0, py::call_guard<py::gil_scoped_release>());
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("act") = 0, py::arg("stream") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("amx_pack_gate_up", &kvpage::amx::amx_pack_gate_up,
         "a bf16 [gate; up] weight packed for amx_linear(act=1 or 2)");
 

@@ -91,8 +91,9 @@ constexpr int64_t kActNone = 0, kActSilu = 1, kActGeluTanh = 2;
 bool amx_linear_available();
 torch::Tensor amx_pack_weight(const torch::Tensor& w);
 torch::Tensor amx_pack_gate_up(const torch::Tensor& w);
+// stream: the output written with non-temporal stores (an output read once, from memory, afterwards: logits)
 torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp, const c10::optional<torch::Tensor>& bias_in,
-                         int64_t act);
+                         int64_t act, bool stream);
 }  // namespace kvpage::amx
 namespace kvpage::gemm {
 bool f32_gemm_available();
