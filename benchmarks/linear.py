@@ -28,9 +28,10 @@ KVPAGE_WEIGHT_HUGE_PAGES), each pass after a 600 MB read that evicts them from c
 
 --stream instead times the lm head as the fast path runs it on the tile GEMM (by slices of 32,768 vocabulary
 rows, from the 2 MiB arena, after a 600 MB read) with its logits written by plain stores against streamed ones
-(non-temporal: PackedLinear's stream_out, what the fast path's head does), the same bits either way.
+(non-temporal: PackedLinear's stream_out, what the fast path's head does), the same bits either way; with --i8
+the same for the int8 GEMM's head (whole, as the fast path runs it there).
 
-    python benchmarks/linear.py --stream [--rows 64 128 192 256 512 1024]
+    python benchmarks/linear.py --stream [--i8] [--rows 64 128 192 256 512 1024]
 """
 
 from __future__ import annotations
@@ -72,13 +73,12 @@ def main() -> None:
     args = ap.parse_args()
     ops = load_kernels()
     f32 = args.dtype == "float32"
-    amx_only = args.hot or args.pages or args.stream
-    if f32 and (ops is None or not ops.f32_gemm_available() or amx_only):
+    amx_only = args.hot or args.pages
+    if f32 and (ops is None or not ops.f32_gemm_available() or amx_only or args.stream):
         raise SystemExit("--dtype float32 needs the compiled kernels built for AVX2 without AVX-512 (and none of "
                          "--hot, --pages, --stream)")
     if args.i8 and (f32 or amx_only or ops is None or not ops.i8_gemm_available()):
-        raise SystemExit("--i8 needs the compiled kernels built for AVX-512 VNNI (bf16, none of --hot, --pages, "
-                         "--stream)")
+        raise SystemExit("--i8 needs the compiled kernels built for AVX-512 VNNI (bf16, neither --hot nor --pages)")
     if not f32 and not args.i8 and (ops is None or not ops.amx_linear_available()):
         raise SystemExit("needs the compiled kernels and AMX tile products (CPU with AMX-BF16, Linux >= 5.16)")
     dtype = torch.float32 if f32 else torch.bfloat16
@@ -97,7 +97,7 @@ def main() -> None:
         small_vs_huge_pages(ops, weights, [*gated, False], args.rows, args.rounds)
         return
     if args.stream:
-        plain_vs_streamed_head(ops, head[0], args.rows, args.rounds)
+        plain_vs_streamed_head(ops, head[0], args.rows, args.rounds, i8_weights(True)[-1] if args.i8 else None)
         return
     i8_packs = i8_weights(args.i8)
     name = "kvpage f32" if f32 else "i8" if args.i8 else "amx"
@@ -133,8 +133,8 @@ def main() -> None:
                         y = ops.f32_linear(inputs[w.shape[1]], *p)
                         if f:
                             ops.silu_mul(y)
-                    elif args.i8:
-                        ops.i8_linear(inputs[w.shape[1]], *p, None)
+                    elif args.i8:  # the head's logits streamed, as the fast path writes them
+                        ops.i8_linear(inputs[w.shape[1]], *p, None, group is head)
                     else:  # the head's logits streamed, as the fast path writes them
                         ops.amx_linear(inputs[w.shape[1]], p, None, ACT_SILU if f else ACT_NONE, group is head)
                 return time.perf_counter() - t
@@ -217,12 +217,23 @@ def small_vs_huge_pages(ops, weights, gated, rows: list[int], rounds: int) -> No
         print(f"| {m} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {c:.2f} | {d:.2f} | {d / c:.2f}x |", flush=True)
 
 
-def plain_vs_streamed_head(ops, weight: torch.Tensor, rows: list[int], rounds: int) -> None:
+def plain_vs_streamed_head(ops, weight: torch.Tensor, rows: list[int], rounds: int, i8: tuple | None) -> None:
     from kvpage.model.fast_path import LOGITS_SPLIT_ROWS
 
-    slices, advised = gather_on_huge_pages([ops.amx_pack_weight(weight[i : i + LOGITS_SPLIT_ROWS].contiguous())
-                                            for i in range(0, weight.shape[0], LOGITS_SPLIT_ROWS)])
-    print(f"lm head: {len(slices)} slices of at most {LOGITS_SPLIT_ROWS} rows, {advised / 1e6:.0f} MB on 2 MiB pages")
+    if i8 is not None:  # (codes, scales, N, gated): the int8 GEMM's head, one product
+        (codes, scales), advised = gather_on_huge_pages(list(i8[:2]))
+        print(f"lm head on the int8 GEMM: one product, {advised / 1e6:.0f} MB on 2 MiB pages")
+
+        def product(x: torch.Tensor, stream: bool) -> list[torch.Tensor]:
+            return [ops.i8_linear(x, codes, scales, i8[2], False, None, stream)]
+    else:
+        slices, advised = gather_on_huge_pages([ops.amx_pack_weight(weight[i : i + LOGITS_SPLIT_ROWS].contiguous())
+                                                for i in range(0, weight.shape[0], LOGITS_SPLIT_ROWS)])
+        print(f"lm head on the tile GEMM: {len(slices)} slices of at most {LOGITS_SPLIT_ROWS} rows, "
+              f"{advised / 1e6:.0f} MB on 2 MiB pages")
+
+        def product(x: torch.Tensor, stream: bool) -> list[torch.Tensor]:
+            return [ops.amx_linear(x, p, None, ACT_NONE, stream) for p in slices]
     flush = torch.ones(150 * 2**20, dtype=torch.float32)  # 600 MB
     print("| rows | plain stores (ms) | streamed (ms) | streamed / plain |")
     print("|---:|---:|---:|---:|")
@@ -233,7 +244,7 @@ def plain_vs_streamed_head(ops, weight: torch.Tensor, rows: list[int], rounds: i
         def one_pass(stream: bool, x=x, outs=outs) -> float:
             flush.sum()
             t = time.perf_counter()
-            outs[stream] = [ops.amx_linear(x, p, None, ACT_NONE, stream) for p in slices]
+            outs[stream] = product(x, stream)
             return time.perf_counter() - t
 
         a, b = alternating_medians(lambda: one_pass(False), lambda: one_pass(True), rounds)

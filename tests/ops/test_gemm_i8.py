@@ -141,3 +141,21 @@ def test_i8_linear_rejects_mismatched_operands(ops):
         ops.i8_pack_weight(qw.qs, qw.d, qw.m, True)  # 40 rows: not a multiple of 32
     with pytest.raises(RuntimeError, match="i8_pack_weight"):
         ops.i8_linear(torch.randn(3, 64), codes[:, :, :256], scales, 40, False, None)
+
+
+@pytest.mark.parametrize("n", [16, 48, 100, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_i8_linear_streamed_output_is_the_same_bits(ops, n, dtype):
+    """stream=True (an lm head's logits, non-temporal stores) writes the same values as plain stores: odd
+    panel counts, a width off the 16-column grid (its tail panel stays on plain stores), with and without a
+    bias, bf16 and float32 outputs; a gated product ignores it."""
+    g = torch.Generator().manual_seed(n)
+    qw = quant_weight("q4", n, 256, g)
+    codes, scales = ops.i8_pack_weight(qw.qs, qw.d, qw.m, False)
+    x, b = torch.randn(37, 256, generator=g).to(dtype), torch.randn(n, generator=g)
+    for bias in (None, b):
+        assert torch.equal(ops.i8_linear(x, codes, scales, n, False, bias, True),
+                           ops.i8_linear(x, codes, scales, n, False, bias))
+    if n % 32 == 0:
+        gc, gs = ops.i8_pack_weight(qw.qs, qw.d, qw.m, True)
+        assert torch.equal(ops.i8_linear(x, gc, gs, n, True, None, True), ops.i8_linear(x, gc, gs, n, True, None))

@@ -164,9 +164,10 @@ class Kernels:
         return self._c.i8_pack_weight(qs, d, m, gated)
 
     def i8_linear(self, x: Tensor, codes: Tensor, scales: Tensor, n: int, gated: bool,
-                  bias: Tensor | None) -> Tensor:
-        """x . W^T with int8 activation codes per 32-block against the exact quantized weights (VNNI)."""
-        return self._c.i8_linear(x, codes, scales, n, gated, bias)
+                  bias: Tensor | None, stream: bool = False) -> Tensor:
+        """x . W^T with int8 activation codes per 32-block against the exact quantized weights (VNNI); stream as
+        amx_linear's."""
+        return self._c.i8_linear(x, codes, scales, n, gated, bias, stream)
 
     def f32_pack_weight(self, w: Tensor) -> Tensor:
         return self._c.f32_pack_weight(w)

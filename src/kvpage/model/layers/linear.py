@@ -120,7 +120,7 @@ class PackedLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias.to(x.dtype)
         elif self.i8 is not None:  # SiLU in the kernel's epilogue
-            out = self.ops.i8_linear(x, self.i8[0], self.i8[1], self.n, self.fused_silu, self.bias)
+            out = self.ops.i8_linear(x, self.i8[0], self.i8[1], self.n, self.fused_silu, self.bias, self.stream_out)
             if self.fused_silu or not self.gated:
                 return out
         elif self.f32 is not None:

@@ -119,7 +119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("i8_linear", &kvpage::gemm_i8::i8_linear,
         "x . W^T from Q4 / Q8 panels with int8 activation codes per 32-block (VNNI products)", py::arg("x"),
         py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("gated") = false,
-        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("bias") = py::none(), py::arg("stream") = false, py::call_guard<py::gil_scoped_release>());
 
   // sampler.cpp
   m.def("apply_penalties_", &apply_penalties_, "repetition, presence and frequency penalties in place, per row",

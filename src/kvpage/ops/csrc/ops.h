@@ -104,8 +104,9 @@ namespace kvpage::gemm_i8 {
 bool i8_gemm_available();
 std::tuple<torch::Tensor, torch::Tensor> i8_pack_weight(const torch::Tensor& qs, const torch::Tensor& d,
                                                         const c10::optional<torch::Tensor>& m, bool gated);
+// stream: a plain product's output written with non-temporal stores (as amx_linear's)
 torch::Tensor i8_linear(torch::Tensor x, const torch::Tensor& codes, const torch::Tensor& scales, int64_t N,
-                        bool gated, const c10::optional<torch::Tensor>& bias);
+                        bool gated, const c10::optional<torch::Tensor>& bias, bool stream);
 }  // namespace kvpage::gemm_i8
 
 // Sampling (sampler.cpp).

@@ -150,9 +150,19 @@ using kvpage::store16;
 // R rows (x codes at xq, row stride 2K) times NP consecutive panels (codes at w, scales at s; panels nb blocks
 // apart) over the whole K. Every block's int32 sums are scaled into float32 accumulators, then reset.
 // Output: plain (NP panels -> columns n0.., `cols` real ones) or gated (panel 0 = gate, 1 = up: 16 columns).
+// Sixteen lanes to p around the cache (non-temporal): float32 a whole aligned line, bf16 (rounded as store16)
+// half of one, whose other half the next call writes.
+inline void stream16(float* p, __m512 v) { _mm512_stream_ps(p, v); }
+inline void stream16(at::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
 template <int R, int NP, bool GATED, typename OUT>
 void tile(const int8_t* xq, const float* x1, const float* x2, int64_t K, const uint8_t* w, const float* s,
-          OUT* out, int64_t ldo, int64_t cols, const float* bias) {
+          OUT* out, int64_t ldo, int64_t cols, const float* bias, bool stream) {
   static_assert(!GATED || NP == 2, "the gated epilogue pairs two panels");
   const int64_t nb = K / kQK;
   __m512 f[R][NP];
@@ -204,6 +214,11 @@ void tile(const int8_t* xq, const float* x1, const float* x2, int64_t K, const u
   }
   if constexpr (GATED) {
     for (int i = 0; i < R; ++i) store16(out + i * ldo, kvpage::silu_mul16(f[i][0], f[i][1], 0xFFFF), 0xFFFF);
+  } else if (stream && cols == NP * kNR) {  // whole panels: each row's lines in turn, around the cache
+    __m512 bv[NP];
+    for (int j = 0; j < NP; ++j) bv[j] = bias != nullptr ? _mm512_loadu_ps(bias + j * kNR) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < NP; ++j) stream16(out + i * ldo + j * kNR, _mm512_add_ps(f[i][j], bv[j]));
   } else {
     for (int j = 0; j < NP; ++j) {
       const int64_t left = cols - j * kNR;
@@ -217,11 +232,12 @@ void tile(const int8_t* xq, const float* x1, const float* x2, int64_t K, const u
 
 template <int NP, bool GATED, typename OUT>
 void rows_times_panels(int64_t rows, const int8_t* xq, const float* x1, const float* x2, int64_t K,
-                       const uint8_t* w, const float* s, OUT* out, int64_t ldo, int64_t cols, const float* bias) {
+                       const uint8_t* w, const float* s, OUT* out, int64_t ldo, int64_t cols, const float* bias,
+                       bool stream) {
   const int64_t nb = K / kQK;
   int64_t r = 0;
 #define KVPAGE_I8_TILE(R_) \
-  tile<R_, NP, GATED, OUT>(xq + r * 2 * K, x1 + r * nb, x2 + r * nb, K, w, s, out + r * ldo, ldo, cols, bias)
+  tile<R_, NP, GATED, OUT>(xq + r * 2 * K, x1 + r * nb, x2 + r * nb, K, w, s, out + r * ldo, ldo, cols, bias, stream)
   for (; r + kMR <= rows; r += kMR) KVPAGE_I8_TILE(kMR);
   switch (rows - r) {
     case 1: KVPAGE_I8_TILE(1); break;
@@ -236,10 +252,12 @@ void rows_times_panels(int64_t rows, const int8_t* xq, const float* x1, const fl
 
 template <bool GATED, typename OUT>
 void run(const int8_t* xq, const float* x1, const float* x2, int64_t M, int64_t K, const uint8_t* codes,
-         const float* scales, int64_t N, int64_t P, OUT* out, const float* bias) {
+         const float* scales, int64_t N, int64_t P, OUT* out, const float* bias, bool stream_in) {
   const int64_t nb = K / kQK;
   const int64_t pairs = (P + 1) / 2;        // tiles of two panels (the last may have one)
   const int64_t ldo = GATED ? N / 2 : N;
+  // streamed lines need every row's panels on 64-byte lines: N % 16 == 0 and an aligned start
+  const bool stream = stream_in && !GATED && N % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0;
   kvpage::for_row_chunks_and_tiles(M, 2 * K, kMR, pairs, [&](int64_t m0, int64_t rows, int64_t pr) {
     const int64_t p = 2 * pr;
     const uint8_t* w = codes + p * nb * kPanelBlock;
@@ -248,21 +266,23 @@ void run(const int8_t* xq, const float* x1, const float* x2, int64_t M, int64_t 
     const float* a1 = x1 + m0 * nb;
     const float* a2 = x2 + m0 * nb;
     if constexpr (GATED) {
-      rows_times_panels<2, true, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + pr * kNR, ldo, kNR, nullptr);
+      rows_times_panels<2, true, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + pr * kNR, ldo, kNR, nullptr,
+                                      false);
     } else {
       const int64_t n0 = p * kNR, cols = std::min<int64_t>(2 * kNR, N - n0);
       const float* bp = bias != nullptr ? bias + n0 : nullptr;
       if (p + 1 < P)
-        rows_times_panels<2, false, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + n0, ldo, cols, bp);
+        rows_times_panels<2, false, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + n0, ldo, cols, bp, stream);
       else
-        rows_times_panels<1, false, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + n0, ldo, cols, bp);
+        rows_times_panels<1, false, OUT>(rows, xr, a1, a2, K, w, s, out + m0 * ldo + n0, ldo, cols, bp, stream);
     }
+    if (stream) _mm_sfence();  // this task's streamed lines visible before the call returns
   });
 }
 #endif
 
 torch::Tensor i8_linear(torch::Tensor x, const torch::Tensor& codes, const torch::Tensor& scales, int64_t N, bool gated,
-                         const c10::optional<torch::Tensor>& bias_in) {
+                         const c10::optional<torch::Tensor>& bias_in, bool stream) {
   TORCH_CHECK(i8_gemm_available(), "i8_linear needs an AVX-512 VNNI build");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be bf16 or float32 [tokens, in_features]");
@@ -296,7 +316,7 @@ torch::Tensor i8_linear(torch::Tensor x, const torch::Tensor& codes, const torch
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-#define KVPAGE_I8_RUN(G_, T_) run<G_, T_>(xqp, x1, x2, M, K, cp, sp, N, P, out.data_ptr<T_>(), bp)
+#define KVPAGE_I8_RUN(G_, T_) run<G_, T_>(xqp, x1, x2, M, K, cp, sp, N, P, out.data_ptr<T_>(), bp, stream)
   if (x.scalar_type() == at::kFloat) {
     if (gated) KVPAGE_I8_RUN(true, float);
     else KVPAGE_I8_RUN(false, float);
