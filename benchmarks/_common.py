@@ -12,8 +12,6 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvpage.cpuinfo import cpu_flags, cpuinfo_field
-
 
 def median_seconds(fn: Callable[[], object], reps: int) -> float:
     """Median wall time of ``fn`` over ``reps`` calls, after one untimed warm-up call."""
@@ -61,6 +59,9 @@ def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo) with its family and widest vector instructions, for the machine line
     every result is printed with: "AMD EPYC" alone names three kinds of machine here (Zen 2/3 with AVX2 only,
     Zen 5 with AVX-512)."""
+    # imported here: _vllm_attention.py loads this module in vLLM's interpreter, which has no kvpage
+    from kvpage.cpuinfo import cpu_flags, cpuinfo_field
+
     name = cpuinfo_field("model name") or platform.processor() or platform.machine()
     flags = cpu_flags()
     isa = [f for f in ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f") if f in flags] or \

@@ -147,6 +147,20 @@ def test_benchmark_scripts_import_names_that_exist():
     assert not missing, missing
 
 
+def test_vllm_side_benchmark_helpers_need_no_kvpage():
+    """benchmarks/_vllm_attention.py runs in vLLM's interpreter, which has no kvpage (nor this checkout on its
+    path), and loads benchmarks/_common.py there: that module imports only the standard library at its top."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('c', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); assert m.median_seconds")
+    # -I -S: no site-packages (so neither kvpage nor torch), no current directory on the path
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(ROOT / "benchmarks" / "_common.py")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_python_files_stay_small():
     """One concern per module: no Python file of the package, its tests, benchmarks or scripts runs much past
     400 lines (a file that grows past the limit is split by concern, not squeezed)."""
