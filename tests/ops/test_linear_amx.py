@@ -22,7 +22,7 @@ def _rand(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 48, 100, 257, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 48, 100, 257, 300, 1000])
 @pytest.mark.parametrize("n,k", [(32, 32), (96, 64), (960, 576), (64, 1536)])
 def test_matches_float32_product(rows, n, k):
     ops = _ops()
@@ -61,6 +61,19 @@ def test_rows_do_not_depend_on_the_batch():
     for i in (0, 15, 16, 63, 64, 74):  # in full tiles, in the partial last tile, alone (staged)
         assert torch.equal(ops.amx_linear(x[i : i + 1], wp)[0], full[i])
     assert torch.equal(ops.amx_linear(x[10:50], wp), full[10:50])
+
+
+def test_rows_across_activation_chunks():
+    """Long inputs are taken ~1 MiB of activations at a time (320 rows at K = 1536, 896 at K = 576): rows on
+    either side of a chunk's edge, and a chunk cut short at the end, give the bits they give alone."""
+    ops = _ops()
+    for k, edges in ((1536, (319, 320, 639, 640)), (576, (895, 896))):
+        x, w = _rand(1000, k, seed=k), _rand(96, k, seed=k + 1)
+        wp = ops.amx_pack_weight(w)
+        full = ops.amx_linear(x, wp)
+        for i in (0, *edges, 999):
+            assert torch.equal(ops.amx_linear(x[i : i + 1], wp)[0], full[i])
+        assert torch.equal(ops.amx_linear(x[300:700], wp), full[300:700])
 
 
 def test_non_contiguous_input_and_empty_batch():
