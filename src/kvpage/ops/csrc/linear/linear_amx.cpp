@@ -17,7 +17,8 @@
 // With `stream` (the lm head: a [rows, 32768] slice of logits, 8-16 MB, read once by the logits pass) the
 // output lines go around the cache (non-temporal stores): every output row of a column block is 64 KB from the
 // last, so plain stores read each line for ownership first and the rows of a block fought over the same few
-// cache sets; SmolLM2's head at 192 rows took 2.7x as long as with streamed lines (AMX Xeon, 2026-11-29).
+// cache sets; SmolLM2's head at 192 / 256 rows took 3x as long as with streamed lines (AMX Xeon, 2026-11-29:
+// benchmarks/linear.py --stream).
 // Every output element is one float32 sum over K in a fixed order whatever the number of rows (the result of a
 // row does not depend on the batch it came in), rounded once to bf16.
 #include "tensor.h"
