@@ -125,11 +125,15 @@ inline __m512 load16(const at::BFloat16* p, __mmask16 k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline void store16(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 k) {
+// Sixteen float32 lanes rounded to bf16 bits (nearest even), without AVX512_BF16.
+inline __m256i bf16_bits16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_mask_storeu_epi16(reinterpret_cast<void*>(p), k, _mm512_cvtepi32_epi16(r));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 k) {
+  _mm256_mask_storeu_epi16(reinterpret_cast<void*>(p), k, bf16_bits16(v));
 }
 
 // exp(x) for 16 lanes with x <= 0 (same polynomial as exp_neg); lanes outside `keep` become 0.

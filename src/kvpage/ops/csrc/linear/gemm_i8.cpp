@@ -154,10 +154,7 @@ using kvpage::store16;
 // half of one, whose other half the next call writes.
 inline void stream16(float* p, __m512 v) { _mm512_stream_ps(p, v); }
 inline void stream16(at::BFloat16* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), kvpage::bf16_bits16(v));
 }
 
 template <int R, int NP, bool GATED, typename OUT>

@@ -150,13 +150,13 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int64_t KB = K / 32, NB = N / 32;
   const int64_t block_lines = KB * 32;  // 2 KiB of weights per k step
-  // Rows are taken kChunkTiles tiles at a time so that a chunk's activations (about 1 MiB: 896 rows at K = 576,
+  // Rows are taken chunk_tiles tiles at a time so that a chunk's activations (about 1 MiB: 896 rows at K = 576,
   // 320 at K = 1536, never under 256 rows) stay in the 2 MiB L2 while the thread sweeps its column blocks;
   // longer inputs (prompts) read the weights once per chunk. A fixed 256 rows read them twice as often: a pass
   // of SmolLM2's layers took 0.89-0.91x / 0.96-1.03x / 0.94-0.98x the time at 512 / 1024 / 2048 rows with 1 MiB
   // chunks (two builds alternating, three rounds each: AMX Xeon, 2026-11-29).
-  const int64_t kChunkTiles = std::clamp<int64_t>((1 << 20) / (32 * K) / 2 * 2, 16, 64);
-  const int64_t steps = (std::min(row_tiles, kChunkTiles) + 1) / 2 * KB;
+  const int64_t chunk_tiles = std::clamp<int64_t>((1 << 20) / (32 * K) / 2 * 2, 16, 64);
+  const int64_t steps = (std::min(row_tiles, chunk_tiles) + 1) / 2 * KB;
   // At most 8 lines (512 bytes) requested per k step, ~20 GB/s a core at the products' pace, more than memory
   // serves: with few rows a block's products are over too soon to fetch all of the next one, and bursts of more
   // requests held up the operand tile loads behind them (a cold pass of SmolLM2's projections at 64 rows
@@ -164,7 +164,7 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   const int64_t per_kb = std::min<int64_t>(8, (block_lines + steps - 1) / steps);
   // Tasks (row chunk, column block), row chunk major, claimed about eight runs a thread at a time (common.h
   // ChunkClaims: a thread the OS parks leaves its blocks to the other).
-  const int64_t tasks = (row_tiles + kChunkTiles - 1) / kChunkTiles * NB;
+  const int64_t tasks = (row_tiles + chunk_tiles - 1) / chunk_tiles * NB;
   kvpage::ChunkClaims claims(tasks, NB / (8 * at::get_num_threads()));
   // Streamed lines need 64-byte rows (N % 32 == 0 holds) from a 64-byte aligned start (torch's allocator's).
   const bool stream_out = stream && !gated && reinterpret_cast<uintptr_t>(yp) % 64 == 0;
@@ -230,7 +230,7 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
     bool have_next = have && queue.next(next_first, next_last);
     while (have) {
       for (int64_t task = first; task < last; ++task) {
-        const int64_t nb = task % NB, t0 = task / NB * kChunkTiles, t1 = std::min(row_tiles, t0 + kChunkTiles);
+        const int64_t nb = task % NB, t0 = task / NB * chunk_tiles, t1 = std::min(row_tiles, t0 + chunk_tiles);
         const at::BFloat16* wb = wptr + nb * KB * 1024;
         const int64_t next = task + 1 < last ? task + 1 : have_next ? next_first : -1;
         // the next block's lines while this one is multiplied (none when the next task reuses this block)
