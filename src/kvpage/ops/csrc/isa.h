@@ -11,8 +11,9 @@
 //   KVPAGE_PACKED          the packed bf16 KV layout (attention/packed_kv.h): its kernels need AVX512BF16
 //   KVPAGE_PACKED_INT8     the packed int8 KV layout (attention/packed_int8.h): on top of KVPAGE_PACKED, VNNI's
 //                          byte dot product (vpdpbusd)
-//   KVPAGE_AMX_INT8        AMX byte tile products (tdpbusd) on top of KVPAGE_ISA_AMX and KVPAGE_PACKED_INT8:
-//                          decode over packed int8 pages (attention/amx_int8.h)
+//   KVPAGE_AMX_INT8        AMX byte tile products (tdpbusd) on top of KVPAGE_ISA_AMX and KVPAGE_PACKED_INT8,
+//                          with VBMI's byte permutes (every AMX CPU has them): decode over packed int8 pages
+//                          (attention/amx_int8.h)
 // A kernel with a path per instruction set picks one with
 //   #if KVPAGE_ISA_AVX512 ... #elif KVPAGE_ISA_AVX2 ... #else (scalar) #endif
 #pragma once
@@ -50,7 +51,7 @@
 #define KVPAGE_PACKED_INT8 0
 #endif
 
-#if KVPAGE_ISA_AMX && KVPAGE_PACKED_INT8 && defined(__AMX_INT8__)
+#if KVPAGE_ISA_AMX && KVPAGE_PACKED_INT8 && defined(__AMX_INT8__) && defined(__AVX512VBMI__)
 #define KVPAGE_AMX_INT8 1
 #else
 #define KVPAGE_AMX_INT8 0

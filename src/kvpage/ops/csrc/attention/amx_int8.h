@@ -48,6 +48,16 @@ inline void amx_configure_int8(int64_t G) {
   _tile_loadconfig(&cfg);
 }
 
+constexpr __mmask64 kUpper32 = 0xFFFFFFFF00000000ull;
+
+// Byte permute indices that take byte b of each 32-bit lane of two vectors (32 keys) into bytes 0-31, and
+// again into bytes 32-63 (for the second pair of vectors, blended in above kUpper32).
+inline __m512i weight_byte_index(int b) {
+  alignas(64) uint8_t idx[64];
+  for (int k = 0; k < 64; ++k) idx[k] = static_cast<uint8_t>(4 * (k % 32) + b);  // 4 x 16..31 + b: second vector
+  return _mm512_load_si512(idx);
+}
+
 // One decode query (rows r = h * G + g, pre-scaled float32 in the keys' rotated basis) over keys
 // [k_begin, k_end) of packed int8 pages; k_begin may fall inside a group (a window's edge: the keys before it
 // are masked). Same results contract as attend_tile_int8_packed for one query token.
@@ -85,6 +95,7 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
     }
   reset_partials(acc, m, l, R, D);
   const __m512 vneg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i byte_pick[3] = {weight_byte_index(0), weight_byte_index(1), weight_byte_index(2)};
   const int64_t t0 = group_start(k_begin);
   for (int64_t t = t0; t < k_end; t += kInt8Span) {
     int64_t base[NG], far[NG];
@@ -167,17 +178,20 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
         const float tmax = _mm512_reduce_max_ps(top);
         const __m512 inv = _mm512_set1_ps(tmax > 0.f ? kWeightCodes / tmax : 0.f);
         wscale[g] = tmax / kWeightCodes;
-        const __m512i byte = _mm512_set1_epi32(255), top_code = _mm512_set1_epi32(16777215);
-        for (int64_t u = 0; u < NG; ++u) {
-          // the largest may round to 2^24, whose top byte would wrap to 0
-          const __m512i w = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(vs[u], inv)), top_code);
-          uint8_t* wp = wbuf.data() + g * kInt8Span + 16 * u;
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(wp), _mm512_cvtepi32_epi8(_mm512_srli_epi32(w, 16)));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(wp + G * kInt8Span),
-                           _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(w, 8), byte)));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(wp + 2 * G * kInt8Span),
-                           _mm512_cvtepi32_epi8(_mm512_and_si512(w, byte)));
-        }
+        const __m512i top_code = _mm512_set1_epi32(16777215);
+        __m512i w[NG];
+        for (int64_t u = 0; u < NG; ++u)  // the largest may round to 2^24, whose top byte would wrap to 0
+          w[u] = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(vs[u], inv)), top_code);
+        // each 64 keys' high, middle and low bytes gathered from four groups' 32-bit weights: two byte
+        // permutes and a blend per 64 bytes (VBMI), where a vpmovdb per 16 bytes and the shifts before it
+        // took ~7% more of the whole kernel's time (p5 is the port both the conversions and the exp share)
+        uint8_t* wp = wbuf.data() + g * kInt8Span;
+        for (int64_t j = 0; j < NG / 4; ++j)
+          for (int b = 0; b < 3; ++b) {
+            const __m512i lo = _mm512_permutex2var_epi8(w[4 * j], byte_pick[b], w[4 * j + 1]);
+            const __m512i hi = _mm512_permutex2var_epi8(w[4 * j + 2], byte_pick[b], w[4 * j + 3]);
+            _mm512_storeu_si512(wp + (2 - b) * G * kInt8Span + 64 * j, _mm512_mask_blend_epi8(kUpper32, lo, hi));
+          }
       }
       // P.V: the span's keys 0-63 and 64-127 in one product each per 16 dims
       _tile_loadd(4, wbuf.data(), kInt8Span);
