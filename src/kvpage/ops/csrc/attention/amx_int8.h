@@ -21,6 +21,10 @@
 // time stayed 10.7-11.5 ms in either form). Per span the int32 sums are folded into the float32 output rows
 // (a span's weights carry their own scale). Needs 3G <= 16 and D % 64 == 0; tiles configured by
 // amx_configure_int8(G).
+// From DRAM this loop streams ~17-19 GB/s against the bf16 tile pairs' ~21-23: measured no faster (64 x 8K
+// keys, pages evicted from L3): no software prefetch (1.15-1.20x the time), every other line (1.2x), into L1
+// (1.01-1.05x), a span ahead (1.03x), a block's heads at once (1.18x), all heads group by group (1.28-1.52x),
+// two (span, head) units in flight so that one's softmax overlaps the other's tile products (1.02-1.04x).
 #pragma once
 
 #include "isa.h"
@@ -184,7 +188,7 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
           w[u] = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(vs[u], inv)), top_code);
         // each 64 keys' high, middle and low bytes gathered from four groups' 32-bit weights: two byte
         // permutes and a blend per 64 bytes (VBMI), where a vpmovdb per 16 bytes and the shifts before it
-        // took ~7% more of the whole kernel's time (p5 is the port both the conversions and the exp share)
+        // took 8-10% more time with the pages in cache, 2-3% more from DRAM
         uint8_t* wp = wbuf.data() + g * kInt8Span;
         for (int64_t j = 0; j < NG / 4; ++j)
           for (int b = 0; b < 3; ++b) {
