@@ -54,12 +54,18 @@ inline void amx_configure_int8(int64_t G) {
 
 constexpr __mmask64 kUpper32 = 0xFFFFFFFF00000000ull;
 
-// Byte permute indices that take byte b of each 32-bit lane of two vectors (32 keys) into bytes 0-31, and
-// again into bytes 32-63 (for the second pair of vectors, blended in above kUpper32).
+// Byte permute indices that take byte 0 of each 32-bit lane of two vectors (32 keys) into bytes 0-31, and
+// again into bytes 32-63 (for the second pair of vectors, blended in above kUpper32); + b picks byte b.
+struct alignas(64) BytePick {
+  uint8_t idx[64];
+};
+constexpr BytePick kLowBytes = [] {
+  BytePick p{};
+  for (int k = 0; k < 64; ++k) p.idx[k] = static_cast<uint8_t>(4 * (k % 32));  // 4 x 16..31: second vector
+  return p;
+}();
 inline __m512i weight_byte_index(int b) {
-  alignas(64) uint8_t idx[64];
-  for (int k = 0; k < 64; ++k) idx[k] = static_cast<uint8_t>(4 * (k % 32) + b);  // 4 x 16..31 + b: second vector
-  return _mm512_load_si512(idx);
+  return _mm512_add_epi8(_mm512_load_si512(kLowBytes.idx), _mm512_set1_epi8(static_cast<char>(b)));
 }
 
 // One decode query (rows r = h * G + g, pre-scaled float32 in the keys' rotated basis) over keys

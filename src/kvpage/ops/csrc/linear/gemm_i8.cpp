@@ -147,9 +147,6 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* x1, floa
 
 using kvpage::store16;
 
-// R rows (x codes at xq, row stride 2K) times NP consecutive panels (codes at w, scales at s; panels nb blocks
-// apart) over the whole K. Every block's int32 sums are scaled into float32 accumulators, then reset.
-// Output: plain (NP panels -> columns n0.., `cols` real ones) or gated (panel 0 = gate, 1 = up: 16 columns).
 // Sixteen lanes to p around the cache (non-temporal): float32 a whole aligned line, bf16 (rounded as store16)
 // half of one, whose other half the next call writes.
 inline void stream16(float* p, __m512 v) { _mm512_stream_ps(p, v); }
@@ -157,6 +154,9 @@ inline void stream16(at::BFloat16* p, __m512 v) {
   _mm256_stream_si256(reinterpret_cast<__m256i*>(p), kvpage::bf16_bits16(v));
 }
 
+// R rows (x codes at xq, row stride 2K) times NP consecutive panels (codes at w, scales at s; panels nb blocks
+// apart) over the whole K. Every block's int32 sums are scaled into float32 accumulators, then reset.
+// Output: plain (NP panels -> columns n0.., `cols` real ones) or gated (panel 0 = gate, 1 = up: 16 columns).
 template <int R, int NP, bool GATED, typename OUT>
 void tile(const int8_t* xq, const float* x1, const float* x2, int64_t K, const uint8_t* w, const float* s,
           OUT* out, int64_t ldo, int64_t cols, const float* bias, bool stream) {
