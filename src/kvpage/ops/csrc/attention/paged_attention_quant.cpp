@@ -43,13 +43,14 @@ bool int8_amx_decode(const torch::Tensor& query, const torch::Tensor& kv_cache, 
 }
 
 // Decode tasks over fp8 rows on AMX bf16 tiles (attention/amx_fp8.h) where the build, the CPU and the OS allow
-// them and the caller asks: 16-key groups within a block, head sizes 64, 128 and 256, query groups of up to 16.
+// them and the caller asks: 16-key groups within a block, head sizes 64 and 128 (at 256 the loop is faster),
+// query groups of up to 16.
 bool fp8_amx_decode(const torch::Tensor& query, const torch::Tensor& kv_cache, bool packed, bool amx_decode) {
 #if KVPAGE_ISA_AMX
   const int64_t D = query.size(2), G = query.size(1) / kv_cache.size(3);
   const auto t = kv_cache.scalar_type();
   return !packed && amx_decode && (t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2) && G <= 16 &&
-         kv_cache.size(2) % 16 == 0 && (D == 64 || D == 128 || D == 256) && kvpage::amx_permitted();
+         kv_cache.size(2) % 16 == 0 && (D == 64 || D == 128) && kvpage::amx_permitted();
 #else
   (void)query;
   (void)kv_cache;
@@ -100,11 +101,8 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
           if (D == 64)
             attend_decode_fp8_amx<C, 64>(q, G, kv_heads, kcache, vcache, table, block_size, geo.block_stride,
                                          k_begin, k_end, pa, pm, pl, next);
-          else if (D == 128)
-            attend_decode_fp8_amx<C, 128>(q, G, kv_heads, kcache, vcache, table, block_size, geo.block_stride,
-                                          k_begin, k_end, pa, pm, pl, next);
           else
-            attend_decode_fp8_amx<C, 256>(q, G, kv_heads, kcache, vcache, table, block_size, geo.block_stride,
+            attend_decode_fp8_amx<C, 128>(q, G, kv_heads, kcache, vcache, table, block_size, geo.block_stride,
                                           k_begin, k_end, pa, pm, pl, next);
           return;
         }
