@@ -90,7 +90,8 @@ void attend_decode_fp8_amx(const float* q, int64_t G, int64_t kv_heads, const ui
   kst.resize(static_cast<size_t>(16 * D));
   vst.resize(static_cast<size_t>(NV * NP * 32));  // zeros at first: a group past the keys' end is never staged
   pbuf.resize(static_cast<size_t>(G * kSpan));
-  sbuf.resize(static_cast<size_t>(NG * 16 * G));
+  const int64_t SG = std::max<int64_t>(16 * G, 64);  // floats per group's scores (four vectors at least)
+  sbuf.resize(static_cast<size_t>(NG * SG));
   pv.resize(static_cast<size_t>(NV * G * 16));
   // addresses taken once (a thread_local's address is a call in a shared object)
   int16_t *const qp = q16.data(), *const kp = kst.data(), *const vp = vst.data(), *const pp = pbuf.data();
@@ -172,7 +173,7 @@ void attend_decode_fp8_amx(const float* q, int64_t G, int64_t kv_heads, const ui
           _tile_loadd(1, qtp + (h * NC + c) * 16 * G, 4 * G);
           _tile_dpbf16ps(2, 0, 1);
         }
-        _tile_stored(2, sp + u * 16 * G, 4 * G);
+        _tile_stored(2, sp + u * SG, 4 * G);
       }
       // the span's V as key pairs: rows 2p and 2p + 1 interleaved byte by byte, then widened; chunk c of 16
       // dims, pair p at vp + (c * NP + p) * 32
@@ -199,7 +200,15 @@ void attend_decode_fp8_amx(const float* q, int64_t G, int64_t kv_heads, const ui
         for (int64_t u = 0; u < NG; ++u) {
           s[u] = vneg_inf;
           if (u >= ng) continue;
-          const __m512 raw = _mm512_i32gather_ps(idx, sp + u * 16 * G, 4);
+          const float* su = sp + u * SG;
+          __m512 raw;
+          if (G <= 4) {  // key j's score of row g is float j * G + g of four vectors: two permutes and a blend
+            const __m512 lo = _mm512_permutex2var_ps(_mm512_loadu_ps(su), idx, _mm512_loadu_ps(su + 16));
+            const __m512 hi = _mm512_permutex2var_ps(_mm512_loadu_ps(su + 32), idx, _mm512_loadu_ps(su + 48));
+            raw = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(32)), lo, hi);
+          } else {
+            raw = _mm512_i32gather_ps(idx, su, 4);
+          }
           s[u] = _mm512_mask_blend_ps(keep[u], vneg_inf, _mm512_mul_ps(_mm512_mul_ps(raw, kscale[u]), _mm512_set1_ps(qfactor)));
           mx = _mm512_max_ps(mx, s[u]);
         }
