@@ -15,8 +15,8 @@
 // subnormals), and lifting keeps every product that matters inside float32's normal range. Rows past a
 // group's keys hold anything: their codes still widen to finite bf16 (the exponent field stays under 32),
 // and their scores are blended to -inf and their weights to 0 before any product reads them.
-// On the AMX Xeon, 64 sequences x 8K keys of SmolLM2's shape (D = 64, 3 KV heads of 3 rows): 13.7-14.4 ms
-// against the loop's 18.1 (0.81-0.83x the bf16 cache's time on tile pairs, from 1.07x); no faster: 4, 12 or
+// On the AMX Xeon, 64 sequences x 8K keys of SmolLM2's shape (D = 64, 3 KV heads of 3 rows): 13.5-13.8 ms
+// against the loop's 18.1 (0.79-0.80x the bf16 cache's time on tile pairs, from 1.07x); no faster: 4, 12 or
 // 16 groups ahead, two K operand tiles in turn, the output held in four tiles all task long (block-diagonal
 // weights of every head, lazy rescale), a span's K staged before any of its products (1.09x from DRAM); D = 64 with one KV
 // head of 4 rows 5.1 against 7.4 ms; D = 128 (2 heads of 4) 20.3 against 21.9. At D = 256 (Gemma 3's shape,
