@@ -129,16 +129,10 @@ void attend_decode_fp8_amx(const float* q, int64_t G, int64_t kv_heads, const ui
   for (int64_t t = t0; t < k_end; t += kSpan) {
     int64_t at[NG], far[NG];
     __mmask16 keep[NG];
-    int64_t ng = 0;  // groups of the span that hold keys
-    for (int64_t u = 0; u < NG; ++u) {
-      const int64_t tu = t + 16 * u;
-      keep[u] = tu < k_end ? packed_keep(tu, k_begin, std::min<int64_t>(16, k_end - tu)) : 0;
-      if (tu < k_end) {
-        ng = u + 1;
-        at[u] = group_at(tu);
-        far[u] = group_at(tu + 16 * kAhead);
-      }
-    }
+    const int64_t ng = span_groups<NG>(t, k_begin, k_end, keep, [&](int64_t u, int64_t tu) {
+      at[u] = group_at(tu);
+      far[u] = group_at(tu + 16 * kAhead);
+    });
     // the K and V lines of the groups kAhead ahead, into L2 a few at a time all through the span's staging:
     // asked for at once they fill the core's miss queue and stall the loads behind them
     LineStream ls;

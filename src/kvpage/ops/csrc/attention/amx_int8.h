@@ -110,16 +110,10 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
   for (int64_t t = t0; t < k_end; t += kInt8Span) {
     int64_t base[NG], far[NG];
     __mmask16 keep[NG];
-    int64_t ng = 0;  // groups of the span that hold keys
-    for (int64_t u = 0; u < NG; ++u) {
-      const int64_t tu = t + 16 * u;
-      keep[u] = tu < k_end ? packed_keep(tu, k_begin, std::min<int64_t>(16, k_end - tu)) : 0;
-      if (tu < k_end) {
-        ng = u + 1;
-        base[u] = groups.at(table, tu);
-        far[u] = groups.ahead(tu, k_end);  // 4 groups ahead: 8, 16 and 24 were slower (64 x 8K keys)
-      }
-    }
+    const int64_t ng = span_groups<NG>(t, k_begin, k_end, keep, [&](int64_t u, int64_t tu) {
+      base[u] = groups.at(table, tu);
+      far[u] = groups.ahead(tu, k_end);  // 4 groups ahead: 8, 16 and 24 were slower (64 x 8K keys)
+    });
     for (int64_t h = 0; h < kv_heads; ++h) {
       // scores of each group: 2G rows (hi codes' sums, then lo codes') x 16 keys
       for (int64_t u = 0; u < ng; ++u) {

@@ -170,6 +170,22 @@ inline __mmask16 packed_keep(int64_t g, int64_t k_begin, int64_t n) {
   return lane_range(std::clamp<int64_t>(k_begin - g, 0, n), n);
 }
 
+// The NG 16-key groups of a decode span from key t (a multiple of 16): keep[u], the lanes group u weighs (none
+// past k_end); on_group(u, first key) for each group that holds keys; returns how many do (they come first).
+template <int64_t NG, class OnGroup>
+inline int64_t span_groups(int64_t t, int64_t k_begin, int64_t k_end, __mmask16* keep, OnGroup&& on_group) {
+  int64_t ng = 0;
+  for (int64_t u = 0; u < NG; ++u) {
+    const int64_t tu = t + 16 * u;
+    keep[u] = tu < k_end ? packed_keep(tu, k_begin, std::min<int64_t>(16, k_end - tu)) : 0;
+    if (tu < k_end) {
+      ng = u + 1;
+      on_group(u, tu);
+    }
+  }
+  return ng;
+}
+
 // Attention of nq query tokens x H heads (rows r = j * H + head, like attend_tile_bf16) over keys
 // [k_begin, k_end) of one sequence in the packed layout; row r sees keys <= pos0 + r / H, and under a sliding
 // window (window > 0) none before pos0 + r / H - window + 1. k_begin may fall inside a 16-key group (a window's

@@ -25,39 +25,23 @@ namespace {
 
 using namespace kvpage::attn;
 
-// Decode tasks over packed int8 pages on AMX byte tiles (attention/amx_int8.h) where the build, the CPU and
-// the OS allow them and the caller asks: query groups of up to 5 rows (three tile rows each), head sizes 64,
-// 128 and 256.
-bool int8_amx_decode(const torch::Tensor& query, const torch::Tensor& kv_cache, bool packed, bool amx_decode) {
-#if KVPAGE_AMX_INT8
-  const int64_t D = query.size(2), G = query.size(1) / kv_cache.size(3);
-  return packed && amx_decode && kv_cache.scalar_type() == at::kChar && G <= 5 &&
-         (D == 64 || D == 128 || D == 256) && kvpage::amx_permitted();
-#else
-  (void)query;
-  (void)kv_cache;
-  (void)packed;
-  (void)amx_decode;
-  return false;
-#endif
-}
-
-// Decode tasks over fp8 rows on AMX bf16 tiles (attention/amx_fp8.h) where the build, the CPU and the OS allow
-// them and the caller asks: 16-key groups within a block, head sizes 64 and 128 (at 256 the loop is faster),
-// query groups of up to 16.
-bool fp8_amx_decode(const torch::Tensor& query, const torch::Tensor& kv_cache, bool packed, bool amx_decode) {
-#if KVPAGE_ISA_AMX
+// Which AMX tiles decode tasks take, where the build, the CPU and the OS allow them and the caller asks:
+//   int8: packed int8 pages on byte tiles (attention/amx_int8.h): query groups of up to 5 rows (three tile
+//         rows each), head sizes 64, 128 and 256;
+//   fp8:  fp8 rows on bf16 tiles (attention/amx_fp8.h): 16-key groups within a block, head sizes 64 and 128
+//         (at 256 the loop is faster), query groups of up to 16.
+enum class AmxDecode { kNone, kInt8, kFp8 };
+AmxDecode amx_decode_tiles(const torch::Tensor& query, const torch::Tensor& kv_cache, bool packed, bool amx_decode) {
   const int64_t D = query.size(2), G = query.size(1) / kv_cache.size(3);
   const auto t = kv_cache.scalar_type();
-  return !packed && amx_decode && (t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2) && G <= 16 &&
-         kv_cache.size(2) % 16 == 0 && (D == 64 || D == 128) && kvpage::amx_permitted();
-#else
-  (void)query;
-  (void)kv_cache;
-  (void)packed;
-  (void)amx_decode;
-  return false;
-#endif
+  if (!amx_decode) return AmxDecode::kNone;
+  if (KVPAGE_AMX_INT8 && packed && t == at::kChar && G <= 5 && (D == 64 || D == 128 || D == 256) &&
+      amx_decode_available())
+    return AmxDecode::kInt8;
+  if (KVPAGE_ISA_AMX && !packed && (t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2) && G <= 16 &&
+      kv_cache.size(2) % 16 == 0 && (D == 64 || D == 128) && amx_decode_available())
+    return AmxDecode::kFp8;
+  return AmxDecode::kNone;
 }
 
 template <KVCode C, typename Q>
@@ -238,8 +222,8 @@ const char* paged_attention_quant(const torch::Tensor& query, const torch::Tenso
               "head_dim of query ", query.size(2), ", cache rows ", kv_cache.size(4));
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "query must be float32 or bfloat16");
-  const bool amx = int8_amx_decode(query, kv_cache, packed, amx_decode);
-  const bool amx_fp8 = fp8_amx_decode(query, kv_cache, packed, amx_decode);
+  const AmxDecode tiles = amx_decode_tiles(query, kv_cache, packed, amx_decode);
+  const bool amx = tiles == AmxDecode::kInt8, amx_fp8 = tiles == AmxDecode::kFp8;
   by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, packed, amx, amx_fp8, out);
   if (amx) return "amx-int8-packed";  // decode tasks on tiles (prompt tiles keep the VNNI loop)
   if (amx_fp8) return "amx-fp8-rows";  // decode tasks on tiles (prompt rows keep the dpbf16 loop)
