@@ -46,7 +46,8 @@ AmxDecode amx_decode_tiles(const torch::Tensor& query, const torch::Tensor& kv_c
 
 template <KVCode C, typename Q>
 void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan, double scale,
-               bool packed, bool amx, bool amx_fp8, torch::Tensor& out) {
+               bool packed, AmxDecode tiles, torch::Tensor& out) {
+  const bool amx = tiles == AmxDecode::kInt8, amx_fp8 = tiles == AmxDecode::kFp8;
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);  // in bytes: one byte per element
@@ -193,9 +194,9 @@ void by_code(at::ScalarType t, A&&... args) {
 template <KVCode C>
 struct Attend {
   static void run(const torch::Tensor& query, const torch::Tensor& kv_cache, const AttentionPlan& plan, double scale,
-                  bool packed, bool amx, bool amx_fp8, torch::Tensor& out) {
-    if (query.scalar_type() == at::kFloat) run_quant<C, float>(query, kv_cache, plan, scale, packed, amx, amx_fp8, out);
-    else run_quant<C, at::BFloat16>(query, kv_cache, plan, scale, packed, amx, amx_fp8, out);
+                  bool packed, AmxDecode tiles, torch::Tensor& out) {
+    if (query.scalar_type() == at::kFloat) run_quant<C, float>(query, kv_cache, plan, scale, packed, tiles, out);
+    else run_quant<C, at::BFloat16>(query, kv_cache, plan, scale, packed, tiles, out);
   }
 };
 
@@ -223,10 +224,9 @@ const char* paged_attention_quant(const torch::Tensor& query, const torch::Tenso
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "query must be float32 or bfloat16");
   const AmxDecode tiles = amx_decode_tiles(query, kv_cache, packed, amx_decode);
-  const bool amx = tiles == AmxDecode::kInt8, amx_fp8 = tiles == AmxDecode::kFp8;
-  by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, packed, amx, amx_fp8, out);
-  if (amx) return "amx-int8-packed";  // decode tasks on tiles (prompt tiles keep the VNNI loop)
-  if (amx_fp8) return "amx-fp8-rows";  // decode tasks on tiles (prompt rows keep the dpbf16 loop)
+  by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, packed, tiles, out);
+  if (tiles == AmxDecode::kInt8) return "amx-int8-packed";  // decode tasks on tiles (prompt tiles keep the VNNI loop)
+  if (tiles == AmxDecode::kFp8) return "amx-fp8-rows";  // decode tasks on tiles (prompt rows keep the dpbf16 loop)
   if (packed) return "avx512-int8-packed";  // check_packed: int8 pages on a KVPAGE_PACKED_INT8 build
   const int64_t D = query.size(2);  // run_quant's templated head sizes take quant_loop.h's loop
   if (!KVPAGE_ISA_AVX2) return "generic-quant";
