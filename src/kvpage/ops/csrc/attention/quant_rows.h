@@ -5,8 +5,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -14,38 +12,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "common.h"
 #include "attention/loop.h"
+#include "attention/quant_codes.h"
 
 namespace kvpage::attn {
-
-enum class KVCode { kInt8, kE4M3, kE5M2 };
-
-constexpr int64_t kScaleBytes = 2;
-
-template <KVCode C>
-constexpr float code_max() {
-  return C == KVCode::kInt8 ? 127.f : C == KVCode::kE4M3 ? 448.f : 57344.f;
-}
-
-template <KVCode C>
-inline float decode1(uint8_t x) {
-  if constexpr (C == KVCode::kInt8) return static_cast<float>(static_cast<int8_t>(x));
-  else if constexpr (C == KVCode::kE4M3) return static_cast<float>(c10::Float8_e4m3fn(x, c10::Float8_e4m3fn::from_bits()));
-  else return static_cast<float>(c10::Float8_e5m2(x, c10::Float8_e5m2::from_bits()));
-}
-
-// Code of v (already divided by the row's scale), rounded to nearest even and clamped, as torch rounds it.
-template <KVCode C>
-inline uint8_t encode1(float v) {
-  v = std::min(code_max<C>(), std::max(-code_max<C>(), v));
-  if constexpr (C == KVCode::kInt8) return static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(v)));
-  else if constexpr (C == KVCode::kE4M3) return c10::Float8_e4m3fn(v).x;
-  else return c10::Float8_e5m2(v).x;
-}
 
 // x <- x Hb in place, Hb the orthonormal Walsh-Hadamard matrix on blocks of b dims (b = the largest power of two
 // dividing D): key rows are stored rotated (one scale then fits a row whose few large channels are spread over
@@ -76,97 +49,6 @@ inline float row_scale(const uint8_t* row, int64_t D) {
   return s;
 }
 
-// The bfloat16 scale of a row whose largest magnitude is amax: amax / code max rounded up (its bits).
-template <KVCode C>
-inline uint16_t scale_bits(float amax) {
-  const float raw = amax / code_max<C>();
-  uint32_t f;
-  std::memcpy(&f, &raw, sizeof(f));
-  return static_cast<uint16_t>((f + 0xFFFFu) >> 16);
-}
-
-#if KVPAGE_ISA_AVX512
-// quantize_row's arithmetic 16 lanes at a time, the same operations on every value in the same order (so the
-// same codes, byte for byte): the butterflies of fwht stage by stage, the division by the scale, and the
-// codes as torch rounds them (int8: to nearest even; fp8: c10's fp8e4m3fn / fp8e5m2_from_fp32_value, their
-// subnormal and normal branches blended). At 256 tokens x 3 KV heads x 64 dims the scalar write took 108 us
-// (int8) and 166 us (fp8_e4m3) per layer, ~3-5% of an offline decode step over 30 layers.
-template <int H>
-inline __m512 butterfly_lanes(__m512 x) {  // lanes H apart within blocks of 2H: lo + hi below, lo - hi above
-  const __m512i partner =
-      _mm512_xor_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(H));
-  constexpr __mmask16 upper = H == 1 ? 0xAAAA : H == 2 ? 0xCCCC : H == 4 ? 0xF0F0 : 0xFF00;
-  const __m512 p = _mm512_permutexvar_ps(partner, x);
-  return _mm512_mask_sub_ps(_mm512_add_ps(x, p), upper, p, x);
-}
-
-template <KVCode C>
-inline __m128i encode16(__m512 v) {
-  v = _mm512_min_ps(_mm512_set1_ps(code_max<C>()), _mm512_max_ps(_mm512_set1_ps(-code_max<C>()), v));
-  if constexpr (C == KVCode::kInt8) {
-    return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));  // MXCSR's default: to nearest even, as nearbyint
-  } else {
-    constexpr bool e4 = C == KVCode::kE4M3;
-    constexpr uint32_t kSmall = (e4 ? 121u : 113u) << 23, kDenorm = (e4 ? 141u : 134u) << 23;
-    constexpr int kShift = e4 ? 20 : 21;
-    constexpr uint32_t kBias = (static_cast<uint32_t>(e4 ? 7 - 127 : 15 - 127) << 23) + (e4 ? 0x7FFFFu : 0xFFFFFu);
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-    const __m512i a = _mm512_xor_si512(bits, sign);
-    const __m512i sub = _mm512_sub_epi32(
-        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(_mm512_set1_epi32(kDenorm)))),
-        _mm512_set1_epi32(kDenorm));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, kShift), _mm512_set1_epi32(1));
-    __m512i norm = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>(kBias))), odd), kShift);
-    norm = _mm512_and_si512(norm, _mm512_set1_epi32(0xFF));
-    if constexpr (e4) norm = _mm512_min_epu32(norm, _mm512_set1_epi32(0x7E));  // a carry into NaN saturates
-    const __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(kSmall)));
-    const __m512i code = _mm512_mask_blend_epi32(small, norm, _mm512_and_si512(sub, _mm512_set1_epi32(0xFF)));
-    return _mm512_cvtepi32_epi8(_mm512_or_si512(code, _mm512_srli_epi32(sign, 24)));
-  }
-}
-
-// quantize_row for D a power of two from 16 to 256 (fwht's block is the whole row).
-template <KVCode C, typename IN>
-inline void quantize_row16(const IN* src, uint8_t* row, int64_t D, bool rotate) {
-  __m512 x[16];
-  const int64_t n = D / 16;
-  for (int64_t i = 0; i < n; ++i) {
-    if constexpr (std::is_same_v<IN, float>) {
-      x[i] = _mm512_loadu_ps(src + 16 * i);
-    } else {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * i));
-      x[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-  }
-  if (rotate) {
-    for (int64_t i = 0; i < n; ++i) x[i] = butterfly_lanes<8>(butterfly_lanes<4>(butterfly_lanes<2>(butterfly_lanes<1>(x[i]))));
-    for (int64_t h = 1; h < n; h *= 2)
-      for (int64_t g = 0; g < n; g += 2 * h)
-        for (int64_t j = g; j < g + h; ++j) {
-          const __m512 lo = x[j], hi = x[j + h];
-          x[j] = _mm512_add_ps(lo, hi);
-          x[j + h] = _mm512_sub_ps(lo, hi);
-        }
-    const __m512 norm = _mm512_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))));
-    for (int64_t i = 0; i < n; ++i) x[i] = _mm512_mul_ps(x[i], norm);
-  }
-  __m512 top = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) top = _mm512_max_ps(top, _mm512_abs_ps(x[i]));
-  const uint16_t bits = scale_bits<C>(_mm512_reduce_max_ps(top));
-  const uint32_t up = static_cast<uint32_t>(bits) << 16;
-  float s;
-  std::memcpy(&s, &up, sizeof(s));
-  const __m512 vs = _mm512_set1_ps(s);
-  for (int64_t i = 0; i < n; ++i) {
-    const __m512 v = s > 0.f ? _mm512_div_ps(x[i], vs) : _mm512_setzero_ps();
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * i), encode16<C>(v));
-  }
-  std::memcpy(row + D, &bits, sizeof(bits));
-}
-#endif
-
 // One row of D values -> D codes and the bfloat16 scale: absmax / code max rounded up, so no value passes the
 // code max (and any magnitude is representable). `buf` holds D floats; `rotate`: a key row (fwht first).
 template <KVCode C, typename IN>
@@ -174,6 +56,11 @@ inline void quantize_row(const IN* src, uint8_t* row, int64_t D, float* buf, boo
 #if KVPAGE_ISA_AVX512
   if (D >= 16 && D <= 256 && (D & (D - 1)) == 0) {
     quantize_row16<C>(src, row, D, rotate);
+    return;
+  }
+#elif KVPAGE_ISA_AVX2
+  if (D >= 8 && D <= 256 && (D & (D - 1)) == 0) {
+    quantize_row8<C>(src, row, D, rotate);
     return;
   }
 #endif
