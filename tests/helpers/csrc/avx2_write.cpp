@@ -1,0 +1,33 @@
+// The quantizing row write (attention/quant_codes.h) as an AVX2-only build compiles it, for a test that runs
+// on machines with AVX-512 too (tests/ops/test_quant_write_avx2.py builds this file with -mno-avx512f).
+#include <torch/extension.h>
+
+#include "attention/quant_rows.h"
+
+using namespace kvpage::attn;
+static_assert(KVPAGE_ISA_AVX2_ONLY, "built without AVX-512: the AVX2 write is what runs");
+
+template <KVCode C, typename IN>
+void rows(const torch::Tensor& x, torch::Tensor& out, bool rotate) {
+  const int64_t N = x.size(0), D = x.size(1);
+  std::vector<float> buf(static_cast<size_t>(D));
+  for (int64_t i = 0; i < N; ++i)
+    quantize_row<C>(x.data_ptr<IN>() + i * D, out.data_ptr<uint8_t>() + i * (D + kScaleBytes), D, buf.data(), rotate);
+}
+
+template <typename IN>
+void by_code(const torch::Tensor& x, torch::Tensor& out, at::ScalarType code, bool rotate) {
+  if (code == at::kChar) rows<KVCode::kInt8, IN>(x, out, rotate);
+  else if (code == at::kFloat8_e4m3fn) rows<KVCode::kE4M3, IN>(x, out, rotate);
+  else rows<KVCode::kE5M2, IN>(x, out, rotate);
+}
+
+// x [N, D] float32 or bfloat16 -> [N, D + 2] bytes: each row's codes and its bfloat16 scale
+torch::Tensor quantize(const torch::Tensor& x, at::ScalarType code, bool rotate) {
+  auto out = torch::empty({x.size(0), x.size(1) + kScaleBytes}, torch::kUInt8);
+  if (x.scalar_type() == at::kFloat) by_code<float>(x, out, code, rotate);
+  else by_code<at::BFloat16>(x, out, code, rotate);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("quantize", &quantize); }

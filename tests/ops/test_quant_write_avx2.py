@@ -1,0 +1,51 @@
+"""The quantizing row write as AVX2-only builds run it (attention/quant_codes.h quantize_row8), compiled here
+with -mno-avx512f so that machines with AVX-512 test it too: the same bytes as the torch oracle for every code
+type, head sizes 8 to 256, float32 and bfloat16 sources, rotated (key) rows or not, with subnormal codes, ties
+and all-zero rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpage.attention.kv_quant import hadamard, quantize_rows
+from kvpage.cpuinfo import cpuinfo_field
+from tests.helpers.kernels import have_cxx
+
+HARNESS = Path(__file__).parent.parent / "helpers" / "csrc" / "avx2_write.cpp"
+
+
+@pytest.fixture(scope="module")
+def avx2_write():
+    if not have_cxx():
+        pytest.skip("no C++ compiler")
+    if "avx2" not in (cpuinfo_field("flags") or "").split():
+        pytest.skip("this CPU has no AVX2")
+    from torch.utils.cpp_extension import load
+
+    from kvpage.ops.build import _CSRC, build_tag
+
+    return load(name=f"kvpage_avx2_write_{build_tag()}", sources=[str(HARNESS)], extra_include_paths=[str(_CSRC)],
+                extra_cflags=["-O3", "-march=native", "-mno-avx512f"], verbose=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_avx2_row_write_equals_the_torch_oracle_byte_for_byte(avx2_write, dtype):
+    torch.manual_seed(3)
+    n = 96
+    for dim in (8, 16, 64, 256):
+        for case in range(3):
+            # magnitudes over many binades (fp8 subnormal codes), a row scale of its own per row
+            x = torch.randn(n, dim) * torch.exp(torch.randn(n, dim) * 2) * torch.exp(torch.randn(n, 1) * 3)
+            if case == 1:
+                x = torch.round(x * 8) / 8  # ties
+                x[::7] = 0  # all-zero rows (scale 0)
+            for src in (torch.float32, torch.bfloat16):
+                xs = x.to(src)
+                for rotate in (False, True):
+                    ours = avx2_write.quantize(xs.contiguous(), dtype, rotate)
+                    ref_in = hadamard(xs.float()) if rotate else xs.float()
+                    ref = quantize_rows(ref_in.view(n, 1, dim), dtype).view(torch.uint8).view(n, dim + 2)
+                    assert torch.equal(ours, ref), (dim, case, src, rotate)
