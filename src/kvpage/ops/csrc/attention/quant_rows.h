@@ -53,14 +53,9 @@ inline float row_scale(const uint8_t* row, int64_t D) {
 // code max (and any magnitude is representable). `buf` holds D floats; `rotate`: a key row (fwht first).
 template <KVCode C, typename IN>
 inline void quantize_row(const IN* src, uint8_t* row, int64_t D, float* buf, bool rotate) {
-#if KVPAGE_ISA_AVX512
-  if (D >= 16 && D <= 256 && (D & (D - 1)) == 0) {
-    quantize_row16<C>(src, row, D, rotate);
-    return;
-  }
-#elif KVPAGE_ISA_AVX2
-  if (D >= 8 && D <= 256 && (D & (D - 1)) == 0) {
-    quantize_row8<C>(src, row, D, rotate);
+#if KVPAGE_ISA_AVX2
+  if (D >= RowLanes::kW && D <= 256 && (D & (D - 1)) == 0) {
+    quantize_row_lanes<RowLanes, C>(src, row, D, rotate);
     return;
   }
 #endif
