@@ -49,19 +49,9 @@ inline void amx_configure_fp8(int64_t G) {
   _tile_loadconfig(&cfg);
 }
 
-// 32 codes -> their bf16 lanes (value x 2^-120 or 2^-112).
-template <KVCode C>
-inline __m512i fp8_bf16(__m256i codes) {
-  using F = Fp8Lanes<C>;
-  return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), F::kShift), _mm512_set1_epi16(F::kKeep));
-}
-
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// 16 bf16 values (32-byte aligned) as float32 lanes.
-inline __m512 bf16_lanes16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+
 
 // One decode query (rows r = h * G + g, pre-scaled float32 in the keys' rotated basis) over keys
 // [k_begin, k_end) of fp8 row pages; k_begin may fall inside a 16-key group (a window's edge: the keys before it
@@ -73,6 +63,7 @@ void attend_decode_fp8_amx(const float* q, int64_t G, int64_t kv_heads, const ui
                            int64_t k_begin, int64_t k_end, float* acc, float* m, float* l, const NextKeys& next) {
   static_assert(D == 64 || D == 128, "head sizes the tiles beat the dpbf16 loop at");
   using F = Fp8Lanes<C>;
+  using W = Fp8Lanes512<C>;  // how 32 codes widen to bf16 lanes
   constexpr int64_t NC = D / 32, NV = D / 16;
   constexpr int64_t NG = 4, kSpan = 16 * NG, NP = kSpan / 2;  // groups, keys, key pairs a span
   // groups ahead that the prefetch asks for (two spans at D <= 128; 4, 12 and 16 took the same time)
@@ -153,16 +144,16 @@ void attend_decode_fp8_amx(const float* q, int64_t G, int64_t kv_heads, const ui
         }
         const uint8_t* kr = kcache + at[u] + h * head_stride;
         const uint8_t* vr = vcache + at[u] + h * head_stride;
-        alignas(32) uint16_t scales[2][16];  // the rows' bf16 scales, K then V, picked up as the rows go by
+        at::BFloat16 scales[2][16];  // the rows' bf16 scales, K then V, picked up as the rows go by
         for (int64_t j = 0; j < 16; ++j) {
           ls.step();
           for (int64_t c = 0; c < NC; ++c)
-            _mm512_storeu_si512(kp + j * D + 32 * c, fp8_bf16<C>(load32(kr + j * row_stride + 32 * c)));
+            _mm512_storeu_si512(kp + j * D + 32 * c, W::widen(kr + j * row_stride + 32 * c));
           std::memcpy(&scales[0][j], kr + j * row_stride + D, 2);
           std::memcpy(&scales[1][j], vr + j * row_stride + D, 2);
         }
-        kscale[u] = bf16_lanes16(scales[0]);
-        vscale[u] = bf16_lanes16(scales[1]);
+        kscale[u] = kvpage::load16(scales[0], 0xFFFF);
+        vscale[u] = kvpage::load16(scales[1], 0xFFFF);
         _tile_zero(2);
         for (int64_t c = 0; c < NC; ++c) {
           _tile_loadd(0, kp + 32 * c, 2 * D);
@@ -181,8 +172,8 @@ void attend_decode_fp8_amx(const float* q, int64_t G, int64_t kv_heads, const ui
             const __m256i a = load32(vr + 2 * p * row_stride + 32 * s), b = load32(vr + (2 * p + 1) * row_stride + 32 * s);
             const __m256i lo = _mm256_unpacklo_epi8(a, b), hi = _mm256_unpackhi_epi8(a, b);  // dims 0-7 | 16-23, 8-15 | 24-31
             int16_t* dst = vp + ((2 * s) * NP + 8 * u + p) * 32;
-            _mm512_storeu_si512(dst, fp8_bf16<C>(_mm256_permute2x128_si256(lo, hi, 0x20)));
-            _mm512_storeu_si512(dst + NP * 32, fp8_bf16<C>(_mm256_permute2x128_si256(lo, hi, 0x31)));
+            _mm512_storeu_si512(dst, W::widen_codes(_mm256_permute2x128_si256(lo, hi, 0x20)));
+            _mm512_storeu_si512(dst + NP * 32, W::widen_codes(_mm256_permute2x128_si256(lo, hi, 0x31)));
           }
         }
       }

@@ -248,9 +248,11 @@ struct Fp8Lanes512 : Lanes512 {
   using V = __m512i;
   static constexpr int64_t kW = 32;
   static Acc zero() { return _mm512_setzero_ps(); }
-  static V widen(const uint8_t* p) {
-    return _mm512_and_si512(_mm512_slli_epi16(widen_raw(p), F::kShift), _mm512_set1_epi16(F::kKeep));
+  // 32 codes -> their bf16 lanes (the code's value x 2^-120 or 2^-112); the AMX fp8 kernel widens them too
+  static V widen_codes(__m256i codes) {
+    return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), F::kShift), _mm512_set1_epi16(F::kKeep));
   }
+  static V widen(const uint8_t* p) { return widen_codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static Acc madd(Acc acc, V a, V b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
   static __m128 hsum4(Acc a0, Acc a1, Acc a2, Acc a3) { return hsum4_ps(a0, a1, a2, a3); }
   static float query(const float* x, int64_t n, int16_t* out) { return F::query(x, n, out); }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common.h"
 #include "isa.h"
 
 namespace kvpage::attn {
@@ -115,10 +116,7 @@ struct RowLanes16 {
   using I = __m512i;
   static constexpr int kW = 16;
   static F load(const float* p) { return _mm512_loadu_ps(p); }
-  static F load(const at::BFloat16* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
+  static F load(const at::BFloat16* p) { return kvpage::load16(p, 0xFFFF); }
   static F set(float x) { return _mm512_set1_ps(x); }
   static I seti(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
