@@ -224,6 +224,10 @@ def test_packed_linear_split_rows_gives_the_same_logits():
             if not argmax_only:
                 assert torch.equal(a.logits, b.logits) and torch.equal(a.lse, b.lse)
         assert torch.equal(a.argmax, (h @ w.float().T).argmax(-1))
+    # past row_major_max_bytes of head output the split head keeps one slice alive at a time (logits_scan per
+    # slice, then logits_finish): the same bits as the whole head's pass, which goes row by row
+    a, b = packed_logits(ops, whole, w, h, False), packed_logits(ops, split, w, h, False, row_major_max_bytes=0)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.argmax, b.argmax) and torch.equal(a.lse, b.lse)
     kept = packed_logits(ops, split, w, h, False, buffer).logits
     assert kept.data_ptr() == packed_logits(ops, split, w, h[:5], False, buffer).logits.data_ptr()  # reused
     assert packed_logits(ops, split, w, h[:0], False).logits.shape == (0, 1000)

@@ -127,8 +127,16 @@ class FastPath:
         return packed_logits(ops, self.lm_packed, weight, hidden, argmax_only, buffer)
 
 
+# Steps whose head output takes up to this many bytes finish their float32 logits row by row with every
+# vocabulary slice kept (fused_ops.cpp widen_finish_rows: 12 MB at 128 rows of SmolLM2's vocabulary), so each row
+# is finished while it is in cache instead of read back from memory after the last slice; larger ones (prompt
+# logprobs, Gemma 3's 262k vocabulary at many rows) keep one slice alive at a time.
+ROW_MAJOR_LOGITS_MAX_BYTES = 32 << 20
+
+
 def packed_logits(ops: Kernels, lm_packed: PackedLinear, weight: torch.Tensor, hidden: torch.Tensor,
-                  argmax_only: bool, buffer: LogitsBuffer | None = None) -> LogitsResult:
+                  argmax_only: bool, buffer: LogitsBuffer | None = None,
+                  row_major_max_bytes: int = ROW_MAJOR_LOGITS_MAX_BYTES) -> LogitsResult:
     """float32 logits (or only the argmax) from a packed lm head, exact near each row's maximum; the logits
     go to ``buffer`` when one is given. A head split by vocabulary slices runs slice by slice, each slice's
     product followed by its part of the logits pass, so one slice's output is alive at a time."""
@@ -140,6 +148,10 @@ def packed_logits(ops: Kernels, lm_packed: PackedLinear, weight: torch.Tensor, h
         return postprocess_raw(ops, lm_packed(x), hidden, weight, argmax_only, buffer)
     out = None if argmax_only or buffer is None else buffer.view(rows, vocab)
     h32 = hidden.float()
+    if not argmax_only and rows * vocab * x.element_size() <= row_major_max_bytes:
+        logits, argmax, lse = ops.logits_postprocess([raw for _, raw in lm_packed.forward_parts(x)], h32, weight,
+                                                     True, out)
+        return LogitsResult(logits, argmax, lse)
     row_max = torch.full((rows,), float("-inf"))
     best_value, best_index = torch.full((rows,), float("-inf")), torch.full((rows,), -1, dtype=torch.long)
     if out is None and not argmax_only:
