@@ -138,8 +138,9 @@ def packed_logits(ops: Kernels, lm_packed: PackedLinear, weight: torch.Tensor, h
                   argmax_only: bool, buffer: LogitsBuffer | None = None,
                   row_major_max_bytes: int = ROW_MAJOR_LOGITS_MAX_BYTES) -> LogitsResult:
     """float32 logits (or only the argmax) from a packed lm head, exact near each row's maximum; the logits
-    go to ``buffer`` when one is given. A head split by vocabulary slices runs slice by slice, each slice's
-    product followed by its part of the logits pass, so one slice's output is alive at a time."""
+    go to ``buffer`` when one is given. A head split by vocabulary slices keeps its slices and finishes the
+    logits row by row up to ``row_major_max_bytes`` of head output; above that (and for the argmax alone) each
+    slice's product is followed by its part of the logits pass, so one slice's output is alive at a time."""
     rows, vocab = hidden.shape[0], lm_packed.out_features
     if rows == 0:
         return LogitsResult(torch.zeros(0, vocab), torch.zeros(0, dtype=torch.long), torch.zeros(0))

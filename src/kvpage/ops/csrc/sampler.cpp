@@ -148,8 +148,8 @@ void sample_top_k(const float* x, int64_t V, float m, float inv, int64_t k, floa
   }
   const float band = m - delta;
   s.cand.clear();
-  // the band's entries in index order, a vector's compare mask at a time (few pass: a scalar branch per entry
-  // was most of a top-k draw's time)
+  // the band's entries in index order, a vector's compare mask at a time (few entries pass; a scalar branch per
+  // entry was most of a top-k draw's time: 3.87 -> 2.60 ms at 128 rows of 49,152, AMX Xeon, 2026-12-01)
   int64_t i = 0;
 #if KVPAGE_ISA_AVX512
   const __m512 vb = _mm512_set1_ps(band);
