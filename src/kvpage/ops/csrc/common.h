@@ -209,6 +209,29 @@ inline __m256 gelu_mul8(__m256 g, __m256 u) {
 }
 #endif
 
+// fn(i) for each i in [0, n) with x[i] >= t (NaN never is), in index order, a vector's compare mask at a time:
+// in its uses few entries pass (the logits near a row's maximum, a top-k band), and a scalar branch per entry
+// was most of a top-k draw's time (3.87 -> 2.60 ms at 128 rows of 49,152, AMX Xeon, 2026-12-01).
+template <typename F>
+inline void for_each_at_least(const float* x, int64_t n, float t, F&& fn) {
+  int64_t i = 0;
+#if KVPAGE_ISA_AVX512
+  const __m512 vt = _mm512_set1_ps(t);
+  for (; i + 16 <= n; i += 16)
+    for (uint32_t hits = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vt, _CMP_GE_OQ); hits != 0; hits &= hits - 1)
+      fn(i + __builtin_ctz(hits));
+#elif KVPAGE_ISA_AVX2
+  const __m256 vt = _mm256_set1_ps(t);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 ge = _mm256_cmp_ps(_mm256_loadu_ps(x + i), vt, _CMP_GE_OQ);
+    for (uint32_t hits = static_cast<uint32_t>(_mm256_movemask_ps(ge)); hits != 0; hits &= hits - 1)
+      fn(i + __builtin_ctz(hits));
+  }
+#endif
+  for (; i < n; ++i)
+    if (x[i] >= t) fn(i);
+}
+
 #if KVPAGE_ISA_AVX512BF16
 // Values of keys 2p and 2p+1 interleaved per element, the operand layout of dpbf16: vpairs holds, per pair
 // p and 512-bit chunk c, the unpacklo and unpackhi halves (64 bf16). Rows at or past `valid` become zero

@@ -69,8 +69,10 @@ float max_of(const L* o, int64_t V) {
 #endif
 }
 
-template <typename L, typename F>
-void for_each_at_least(const L* o, int64_t V, float threshold, F&& fn) {
+// float32 rows: common.h's; bf16 ones (the head's raw output) here.
+using kvpage::for_each_at_least;
+template <typename F>
+void for_each_at_least(const at::BFloat16* o, int64_t V, float threshold, F&& fn) {
 #if KVPAGE_ISA_AVX512
   const __m512 t = _mm512_set1_ps(threshold);
   for (int64_t v = 0; v < V; v += 16) {
