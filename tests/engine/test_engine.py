@@ -244,3 +244,38 @@ def test_step_log_records_each_steps_shape_for_the_simulator(llm):
     assert sum(s["num_tokens"] for s in log) == 37 + 5 + 2 * (6 - 1)
     assert sum(s["logit_rows"] for s in log) == sum(len(o.outputs[0].token_ids) for o in outs) == 12
     assert all(s["seconds"] > 0 for s in log) and log[0]["prefill_tokens"] == 42
+
+
+def test_tokens_drawn_in_the_logits_pass_equal_draws_from_the_logits(monkeypatch):
+    """Steps whose requests are all plain (greedy or temperature / top-k / top-p / min-p, no logprobs, no
+    penalties) draw each row's token inside the logits pass; the same seeds give the same tokens when the
+    worker draws from the step's logits instead, and steps with a request that needs its logits take that path."""
+    import kvpage.worker.worker as worker_mod
+
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=256)
+    settings = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=50, top_p=0.95),
+                dict(temperature=0.0), dict(temperature=1.2, min_p=0.05), dict(temperature=0.9, top_k=1)]
+
+    def params(extra: dict | None = None) -> list[SamplingParams]:
+        return [SamplingParams(max_tokens=12, seed=100 + i, ignore_eos=True, **settings[i % len(settings)],
+                               **(extra if extra is not None and i == 3 else {})) for i in range(len(PROMPTS))]
+
+    fused = []
+    plan = worker_mod.logits_pass_draws
+
+    def counting(reqs):
+        out = plan(reqs)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(worker_mod, "logits_pass_draws", counting)
+    in_pass = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)]
+    assert fused and all(fused)
+    fused.clear()
+    with_logprobs = llm.generate(PROMPTS, params({"logprobs": 1}), use_tqdm=False)
+    assert fused and not any(fused)
+    monkeypatch.setattr(worker_mod, "logits_pass_draws", lambda reqs: None)
+    from_logits = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)]
+    assert in_pass == from_logits
+    assert [o.outputs[0].token_ids for o in with_logprobs] == from_logits  # logprobs change no draw
+    assert_drained(llm)

@@ -257,3 +257,33 @@ def test_amx_lm_head_by_slices_gives_the_same_logits():
         assert torch.equal(a.argmax, b.argmax)
         if not argmax_only:
             assert torch.equal(a.logits, b.logits) and torch.equal(a.lse, b.lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logits_draw_is_the_logits_pass_then_sample_rows(dtype):
+    """Drawing each row inside the logits pass reads the same finished float32 row as logits_postprocess
+    followed by sample_rows, so it gives the same tokens (temperature 0: the argmax), from the head's parts."""
+    g = torch.Generator().manual_seed(11)
+    ops = load_kernels()
+    vocab, hidden, rows = 3001, 64, 12
+    weight = (torch.randn(vocab, hidden, generator=g) * 0.3).to(dtype)
+    h = torch.randn(rows, hidden, generator=g)
+    raw = (h.to(dtype) @ weight.T).to(dtype)
+    parts = [raw[:, a:b].contiguous() for a, b in itertools.pairwise([0, 1000, 1016, vocab])]
+    temps = torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0, 0.0, 2.0, 0.5, 1.0, 1.0, 0.9, 1.1])
+    top_k = torch.tensor([0, 0, 50, 0, 5, 0, 1, 0, vocab, 20, 0, 3000])
+    top_p = torch.tensor([1.0, 1.0, 0.95, 0.9, 1.0, 1.0, 1.0, 0.5, 0.8, 0.99, 1.0, 0.7])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.05, 0.2, 0.0])
+    u = torch.rand(rows, 2, generator=g, dtype=torch.float64)
+    tokens, amax = ops.logits_draw(parts, h, weight, temps, top_k, top_p, min_p, u)
+    logits, ref_amax, _ = ops.logits_postprocess(parts, h, weight)
+    assert torch.equal(amax, ref_amax)
+    drawn = temps > 0
+    idx = drawn.nonzero().flatten()
+    ref = ops.sample_rows(logits, idx, temps[idx], top_k[idx], top_p[idx], min_p[idx], u[idx].contiguous())
+    assert torch.equal(tokens[idx], ref)
+    assert torch.equal(tokens[~drawn], ref_amax[~drawn, None].expand(-1, 2))
+    with pytest.raises(RuntimeError, match="one temperature"):
+        ops.logits_draw(parts, h, weight, temps[:-1], top_k, top_p, min_p, u)
+    with pytest.raises(RuntimeError, match="temperature must be >= 0"):
+        ops.logits_draw(parts, h, weight, -temps, top_k, top_p, min_p, u)

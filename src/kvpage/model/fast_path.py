@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpage.model.layers.linear import PackedLinear, gather_weights
-from kvpage.model.logits import LogitsBuffer, LogitsResult, postprocess_raw
+from kvpage.model.logits import LogitsBuffer, LogitsResult, RowDraws, postprocess_raw
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.ops import Kernels
 
@@ -115,7 +115,7 @@ class FastPath:
         return h
 
     def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
-                          buffer: LogitsBuffer | None = None) -> LogitsResult:
+                          buffer: LogitsBuffer | None = None, draws: RowDraws | None = None) -> LogitsResult:
         """As the reference model's, from the packed (or, for a few rows, the quantized) lm head."""
         ops, weight = self.ops, self.lm_weight
         lm_quant = self.lm_quant
@@ -123,8 +123,8 @@ class FastPath:
             # float32 logits from the exact quantized weights (one row: 16-bit activation codes, ~2e-5 relative):
             # nothing near the maximum needs recomputing
             raw = ops.quant_linear(hidden, lm_quant.qs, lm_quant.d, lm_quant.m, True)
-            return postprocess_raw(ops, raw, hidden, weight, argmax_only, buffer)
-        return packed_logits(ops, self.lm_packed, weight, hidden, argmax_only, buffer)
+            return postprocess_raw(ops, raw, hidden, weight, argmax_only, buffer, draws)
+        return packed_logits(ops, self.lm_packed, weight, hidden, argmax_only, buffer, draws=draws)
 
 
 # Steps whose head output takes up to this many bytes finish their float32 logits row by row with every
@@ -136,20 +136,24 @@ ROW_MAJOR_LOGITS_MAX_BYTES = 32 << 20
 
 def packed_logits(ops: Kernels, lm_packed: PackedLinear, weight: torch.Tensor, hidden: torch.Tensor,
                   argmax_only: bool, buffer: LogitsBuffer | None = None,
-                  row_major_max_bytes: int = ROW_MAJOR_LOGITS_MAX_BYTES) -> LogitsResult:
+                  row_major_max_bytes: int = ROW_MAJOR_LOGITS_MAX_BYTES, draws: RowDraws | None = None) -> LogitsResult:
     """float32 logits (or only the argmax) from a packed lm head, exact near each row's maximum; the logits
     go to ``buffer`` when one is given. A head split by vocabulary slices keeps its slices and finishes the
     logits row by row up to ``row_major_max_bytes`` of head output; above that (and for the argmax alone) each
-    slice's product is followed by its part of the logits pass, so one slice's output is alive at a time."""
+    slice's product is followed by its part of the logits pass, so one slice's output is alive at a time.
+    With ``draws`` (up to the same size) each row's token is drawn in the row-by-row pass and no logits are
+    returned; otherwise the logits are computed and ``tokens`` is None (the caller draws from them)."""
     rows, vocab = hidden.shape[0], lm_packed.out_features
     if rows == 0:
         return LogitsResult(torch.zeros(0, vocab), torch.zeros(0, dtype=torch.long), torch.zeros(0))
     x = hidden.to(weight.dtype)
     if not lm_packed.splits(rows) or weight.dtype != torch.bfloat16:
-        return postprocess_raw(ops, lm_packed(x), hidden, weight, argmax_only, buffer)
+        return postprocess_raw(ops, lm_packed(x), hidden, weight, argmax_only, buffer, draws)
     out = None if argmax_only or buffer is None else buffer.view(rows, vocab)
     h32 = hidden.float()
     if not argmax_only and rows * vocab * x.element_size() <= row_major_max_bytes:
+        if draws is not None:
+            return draws.run(ops, [raw for _, raw in lm_packed.forward_parts(x)], h32, weight)
         logits, argmax, lse = ops.logits_postprocess([raw for _, raw in lm_packed.forward_parts(x)], h32, weight,
                                                      True, out)
         return LogitsResult(logits, argmax, lse)

@@ -23,7 +23,7 @@ from torch import nn
 from kvpage.attention.backends.base import AttentionBackend
 from kvpage.model.config import SLIDING, ModelConfig
 from kvpage.model.llama import MLP, Attention, RMSNorm
-from kvpage.model.logits import LogitsBuffer, LogitsResult, lm_head_logits
+from kvpage.model.logits import LogitsBuffer, LogitsResult, RowDraws, lm_head_logits
 from kvpage.model.rope import RotaryEmbedding, rope_inv_freq
 from kvpage.ops import Kernels
 
@@ -109,6 +109,6 @@ class Gemma3ForCausalLM(nn.Module):
         return self.compute_logits_ex(hidden).logits
 
     def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
-                          buffer: LogitsBuffer | None = None) -> LogitsResult:
+                          buffer: LogitsBuffer | None = None, draws: RowDraws | None = None) -> LogitsResult:
         """float32 logits, argmax and log-sum-exp from the tied embeddings (model/logits.py, lm_head_logits)."""
-        return lm_head_logits(self.lm_product, hidden, self.embed_tokens.weight, self.ops, argmax_only, buffer)
+        return lm_head_logits(self.lm_product, hidden, self.embed_tokens.weight, self.ops, argmax_only, buffer, draws)

@@ -16,7 +16,7 @@ import torch
 
 from kvpage.model.fast_path import AMX_LOGITS_MAX_ROWS, LOGITS_SPLIT_ROWS, packed_logits
 from kvpage.model.layers.linear import PackedLinear, gather_weights
-from kvpage.model.logits import LogitsBuffer, LogitsResult
+from kvpage.model.logits import LogitsBuffer, LogitsResult, RowDraws
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.ops import Kernels
 
@@ -104,5 +104,5 @@ class Gemma3FastPath:
         return h
 
     def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
-                          buffer: LogitsBuffer | None = None) -> LogitsResult:
-        return packed_logits(self.ops, self.lm_packed, self.lm_weight, hidden, argmax_only, buffer)
+                          buffer: LogitsBuffer | None = None, draws: RowDraws | None = None) -> LogitsResult:
+        return packed_logits(self.ops, self.lm_packed, self.lm_weight, hidden, argmax_only, buffer, draws)

@@ -17,7 +17,7 @@ from torch import nn
 from kvpage.attention.backends.base import AttentionBackend
 from kvpage.attention.kv_transform import LayerAttend
 from kvpage.model.config import ModelConfig
-from kvpage.model.logits import LogitsBuffer, LogitsResult, lm_head_logits
+from kvpage.model.logits import LogitsBuffer, LogitsResult, RowDraws, lm_head_logits
 from kvpage.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from kvpage.ops import Kernels
 
@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         return self.compute_logits_ex(hidden).logits
 
     def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
-                          buffer: LogitsBuffer | None = None) -> LogitsResult:
+                          buffer: LogitsBuffer | None = None, draws: RowDraws | None = None) -> LogitsResult:
         """float32 logits, argmax and log-sum-exp of the lm head (model/logits.py, lm_head_logits)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return lm_head_logits(self.lm_product, hidden, weight, self.ops, argmax_only, buffer)
+        return lm_head_logits(self.lm_product, hidden, weight, self.ops, argmax_only, buffer, draws)

@@ -17,6 +17,26 @@ class LogitsResult:
     logits: torch.Tensor | None  # [rows, vocab] float32; None when only the argmax was asked for
     argmax: torch.Tensor  # [rows] int64
     lse: torch.Tensor | None  # [rows] float32: log-sum-exp, so logprob(t) = logits[t] - lse
+    tokens: torch.Tensor | None = None  # [rows, draws] int64 when the logits pass drew them (RowDraws)
+
+
+@dataclass
+class RowDraws:
+    """Each logits row's draw, for the logits pass to make while the row is in cache (ops.logits_draw) when
+    no request of the step needs the logits themselves: no [rows, vocab] float32 logits are written. The
+    settings are sample_rows'; temperature 0 takes the row's argmax."""
+
+    temperature: torch.Tensor  # [rows] float32, 0 = argmax
+    top_k: torch.Tensor  # [rows] int64, 0 = off
+    top_p: torch.Tensor  # [rows] float32
+    min_p: torch.Tensor  # [rows] float32
+    uniforms: torch.Tensor  # [rows, draws] float64 in [0, 1)
+
+    def run(self, ops: Kernels, parts: list[torch.Tensor], hidden: torch.Tensor,
+            weight: torch.Tensor) -> LogitsResult:
+        tokens, argmax = ops.logits_draw(parts, hidden, weight, self.temperature, self.top_k, self.top_p,
+                                         self.min_p, self.uniforms)
+        return LogitsResult(None, argmax, None, tokens)
 
 
 def logits_result(logits: torch.Tensor, argmax: torch.Tensor, lse: torch.Tensor, argmax_only: bool) -> LogitsResult:
@@ -25,11 +45,15 @@ def logits_result(logits: torch.Tensor, argmax: torch.Tensor, lse: torch.Tensor,
 
 
 def postprocess_raw(ops: Kernels, raw: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                    argmax_only: bool, buffer: LogitsBuffer | None) -> LogitsResult:
+                    argmax_only: bool, buffer: LogitsBuffer | None, draws: RowDraws | None = None) -> LogitsResult:
     """The compiled logits pass over one step's raw lm-head output: bf16 outputs of bf16 weights get their
-    near-max entries recomputed exactly from the float32 hidden state; the logits go to ``buffer`` if given."""
+    near-max entries recomputed exactly from the float32 hidden state; the logits go to ``buffer`` if given.
+    With ``draws`` each row's token is drawn in the pass and no logits are returned."""
+    bf16 = raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+    if draws is not None and not argmax_only:
+        return draws.run(ops, [raw if bf16 else raw.float()], hidden.float() if bf16 else hidden, weight)
     out = None if argmax_only or buffer is None else buffer.view(raw.shape[0], raw.shape[1])
-    if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+    if bf16:
         res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only, out)
     else:
         res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only, out)
@@ -38,7 +62,7 @@ def postprocess_raw(ops: Kernels, raw: torch.Tensor, hidden: torch.Tensor, weigh
 
 def lm_head_logits(lm_product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                    weight: torch.Tensor, ops: Kernels | None, argmax_only: bool,
-                   buffer: LogitsBuffer | None) -> LogitsResult:
+                   buffer: LogitsBuffer | None, draws: RowDraws | None = None) -> LogitsResult:
     """float32 logits with each row's argmax and log-sum-exp, for every model's lm head; with ``argmax_only``
     (plain greedy steps) the compiled path returns only the argmax and never writes the [rows, vocab] logits.
 
@@ -51,7 +75,7 @@ def lm_head_logits(lm_product: Callable[[torch.Tensor, torch.Tensor], torch.Tens
     if raw.shape[0] == 0:
         return LogitsResult(raw.float(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
     if ops is not None:
-        return postprocess_raw(ops, raw, hidden, weight, argmax_only, buffer)
+        return postprocess_raw(ops, raw, hidden, weight, argmax_only, buffer, draws)
     logits = raw.float()
     if weight.dtype != torch.float32:
         top = logits.max(dim=-1, keepdim=True).values

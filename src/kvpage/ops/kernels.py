@@ -214,6 +214,12 @@ class Kernels:
         parts = [logits] if isinstance(logits, Tensor) else list(logits)
         return self._c.logits_postprocess(parts, hidden, weight, with_logits, out)
 
+    def logits_draw(self, parts: Sequence[Tensor], hidden: Tensor, weight: Tensor, temperature: Tensor,
+                    top_k: Tensor, top_p: Tensor, min_p: Tensor, uniforms: Tensor) -> list[Tensor]:
+        """logits_postprocess's pass with each row's draws made in it (sample_rows' settings; temperature 0: the
+        argmax), no logits kept: (tokens [rows, draws], argmax [rows])."""
+        return self._c.logits_draw(list(parts), hidden, weight, temperature, top_k, top_p, min_p, uniforms)
+
     def logits_scan(self, part: Tensor, start: int, vocab: int, hidden: Tensor, weight: Tensor, row_max: Tensor,
                     best_value: Tensor, best_index: Tensor, out: Tensor | None) -> None:
         """One vocabulary slice of the logits pass: widened into ``out`` (then logits_finish), or, without

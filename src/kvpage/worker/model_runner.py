@@ -10,8 +10,9 @@ import torch
 
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.model.llama import LlamaForCausalLM
-from kvpage.model.logits import LogitsBuffer
+from kvpage.model.logits import LogitsBuffer, RowDraws
 from kvpage.worker.kv_cache import KVCache
+from kvpage.worker.sampler import DrawSetting
 
 
 def _no_disk_tier(entry: Any, payload: bytes) -> None:
@@ -65,8 +66,10 @@ class PreparedBatch:
 class StepLogits:
     """Per-sequence logits of one step (a read-only mapping), with each last row's argmax and log-sum-exp."""
 
-    def __init__(self, logits, argmax, lse, slices: dict[str, slice], all_rows: set[str]) -> None:
+    def __init__(self, logits, argmax, lse, slices: dict[str, slice], all_rows: set[str],
+                 tokens: torch.Tensor | None = None) -> None:
         self.logits, self.argmax_rows, self.lse_rows = logits, argmax, lse
+        self.tokens = tokens  # [rows, draws] when the logits pass drew each row's tokens (no logits then)
         self._slices, self._all = slices, all_rows
 
     def __getitem__(self, seq_id: str) -> torch.Tensor:
@@ -217,16 +220,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None,
-                argmax_only: bool = False, logits_buffer: LogitsBuffer | None = None) -> StepLogits:
+                argmax_only: bool = False, logits_buffer: LogitsBuffer | None = None,
+                draws: dict[str, DrawSetting] | None = None) -> StepLogits:
         """Run one step; float32 logits per sequence that asked: [vocab] for its last token, or
         [tokens, vocab] with ``all_logits``. ``argmax_only`` (every sample of the step is plain greedy, no
         logprobs): only each row's argmax, which saves writing and scanning [rows, vocab] float32 logits.
         With ``logits_buffer`` the logits live in it, valid until the next step that uses it (steps with
-        all-token logits get their own tensor)."""
+        all-token logits get their own tensor). With ``draws`` for every sequence that asked (none wanting all
+        its logits), the logits pass may draw the tokens itself: the result then has ``tokens`` and no logits;
+        a head that cannot returns the logits as usual."""
         self.apply_block_ops(ops)
         prepared = self.prepare(batch)
         hidden = self.forward(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
         all_rows = {s.seq_id for s in batch if s.all_logits}
+        row_draws = None
+        if draws is not None and not all_rows and not argmax_only and draws.keys() == prepared.logits_slices.keys():
+            by_row = sorted((sl.stop - 1, draws[s]) for s, sl in prepared.logits_slices.items())
+            row_draws = RowDraws(torch.tensor([d.temperature for _, d in by_row], dtype=torch.float32),
+                                 torch.tensor([d.top_k for _, d in by_row], dtype=torch.long),
+                                 torch.tensor([d.top_p for _, d in by_row], dtype=torch.float32),
+                                 torch.tensor([d.min_p for _, d in by_row], dtype=torch.float32),
+                                 torch.tensor([d.uniforms for _, d in by_row], dtype=torch.float64))
         res = self.forward.compute_logits_ex(hidden[prepared.logits_rows], argmax_only and not all_rows,
-                                             None if all_rows else logits_buffer)
-        return StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows)
+                                             None if all_rows else logits_buffer, draws=row_draws)
+        return StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows, res.tokens)

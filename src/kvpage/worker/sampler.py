@@ -54,6 +54,48 @@ class SampleRequest:
         return self._uniforms
 
 
+@dataclass(frozen=True)
+class DrawSetting:
+    """One row's draw for the logits pass to make itself (model/logits.py RowDraws): temperature 0 takes the
+    argmax."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    uniforms: tuple[float, ...]
+
+
+def logits_pass_draws(requests: Sequence[SampleRequest]) -> list[DrawSetting] | None:
+    """Each request's draw for the logits pass, when none of the step's requests needs its row of logits: one
+    sample each, plain greedy (the argmax) or a plain draw (temperature, top-k, top-p, min-p; nothing that
+    reshapes or masks the logits), no logprobs; None otherwise. The uniforms are drawn here as ``sample`` draws
+    them (and kept on the requests, so a head that returns logits instead draws the same tokens from them)."""
+    plain = []
+    for r in requests:
+        p = r.params
+        if p.logprobs is not None or len(r.generators) != 1:
+            return None
+        if plain_greedy(p, r.blocked_ids):
+            continue
+        if p.greedy or p.shapes_logits or r.blocked_ids:
+            return None
+        plain.append(r)
+    if not plain:
+        return None
+    us = iter(_uniforms(plain, 1)[:, 0].tolist())
+    return [DrawSetting(0.0, 0, 1.0, 0.0, (0.0,)) if plain_greedy(r.params, r.blocked_ids) else
+            DrawSetting(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p, (next(us),))
+            for r in requests]
+
+
+def drawn_samples(tokens: torch.Tensor, requests: Sequence[SampleRequest], rows: Sequence[int]) -> list[list[Sample]]:
+    """The samples of a step whose logits pass drew the tokens (logits_pass_draws): no logprobs were asked."""
+    toks = tokens[:, 0].tolist()
+    return [[Sample(toks[row], float("nan"), 1 if plain_greedy(r.params, r.blocked_ids) else 0, None)]
+            for r, row in zip(requests, rows, strict=True)]
+
+
 def seeded_generator(seed: int | None, index: int) -> torch.Generator | None:
     """Per-sample generator: a seeded request reproduces whatever else is in the batch; its samples differ."""
     if seed is None:

@@ -31,7 +31,16 @@ from kvpage.units import format_bytes
 from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, kv_dtype_name, kv_torch_dtype, model_layout
 from kvpage.worker.kv_calibration import calibrate_kv_transforms
 from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq, StepLogits
-from kvpage.worker.sampler import SampleRequest, argmax_suffices, beam_candidates, sample_isolated, seeded_generator
+from kvpage.worker.sampler import (
+    DrawSetting,
+    SampleRequest,
+    argmax_suffices,
+    beam_candidates,
+    drawn_samples,
+    logits_pass_draws,
+    sample_isolated,
+    seeded_generator,
+)
 from kvpage.worker.transform_cache import default_dir
 
 logger = logging.getLogger(__name__)
@@ -123,6 +132,7 @@ class Worker:
         self.eos_ids = tuple(self.lm.tokenizer.eos_token_ids)
         self.kv: KVCacheManager | None = None  # set by make_kv_manager
         self._blocked: dict[str, tuple[int, ...]] = {}  # the current step's blocked ids per sampling sequence
+        self._requests: dict[str, SampleRequest] = {}  # the current step's requests whose uniforms are drawn
         # the steps' float32 logits, in one buffer kept from step to step (sampled before the next step runs)
         self._logits_buffer = LogitsBuffer()
 
@@ -210,15 +220,43 @@ class Worker:
         argmax_only = all(w.seq.request.beam is None and argmax_suffices(w.seq.request.params,
                                                                          self._blocked[w.seq.seq_id])
                           for w in out.work if w.completes_prompt)
+        draws = None if argmax_only else self._plan_draws(out)
         if self.ranks is None:
-            return self.runner.execute(batch, ops, argmax_only, self._logits_buffer)
+            return self.runner.execute(batch, ops, argmax_only, self._logits_buffer, draws)
         self.ranks.send(StepPlan("step", batch, ops))
         try:
-            return self.runner.execute(batch, ops, argmax_only, self._logits_buffer)
+            return self.runner.execute(batch, ops, argmax_only, self._logits_buffer, draws)
         except Exception as e:
             if self.ranks.alive and not isinstance(e, RankFailure):
                 raise self.ranks.guard(e) from e
             raise
+
+    def _plan_draws(self, out: SchedulerOutput) -> dict[str, DrawSetting] | None:
+        """The step's draws for the logits pass to make itself, when no request needs its logits (greedy or
+        plain sampling, one sample from each row, no logprobs): 128 sampled rows of SmolLM2 then skip writing
+        and reading back 25 MB of float32 logits (sampler.logits_pass_draws)."""
+        self._requests = {}
+        seqs = [w.seq for w in out.work if w.completes_prompt]
+        if any(s.request.beam is not None or (s.request.params.n > 1 and not s.request.forked) for s in seqs):
+            return None
+        reqs = [self._sample_request(s, [s]) for s in seqs]
+        settings = logits_pass_draws(reqs)
+        if settings is None:
+            return None
+        self._requests = {s.seq_id: r for s, r in zip(seqs, reqs, strict=True)}
+        return {s.seq_id: d for s, d in zip(seqs, settings, strict=True)}
+
+    def _sample_request(self, seq: Sequence, targets: Seq[Sequence]) -> SampleRequest:
+        """What ``seq``'s row draws for ``targets`` (itself, and at the end of an n > 1 prompt its forks)."""
+        params = seq.request.params
+        if params.seed is None:
+            gens = [None] * len(targets)
+        else:
+            for s in targets:
+                if s.rng is None:
+                    s.rng = seeded_generator(params.seed, s.index)
+            gens = [s.rng for s in targets]
+        return SampleRequest(params, seq.request.prompt_token_ids, seq.output_token_ids, gens, self._blocked_for(seq))
 
     def follow(self, plan: StepPlan) -> None:
         """A tensor-parallel follower runs rank 0's plan on its own shard and KV tensors."""
@@ -248,17 +286,14 @@ class Worker:
         reqs, rows = [], []
         for t in tasks:
             seq = t.seq
-            params = seq.request.params
-            if params.seed is None:
-                gens = [None] * len(t.targets)
-            else:
-                for s in t.targets:
-                    if s.rng is None:
-                        s.rng = seeded_generator(params.seed, s.index)
-                gens = [s.rng for s in t.targets]
             rows.append(logits.row(seq.seq_id))
-            reqs.append(SampleRequest(params, seq.request.prompt_token_ids, seq.output_token_ids, gens,
-                                      self._blocked_for(seq)))
+            # a request whose uniforms execute_model drew keeps them (the same tokens, drawn in the pass or not)
+            pre = self._requests.get(seq.seq_id) if len(t.targets) == 1 else None
+            reqs.append(pre if pre is not None else self._sample_request(seq, t.targets))
+        if logits.tokens is not None:
+            if any(self._requests.get(t.seq.seq_id) is not r for t, r in zip(tasks, reqs, strict=True)):
+                raise RuntimeError("the logits pass drew tokens for a step whose tasks it did not plan")
+            return list(drawn_samples(logits.tokens, reqs, rows))
         return self.sample_requests(logits, reqs, rows)
 
     def sample_requests(self, logits: StepLogits, reqs: list[SampleRequest], rows: list[int],

@@ -1,6 +1,7 @@
 // Fused per-token operations for the bf16 fast path: each replaces several small torch dispatches.
 //
 //   logits_postprocess(parts, hidden, weight)           float32 logits, exact near-max entries, argmax, lse
+//   logits_draw(parts, hidden, weight, draw settings)   each row's token drawn in the same pass, no logits kept
 //
 // The residual stream is float32; outputs take the weight's dtype (the projections' input dtype).
 
@@ -9,6 +10,7 @@
 
 #include "common.h"
 #include "ops.h"
+#include "sampler.h"
 
 #include <cmath>
 #include <cstdint>
@@ -196,7 +198,7 @@ void logits_scan(torch::Tensor part, int64_t start, int64_t vocab, torch::Tensor
 }
 
 // One row of float32 logits `o` whose maximum is mx: the entries near it recomputed exactly (bf16 logits), then
-// its argmax (first index, as torch.argmax) and log-sum-exp.
+// its argmax (first index, as torch.argmax) and, where lse is given, its log-sum-exp.
 void finish_row(const LogitsPass& ps, float* o, int64_t b, int64_t V, float mx, int64_t* argmax, float* lse) {
   if (ps.weight != nullptr) {
     for_each_at_least(o, V, mx - LogitsPass::tolerance(mx), [&](int64_t v) { o[v] = ps.exact(b, v); });
@@ -205,7 +207,7 @@ void finish_row(const LogitsPass& ps, float* o, int64_t b, int64_t V, float mx, 
   int64_t best = 0;
   while (best + 1 < V && !(o[best] == mx)) ++best;
   *argmax = best;
-  *lse = mx + std::log(exp_sum(o, V, mx));
+  if (lse != nullptr) *lse = mx + std::log(exp_sum(o, V, mx));
 }
 
 // The whole pass row by row when every part is at hand: each row's parts widened into its row of `out` and the
@@ -227,6 +229,78 @@ void widen_finish_rows(const LogitsPass& ps, const std::vector<torch::Tensor>& p
       finish_row(ps, o, b, V, mx, argmax + b, lse + b);
     }
   });
+}
+
+// The logits pass with each row's draw made while the row is in cache: the row is widened into a thread's
+// scratch row (never a [rows, vocab] buffer), finished as logits_postprocess finishes it, and then drawn from as
+// sample_rows draws (temperature > 0) or given its argmax (temperature 0). The same float32 row, so the same
+// tokens as logits_postprocess followed by sample_rows; at 128 rows of SmolLM2's vocabulary that pair wrote the
+// 25 MB of logits out and read them back.
+template <typename L>
+void widen_draw_rows(const LogitsPass& ps, const std::vector<torch::Tensor>& parts, int64_t B, int64_t V,
+                     const float* temp, const int64_t* top_k, const float* top_p, const float* min_p,
+                     const double* u, int64_t W, int64_t* tokens, int64_t* argmax) {
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<float> row;
+    thread_local kvpage::sampling::Scratch scratch;
+    row.resize(static_cast<size_t>(V));
+    scratch.reserve(V);
+    float* o = row.data();
+    for (int64_t b = b0; b < b1; ++b) {
+      float mx = -std::numeric_limits<float>::infinity();
+      int64_t start = 0;
+      for (const auto& t : parts) {
+        const int64_t w = t.size(1);
+        mx = std::max(mx, widen_max(t.data_ptr<L>() + b * w, o + start, w));
+        start += w;
+      }
+      finish_row(ps, o, b, V, mx, argmax + b, nullptr);  // no log-sum-exp: no logprobs are asked for
+      if (temp[b] > 0.f)
+        kvpage::sampling::sample_row(o, V, temp[b], top_k[b] > 0 && top_k[b] < V ? top_k[b] : 0, top_p[b],
+                                     min_p[b], u + b * W, W, tokens + b * W, scratch);
+      else
+        std::fill(tokens + b * W, tokens + (b + 1) * W, argmax[b]);
+    }
+  });
+}
+
+std::vector<torch::Tensor> logits_draw(std::vector<torch::Tensor> parts, torch::Tensor hidden, torch::Tensor weight,
+                                       torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                                       torch::Tensor min_p, torch::Tensor uniforms) {
+  TORCH_CHECK(!parts.empty(), "logits_draw needs at least one part");
+  const at::ScalarType dt = parts[0].scalar_type();
+  const int64_t B = parts[0].size(0);
+  int64_t V = 0;
+  std::vector<torch::Tensor> cparts;
+  for (const auto& t : parts) {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == B && t.scalar_type() == dt, "logit parts must be [rows, width] of one dtype");
+    V += t.size(1);
+    cparts.push_back(t.contiguous());
+  }
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
+                  min_p.scalar_type() == at::kFloat && top_k.scalar_type() == at::kLong,
+              "temperature, top_p and min_p must be float32, top_k int64");
+  TORCH_CHECK(temperature.numel() == B && top_k.numel() == B && top_p.numel() == B && min_p.numel() == B,
+              "one temperature, top_k, top_p and min_p per row");
+  TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.dim() == 2 && uniforms.size(0) == B,
+              "uniforms must be a [rows, draws] float64 tensor");
+  const auto tc = temperature.contiguous(), kc = top_k.contiguous(), pc = top_p.contiguous(), mc = min_p.contiguous(),
+             uc = uniforms.contiguous();
+  const int64_t W = uc.size(1);
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(tc.data_ptr<float>()[b] >= 0.f, "temperature must be >= 0");
+  auto opts = parts[0].options();
+  auto tokens = at::empty({B, W}, opts.dtype(at::kLong));
+  auto amax = at::empty({B}, opts.dtype(at::kLong));
+  const LogitsPass ps = logits_pass(hidden, weight, dt, V);
+  if (dt == at::kBFloat16)
+    widen_draw_rows<at::BFloat16>(ps, cparts, B, V, tc.data_ptr<float>(), kc.data_ptr<int64_t>(), pc.data_ptr<float>(),
+                                  mc.data_ptr<float>(), uc.data_ptr<double>(), W, tokens.data_ptr<int64_t>(),
+                                  amax.data_ptr<int64_t>());
+  else
+    widen_draw_rows<float>(ps, cparts, B, V, tc.data_ptr<float>(), kc.data_ptr<int64_t>(), pc.data_ptr<float>(),
+                           mc.data_ptr<float>(), uc.data_ptr<double>(), W, tokens.data_ptr<int64_t>(),
+                           amax.data_ptr<int64_t>());
+  return {tokens, amax};
 }
 
 // After every part went into `out`: the entries near each row's maximum recomputed exactly (bf16 logits),

@@ -20,21 +20,14 @@
 #include <vector>
 
 #include "common.h"
+#include "sampler.h"
 
 namespace {
 
 constexpr int64_t kBins = 1024;
 constexpr int64_t kBlock = 256;
 
-struct Scratch {
-  std::vector<float> e;
-  std::vector<double> block_sum;
-  std::vector<double> mass;
-  std::vector<float> pick;
-  std::vector<int32_t> idx;  // entries that can hold a filter's boundary, and their bins
-  std::vector<int32_t> bin;
-  std::vector<std::pair<float, int32_t>> cand;  // top-k: (logit, token) in the band below the maximum
-};
+using kvpage::sampling::Scratch;
 
 // The row's maximum (NaN ignored). Vector paths per instruction set: the compiler's own vectorization of
 // these loops ran 10x slower than the intrinsics here.
@@ -220,6 +213,10 @@ int64_t draw(const float* e, int64_t V, const std::vector<double>& block_sum, fl
   return last;
 }
 
+}  // namespace
+
+namespace kvpage::sampling {
+
 void sample_row(const float* x, int64_t V, float T, int64_t k, float top_p, float min_p, const double* u,
                 int64_t W, int64_t* out, Scratch& s) {
   const float m = row_max(x, V);
@@ -297,7 +294,15 @@ void sample_row(const float* x, int64_t V, float T, int64_t k, float top_p, floa
   }
 }
 
-}  // namespace
+void Scratch::reserve(int64_t V) {
+  e.resize(V);
+  block_sum.resize((V + kBlock - 1) / kBlock);
+  mass.resize(kBins);
+}
+
+}  // namespace kvpage::sampling
+
+using kvpage::sampling::sample_row;
 
 // logits [N, V] float32; rows [R] int64 (which logits row each draw uses); temperature, top_p, min_p [R]
 // float32 (temperature > 0); top_k [R] int64 (0: off); uniforms [R, W] float64 in [0, 1). Returns [R, W]
@@ -328,9 +333,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor rows, torch::Tenso
 #pragma omp parallel if (R > 1)
   {
     Scratch s;
-    s.e.resize(V);
-    s.block_sum.resize((V + kBlock - 1) / kBlock);
-    s.mass.resize(kBins);
+    s.reserve(V);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < R; ++r)
       sample_row(x + row[r] * V, V, tp[r], kp[r], pp[r], mp[r], up + r * W, W, op + r * W, s);
