@@ -50,6 +50,8 @@ class FaultyEngine(LLMEngine):
         # this engine instance only
         self.worker.runner.execute = failing_execute
         self.worker.sample_requests = poisoned_sample
+        # every step draws from its logits, so that the poisoned request's call into the sampler fails there
+        self.worker._plan_draws = lambda out: None
         self.core.processor.append = failing_append
 
     def _seed_of(self, seq_id: str) -> int | None:

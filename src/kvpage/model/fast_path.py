@@ -152,10 +152,10 @@ def packed_logits(ops: Kernels, lm_packed: PackedLinear, weight: torch.Tensor, h
     out = None if argmax_only or buffer is None else buffer.view(rows, vocab)
     h32 = hidden.float()
     if not argmax_only and rows * vocab * x.element_size() <= row_major_max_bytes:
-        if draws is not None:
-            return draws.run(ops, [raw for _, raw in lm_packed.forward_parts(x)], h32, weight)
-        logits, argmax, lse = ops.logits_postprocess([raw for _, raw in lm_packed.forward_parts(x)], h32, weight,
-                                                     True, out)
+        parts = [raw for _, raw in lm_packed.forward_parts(x)]
+        if draws is not None and (res := draws.run(ops, parts, h32, weight)) is not None:
+            return res
+        logits, argmax, lse = ops.logits_postprocess(parts, h32, weight, True, out)
         return LogitsResult(logits, argmax, lse)
     row_max = torch.full((rows,), float("-inf"))
     best_value, best_index = torch.full((rows,), float("-inf")), torch.full((rows,), -1, dtype=torch.long)

@@ -105,4 +105,4 @@ class Gemma3FastPath:
 
     def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
                           buffer: LogitsBuffer | None = None, draws: RowDraws | None = None) -> LogitsResult:
-        return packed_logits(self.ops, self.lm_packed, self.lm_weight, hidden, argmax_only, buffer, draws)
+        return packed_logits(self.ops, self.lm_packed, self.lm_weight, hidden, argmax_only, buffer, draws=draws)

@@ -33,9 +33,14 @@ class RowDraws:
     uniforms: torch.Tensor  # [rows, draws] float64 in [0, 1)
 
     def run(self, ops: Kernels, parts: list[torch.Tensor], hidden: torch.Tensor,
-            weight: torch.Tensor) -> LogitsResult:
-        tokens, argmax = ops.logits_draw(parts, hidden, weight, self.temperature, self.top_k, self.top_p,
-                                         self.min_p, self.uniforms)
+            weight: torch.Tensor) -> LogitsResult | None:
+        """The tokens, or None if the kernel refused the settings: the caller then computes the logits, and
+        the sampler's own per-request path reports which request fails (a draw never fails the whole step)."""
+        try:
+            tokens, argmax = ops.logits_draw(parts, hidden, weight, self.temperature, self.top_k, self.top_p,
+                                             self.min_p, self.uniforms)
+        except RuntimeError:
+            return None
         return LogitsResult(None, argmax, None, tokens)
 
 
@@ -51,7 +56,9 @@ def postprocess_raw(ops: Kernels, raw: torch.Tensor, hidden: torch.Tensor, weigh
     With ``draws`` each row's token is drawn in the pass and no logits are returned."""
     bf16 = raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
     if draws is not None and not argmax_only:
-        return draws.run(ops, [raw if bf16 else raw.float()], hidden.float() if bf16 else hidden, weight)
+        res = draws.run(ops, [raw if bf16 else raw.float()], hidden.float() if bf16 else hidden, weight)
+        if res is not None:
+            return res
     out = None if argmax_only or buffer is None else buffer.view(raw.shape[0], raw.shape[1])
     if bf16:
         res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only, out)

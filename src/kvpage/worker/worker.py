@@ -290,14 +290,15 @@ class Worker:
             # a request whose uniforms execute_model drew keeps them (the same tokens, drawn in the pass or not)
             pre = self._requests.get(seq.seq_id) if len(t.targets) == 1 else None
             reqs.append(pre if pre is not None else self._sample_request(seq, t.targets))
-        if logits.tokens is not None:
-            if any(self._requests.get(t.seq.seq_id) is not r for t, r in zip(tasks, reqs, strict=True)):
-                raise RuntimeError("the logits pass drew tokens for a step whose tasks it did not plan")
-            return list(drawn_samples(logits.tokens, reqs, rows))
+        if logits.tokens is not None and any(self._requests.get(t.seq.seq_id) is not r
+                                             for t, r in zip(tasks, reqs, strict=True)):
+            raise RuntimeError("the logits pass drew tokens for a step whose tasks it did not plan")
         return self.sample_requests(logits, reqs, rows)
 
     def sample_requests(self, logits: StepLogits, reqs: list[SampleRequest], rows: list[int],
                         ) -> list[list[Sample] | BaseException]:
+        if logits.tokens is not None:  # drawn in the logits pass (execute_model's plan)
+            return list(drawn_samples(logits.tokens, reqs, rows))
         return sample_isolated(logits.logits, reqs, logits.argmax_rows, logits.lse_rows, rows)
 
     def beam_candidates(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[Candidates | BaseException]:
