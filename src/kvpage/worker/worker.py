@@ -220,6 +220,7 @@ class Worker:
         argmax_only = all(w.seq.request.beam is None and argmax_suffices(w.seq.request.params,
                                                                          self._blocked[w.seq.seq_id])
                           for w in out.work if w.completes_prompt)
+        self._requests = {}
         draws = None if argmax_only else self._plan_draws(out)
         if self.ranks is None:
             return self.runner.execute(batch, ops, argmax_only, self._logits_buffer, draws)
@@ -235,7 +236,6 @@ class Worker:
         """The step's draws for the logits pass to make itself, when no request needs its logits (greedy or
         plain sampling, one sample from each row, no logprobs): 128 sampled rows of SmolLM2 then skip writing
         and reading back 25 MB of float32 logits (sampler.logits_pass_draws)."""
-        self._requests = {}
         seqs = [w.seq for w in out.work if w.completes_prompt]
         if any(s.request.beam is not None or (s.request.params.n > 1 and not s.request.forked) for s in seqs):
             return None
