@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +27,38 @@ from _common import alternating_medians, cpu_model
 from kvpage.ops import load_kernels
 
 SETTINGS = {"temperature 1.0": (0, 1.0), "t 1.0, top-p 0.95, top-k 50": (50, 0.95)}
+
+
+def make_case(ops, weight: torch.Tensor, evict: torch.Tensor, b: int, top_k: int, top_p: float,
+              g: torch.Generator) -> tuple[Callable[[], float], Callable[[], float]]:
+    """The two timed passes over one step of b rows: the logits pass into a kept buffer then sample_rows, and
+    the draw inside the pass."""
+    vocab, hidden = weight.shape
+    h = torch.randn(b, hidden, generator=g) * 4
+    raw = (h.bfloat16() @ weight.T).bfloat16()
+    parts = [raw[:, :32768].contiguous(), raw[:, 32768:].contiguous()]
+    temps = torch.ones(b)
+    ks = torch.full((b,), top_k, dtype=torch.long)
+    ps = torch.full((b,), top_p)
+    mins = torch.zeros(b)
+    u = torch.rand(b, 1, generator=g, dtype=torch.float64)
+    buf = torch.empty(b * vocab)
+    rows = torch.arange(b)
+
+    def two_passes() -> float:
+        evict.add_(1)
+        t = time.perf_counter()
+        logits = ops.logits_postprocess(parts, h, weight, True, buf)[0]
+        ops.sample_rows(logits, rows, temps, ks, ps, mins, u)
+        return time.perf_counter() - t
+
+    def in_pass() -> float:
+        evict.add_(1)
+        t = time.perf_counter()
+        ops.logits_draw(parts, h, weight, temps, ks, ps, mins, u)
+        return time.perf_counter() - t
+
+    return two_passes, in_pass
 
 
 def main() -> None:
@@ -42,30 +75,7 @@ def main() -> None:
     print(f"{'setting':<28} {'rows':>5} {'pass + sample_rows':>19} {'draw in the pass':>17} {'ratio':>7}")
     for name, (top_k, top_p) in SETTINGS.items():
         for b in args.rows:
-            h = torch.randn(b, hidden, generator=g) * 4
-            raw = (h.bfloat16() @ weight.T).bfloat16()
-            parts = [raw[:, :32768].contiguous(), raw[:, 32768:].contiguous()]
-            temps = torch.ones(b)
-            ks = torch.full((b,), top_k, dtype=torch.long)
-            ps = torch.full((b,), top_p)
-            mins = torch.zeros(b)
-            u = torch.rand(b, 1, generator=g, dtype=torch.float64)
-            buf = torch.empty(b * vocab)
-            rows = torch.arange(b)
-
-            def two_passes() -> float:
-                evict.add_(1)
-                t = time.perf_counter()
-                logits = ops.logits_postprocess(parts, h, weight, True, buf)[0]
-                ops.sample_rows(logits, rows, temps, ks, ps, mins, u)
-                return time.perf_counter() - t
-
-            def in_pass() -> float:
-                evict.add_(1)
-                t = time.perf_counter()
-                ops.logits_draw(parts, h, weight, temps, ks, ps, mins, u)
-                return time.perf_counter() - t
-
+            two_passes, in_pass = make_case(ops, weight, evict, b, top_k, top_p, g)
             a, c = alternating_medians(two_passes, in_pass, args.rounds)
             print(f"{name:<28} {b:>5} {a * 1e3:>19.3f} {c * 1e3:>17.3f} {c / a:>6.2f}x", flush=True)
 
