@@ -210,6 +210,19 @@ void finish_row(const LogitsPass& ps, float* o, int64_t b, int64_t V, float mx, 
   if (lse != nullptr) *lse = mx + std::log(exp_sum(o, V, mx));
 }
 
+// Row b of every part (the head's vocabulary slices, in order) widened into o; returns the row's maximum.
+template <typename L>
+float widen_row(const std::vector<torch::Tensor>& parts, int64_t b, float* o) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t start = 0;
+  for (const auto& t : parts) {
+    const int64_t w = t.size(1);
+    mx = std::max(mx, widen_max(t.data_ptr<L>() + b * w, o + start, w));
+    start += w;
+  }
+  return mx;
+}
+
 // The whole pass row by row when every part is at hand: each row's parts widened into its row of `out` and the
 // row finished while it is still in cache (part by part, then row by row, read all of `out` back from memory:
 // 25 MB a step at 128 rows of SmolLM2's vocabulary). The same bits as logits_scan then logits_finish.
@@ -219,14 +232,7 @@ void widen_finish_rows(const LogitsPass& ps, const std::vector<torch::Tensor>& p
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       float* o = out + b * V;
-      float mx = -std::numeric_limits<float>::infinity();
-      int64_t start = 0;
-      for (const auto& t : parts) {
-        const int64_t W = t.size(1);
-        mx = std::max(mx, widen_max(t.data_ptr<L>() + b * W, o + start, W));
-        start += W;
-      }
-      finish_row(ps, o, b, V, mx, argmax + b, lse + b);
+      finish_row(ps, o, b, V, widen_row<L>(parts, b, o), argmax + b, lse + b);
     }
   });
 }
@@ -247,14 +253,8 @@ void widen_draw_rows(const LogitsPass& ps, const std::vector<torch::Tensor>& par
     scratch.reserve(V);
     float* o = row.data();
     for (int64_t b = b0; b < b1; ++b) {
-      float mx = -std::numeric_limits<float>::infinity();
-      int64_t start = 0;
-      for (const auto& t : parts) {
-        const int64_t w = t.size(1);
-        mx = std::max(mx, widen_max(t.data_ptr<L>() + b * w, o + start, w));
-        start += w;
-      }
-      finish_row(ps, o, b, V, mx, argmax + b, nullptr);  // no log-sum-exp: no logprobs are asked for
+      // no log-sum-exp: no logprobs are asked for
+      finish_row(ps, o, b, V, widen_row<L>(parts, b, o), argmax + b, nullptr);
       if (temp[b] > 0.f)
         kvpage::sampling::sample_row(o, V, temp[b], top_k[b] > 0 && top_k[b] < V ? top_k[b] : 0, top_p[b],
                                      min_p[b], u + b * W, W, tokens + b * W, scratch);
