@@ -237,6 +237,25 @@ void widen_finish_rows(const LogitsPass& ps, const std::vector<torch::Tensor>& p
   });
 }
 
+// A step's head output as column parts (its vocabulary slices, in order), checked: one dtype, the same rows;
+// contiguous copies where a part is not.
+struct LogitParts {
+  std::vector<torch::Tensor> parts;
+  at::ScalarType dt;
+  int64_t rows = 0, vocab = 0;
+};
+LogitParts logit_parts(const std::vector<torch::Tensor>& parts, const char* op) {
+  TORCH_CHECK(!parts.empty(), op, " needs at least one part");
+  LogitParts lp{{}, parts[0].scalar_type(), parts[0].size(0), 0};
+  for (const auto& t : parts) {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == lp.rows && t.scalar_type() == lp.dt,
+                "logit parts must be [rows, width] of one dtype");
+    lp.vocab += t.size(1);
+    lp.parts.push_back(t.contiguous());
+  }
+  return lp;
+}
+
 // The logits pass with each row's draw made while the row is in cache: the row is widened into a thread's
 // scratch row (never a [rows, vocab] buffer), finished as logits_postprocess finishes it, and then drawn from as
 // sample_rows draws (temperature > 0) or given its argmax (temperature 0). The same float32 row, so the same
@@ -256,8 +275,8 @@ void widen_draw_rows(const LogitsPass& ps, const std::vector<torch::Tensor>& par
       // no log-sum-exp: no logprobs are asked for
       finish_row(ps, o, b, V, widen_row<L>(parts, b, o), argmax + b, nullptr);
       if (temp[b] > 0.f)
-        kvpage::sampling::sample_row(o, V, temp[b], top_k[b] > 0 && top_k[b] < V ? top_k[b] : 0, top_p[b],
-                                     min_p[b], u + b * W, W, tokens + b * W, scratch);
+        kvpage::sampling::sample_row(o, V, temp[b], top_k[b], top_p[b], min_p[b], u + b * W, W, tokens + b * W,
+                                     scratch);
       else
         std::fill(tokens + b * W, tokens + (b + 1) * W, argmax[b]);
     }
@@ -267,16 +286,10 @@ void widen_draw_rows(const LogitsPass& ps, const std::vector<torch::Tensor>& par
 std::vector<torch::Tensor> logits_draw(std::vector<torch::Tensor> parts, torch::Tensor hidden, torch::Tensor weight,
                                        torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                                        torch::Tensor min_p, torch::Tensor uniforms) {
-  TORCH_CHECK(!parts.empty(), "logits_draw needs at least one part");
-  const at::ScalarType dt = parts[0].scalar_type();
-  const int64_t B = parts[0].size(0);
-  int64_t V = 0;
-  std::vector<torch::Tensor> cparts;
-  for (const auto& t : parts) {
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == B && t.scalar_type() == dt, "logit parts must be [rows, width] of one dtype");
-    V += t.size(1);
-    cparts.push_back(t.contiguous());
-  }
+  const LogitParts lp = logit_parts(parts, "logits_draw");
+  const at::ScalarType dt = lp.dt;
+  const int64_t B = lp.rows, V = lp.vocab;
+  const std::vector<torch::Tensor>& cparts = lp.parts;
   TORCH_CHECK(temperature.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
                   min_p.scalar_type() == at::kFloat && top_k.scalar_type() == at::kLong,
               "temperature, top_p and min_p must be float32, top_k int64");
@@ -327,14 +340,9 @@ std::vector<torch::Tensor> logits_finish(torch::Tensor out, torch::Tensor hidden
 // a float32 buffer with room for [rows, vocab] that the logits are written to (a view of it is returned).
 std::vector<torch::Tensor> logits_postprocess(std::vector<torch::Tensor> parts, torch::Tensor hidden,
                                               torch::Tensor weight, bool with_logits, c10::optional<torch::Tensor> out_buf) {
-  TORCH_CHECK(!parts.empty(), "logits_postprocess needs at least one part");
-  const at::ScalarType dt = parts[0].scalar_type();
-  const int64_t B = parts[0].size(0);
-  int64_t V = 0;
-  for (const auto& t : parts) {
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == B && t.scalar_type() == dt, "logit parts must be [rows, width] of one dtype");
-    V += t.size(1);
-  }
+  const LogitParts lp = logit_parts(parts, "logits_postprocess");
+  const at::ScalarType dt = lp.dt;
+  const int64_t B = lp.rows, V = lp.vocab;
   auto opts = parts[0].options().dtype(at::kFloat);
   torch::Tensor out;
   if (!with_logits) {
@@ -347,8 +355,7 @@ std::vector<torch::Tensor> logits_postprocess(std::vector<torch::Tensor> parts, 
     out = at::empty({B, V}, opts);
   }
   if (with_logits) {
-    std::vector<torch::Tensor> cparts;
-    for (const auto& t : parts) cparts.push_back(t.contiguous());
+    const std::vector<torch::Tensor>& cparts = lp.parts;
     const LogitsPass ps = logits_pass(hidden, weight, dt, V);
     auto amax = at::empty({B}, opts.dtype(at::kLong));
     auto lse = at::empty({B}, opts);
