@@ -54,16 +54,16 @@ def postprocess_raw(ops: Kernels, raw: torch.Tensor, hidden: torch.Tensor, weigh
     """The compiled logits pass over one step's raw lm-head output: bf16 outputs of bf16 weights get their
     near-max entries recomputed exactly from the float32 hidden state; the logits go to ``buffer`` if given.
     With ``draws`` each row's token is drawn in the pass and no logits are returned."""
-    bf16 = raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+    if raw.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        raw_in, hidden_in = raw, hidden.float()
+    else:
+        raw_in, hidden_in = raw.float(), hidden
     if draws is not None and not argmax_only:
-        res = draws.run(ops, [raw if bf16 else raw.float()], hidden.float() if bf16 else hidden, weight)
+        res = draws.run(ops, [raw_in], hidden_in, weight)
         if res is not None:
             return res
     out = None if argmax_only or buffer is None else buffer.view(raw.shape[0], raw.shape[1])
-    if bf16:
-        res = ops.logits_postprocess(raw, hidden.float(), weight, not argmax_only, out)
-    else:
-        res = ops.logits_postprocess(raw.float(), hidden, weight, not argmax_only, out)
+    res = ops.logits_postprocess(raw_in, hidden_in, weight, not argmax_only, out)
     return logits_result(*res, argmax_only)
 
 

@@ -71,12 +71,13 @@ def logits_pass_draws(requests: Sequence[SampleRequest]) -> list[DrawSetting] | 
     sample each, plain greedy (the argmax) or a plain draw (temperature, top-k, top-p, min-p; nothing that
     reshapes or masks the logits), no logprobs; None otherwise. The uniforms are drawn here as ``sample`` draws
     them (and kept on the requests, so a head that returns logits instead draws the same tokens from them)."""
+    greedy = [plain_greedy(r.params, r.blocked_ids) for r in requests]
     plain = []
-    for r in requests:
+    for r, g in zip(requests, greedy, strict=True):
         p = r.params
         if p.logprobs is not None or len(r.generators) != 1:
             return None
-        if plain_greedy(p, r.blocked_ids):
+        if g:
             continue
         if p.greedy or p.shapes_logits or r.blocked_ids:
             return None
@@ -84,9 +85,9 @@ def logits_pass_draws(requests: Sequence[SampleRequest]) -> list[DrawSetting] | 
     if not plain:
         return None
     us = iter(_uniforms(plain, 1)[:, 0].tolist())
-    return [DrawSetting(0.0, 0, 1.0, 0.0, (0.0,)) if plain_greedy(r.params, r.blocked_ids) else
+    return [DrawSetting(0.0, 0, 1.0, 0.0, (0.0,)) if g else
             DrawSetting(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p, (next(us),))
-            for r in requests]
+            for r, g in zip(requests, greedy, strict=True)]
 
 
 def drawn_samples(tokens: torch.Tensor, requests: Sequence[SampleRequest], rows: Sequence[int]) -> list[list[Sample]]:

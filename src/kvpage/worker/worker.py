@@ -298,7 +298,7 @@ class Worker:
     def sample_requests(self, logits: StepLogits, reqs: list[SampleRequest], rows: list[int],
                         ) -> list[list[Sample] | BaseException]:
         if logits.tokens is not None:  # drawn in the logits pass (execute_model's plan)
-            return list(drawn_samples(logits.tokens, reqs, rows))
+            return drawn_samples(logits.tokens, reqs, rows)
         return sample_isolated(logits.logits, reqs, logits.argmax_rows, logits.lse_rows, rows)
 
     def beam_candidates(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[Candidates | BaseException]:
