@@ -29,6 +29,7 @@ how well the model predicts from them, and how fast the paged kernel reads them.
 
     python benchmarks/kv_quant.py                       # SmolLM2-135M (and Gemma 3 270M when installed)
     python benchmarks/kv_quant.py --positions 1000 --speed-seqs 64 --speed-context 8192 --rounds 5
+    python benchmarks/kv_quant.py --skip capacity accuracy --speed-block-size 32   # decode over 32-token blocks
     python benchmarks/kv_quant.py --models gemma-3-270m --skip capacity speed --kv-dtypes int8 --split
     python benchmarks/kv_quant.py --models gemma-3-270m --skip capacity accuracy speed --channel --positions 3200
 """
@@ -261,16 +262,15 @@ def channel_pages(ops, seqs: int, context: int, tables: torch.Tensor, kv_heads: 
 
 
 def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 3, dim: int = 64,
-          huge_pages: bool = True, fold: int = 0) -> list[dict]:
-    """One layer's decode attention: `seqs` sequences of `context` keys on scattered 16-token blocks, in caches
-    allocated as the engine allocates its pool (2 MiB pages where the OS allows, unless huge_pages=False)."""
+          huge_pages: bool = True, fold: int = 0, bs: int = 16) -> list[dict]:
+    """One layer's decode attention: `seqs` sequences of `context` keys on scattered `bs`-token blocks, in
+    caches allocated as the engine allocates its pool (2 MiB pages where the OS allows, unless huge_pages=False)."""
     from kvpage.attention.kv_quant import quantize_rows
     from kvpage.envs import KernelConfig
     from kvpage.ops import kernels, pack_kv_rows
     from kvpage.worker.kv_cache import as_block_major
 
     ops = kernels(KernelConfig())
-    bs = 16
     per = -(-context // bs)
     nb = seqs * per
     gen = torch.Generator().manual_seed(0)
@@ -339,6 +339,7 @@ def main() -> None:
                     help="accuracy: also each quantized dtype without its key/value transforms")
     ap.add_argument("--speed-seqs", type=int, default=64)
     ap.add_argument("--speed-context", type=int, default=8192)
+    ap.add_argument("--speed-block-size", type=int, default=16, help="speed: tokens per KV block")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--skip", nargs="*", default=(), choices=("capacity", "accuracy", "speed"))
     ap.add_argument("--kv-dtypes", nargs="*", default=list(CACHE_DTYPES), choices=CACHE_DTYPES,
@@ -385,9 +386,10 @@ def main() -> None:
                   f"{r['positions']} positions")
     if "speed" not in a.skip:
         result["speed"] = speed(a.speed_seqs, a.speed_context, a.rounds, huge_pages=not a.small_pages,
-                                fold=a.fold_blocks)
+                                fold=a.fold_blocks, bs=a.speed_block_size)
         for r in result["speed"]:
-            print(f"speed    {r['kv_dtype']:<9} {r['seqs']} seqs x {r['context']} keys: {r['ms']:.2f} ms "
+            print(f"speed    {r['kv_dtype']:<9} {r['seqs']} seqs x {r['context']} keys, {a.speed_block_size}-token "
+                  f"blocks: {r['ms']:.2f} ms "
                   f"({r['vs_bfloat16']:.2f}x bf16) [{r['kernel']}]")
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
