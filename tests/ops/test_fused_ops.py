@@ -57,6 +57,25 @@ def test_rotary_matches_rotate_half():
     torch.testing.assert_close(k, ek)
 
 
+def test_norm_and_rotary_refuse_tables_and_weights_of_the_wrong_size():
+    """Each kernel reads its weight or cos/sin table a row's width at a time: a short one is refused by name,
+    never read past its end."""
+    ops = load_kernels()
+    res, x = torch.randn(4, 576), torch.randn(4, 576)
+    with pytest.raises(RuntimeError, match="norm weight must be contiguous with 576 elements"):
+        ops.rms_norm(res, torch.randn(512), 1e-5)
+    with pytest.raises(RuntimeError, match="norm weight must be contiguous with 576 elements"):
+        ops.add_rms_norm(x, res, torch.randn(1152)[::2], 1e-5)
+    q, k = torch.randn(4, 9, 64), torch.randn(4, 3, 64)
+    half = torch.randn(4, 32)  # a half-width table (one angle per pair) where the kernel takes [tokens, D]
+    with pytest.raises(RuntimeError, match=r"cos/sin must be \[4, 64\]"):
+        ops.rotary_(q, k, half, half)
+    with pytest.raises(RuntimeError, match=r"cos/sin must be \[4, 64\]"):
+        ops.rotary_(q, k, torch.randn(3, 64), torch.randn(3, 64))
+    with pytest.raises(RuntimeError, match="k must have q's tokens"):
+        ops.rotary_(q, torch.randn(5, 3, 64), torch.randn(4, 64), torch.randn(4, 64))
+
+
 @pytest.mark.parametrize("dim", [64, 48, 256])  # 16-lane halves, a masked tail, Gemma 3's head size
 def test_rotary_bf16_rows_in_place(dim):
     """bf16 q and k as views into one qkv row (the engine's layout): each element computed in float32 and

@@ -145,11 +145,19 @@ void qk_norm_rope_rows(const T* qkv, int64_t stride, const float* qw, const floa
 
 }  // namespace
 
+// A norm's weight is read H wide for every row: a shorter one would be read past its end.
+static void check_norm_weight(const torch::Tensor& weight, int64_t H) {
+  TORCH_CHECK(H > 0 && weight.is_contiguous() && weight.numel() == H, "norm weight must be contiguous with ", H,
+              " elements (the rows' width), got ", weight.sizes());
+}
+
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual must be contiguous float32");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
   x = x.contiguous();
-  const int64_t H = residual.size(-1), rows = residual.numel() / H;
+  const int64_t H = residual.size(-1);
+  check_norm_weight(weight, H);
+  const int64_t rows = residual.numel() / H;
   auto out = at::empty(residual.sizes(), residual.options().dtype(weight.scalar_type()));
   if (weight.scalar_type() == at::kBFloat16) {
     if (x.scalar_type() == at::kBFloat16)
@@ -172,7 +180,9 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 
 torch::Tensor rms_norm(torch::Tensor residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual must be contiguous float32");
-  const int64_t H = residual.size(-1), rows = residual.numel() / H;
+  const int64_t H = residual.size(-1);
+  check_norm_weight(weight, H);
+  const int64_t rows = residual.numel() / H;
   auto out = at::empty(residual.sizes(), residual.options().dtype(weight.scalar_type()));
   if (weight.scalar_type() == at::kBFloat16)
     norm_rows<float, at::BFloat16>(residual.data_ptr<float>(), nullptr, weight.data_ptr<at::BFloat16>(),
@@ -190,6 +200,10 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
               "q/k heads must be contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must share a dtype");
   const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D, "k must have q's tokens and head size");
+  // every row of cos/sin is read D wide: a shorter table would be read past its end
+  TORCH_CHECK(sin.scalar_type() == at::kFloat && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T &&
+                  cos.size(1) == D, "cos/sin must be [", T, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
   if (q.scalar_type() == at::kBFloat16)
     rotate_qk(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T,
               q.size(1), k.size(1), D, q.stride(0), k.stride(0));
@@ -206,8 +220,9 @@ torch::Tensor norm_add_norm(torch::Tensor x, torch::Tensor residual, torch::Tens
   TORCH_CHECK(w1.scalar_type() == at::kFloat && w2.scalar_type() == at::kFloat && w1.is_contiguous() &&
                   w2.is_contiguous(), "norm weights must be contiguous float32");
   x = x.contiguous();
-  const int64_t H = residual.size(-1), rows = residual.numel() / H;
-  TORCH_CHECK(w1.numel() == H && w2.numel() == H, "norm weights must have ", H, " elements");
+  const int64_t H = residual.size(-1);
+  TORCH_CHECK(H > 0 && w1.numel() == H && w2.numel() == H, "norm weights must have ", H, " elements");
+  const int64_t rows = residual.numel() / H;
   auto out = at::empty(residual.sizes(), residual.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const float e = static_cast<float>(eps);
   float* res = residual.data_ptr<float>();
