@@ -4,7 +4,6 @@ copy-on-write forks and swapping."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from kvpage.envs import KernelConfig
 from kvpage.kv import KVSequence
 from kvpage.worker.model_runner import ScheduledSeq
+from tests.helpers.fast_forms import FORM_PARAMS, FORMS, check_form, teacher_forced_decode
 from tests.helpers.kernels import amx_ops
 from tests.helpers.marks import slow
 from tests.helpers.paged_driver import PagedGreedy, generate
@@ -149,61 +149,6 @@ def test_bf16_top1_agreement_with_fp32(smol_fp32, smol_bf16, prompts, hf_greedy,
     assert rate >= 0.99
 
 
-def teacher_forced_decode(lm, seq: list[int], start: int) -> torch.Tensor:
-    """Logits for positions start-1 .. len(seq)-2 of seq: a prefill of seq[:start], then one token per step
-    (so every step after the prompt is a decode step of one token)."""
-    d = PagedGreedy(lm, block_size=16, num_blocks=64)
-    d.m.allocate_slots(KVSequence("x", seq[:start]), start)
-    rows = [d.runner.execute([ScheduledSeq("x", seq[:start], 0, d.m.block_table("x"))])["x"]]
-    for i in range(start, len(seq) - 1):
-        d.m.allocate_slots(KVSequence("x", seq[: i + 1]), 1)
-        rows.append(d.runner.execute([ScheduledSeq("x", seq[i : i + 1], i, d.m.block_table("x"))])["x"])
-    return torch.stack(rows)
-
-
-@pytest.fixture()
-def load_fast():
-    """Loads the model for one test under a kernel configuration: float32 on the fast path (what dtype auto runs
-    on a CPU without AVX512_BF16) unless a dtype is given."""
-    from kvpage.model import loader
-
-    before = set(loader._LOADED)
-
-    def load(config: KernelConfig | None = None, dtype: str = "float32"):
-        lm = loader.load_model("SmolLM2-135M-Instruct", dtype=dtype, fast=True, kernel_config=config)
-        if lm.model.fast_ops is None:
-            pytest.skip("no compiled kernels or oneDNN packing here")
-        return lm
-
-    try:
-        yield load
-    finally:
-        for key in set(loader._LOADED) - before:
-            loader._LOADED.pop(key)
-
-
-@pytest.fixture()
-def smol_fp32_fast(load_fast):
-    return load_fast()
-
-
-# The forms of few-token steps on the float32 fast path: the blocks as panels with the panel GEMM's sums (the
-# default where the build has that GEMM: AVX2), and rows of blocks (KVPAGE_QUANT_PANELS=0) with 16-bit activation
-# codes for one token (where the build has them) or float32 (the exact-sum form, the only one on other builds).
-# The default run keeps the default form; the others, and test_int16_decode_agrees_with_fp32, run under -m slow.
-FORMS = {"default": KernelConfig(), "int16": KernelConfig(quant_panels=False),
-         "float": KernelConfig(quant_panels=False, quant_int16=False)}
-FORM_PARAMS = ["default", slow("int16"), slow("float")]
-
-
-def check_form(lm, form: str) -> None:
-    ops = lm.model.fast_ops
-    if form == "int16" and not ops.quant_int16_available():
-        pytest.skip("this build has no 16-bit activation codes")
-    if form == "float" and not ops.f32_gemm_ok:
-        pytest.skip("without the panel GEMM the default is this form")
-
-
 @pytest.mark.slow  # the opt-out form since the panels; its kernel's tests (tests/ops/test_quant_linear.py) stay
 def test_int16_decode_agrees_with_fp32(smol_fp32, load_fast, prompts, hf_greedy, record_property):
     """One-token decode steps with 16-bit integer activation codes (KernelConfig.quant_int16 on rows of blocks:
@@ -228,36 +173,6 @@ def test_int16_decode_agrees_with_fp32(smol_fp32, load_fast, prompts, hf_greedy,
     print(f"int16 decode: argmax agreement {agree}/{total}, max |logit diff| {worst:.4f}")
     assert agree == total
     assert worst < 0.05
-
-
-@pytest.mark.parametrize("form", FORM_PARAMS)
-def test_compiled_decode_layers_equal_the_python_loop(smol_fp32_fast, load_fast, prompts, hf_greedy, form):
-    """Decode-only few-token steps run the layer stack in one compiled call (ops/csrc/decode_layers.cpp) with the
-    same kernels in the same order as the Python layer loop (KernelConfig.decode_layers="python"): the logits
-    are bit-identical, one stream (teacher-forced) and a batch of streams (greedy), each form of the blocks."""
-    check_form(smol_fp32_fast, form)
-    names = sorted(prompts)
-    seq = prompts[names[0]] + hf_greedy[names[0]]
-    lm = load_fast(FORMS[form])
-    stack = lm.model.fast.decode_layers
-    assert stack is not None and stack.num_layers() == len(lm.model.layers)
-    compiled = teacher_forced_decode(lm, seq, len(prompts[names[0]]))
-    batch_compiled = generate(lm, [prompts[n] for n in names[:3]], 12)
-    loop = load_fast(dataclasses.replace(FORMS[form], decode_layers="python"))
-    assert loop.model.fast.decode_layers is None
-    assert torch.equal(compiled, teacher_forced_decode(loop, seq, len(prompts[names[0]])))
-    assert batch_compiled == generate(loop, [prompts[n] for n in names[:3]], 12)
-
-
-def test_compiled_decode_layers_reject_bad_input(smol_fp32_fast):
-    """A call with the wrong number of caches is refused with the reason, before any cache is written."""
-    fast = smol_fp32_fast.model.fast
-    stack = fast.decode_layers
-    h = torch.zeros(1, smol_fp32_fast.model.norm.weight.shape[0])
-    plan = fast.ops.plan_attention(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.ones(1,
-                                   dtype=torch.long), fast.plan[0].num_heads, 4, 16)
-    with pytest.raises(RuntimeError, match="KV caches for"):
-        stack.run(h, torch.ones(1, 64), torch.zeros(1, 64), [], torch.zeros(1, dtype=torch.long), plan, False, False)
 
 
 @pytest.mark.parametrize("form", FORM_PARAMS)

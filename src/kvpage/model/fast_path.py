@@ -60,23 +60,47 @@ class FastPath:
             nxt = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else None
             self.plan.append(_FastLayer(layer, nxt.weight if nxt else self.final_norm_f32,
                                         nxt.eps if nxt else model.norm.eps))
-        self.decode_layers = self._compiled_decode_layers() if ops.config.decode_layers == "compiled" else None
+        compiled = ops.config.decode_layers == "compiled"
+        self.decode_layers = self._compiled_decode_layers() if compiled else None
+        self.amx_layers = self._compiled_amx_layers() if compiled else None
+
+    def _stack(self):
+        """An empty compiled layer stack, or None where the layers cannot run as one: the backend is not the
+        compiled one, or the layers are of more than one type (one plan serves every layer of a stack)."""
+        layers = self.model.layers
+        if not all(la.self_attn.backend.name == "cpu" for la in layers) or self.model.config.layer_types is not None:
+            return None
+        attn, first = layers[0].self_attn, self.plan[0]
+        return self.ops.decode_layers(first.in_norm, first.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                      attn.scale)
 
     def _compiled_decode_layers(self):
         """The layer stack for decode-only few-token steps as one compiled object, or None where a layer lacks
-        quantized weights or the backend is not the compiled one."""
-        layers = self.model.layers
-        attn = layers[0].self_attn
-        if (any(p.decode is None for p in self.plan) or not all(la.self_attn.backend.name == "cpu" for la in layers)
-                or self.model.config.layer_types is not None):  # one plan for every layer: one full-attention group
+        quantized weights or the layers cannot run as one stack."""
+        stack = self._stack() if all(p.decode is not None for p in self.plan) else None
+        if stack is None:
             return None
-        first = self.plan[0]
-        stack = self.ops.decode_layers(first.in_norm, first.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                       attn.scale)
-        for layer, p in zip(layers, self.plan, strict=True):
+        for layer, p in zip(self.model.layers, self.plan, strict=True):
             a, mlp = layer.self_attn, layer.mlp
             mats = [t for w in (a.qkv, a.o_packed, mlp.gate_up, mlp.down) for t in (w.quant.qs, w.quant.d, w.quant.m)]
             stack.add_layer(mats, p.post_norm, p.eps, p.next_norm, p.next_eps)
+        return stack
+
+    def _compiled_amx_layers(self):
+        """The layer stack for decode-only steps of more tokens (batched decode) on the AMX tile GEMM, or None
+        where a projection would not take the tile GEMM at every row count (no packed operand, slices, a row
+        limit, streamed outputs) or the layers cannot run as one stack. The Python loop costs ~4 ms of a batched
+        decode step here (30 layers x ~10 calls, with their slicing and views), all of it under the GIL."""
+        linears = [(la.self_attn.qkv, la.self_attn.o_packed, la.mlp.gate_up, la.mlp.down) for la in self.model.layers]
+        if not all(w.amx is not None and w.amx_split is None and w.amx_max_rows >= 1 << 62 and not w.stream_out
+                   for ws in linears for w in ws):
+            return None
+        stack = self._stack()
+        if stack is None:
+            return None
+        for ws, p in zip(linears, self.plan, strict=True):
+            stack.add_amx_layer([t for w in ws for t in (w.amx, w.amx_bias)], ws[2].act, p.post_norm, p.eps,
+                                p.next_norm, p.next_eps)
         return stack
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -96,10 +120,10 @@ class FastPath:
         meta = metas[0]
         # the compiled stack calls the backend's kernels itself, without a quantized cache's transform
         # (attention/kv_transform.py): such layers take the loop below
-        if (few and self.decode_layers is not None and meta.decode_only
-                and first.attend.active(kv_caches[0].dtype) is None):
-            return self.decode_layers.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.plan,
-                                          ops.quant_int16, meta.packed)
+        stack = self.decode_layers if few else self.amx_layers
+        if stack is not None and meta.decode_only and first.attend.active(kv_caches[0].dtype) is None:
+            return stack.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.plan, ops.quant_int16,
+                             meta.packed)
         h = ops.rms_norm(residual, first.in_norm, first.eps)
         for p, kv_cache, meta in zip(self.plan, kv_caches, metas, strict=True):
             qkv_proj, o_proj, gate_up, down = p.decode if few and p.decode is not None else p.full

@@ -131,13 +131,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // decode_layers.cpp
   py::class_<kvpage::DecodeLayers>(m, "DecodeLayers",
-                                   "a decode-only few-token step's decoder layers in one call (quantized weights)",
+                                   "a decode-only step's decoder layers in one call (quantized weights, or the "
+                                   "AMX tile GEMM's packed operands)",
                                    py::module_local())
       .def(py::init<torch::Tensor, double, int64_t, int64_t, int64_t, double, bool, bool>(),
            py::arg("first_norm"), py::arg("first_eps"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("scale"), py::arg("amx_decode") = true, py::arg("avx2_row_decode") = false)
       .def("add_layer", &kvpage::DecodeLayers::add_layer, py::arg("mats"), py::arg("post_norm"), py::arg("eps"),
            py::arg("next_norm"), py::arg("next_eps"))
+      .def("add_amx_layer", &kvpage::DecodeLayers::add_amx_layer, py::arg("mats"), py::arg("act"),
+           py::arg("post_norm"), py::arg("eps"), py::arg("next_norm"), py::arg("next_eps"))
       .def("num_layers", &kvpage::DecodeLayers::num_layers)
       .def("run", &kvpage::DecodeLayers::run, py::arg("residual"), py::arg("cos"), py::arg("sin"),
            py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("plan"), py::arg("int16"), py::arg("packed"), py::call_guard<py::gil_scoped_release>());

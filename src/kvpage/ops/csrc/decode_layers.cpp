@@ -1,4 +1,4 @@
-// DecodeLayers (decode_layers.h): the decoder layer stack of a decode-only few-token step in one call.
+// DecodeLayers (decode_layers.h): the decoder layer stack of a decode-only step in one call.
 
 #include "decode_layers.h"
 
@@ -8,6 +8,17 @@ namespace kvpage {
 
 torch::Tensor QuantMat::operator()(const torch::Tensor& x, bool int16, bool gated) const {
   return quant_linear(x, qs, d, m, false, int16, gated);
+}
+
+torch::Tensor AmxMat::operator()(const torch::Tensor& x, bool gated) const {
+  return amx::amx_linear(x, wp, bias, gated ? act : amx::kActNone, false);
+}
+
+// output rows of the product: qs is [N, bytes], or [N / 16, K, bytes] for panels (QuantWeight.as_panels); the
+// packed AMX operand is [N, K]
+int64_t LayerMat::out_rows() const {
+  if (on_amx) return amx.wp.size(0);
+  return quant.qs.dim() == 3 ? quant.qs.size(0) * 16 : quant.qs.size(0);
 }
 
 DecodeLayers::DecodeLayers(torch::Tensor first_norm, double first_eps, int64_t num_heads, int64_t num_kv_heads,
@@ -22,17 +33,37 @@ DecodeLayers::DecodeLayers(torch::Tensor first_norm, double first_eps, int64_t n
 void DecodeLayers::add_layer(const std::vector<c10::optional<torch::Tensor>>& mats, torch::Tensor post_norm, double eps,
                              torch::Tensor next_norm, double next_eps) {
   TORCH_CHECK(mats.size() == 12, "add_layer needs qs, d, m for qkv, o, gate_up and down (12 entries)");
-  QuantMat q[4];
+  LayerMat m[4];
   for (int i = 0; i < 4; ++i) {
     TORCH_CHECK(mats[3 * i].has_value() && mats[3 * i + 1].has_value(), "matrix ", i, " lacks qs or d");
-    q[i] = QuantMat{*mats[3 * i], *mats[3 * i + 1], mats[3 * i + 2]};
+    m[i].quant = QuantMat{*mats[3 * i], *mats[3 * i + 1], mats[3 * i + 2]};
   }
+  push_layer(m, std::move(post_norm), eps, std::move(next_norm), next_eps);
+}
+
+void DecodeLayers::add_amx_layer(const std::vector<c10::optional<torch::Tensor>>& mats, int64_t act,
+                                 torch::Tensor post_norm, double eps, torch::Tensor next_norm, double next_eps) {
+  TORCH_CHECK(mats.size() == 8, "add_amx_layer needs the packed operand and bias of qkv, o, gate_up and down (8 entries)");
+  TORCH_CHECK(act == amx::kActSilu || act == amx::kActGeluTanh, "gate_up's act must be 1 (SiLU) or 2 (GELU-tanh)");
+  TORCH_CHECK(!mats[5].has_value(), "a gated product (gate_up) takes no bias");
+  LayerMat m[4];
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK(mats[2 * i].has_value() && mats[2 * i].value().dim() == 2, "matrix ", i, " lacks its packed operand");
+    m[i].amx = AmxMat{*mats[2 * i], mats[2 * i + 1], i == 2 ? act : amx::kActNone};
+    m[i].on_amx = true;
+  }
+  push_layer(m, std::move(post_norm), eps, std::move(next_norm), next_eps);
+}
+
+void DecodeLayers::push_layer(const LayerMat (&m)[4], torch::Tensor post_norm, double eps, torch::Tensor next_norm,
+                              double next_eps) {
   const int64_t q_out = num_heads_ * head_dim_, kv_out = num_kv_heads_ * head_dim_;
-  // output rows: qs is [N, bytes], or [N / 16, K, bytes] for panels (QuantWeight.as_panels)
-  const auto rows = [](const QuantMat& mat) { return mat.qs.dim() == 3 ? mat.qs.size(0) * 16 : mat.qs.size(0); };
-  TORCH_CHECK(rows(q[0]) == q_out + 2 * kv_out, "qkv has ", rows(q[0]), " rows, expected ", q_out + 2 * kv_out);
-  TORCH_CHECK(rows(q[1]) == post_norm.size(0), "o's rows differ from the hidden size");
-  layers_.push_back(DecodeLayer{q[0], q[1], q[2], q[3], std::move(post_norm), std::move(next_norm), eps, next_eps});
+  TORCH_CHECK(m[0].out_rows() == q_out + 2 * kv_out, "qkv has ", m[0].out_rows(), " rows, expected ",
+              q_out + 2 * kv_out);
+  TORCH_CHECK(m[1].out_rows() == post_norm.size(0), "o's rows differ from the hidden size");
+  TORCH_CHECK(layers_.empty() || layers_.front().qkv.on_amx == m[0].on_amx,
+              "a stack's layers are all quantized or all on the tile GEMM");
+  layers_.push_back(DecodeLayer{m[0], m[1], m[2], m[3], std::move(post_norm), std::move(next_norm), eps, next_eps});
 }
 
 torch::Tensor DecodeLayers::run(torch::Tensor residual, const torch::Tensor& cos, const torch::Tensor& sin,

@@ -1,0 +1,98 @@
+"""The compiled decoder layer stacks (ops/csrc/decode_layers.cpp): the same kernels in the same order as the fast
+path's Python layer loop, so the same bits; few-token steps on the quantized blocks, batched decode steps on the
+AMX tile GEMM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvpage.envs import KernelConfig
+from kvpage.kv import KVSequence
+from kvpage.worker.model_runner import ScheduledSeq
+from tests.helpers.fast_forms import FORM_PARAMS, FORMS, check_form, teacher_forced_decode
+from tests.helpers.kernels import amx_ops
+from tests.helpers.paged_driver import PagedGreedy, generate
+
+
+@pytest.mark.parametrize("form", FORM_PARAMS)
+def test_compiled_decode_layers_equal_the_python_loop(smol_fp32_fast, load_fast, prompts, hf_greedy, form):
+    """Decode-only few-token steps run the layer stack in one compiled call (ops/csrc/decode_layers.cpp) with the
+    same kernels in the same order as the Python layer loop (KernelConfig.decode_layers="python"): the logits
+    are bit-identical, one stream (teacher-forced) and a batch of streams (greedy), each form of the blocks."""
+    check_form(smol_fp32_fast, form)
+    names = sorted(prompts)
+    seq = prompts[names[0]] + hf_greedy[names[0]]
+    lm = load_fast(FORMS[form])
+    stack = lm.model.fast.decode_layers
+    assert stack is not None and stack.num_layers() == len(lm.model.layers)
+    compiled = teacher_forced_decode(lm, seq, len(prompts[names[0]]))
+    batch_compiled = generate(lm, [prompts[n] for n in names[:3]], 12)
+    loop = load_fast(dataclasses.replace(FORMS[form], decode_layers="python"))
+    assert loop.model.fast.decode_layers is None
+    assert torch.equal(compiled, teacher_forced_decode(loop, seq, len(prompts[names[0]])))
+    assert batch_compiled == generate(loop, [prompts[n] for n in names[:3]], 12)
+
+
+def test_compiled_decode_layers_reject_bad_input(smol_fp32_fast):
+    """A call with the wrong number of caches is refused with the reason, before any cache is written."""
+    fast = smol_fp32_fast.model.fast
+    stack = fast.decode_layers
+    h = torch.zeros(1, smol_fp32_fast.model.norm.weight.shape[0])
+    plan = fast.ops.plan_attention(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1]), torch.ones(1,
+                                   dtype=torch.long), fast.plan[0].num_heads, 4, 16)
+    with pytest.raises(RuntimeError, match="KV caches for"):
+        stack.run(h, torch.ones(1, 64), torch.zeros(1, 64), [], torch.zeros(1, dtype=torch.long), plan, False, False)
+
+
+def batched_decode_logits(lm, seqs: list[list[int]], start: int) -> list[torch.Tensor]:
+    """Each step's logits (sequences in order) of a batch: a prefill of every seq[:start], then one token of each
+    per step from its own continuation (teacher-forced), so every step after the first is a decode-only step of
+    len(seqs) rows."""
+    d = PagedGreedy(lm, block_size=16, num_blocks=256)
+    names = [f"s{i}" for i in range(len(seqs))]
+    steps = []
+    for end in range(start, min(len(s) for s in seqs)):
+        batch = []
+        for name, seq in zip(names, seqs, strict=True):
+            begin = 0 if end == start else end - 1
+            d.m.allocate_slots(KVSequence(name, seq[:end]), end - begin)
+            batch.append(ScheduledSeq(name, seq[begin:end], begin, d.m.block_table(name)))
+        out = d.runner.execute(batch)
+        steps.append(torch.stack([out[name] for name in names]))
+    return steps
+
+
+def test_compiled_amx_layers_equal_the_python_loop(load_fast, prompts, hf_greedy):
+    """bf16 decode-only steps of more rows than the quantized blocks take (batched decode) run the layer stack
+    in one compiled call on the AMX tile GEMM (FastPath.amx_layers), with the same kernels in the same order as
+    the Python layer loop: the logits of every step are bit-identical."""
+    amx_ops("amx_linear_available")
+    compiled = load_fast(KernelConfig(), dtype="bfloat16")
+    fast = compiled.model.fast
+    assert fast.amx_layers is not None and fast.amx_layers.num_layers() == len(compiled.model.layers)
+    calls = []
+
+    class Counting:  # the stack, counting the steps it runs
+        def __init__(self, stack):
+            self.stack = stack
+
+        def run(self, *args):
+            calls.append(args[0].shape[0])
+            return self.stack.run(*args)
+
+    fast.amx_layers = Counting(fast.amx_layers)
+    names = sorted(prompts)
+    seqs = [prompts[n] + hf_greedy[n] for n in names] * 2  # 2 x the prompts: more rows than quant_max_tokens
+    start = min(len(prompts[n]) for n in names)
+    assert len(seqs) > compiled.model.fast_ops.config.quant_max_tokens
+    got = batched_decode_logits(compiled, seqs, start)
+    assert calls and set(calls) == {len(seqs)}  # every decode step, and only those, on the stack
+    loop = load_fast(KernelConfig(decode_layers="python"), dtype="bfloat16")
+    assert loop.model.fast.amx_layers is None
+    want = batched_decode_logits(loop, seqs, start)
+    assert len(got) == len(want) > 1
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
