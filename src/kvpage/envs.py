@@ -32,8 +32,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "rows of blocks (their own sums, and 16-bit activation codes below)", "quant_panels"),
     EnvVar("KVPAGE_QUANT_INT16", bool, True, "those steps' activations as 16-bit integer blocks on AVX2 builds; "
            "0 keeps float32 (the exact-sum reference)", "quant_int16"),
-    EnvVar("KVPAGE_DECODE_LAYERS", str, "compiled", "decode-only few-token steps run the whole layer stack in one "
-           "compiled call; 'python' keeps the Python layer loop (same bits)", "decode_layers", ("compiled", "python")),
+    EnvVar("KVPAGE_DECODE_LAYERS", str, "compiled", "decode-only steps (few tokens on the quantized blocks, more on "
+           "the AMX tile GEMM) run the whole layer stack in one compiled call; 'python' keeps the Python layer loop "
+           "(same bits)", "decode_layers", ("compiled", "python")),
     EnvVar("KVPAGE_AMX_LINEAR", bool, True, "the AMX tile GEMM for bf16 projections where the CPU has AMX; 0 keeps "
            "oneDNN's packed GEMM", "amx_linear"),
     EnvVar("KVPAGE_I8_GEMM", str, "auto", "bf16 models' many-row projections multiply the checkpoint's Q4 / Q8 "
