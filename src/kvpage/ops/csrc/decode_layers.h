@@ -3,7 +3,7 @@
 // At one token per step each layer is ~10 kernel calls of 10-100 us, and from Python every call costs a few
 // microseconds of dispatch plus the slicing and views around it: one stream ran at 100 tok/s through the
 // Python loop and 119 tok/s through this call, side by side on a 2-core Zen 3 (docs/benchmarks/history.md, 2026-11-23).
-// Batched decode steps on the AMX tile GEMM pay the same Python per layer (~4 ms of a ~80 ms step of 128
+// Batched decode steps on the AMX tile GEMM pay the same Python per layer (~2 ms of a 55-85 ms step of 60-128
 // sequences, with the GIL held and the second core idle), so a stack can hold the tile GEMM's packed operands
 // instead of the quantized blocks. DecodeLayers holds every layer's weights and norms (registered once at load)
 // and runs
