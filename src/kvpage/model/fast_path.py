@@ -93,8 +93,7 @@ class FastPath:
         decode step of ~55-85 ms (30 layers x ~10 calls, with their slicing and views), under the GIL with the
         second core idle (docs/model.md)."""
         linears = [(la.self_attn.qkv, la.self_attn.o_packed, la.mlp.gate_up, la.mlp.down) for la in self.model.layers]
-        if not all(w.amx is not None and w.amx_split is None and w.amx_max_rows >= 1 << 62 and not w.stream_out
-                   for ws in linears for w in ws):
+        if not all(w.amx_plain for ws in linears for w in ws):
             return None
         stack = self._stack()
         if stack is None:

@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
 
 
+_ALL_ROWS = 1 << 62  # amx_max_rows when no limit is given
+
+
 class PackedLinear(nn.Module):
     """Inference-only linear layer on pre-packed bf16 (or float32) weights: same results as F.linear up to float32
     summation order, about twice as fast on this CPU, because the weight is laid out for the product once
@@ -67,7 +70,7 @@ class PackedLinear(nn.Module):
         if (weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and not (gated and bias is not None)
                 and ops is not None and ops.amx_linear_ok):
             self.amx = ops.amx_pack_gate_up(weight) if gated else ops.amx_pack_weight(weight)
-            self.amx_max_rows = amx_max_rows if amx_max_rows is not None else 1 << 62
+            self.amx_max_rows = amx_max_rows if amx_max_rows is not None else _ALL_ROWS
             if bias is not None:
                 self.amx_bias = bias.float()  # the kernel adds float32: converted once, not per call
         # bf16 models with quantized blocks on VNNI CPUs without AMX: the int8 GEMM (its own packing, kept in
@@ -101,6 +104,13 @@ class PackedLinear(nn.Module):
             self.packed_parts = [(i, torch.ops.mkldnn._reorder_linear_weight(weight[i : i + split_rows].contiguous(),
                                                                             64)) for i in range(0, n, split_rows)]
             self.packed = None
+
+    @property
+    def amx_plain(self) -> bool:
+        """Whether every call of more rows than the quantized steps take is one plain tile-GEMM product: a packed
+        operand, no row limit, no slices, no streamed output (what a compiled layer stack calls in its place)."""
+        return (self.amx is not None and self.amx_max_rows == _ALL_ROWS and self.amx_split is None
+                and not self.stream_out)
 
     def _on_amx(self, rows: int) -> bool:
         q = self.quant

@@ -17,7 +17,7 @@ torch::Tensor AmxMat::operator()(const torch::Tensor& x, bool gated) const {
 // output rows of the product: qs is [N, bytes], or [N / 16, K, bytes] for panels (QuantWeight.as_panels); the
 // packed AMX operand is [N, K]
 int64_t LayerMat::out_rows() const {
-  if (on_amx) return amx.wp.size(0);
+  if (on_amx()) return amx.wp.size(0);
   return quant.qs.dim() == 3 ? quant.qs.size(0) * 16 : quant.qs.size(0);
 }
 
@@ -50,7 +50,6 @@ void DecodeLayers::add_amx_layer(const std::vector<c10::optional<torch::Tensor>>
   for (int i = 0; i < 4; ++i) {
     TORCH_CHECK(mats[2 * i].has_value() && mats[2 * i].value().dim() == 2, "matrix ", i, " lacks its packed operand");
     m[i].amx = AmxMat{*mats[2 * i], mats[2 * i + 1], i == 2 ? act : amx::kActNone};
-    m[i].on_amx = true;
   }
   push_layer(m, std::move(post_norm), eps, std::move(next_norm), next_eps);
 }
@@ -61,7 +60,7 @@ void DecodeLayers::push_layer(const LayerMat (&m)[4], torch::Tensor post_norm, d
   TORCH_CHECK(m[0].out_rows() == q_out + 2 * kv_out, "qkv has ", m[0].out_rows(), " rows, expected ",
               q_out + 2 * kv_out);
   TORCH_CHECK(m[1].out_rows() == post_norm.size(0), "o's rows differ from the hidden size");
-  TORCH_CHECK(layers_.empty() || layers_.front().qkv.on_amx == m[0].on_amx,
+  TORCH_CHECK(layers_.empty() || layers_.front().qkv.on_amx() == m[0].on_amx(),
               "a stack's layers are all quantized or all on the tile GEMM");
   layers_.push_back(DecodeLayer{m[0], m[1], m[2], m[3], std::move(post_norm), std::move(next_norm), eps, next_eps});
 }

@@ -43,14 +43,14 @@ struct AmxMat {
   torch::Tensor operator()(const torch::Tensor& x, bool gated = false) const;
 };
 
-// One of the two, as the stack was built.
+// One of the two, as the stack was built (the tile GEMM's when its packed operand is set).
 struct LayerMat {
   QuantMat quant;
   AmxMat amx;
-  bool on_amx = false;
 
+  bool on_amx() const { return amx.wp.defined(); }
   torch::Tensor operator()(const torch::Tensor& x, bool int16, bool gated = false) const {
-    return on_amx ? amx(x, gated) : quant(x, int16, gated);
+    return on_amx() ? amx(x, gated) : quant(x, int16, gated);
   }
   int64_t out_rows() const;
 };

@@ -151,6 +151,14 @@ static void check_norm_weight(const torch::Tensor& weight, int64_t H) {
               " elements (the rows' width), got ", weight.sizes());
 }
 
+// RoPE's cos/sin tables: every token's row is read D wide, so they must be [T, D] float32, dense.
+static void check_rope_table(const torch::Tensor& cos, const torch::Tensor& sin, int64_t T, int64_t D) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T &&
+                  cos.size(1) == D,
+              "cos/sin must be [", T, ", ", D, "] contiguous float32, got ", cos.sizes(), " and ", sin.sizes());
+}
+
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual must be contiguous float32");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
@@ -195,15 +203,12 @@ torch::Tensor rms_norm(torch::Tensor residual, torch::Tensor weight, double eps)
 
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
   // q: [T, Hq, D], k: [T, Hk, D] (views with a row stride), cos/sin: [T, D] float32
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "cos/sin: float32");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
               "q/k heads must be contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must share a dtype");
   const int64_t T = q.size(0), D = q.size(2);
   TORCH_CHECK(k.size(0) == T && k.size(2) == D, "k must have q's tokens and head size");
-  // every row of cos/sin is read D wide: a shorter table would be read past its end
-  TORCH_CHECK(sin.scalar_type() == at::kFloat && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T &&
-                  cos.size(1) == D, "cos/sin must be [", T, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
+  check_rope_table(cos, sin, T, D);
   if (q.scalar_type() == at::kBFloat16)
     rotate_qk(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T,
               q.size(1), k.size(1), D, q.stride(0), k.stride(0));
@@ -221,7 +226,8 @@ torch::Tensor norm_add_norm(torch::Tensor x, torch::Tensor residual, torch::Tens
                   w2.is_contiguous(), "norm weights must be contiguous float32");
   x = x.contiguous();
   const int64_t H = residual.size(-1);
-  TORCH_CHECK(H > 0 && w1.numel() == H && w2.numel() == H, "norm weights must have ", H, " elements");
+  check_norm_weight(w1, H);
+  check_norm_weight(w2, H);
   const int64_t rows = residual.numel() / H;
   auto out = at::empty(residual.sizes(), residual.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const float e = static_cast<float>(eps);
@@ -241,15 +247,12 @@ torch::Tensor norm_add_norm(torch::Tensor x, torch::Tensor residual, torch::Tens
 std::vector<torch::Tensor> qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight, double eps,
                                         torch::Tensor cos, torch::Tensor sin, int64_t hq, int64_t hk) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, width] with dense rows");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous(), "cos/sin: contiguous float32");
   const int64_t T = qkv.size(0), D = q_weight.numel();
   TORCH_CHECK(q_weight.scalar_type() == at::kFloat && k_weight.scalar_type() == at::kFloat &&
                   q_weight.is_contiguous() && k_weight.is_contiguous() && k_weight.numel() == D,
               "q/k norm weights: contiguous float32 of the head size");
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) >= (hq + hk) * D, "qkv holds fewer than ", hq + hk, " heads of ", D);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(),
-              "cos/sin must be [tokens, head size]");
+  check_rope_table(cos, sin, T, D);
   auto q = at::empty({T, hq, D}, qkv.options());
   auto k = at::empty({T, hk, D}, qkv.options());
   const float e = static_cast<float>(eps);
