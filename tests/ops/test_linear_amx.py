@@ -76,6 +76,21 @@ def test_rows_across_activation_chunks():
         assert torch.equal(ops.amx_linear(x[300:700], wp), full[300:700])
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_column_block_groups_give_the_bits_of_single_rows(gated):
+    """From 256 rows the kernel runs four column blocks per pair of row tiles (a last group of two here: 30 or
+    15 blocks): every row, bias and gated epilogue included, has the bits it has alone (one block at a time)."""
+    ops = _ops()
+    x, w, b = _rand(300, 576, seed=3), _rand(960, 576, seed=4), _rand(960, seed=5)
+    wp = ops.amx_pack_gate_up(w) if gated else ops.amx_pack_weight(w)
+    full = ops.amx_linear(x, wp, None, ACT_SILU) if gated else ops.amx_linear(x, wp, b)
+    for i in (0, 31, 32, 255, 256, 299):
+        one = ops.amx_linear(x[i : i + 1], wp, None, ACT_SILU) if gated else ops.amx_linear(x[i : i + 1], wp, b)
+        assert torch.equal(one[0], full[i])
+    part = ops.amx_linear(x[:100], wp, None, ACT_SILU) if gated else ops.amx_linear(x[:100], wp, b)
+    assert torch.equal(part, full[:100])
+
+
 def test_non_contiguous_input_and_empty_batch():
     ops = _ops()
     w = _rand(64, 64, seed=3)

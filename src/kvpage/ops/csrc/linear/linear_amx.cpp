@@ -5,11 +5,11 @@
 // 0.6-1.1 TFLOP/s with the weights streaming, i.e. neither at the tile unit's rate nor at the memory's. Here:
 //   - the weight is stored as the product's B operand, [N/32][K/32][2 column tiles][16 k pairs][16][2], so a
 //     32-column block is one contiguous run of K * 64 bytes;
-//   - the threads claim runs of column blocks in order (common.h ChunkClaims); every block is read from memory
-//     once and then serves all row tiles from cache (2 x 2 output tiles per product group, each operand tile
-//     used twice);
-//   - the next block's lines are requested into L2 spread over the current block's products, so the memory
-//     stream overlaps the tile work instead of stalling the first tile load of every block.
+//   - the threads claim runs of column blocks (one at a time, or groups of four with 256 rows or more) in order
+//     (common.h ChunkClaims); every block is read from memory once and then serves all row tiles from cache
+//     (2 x 2 output tiles per product group, each operand tile used twice);
+//   - the next block's (group's) lines are requested into L2 spread over the current one's products, so the
+//     memory stream overlaps the tile work instead of stalling the first tile load of every block.
 // For the MLP's [gate; up] projection the weight is packed so that each 32-column block holds 16 gate columns
 // and the same 16 up columns; the epilogue then writes act(gate) * up directly (act: SiLU for Llama-family MLPs,
 // GELU-tanh for Gemma's), and the two [rows, inter] halves are never written out and read back.
@@ -156,16 +156,23 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   // of SmolLM2's layers took 0.89-0.91x / 0.96-1.03x / 0.94-0.98x the time at 512 / 1024 / 2048 rows with 1 MiB
   // chunks (two builds alternating, three rounds each: AMX Xeon, 2026-11-29).
   const int64_t chunk_tiles = std::clamp<int64_t>((1 << 20) / (32 * K) / 2 * 2, 16, 64);
-  const int64_t steps = (std::min(row_tiles, chunk_tiles) + 1) / 2 * KB;
+  // Column blocks go G at a time: for each pair of row tiles the thread runs through the G blocks of its group
+  // before the next pair, so a row's outputs of one task lie side by side (G lines, or G half lines gated)
+  // instead of one line every 32 columns. With many rows that paid: the projections of a pass of SmolLM2's
+  // layers at 256 / 384 / 512 / 2048 rows took 0.93x / 0.89x / 0.88x / 0.93x the time with G = 4 (weights
+  // cold, both orders alternating in one process, the same bits: AMX Xeon, 2026-12-02), but 1.02-1.07x at 64-128
+  // rows, where each block serves few row tiles and is best streamed alone.
+  const int64_t G = std::min<int64_t>(NB, std::min(row_tiles, chunk_tiles) >= 16 ? 4 : 1), NG = (NB + G - 1) / G;
+  const int64_t steps = (std::min(row_tiles, chunk_tiles) + 1) / 2 * KB * G;
   // At most 8 lines (512 bytes) requested per k step, ~20 GB/s a core at the products' pace, more than memory
   // serves: with few rows a block's products are over too soon to fetch all of the next one, and bursts of more
   // requests held up the operand tile loads behind them (a cold pass of SmolLM2's projections at 64 rows
   // 0.92x the time with the cap, and none slower at 32-256 rows: AMX Xeon, 2026-11-29).
-  const int64_t per_kb = std::min<int64_t>(8, (block_lines + steps - 1) / steps);
-  // Tasks (row chunk, column block), row chunk major, claimed about eight runs a thread at a time (common.h
-  // ChunkClaims: a thread the OS parks leaves its blocks to the other).
-  const int64_t tasks = (row_tiles + chunk_tiles - 1) / chunk_tiles * NB;
-  kvpage::ChunkClaims claims(tasks, NB / (8 * at::get_num_threads()));
+  const int64_t per_kb = std::min<int64_t>(8, (G * block_lines + steps - 1) / steps);
+  // Tasks (row chunk, group of column blocks), row chunk major, claimed about eight runs a thread at a time
+  // (common.h ChunkClaims: a thread the OS parks leaves its blocks to the other).
+  const int64_t tasks = (row_tiles + chunk_tiles - 1) / chunk_tiles * NG;
+  kvpage::ChunkClaims claims(tasks, NG / (8 * at::get_num_threads()));
   // Streamed lines need 64-byte rows (N % 32 == 0 holds) from a 64-byte aligned start (torch's allocator's).
   const bool stream_out = stream && !gated && reinterpret_cast<uintptr_t>(yp) % 64 == 0;
   kvpage::on_claiming_threads(claims, [&](kvpage::ChunkClaims& queue) {
@@ -230,22 +237,27 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
     bool have_next = have && queue.next(next_first, next_last);
     while (have) {
       for (int64_t task = first; task < last; ++task) {
-        const int64_t nb = task % NB, t0 = task / NB * chunk_tiles, t1 = std::min(row_tiles, t0 + chunk_tiles);
-        const at::BFloat16* wb = wptr + nb * KB * 1024;
+        const int64_t g = task % NG, t0 = task / NG * chunk_tiles, t1 = std::min(row_tiles, t0 + chunk_tiles);
+        const int64_t nb0 = g * G, nb1 = std::min(NB, nb0 + G);
         const int64_t next = task + 1 < last ? task + 1 : have_next ? next_first : -1;
-        // the next block's lines while this one is multiplied (none when the next task reuses this block)
-        const char* pf = next >= 0 ? reinterpret_cast<const char*>(wptr + next % NB * KB * 1024) : nullptr;
-        const int64_t pf_lines = next >= 0 && next % NB != nb ? block_lines : 0;
+        // the next group's lines (one run: its blocks are consecutive) while this one is multiplied (none when
+        // the next task reuses this group)
+        const int64_t ng = next >= 0 ? next % NG : -1;
+        const char* pf = next >= 0 ? reinterpret_cast<const char*>(wptr + ng * G * KB * 1024) : nullptr;
+        const int64_t pf_lines = next >= 0 && ng != g ? (std::min(NB, ng * G + G) - ng * G) * block_lines : 0;
         int64_t pf_line = 0;
         for (int64_t t = t0; t < t1; t += 2) {
-          const int total = pend.rows;
-          auto drain = [&](int64_t kb) { drain_to(static_cast<int>((kb + 1) * total / KB)); };
-          if (t + 1 < t1) {
-            block_product<true>(row_tile(t), row_tile(t + 1), lda, wb, KB, pf, pf_lines, per_kb, &pf_line, drain);
-            retire(t, nb, true);
-          } else {
-            block_product<false>(row_tile(t), nullptr, lda, wb, KB, pf, pf_lines, per_kb, &pf_line, drain);
-            retire(t, nb, false);
+          for (int64_t nb = nb0; nb < nb1; ++nb) {
+            const at::BFloat16* wb = wptr + nb * KB * 1024;
+            const int total = pend.rows;
+            auto drain = [&](int64_t kb) { drain_to(static_cast<int>((kb + 1) * total / KB)); };
+            if (t + 1 < t1) {
+              block_product<true>(row_tile(t), row_tile(t + 1), lda, wb, KB, pf, pf_lines, per_kb, &pf_line, drain);
+              retire(t, nb, true);
+            } else {
+              block_product<false>(row_tile(t), nullptr, lda, wb, KB, pf, pf_lines, per_kb, &pf_line, drain);
+              retire(t, nb, false);
+            }
           }
         }
       }
