@@ -212,42 +212,58 @@ void attend_prompts(const std::vector<Prompt>& prompts, const at::BFloat16* kpac
           default: score_blocks<D, 1>(q, qstride, k0, dst, span); break;
         }
       }
-      // 2. softmax per row over its keys [window edge, diagonal]; weights as bf16, zeros elsewhere in the span
+      // 2. softmax per row over its keys [window edge, diagonal]; weights as bf16, zeros elsewhere in the span.
+      // 16-key chunks: [jin, jend) wholly visible, a masked chunk at either edge (j0 before, jend after) when from
+      // or to falls inside one, zero weights elsewhere in the span: the mask is worked out at the two edges only
+      // and no exponential is taken past the diagonal. Every row's maximum is found before any row's weights, so
+      // that the rows' reductions (a chain of dependent shuffles each) overlap instead of running in turn.
+      struct Edges {
+        int64_t j0, jin, jend;
+        __mmask16 head, tail;
+      };
+      auto edges = [&](int64_t r) {
+        const int64_t from = window_edge(c + r0 + r, window) - p.kbase - s0, to = c + r0 + r + 1 - p.kbase - s0;
+        Edges e;
+        e.j0 = from / 16 * 16;
+        e.jin = std::min((from + 15) / 16 * 16, to / 16 * 16);
+        e.jend = std::max(e.jin, to / 16 * 16);
+        e.head = e.j0 < e.jin ? range_mask(e.j0, from, to) : 0;
+        e.tail = e.jend < to ? range_mask(e.jend, from, to) : 0;
+        return e;
+      };
+      float rmax[16];
+      const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* s = scores.data() + r * span;
+        const Edges e = edges(r);
+        __m512 vmax = _mm512_mask_max_ps(ninf, e.head, ninf, _mm512_maskz_loadu_ps(e.head, s + e.j0));
+        for (int64_t j = e.jin; j < e.jend; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+        vmax = _mm512_mask_max_ps(vmax, e.tail, vmax, _mm512_maskz_loadu_ps(e.tail, s + e.jend));
+        rmax[r] = _mm512_reduce_max_ps(vmax);
+      }
+      const __m512 sc = _mm512_set1_ps(fscale);
+      const __m256i zero = _mm256_setzero_si256();
       for (int64_t r = 0; r < 16; ++r) {
-        float* s = scores.data() + r * span;
+        const float* s = scores.data() + r * span;
         at::BFloat16* pr = probs.data() + r * span;
         if (r >= rows) {
           std::memset(pr, 0, span * sizeof(at::BFloat16));
           rsum[r] = 1.f;
           continue;
         }
-        const int64_t from = window_edge(c + r0 + r, window) - p.kbase - s0, to = c + r0 + r + 1 - p.kbase - s0;
-        // 16-key chunks: [jin, jend) wholly visible, a masked chunk at either edge (j0 before, jend after) when
-        // from or to falls inside one, zero weights elsewhere in the span: the mask is worked out at the two
-        // edges only and no exponential is taken past the diagonal (the loop over the span with a mask per
-        // chunk took 1.08x the time of the whole kernel for 2,048 prompt rows of 256 tokens; the same bits)
-        const int64_t j0 = from / 16 * 16, jin = std::min((from + 15) / 16 * 16, to / 16 * 16);
-        const int64_t jend = std::max(jin, to / 16 * 16);
-        const __mmask16 head = j0 < jin ? range_mask(j0, from, to) : 0;
-        const __mmask16 tail = jend < to ? range_mask(jend, from, to) : 0;
-        const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        __m512 vmax = _mm512_mask_max_ps(ninf, head, ninf, _mm512_maskz_loadu_ps(head, s + j0));
-        for (int64_t j = jin; j < jend; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
-        vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, s + jend));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * fscale);
-        const __m512 sc = _mm512_set1_ps(fscale);
+        const Edges e = edges(r);
+        const __m512 m = _mm512_set1_ps(rmax[r] * fscale);
         __m512 vsum = _mm512_setzero_ps();
         auto weigh = [&](int64_t j, __mmask16 k) {
           const __m512 w = kvpage::exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), sc, m), k);
           vsum = _mm512_add_ps(vsum, w);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(w));
         };
-        const __m256i zero = _mm256_setzero_si256();
-        for (int64_t j = 0; j < j0; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), zero);
-        if (head != 0) weigh(j0, head);
-        for (int64_t j = jin; j < jend; j += 16) weigh(j, 0xFFFF);
-        if (tail != 0) weigh(jend, tail);
-        for (int64_t j = tail != 0 ? jend + 16 : jend; j < span; j += 16)
+        for (int64_t j = 0; j < e.j0; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), zero);
+        if (e.head != 0) weigh(e.j0, e.head);
+        for (int64_t j = e.jin; j < e.jend; j += 16) weigh(j, 0xFFFF);
+        if (e.tail != 0) weigh(e.jend, e.tail);
+        for (int64_t j = e.tail != 0 ? e.jend + 16 : e.jend; j < span; j += 16)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), zero);
         rsum[r] = _mm512_reduce_add_ps(vsum);
       }
