@@ -219,7 +219,7 @@ void attend_prompts(const std::vector<Prompt>& prompts, const at::BFloat16* kpac
       // that the rows' reductions (a chain of dependent shuffles each) overlap instead of running in turn.
       struct Edges {
         int64_t j0, jin, jend;
-        __mmask16 head, tail;
+        __mmask16 lead, trail;  // the edge chunks' visible lanes (0: no such chunk)
       };
       auto edges = [&](int64_t r) {
         const int64_t from = window_edge(c + r0 + r, window) - p.kbase - s0, to = c + r0 + r + 1 - p.kbase - s0;
@@ -227,8 +227,8 @@ void attend_prompts(const std::vector<Prompt>& prompts, const at::BFloat16* kpac
         e.j0 = from / 16 * 16;
         e.jin = std::min((from + 15) / 16 * 16, to / 16 * 16);
         e.jend = std::max(e.jin, to / 16 * 16);
-        e.head = e.j0 < e.jin ? range_mask(e.j0, from, to) : 0;
-        e.tail = e.jend < to ? range_mask(e.jend, from, to) : 0;
+        e.lead = e.j0 < e.jin ? range_mask(e.j0, from, to) : 0;
+        e.trail = e.jend < to ? range_mask(e.jend, from, to) : 0;
         return e;
       };
       float rmax[16];
@@ -236,9 +236,9 @@ void attend_prompts(const std::vector<Prompt>& prompts, const at::BFloat16* kpac
       for (int64_t r = 0; r < rows; ++r) {
         const float* s = scores.data() + r * span;
         const Edges e = edges(r);
-        __m512 vmax = _mm512_mask_max_ps(ninf, e.head, ninf, _mm512_maskz_loadu_ps(e.head, s + e.j0));
+        __m512 vmax = _mm512_mask_max_ps(ninf, e.lead, ninf, _mm512_maskz_loadu_ps(e.lead, s + e.j0));
         for (int64_t j = e.jin; j < e.jend; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
-        vmax = _mm512_mask_max_ps(vmax, e.tail, vmax, _mm512_maskz_loadu_ps(e.tail, s + e.jend));
+        vmax = _mm512_mask_max_ps(vmax, e.trail, vmax, _mm512_maskz_loadu_ps(e.trail, s + e.jend));
         rmax[r] = _mm512_reduce_max_ps(vmax);
       }
       const __m512 sc = _mm512_set1_ps(fscale);
@@ -260,10 +260,10 @@ void attend_prompts(const std::vector<Prompt>& prompts, const at::BFloat16* kpac
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(w));
         };
         for (int64_t j = 0; j < e.j0; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), zero);
-        if (e.head != 0) weigh(e.j0, e.head);
+        if (e.lead != 0) weigh(e.j0, e.lead);
         for (int64_t j = e.jin; j < e.jend; j += 16) weigh(j, 0xFFFF);
-        if (e.tail != 0) weigh(e.jend, e.tail);
-        for (int64_t j = e.tail != 0 ? e.jend + 16 : e.jend; j < span; j += 16)
+        if (e.trail != 0) weigh(e.jend, e.trail);
+        for (int64_t j = e.trail != 0 ? e.jend + 16 : e.jend; j < span; j += 16)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), zero);
         rsum[r] = _mm512_reduce_add_ps(vsum);
       }

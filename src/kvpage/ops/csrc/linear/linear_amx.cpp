@@ -160,7 +160,7 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   // before the next pair, so a row's outputs of one task lie side by side (G lines, or G half lines gated)
   // instead of one line every 32 columns. With many rows that paid: the projections of a pass of SmolLM2's
   // layers at 256 / 384 / 512 / 2048 rows took 0.93x / 0.89x / 0.88x / 0.93x the time with G = 4 (weights
-  // cold, both orders alternating in one process, the same bits: AMX Xeon, 2026-12-02), but 1.02-1.07x at 64-128
+  // cold, both orders alternating in one process, the same bits: AMX Xeon, 2026-12-02), but 1.03-1.10x at 64-128
   // rows, where each block serves few row tiles and is best streamed alone.
   const int64_t G = std::min<int64_t>(NB, std::min(row_tiles, chunk_tiles) >= 16 ? 4 : 1), NG = (NB + G - 1) / G;
   const int64_t steps = (std::min(row_tiles, chunk_tiles) + 1) / 2 * KB * G;
