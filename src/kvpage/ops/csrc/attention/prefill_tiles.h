@@ -231,11 +231,12 @@ void attend_prompts(const std::vector<Prompt>& prompts, const at::BFloat16* kpac
         e.trail = e.jend < to ? range_mask(e.jend, from, to) : 0;
         return e;
       };
+      Edges edge[16];
       float rmax[16];
       const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       for (int64_t r = 0; r < rows; ++r) {
         const float* s = scores.data() + r * span;
-        const Edges e = edges(r);
+        const Edges& e = edge[r] = edges(r);
         __m512 vmax = _mm512_mask_max_ps(ninf, e.lead, ninf, _mm512_maskz_loadu_ps(e.lead, s + e.j0));
         for (int64_t j = e.jin; j < e.jend; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
         vmax = _mm512_mask_max_ps(vmax, e.trail, vmax, _mm512_maskz_loadu_ps(e.trail, s + e.jend));
@@ -251,7 +252,7 @@ void attend_prompts(const std::vector<Prompt>& prompts, const at::BFloat16* kpac
           rsum[r] = 1.f;
           continue;
         }
-        const Edges e = edges(r);
+        const Edges& e = edge[r];
         const __m512 m = _mm512_set1_ps(rmax[r] * fscale);
         __m512 vsum = _mm512_setzero_ps();
         auto weigh = [&](int64_t j, __mmask16 k) {

@@ -163,12 +163,13 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   // cold, both orders alternating in one process, the same bits: AMX Xeon, 2026-12-02), but 1.03-1.10x at 64-128
   // rows, where each block serves few row tiles and is best streamed alone.
   const int64_t G = std::min<int64_t>(NB, std::min(row_tiles, chunk_tiles) >= 16 ? 4 : 1), NG = (NB + G - 1) / G;
-  const int64_t steps = (std::min(row_tiles, chunk_tiles) + 1) / 2 * KB * G;
+  const int64_t steps = (std::min(row_tiles, chunk_tiles) + 1) / 2 * KB;  // k steps a block spends on a chunk
   // At most 8 lines (512 bytes) requested per k step, ~20 GB/s a core at the products' pace, more than memory
   // serves: with few rows a block's products are over too soon to fetch all of the next one, and bursts of more
   // requests held up the operand tile loads behind them (a cold pass of SmolLM2's projections at 64 rows
   // 0.92x the time with the cap, and none slower at 32-256 rows: AMX Xeon, 2026-11-29).
-  const int64_t per_kb = std::min<int64_t>(8, (G * block_lines + steps - 1) / steps);
+  // (a group's lines over its products: G blocks' lines over G blocks' steps, the same rate as one block's)
+  const int64_t per_kb = std::min<int64_t>(8, (block_lines + steps - 1) / steps);
   // Tasks (row chunk, group of column blocks), row chunk major, claimed about eight runs a thread at a time
   // (common.h ChunkClaims: a thread the OS parks leaves its blocks to the other).
   const int64_t tasks = (row_tiles + chunk_tiles - 1) / chunk_tiles * NG;
