@@ -1,6 +1,7 @@
 """Causal attention of prompts with AMX tiles (csrc/attention/prefill_amx.cpp): matches a float32 reference
 for ragged prompt lengths (partial 16-row and 32-key blocks), GQA ratios, head sizes 64 / 128 / 256, sliding
-windows (reading none of the blocks before a chunk's first window) and prompts packed at any offset of a step's
+windows (fresh prompts over their own K/V, and chunks reading none of the blocks before their first window) and
+prompts packed at any offset of a step's
 batch read through strided views of one qkv tensor; leaves rows outside the prompts alone; refuses what it
 cannot take."""
 
@@ -177,6 +178,33 @@ def test_paged_fresh_prompt_equals_rows_kernel():
     b = torch.zeros(q.shape, dtype=torch.bfloat16)
     ops.prefill_attention(q, k, v, b, starts, [33, 200], 0.125)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dim,window", [(256, 40), (256, 512), (64, 17), (128, 100)])
+def test_fresh_window_matches_float32_and_the_paged_kernel(dim, window):
+    """Whole fresh prompts under a sliding window over their own K/V (quantized pages' sliding-window layers):
+    float32 attention under the window's mask, and the bits of the same prompts read from a packed cache."""
+    ops = _ops()
+    lengths = [1, 17, 40, 41, 130, 600]
+    q, k, v, starts = _batch(4, 1, lengths, seed=dim + window, dim=dim)
+    out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
+    ops.prefill_attention(q, k, v, out, starts, lengths, 0.125, window=window)
+    for s, n in zip(starts, lengths, strict=True):
+        sl = slice(s, s + n)
+        _check_chunk(out[sl], q[sl], k[sl], v[sl], 0, n, window)
+    chunks = [(0, 33), (0, 200)]
+    q, cache, tables, starts, keys, values = _paged_case(4, 1, chunks, seed=9, dim=dim)
+    a = torch.zeros(q.shape, dtype=torch.bfloat16)
+    ops.prefill_attention_paged(q, cache, tables, a, starts, [33, 200], [33, 200], [0, 1], 0.125, window=window)
+    k = torch.zeros(q.shape[0], 1, dim, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    for i, (_, n) in enumerate(chunks):
+        k[starts[i] : starts[i] + n], v[starts[i] : starts[i] + n] = keys[i], values[i]
+    b = torch.zeros(q.shape, dtype=torch.bfloat16)
+    ops.prefill_attention(q, k, v, b, starts, [33, 200], 0.125, window=window)
+    assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="window must be"):
+        ops.prefill_attention(q, k, v, b, starts, [33, 200], 0.125, window=-1)
 
 
 def test_paged_refuses_bad_input():

@@ -1,7 +1,8 @@
 """The quantizing row write as AVX2-only builds run it (attention/quant_codes.h quantize_row8), compiled here
 with -mno-avx512f so that machines with AVX-512 test it too: the same bytes as the torch oracle for every code
 type, head sizes 8 to 256, float32 and bfloat16 sources, rotated (key) rows or not, with subnormal codes, ties
-and all-zero rows."""
+and all-zero rows. The key/value transform's rows (attention/kv_affine.cpp) on the same 8-lane build: the
+bits of kv_transform.affine_rows."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ def avx2_write():
 
     from kvpage.ops.build import _CSRC, build_tag
 
-    return load(name=f"kvpage_avx2_write_{build_tag()}", sources=[str(HARNESS)], extra_include_paths=[str(_CSRC)],
-                extra_cflags=["-O3", "-march=native", "-mno-avx512f"], verbose=False)
+    sources = [str(HARNESS), str(_CSRC / "attention" / "kv_affine.cpp")]
+    return load(name=f"kvpage_avx2_write_{build_tag()}", sources=sources,
+                extra_include_paths=[str(_CSRC)], extra_cflags=["-O3", "-march=native", "-mno-avx512f", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
@@ -49,3 +52,9 @@ def test_avx2_row_write_equals_the_torch_oracle_byte_for_byte(avx2_write, dtype)
                     ref_in = hadamard(xs.float()) if rotate else xs.float()
                     ref = quantize_rows(ref_in.view(n, 1, dim), dtype).view(torch.uint8).view(n, dim + 2)
                     assert torch.equal(ours, ref), (dim, case, src, rotate)
+
+
+def test_avx2_transform_rows_give_the_oracles_bits(avx2_write):
+    from tests.ops.test_kv_affine import check_affine_rows
+
+    check_affine_rows(avx2_write.kv_affine_rows)

@@ -18,6 +18,10 @@ codes on both. Changes of basis that are exact in real arithmetic remove that:
 The constants come from the model's own queries, keys and values over a fixed text, and which parts a model
 keeps for a cache dtype is measured there too (worker/kv_calibration.py): a part that does not lower the
 model's error end to end is left out. Float caches never see a transform.
+
+Each mapping is one ``affine_rows`` call (the compiled backend's ``kv_affine_rows``: one pass over the rows,
+the rotation as butterflies; as ~14 torch operators a layer they took 9% of Gemma 3's offline run on int8
+pages).
 """
 
 from __future__ import annotations
@@ -32,12 +36,30 @@ import torch
 from kvpage.attention.kv_quant import hadamard
 
 Forward = Callable[..., torch.Tensor]
+Tensor = torch.Tensor
+RowsFn = Callable[[Tensor, Tensor | None, Tensor | None, bool, Tensor | None], Tensor]
+
+
+def affine_rows(x: Tensor, sub: Tensor | None, mul: Tensor | None, rotate: bool, add: Tensor | None) -> Tensor:
+    """``x`` ``[tokens, heads, D]`` mapped row by row in float32: ``(x - sub) * mul``, then the keys' Walsh-Hadamard
+    rotation if ``rotate``, then ``+ add`` (each ``[heads, D]`` float32, optional), rounded once to x's dtype.
+    The oracle of the compiled ``kv_affine_rows``, which gives the same bits."""
+    y = x.float()
+    if sub is not None:
+        y = y - sub
+    if mul is not None:
+        y = y * mul
+    if rotate:
+        y = hadamard(y)
+    if add is not None:
+        y = y + add
+    return y.to(x.dtype)
 
 
 @dataclass(frozen=True)
 class KeyTransform:
-    """Keys minus ``center`` times ``inv_scale`` ([kv_heads, D], float32); queries times ``query_scale``
-    ([heads, D], in the activations' dtype)."""
+    """Keys minus ``center`` times ``inv_scale`` ([kv_heads, D]); queries times ``query_scale`` ([heads, D];
+    powers of two, so exact in any activation dtype). All float32."""
 
     center: torch.Tensor
     inv_scale: torch.Tensor
@@ -46,11 +68,10 @@ class KeyTransform:
 
 @dataclass(frozen=True)
 class ValueTransform:
-    """Values minus ``center`` ([kv_heads, D]) times ``rotation`` ([D, D], symmetric and its own inverse, in the
-    activations' dtype); the output times ``rotation`` plus ``center_q`` ([heads, D])."""
+    """Values minus ``center`` ([kv_heads, D]), rotated by the keys' Walsh-Hadamard matrix (symmetric and its own
+    inverse); the output rotated back plus ``center_q`` ([heads, D]). Float32."""
 
     center: torch.Tensor
-    rotation: torch.Tensor
     center_q: torch.Tensor
 
 
@@ -63,12 +84,9 @@ class KVTransform:
     values: ValueTransform | None
 
     @classmethod
-    def from_samples(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     act_dtype: torch.dtype = torch.float32) -> KVTransform:
+    def from_samples(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KVTransform:
         """Both parts, from a text's queries ``[tokens, heads, D]``, keys and values ``[tokens, kv_heads, D]``
-        (post-RoPE), for activations of ``act_dtype`` (the constants the products take are held in it: the
-        query scales are powers of two, exact; the Walsh-Hadamard matrix's entries +-b^-1/2 are exact for
-        blocks b of 64 and 256, rounded to the dtype's precision otherwise)."""
+        (post-RoPE)."""
         q, k, v = q.float(), k.float(), v.float()
         heads, kv_heads, d = q.shape[1], k.shape[1], k.shape[2]
         group = heads // kv_heads
@@ -83,10 +101,9 @@ class KVTransform:
         ratio = k_ms.clamp_min(1e-12 * float(k_ms.max().clamp_min(1e-30))) / q_ms.clamp_min(
             1e-12 * float(q_ms.max().clamp_min(1e-30)))
         scale = torch.exp2(torch.round(torch.log2(ratio) / 4).clamp(-20, 20))  # (rms ratio)^(1/2) as a power of 2
-        keys = KeyTransform(key_center, 1.0 / scale, scale.repeat_interleave(group, 0).to(act_dtype))
+        keys = KeyTransform(key_center, 1.0 / scale, scale.repeat_interleave(group, 0).contiguous())
         value_center = v.mean(0)
-        values = ValueTransform(value_center, hadamard(torch.eye(d)).to(act_dtype),
-                                value_center.repeat_interleave(group, 0))
+        values = ValueTransform(value_center, value_center.repeat_interleave(group, 0).contiguous())
         return cls(keys, values)
 
     def parts(self, keys: bool, values: bool) -> KVTransform | None:
@@ -111,10 +128,11 @@ class LayerAttend:
     dtype mapped to None is calibrated and keeps nothing); with
     ``capture`` set (calibration), each call's query, key and value rows are appended to it."""
 
-    __slots__ = ("capture", "forward", "transforms")
+    __slots__ = ("capture", "forward", "rows", "transforms")
 
-    def __init__(self, forward: Forward) -> None:
+    def __init__(self, forward: Forward, rows: RowsFn = affine_rows) -> None:
         self.forward = forward
+        self.rows = rows  # affine_rows or the backend's compiled equal
         self.transforms: dict[torch.dtype, KVTransform | None] = {}
         self.capture: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
@@ -134,18 +152,15 @@ class LayerAttend:
     def transformed(self, t: KVTransform, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
         """Attention through ``t``, on any cache (equal to the plain call up to rounding)."""
-        q, k, v = query, key, value
+        q, k, v, rows = query, key, value, self.rows
         if t.keys is not None:
-            q = query * t.keys.query_scale.to(query.dtype)  # powers of two: exact in any float dtype
-            k = ((key.float() - t.keys.center) * t.keys.inv_scale).to(key.dtype)
+            q = rows(query, None, t.keys.query_scale, False, None)  # powers of two: exact
+            k = rows(key, t.keys.center, t.keys.inv_scale, False, None)
         if t.values is None:
             return self.forward(q, k, v, kv_cache, meta, scale)
-        # the rotations as products in the activations' dtype (oneDNN's bf16 GEMM in the engine: in float32 they
-        # cost Gemma 3's long prompts ~10% of their time); .to() is a no-op where the dtypes already agree
-        rot = t.values.rotation.to(value.dtype)
-        v = (value.float() - t.values.center).to(value.dtype) @ rot
+        v = rows(value, t.values.center, None, True, None)
         out = self.forward(q, k, v, kv_cache, meta, scale)
-        return (out @ rot).float().add_(t.values.center_q).to(out.dtype)
+        return rows(out, None, None, True, t.values.center_q)
 
 
 def transforms_fingerprint(attends: list[LayerAttend], dtype: torch.dtype) -> str | None:

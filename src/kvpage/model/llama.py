@@ -61,7 +61,8 @@ class Attention(nn.Module):
         self.k_norm = None if qk_norm is None else qk_norm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5 if scale is None else scale
         self.backend = backend
-        self.attend = LayerAttend(backend.forward)  # the backend call, with a quantized cache's transform
+        # the backend call, with a quantized cache's transform
+        self.attend = LayerAttend(backend.forward, backend.transform_rows)
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         t = x.shape[0]

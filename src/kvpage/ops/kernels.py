@@ -95,6 +95,12 @@ class Kernels:
         """Scatter new K/V rows to their slots (row or packed layout)."""
         self._c.reshape_and_cache(key, value, kv_cache, slot_mapping, packed)
 
+    def kv_affine_rows(self, x: Tensor, sub: Tensor | None, mul: Tensor | None, rotate: bool,
+                       add: Tensor | None) -> Tensor:
+        """A quantized cache's key/value transform in one pass (attention/kv_transform.py affine_rows, whose
+        bits it gives): ``round((x - sub) * mul)``, Walsh-Hadamard rotated if ``rotate``, ``+ add``."""
+        return self._c.kv_affine_rows(x, sub, mul, rotate, add)
+
     def reshape_and_cache_channel(self, key: Tensor, value: Tensor, pages: Tensor, slot_mapping: Tensor,
                                   residual_slots: Tensor, block_size: int) -> None:
         """int8 pages with keys per channel (attention/kv_channel.py, whose write_pages it equals byte for
@@ -121,9 +127,10 @@ class Kernels:
         return self._c.paged_attention_channel(query, pages, plan, residual_tables, scale)
 
     def prefill_attention(self, query: Tensor, key: Tensor, value: Tensor, out: Tensor, starts: list[int],
-                          lengths: list[int], scale: float) -> None:
-        """Whole fresh prompts (bf16, head size 64, 128 or 256) with AMX tiles, into ``out``."""
-        self._c.prefill_attention(query, key, value, out, starts, lengths, scale)
+                          lengths: list[int], scale: float, window: int | None = None) -> None:
+        """Whole fresh prompts (bf16, head size 64, 128 or 256) with AMX tiles, into ``out``; with a sliding
+        ``window`` each query sees its last ``window`` keys."""
+        self._c.prefill_attention(query, key, value, out, starts, lengths, scale, window=window or 0)
 
     def prefill_attention_paged(self, query: Tensor, kv_cache: Tensor, block_tables: Tensor, out: Tensor,
                                 starts: list[int], lengths: list[int], seq_lens: list[int], seqs: list[int],

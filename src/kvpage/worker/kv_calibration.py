@@ -114,7 +114,7 @@ def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False, 
     finally:
         for a in attends:
             a.capture = None
-    full = [KVTransform.from_samples(*(torch.cat([r[i] for r in rows]) for i in range(3)), lm.dtype)
+    full = [KVTransform.from_samples(*(torch.cat([r[i] for r in rows]) for i in range(3)))
             for rows in samples]
     errors = {}
     for parts in PARTS:  # which parts help is measured end to end: the hidden states' error over the text

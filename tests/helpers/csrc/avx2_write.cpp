@@ -1,8 +1,10 @@
 // The quantizing row write (attention/quant_codes.h) as an AVX2-only build compiles it, for a test that runs
-// on machines with AVX-512 too (tests/ops/test_quant_write_avx2.py builds this file with -mno-avx512f).
+// on machines with AVX-512 too (tests/ops/test_quant_write_avx2.py builds this file with -mno-avx512f, and
+// attention/kv_affine.cpp beside it: the key/value transform's 8-lane rows, tests/ops/test_kv_affine.py).
 #include <torch/extension.h>
 
 #include "attention/quant_rows.h"
+#include "ops.h"  // kv_affine_rows
 
 using namespace kvpage::attn;
 static_assert(KVPAGE_ISA_AVX2_ONLY, "built without AVX-512: the AVX2 write is what runs");
@@ -30,4 +32,7 @@ torch::Tensor quantize(const torch::Tensor& x, at::ScalarType code, bool rotate)
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("quantize", &quantize); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize", &quantize);
+  m.def("kv_affine_rows", &kv_affine_rows);
+}

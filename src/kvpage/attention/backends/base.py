@@ -48,6 +48,11 @@ class AttentionBackend(Protocol):
         """Write this step's K/V into their slots, then attend each query over its sequence's blocks."""
         ...
 
+    def transform_rows(self, x: torch.Tensor, sub: torch.Tensor | None, mul: torch.Tensor | None, rotate: bool,
+                       add: torch.Tensor | None) -> torch.Tensor:
+        """A quantized cache's key/value transform over ``[tokens, heads, D]`` rows (kv_transform.affine_rows)."""
+        ...
+
 
 class CommonMetadata:
     """The builder of a backend that consumes the runner's metadata as it is."""

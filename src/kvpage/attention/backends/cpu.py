@@ -85,10 +85,14 @@ class CpuMetadataBuilder:
         # 16 where chunks read the packed cache with AMX (1.7-3x the paged kernel at 16 rows after 500-2000
         # cached keys, at par near 8; with a sliding window its tasks start at each row block's window edge),
         # else 64 (the paged kernel; SDPA for longer fresh prompts). Without that kernel a sliding window sends
-        # everything to the paged kernel, whose tiles skip what lies before each window; so do bf16 caches
+        # everything to the paged kernel, whose tiles skip what lies before each window, unless fresh prompts
+        # can take the AMX prompt kernel over their own K/V (quantized pages where AMX is granted: Gemma 3's
+        # int8 engine, offline sharegpt, AMX Xeon, 2026-12-02: see fresh_window below); so do bf16 caches
         # without the AMX prompt kernel (benchmarks/prefill.py on a Zen 5 EPYC: the paged kernel 1.7-2.8x SDPA at
         # 64-2048 tokens over packed blocks, 1.9-3.2x over rows of head size 256).
-        all_paged = (window is not None and not self.prompts_read_cache) or (
+        fresh_window = (window is not None and backend.amx_prefill and is_quantized(kv_cache.dtype)
+                        and dtype == torch.bfloat16 and self.head_dim in (64, 128, 256))
+        all_paged = (window is not None and not self.prompts_read_cache and not fresh_window) or (
             backend.paged_prompts and not self.prompts_read_cache
                                            and kv_cache.dtype == torch.bfloat16 and not backend.amx_prefill) \
             or (backend.invariant and not self.prompts_read_cache and not is_quantized(kv_cache.dtype))
@@ -188,6 +192,10 @@ class CpuPagedAttention:
         return (self.prefill_cached and kv_cache.dtype == torch.bfloat16 and self.packed_layout(kv_cache, dtype)
                 and kv_cache.shape[4] in (64, 128, 256))
 
+    def transform_rows(self, x: torch.Tensor, sub: torch.Tensor | None, mul: torch.Tensor | None, rotate: bool,
+                       add: torch.Tensor | None) -> torch.Tensor:
+        return self.ops.kv_affine_rows(x, sub, mul, rotate, add)
+
     def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
                          window: int | None = None) -> CpuMetadataBuilder:
         return CpuMetadataBuilder(self, kv_cache, dtype, num_heads, window)
@@ -226,14 +234,20 @@ class CpuPagedAttention:
                 and query.shape[2] in (64, 128, 256)):
             # whole prompts, nothing cached: one call for all of them (ops/csrc/attention/prefill_amx.cpp)
             starts = [start for start, _ in meta.fresh_prefills]
-            ops.prefill_attention(query, key, value, out, starts, [n for _, n in meta.fresh_prefills], scale)
+            ops.prefill_attention(query, key, value, out, starts, [n for _, n in meta.fresh_prefills], scale,
+                                  meta.window)
             return out
         gqa = query.shape[1] != key.shape[1]
         for start, n in meta.fresh_prefills:  # whole prompt, nothing cached: dense causal attention
             q = query[start : start + n].transpose(0, 1)[None]
             k = key[start : start + n].transpose(0, 1)[None].to(q.dtype)
             v = value[start : start + n].transpose(0, 1)[None].to(q.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            mask = None
+            if meta.window is not None:  # query r sees keys r - window + 1 .. r
+                back = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+                mask = (back >= 0) & (back < meta.window)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                               enable_gqa=gqa)
             out[start : start + n] = o[0].transpose(0, 1)
         return out
 

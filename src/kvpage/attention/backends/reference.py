@@ -13,11 +13,13 @@ import torch.nn.functional as F
 from kvpage.attention import kv_channel
 from kvpage.attention.backends.base import CommonMetadata, write_kv
 from kvpage.attention.kv_quant import dequantize_rows, is_quantized, read_keys
+from kvpage.attention.kv_transform import affine_rows
 from kvpage.attention.metadata import AttentionMetadata
 
 
 class ReferenceAttention:
     name = "reference"
+    transform_rows = staticmethod(affine_rows)
 
     def metadata_builder(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int,
                          window: int | None = None) -> CommonMetadata:

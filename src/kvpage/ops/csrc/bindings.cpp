@@ -52,6 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("amx_decode") = true, py::arg("avx2_row_decode") = false, py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", py::arg("key"),
         py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("packed") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("kv_affine_rows", &kv_affine_rows, "a quantized cache's key/value transform over [tokens, heads, D] rows",
+        py::arg("x"), py::arg("sub") = py::none(), py::arg("mul") = py::none(), py::arg("rotate") = false,
+        py::arg("add") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache_channel", &reshape_and_cache_channel,
         "int8 pages with keys per channel: values as rows, keys to the residual, complete blocks rounded",
         py::arg("key"), py::arg("value"), py::arg("pages"), py::arg("slot_mapping"), py::arg("residual_slots"),
@@ -76,9 +79,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_amx_available", &kvpage::prefill::prefill_amx_available,
         "whether prefill_attention can run on this CPU/OS");
   m.def("prefill_attention", &kvpage::prefill::prefill_attention,
-        "causal attention of whole fresh prompts (bf16, head size 64, 128 or 256) with AMX tiles, written into out",
+        "causal attention of whole fresh prompts (bf16, head size 64, 128 or 256; window > 0: a sliding window) "
+        "with AMX tiles, written into out",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"), py::arg("starts"), py::arg("lengths"),
-        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("scale"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_paged", &kvpage::prefill::prefill_attention_paged,
         "causal attention of prompts or prompt chunks whose keys (a cached prefix and their own) are in the packed "
         "bf16 cache (head size 64, 128 or 256; window > 0: a sliding window) with AMX tiles, written into out",

@@ -54,6 +54,10 @@ const char* paged_attention_quant(const torch::Tensor& query, const torch::Tenso
                                   torch::Tensor& out);
 void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
                              const torch::Tensor& slot_mapping, bool packed);
+// A quantized cache's key/value transform, one pass over [tokens, heads, D] rows (attention/kv_affine.cpp):
+// round((x - sub) * mul), Walsh-Hadamard rotated if `rotate`, + add; each [heads, D] float32 part optional.
+torch::Tensor kv_affine_rows(torch::Tensor x, c10::optional<torch::Tensor> sub, c10::optional<torch::Tensor> mul,
+                             bool rotate, c10::optional<torch::Tensor> add);
 // int8 pages with keys per channel (attention/paged_attention_channel.cpp, attention/channel_keys.h).
 void reshape_and_cache_channel(torch::Tensor key, torch::Tensor value, torch::Tensor pages, torch::Tensor slot_mapping,
                                torch::Tensor residual_slots, int64_t block_size);
@@ -72,7 +76,7 @@ namespace kvpage::prefill {
 bool prefill_amx_available();
 void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                        torch::Tensor& out, const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths,
-                       double scale);
+                       double scale, int64_t window);
 void prefill_attention_paged(const torch::Tensor& query, const torch::Tensor& kv_cache,
                              const torch::Tensor& block_tables, torch::Tensor& out, const std::vector<int64_t>& starts,
                              const std::vector<int64_t>& lengths, const std::vector<int64_t>& seq_lens,

@@ -50,7 +50,7 @@ void check_query_out(const torch::Tensor& query, const torch::Tensor& out, doubl
 // Whole fresh prompts from the step's K/V tensors (kbase 0, nothing cached).
 template <int64_t D>
 void fresh_prompts(std::vector<Prompt>& prompts, const torch::Tensor& query, const torch::Tensor& key,
-                   const torch::Tensor& value, torch::Tensor& out, double scale) {
+                   const torch::Tensor& value, torch::Tensor& out, double scale, int64_t window) {
   const int64_t H = query.size(1), KVH = key.size(1);
   int64_t k_total, v_total;
   place_scratch<D>(prompts, KVH, &k_total, &v_total);
@@ -68,7 +68,7 @@ void fresh_prompts(std::vector<Prompt>& prompts, const torch::Tensor& query, con
     }
   });
   attend_prompts<D>(prompts, kpack.data(), vpack.data(), query.data_ptr<at::BFloat16>(), query.stride(0),
-                    out.data_ptr<at::BFloat16>(), out.stride(0), H, H / KVH, scale, 0);
+                    out.data_ptr<at::BFloat16>(), out.stride(0), H, H / KVH, scale, window);
 }
 
 // Prompt chunks whose keys are in the packed cache, in groups whose copied keys fit max_scratch_bytes (many
@@ -112,10 +112,13 @@ void cached_prompts(const std::vector<Prompt>& prompts, const torch::Tensor& que
 
 // out[start:start+n] = causal softmax(q k^T * scale) v for every prompt (starts[i], lengths[i]); query
 // [T, H, D], key/value [T, KVH, D] bf16 with dense rows (row strides free), out [T, H, D] bf16; D 64, 128 or 256.
+// window > 0: query r sees keys r - window + 1 .. r (a sliding-window layer's prompts over their own K/V, as
+// quantized pages' layers take them).
 void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                        torch::Tensor& out, const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths,
-                       double scale) {
+                       double scale, int64_t window) {
   check_query_out(query, out, scale);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(key.scalar_type() == at::kBFloat16 && value.scalar_type() == at::kBFloat16,
               "prefill_attention takes bfloat16 tensors");
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3, "key/value [T, KVH, D]");
@@ -131,11 +134,11 @@ void prefill_attention(const torch::Tensor& query, const torch::Tensor& key, con
     if (lengths[i] > 0) prompts.push_back({starts[i], lengths[i], 0, 0, 0, 0, 0});
   }
   if (prompts.empty()) return;
-  if (D == 64) fresh_prompts<64>(prompts, query, key, value, out, scale);
-  else if (D == 128) fresh_prompts<128>(prompts, query, key, value, out, scale);
-  else fresh_prompts<256>(prompts, query, key, value, out, scale);
+  if (D == 64) fresh_prompts<64>(prompts, query, key, value, out, scale, window);
+  else if (D == 128) fresh_prompts<128>(prompts, query, key, value, out, scale, window);
+  else fresh_prompts<256>(prompts, query, key, value, out, scale, window);
 #else
-  (void)key, (void)value, (void)starts, (void)lengths, (void)T, (void)H, (void)KVH, (void)D;
+  (void)key, (void)value, (void)starts, (void)lengths, (void)T, (void)H, (void)KVH, (void)D, (void)window;
 #endif
 }
 

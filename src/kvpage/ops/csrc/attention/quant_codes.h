@@ -68,6 +68,14 @@ struct RowLanes8 {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static void store(at::BFloat16* p, F x) {  // rounded to nearest even, as torch rounds
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
   static F set(float x) { return _mm256_set1_ps(x); }
   static I seti(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
@@ -117,6 +125,8 @@ struct RowLanes16 {
   static constexpr int kW = 16;
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F load(const at::BFloat16* p) { return kvpage::load16(p, 0xFFFF); }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static void store(at::BFloat16* p, F x) { kvpage::store16(p, x, 0xFFFF); }
   static F set(float x) { return _mm512_set1_ps(x); }
   static I seti(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
@@ -177,6 +187,26 @@ inline void encode_lanes(typename V::F v, uint8_t* out) {
   }
 }
 
+// fwht (quant_rows.h) on a row of D = n * kW values held in n vectors, D a power of two: the butterflies stage by
+// stage (within each vector, then across vectors), then the orthonormal factor, as the scalar loop adds them.
+template <class V>
+inline void fwht_lanes(typename V::F* x, int64_t n) {
+  using F = typename V::F;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = V::template butterfly<4>(V::template butterfly<2>(V::template butterfly<1>(x[i])));
+    if constexpr (V::kW == 16) x[i] = V::template butterfly<8>(x[i]);
+  }
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t g = 0; g < n; g += 2 * h)
+      for (int64_t j = g; j < g + h; ++j) {
+        const F lo = x[j], hi = x[j + h];
+        x[j] = V::add(lo, hi);
+        x[j + h] = V::sub(lo, hi);
+      }
+  const F norm = V::set(static_cast<float>(1.0 / std::sqrt(static_cast<double>(n * V::kW))));
+  for (int64_t i = 0; i < n; ++i) x[i] = V::mul(x[i], norm);
+}
+
 // quantize_row for D a power of two from kW to 256 (fwht's block is the whole row).
 template <class V, KVCode C, typename IN>
 inline void quantize_row_lanes(const IN* src, uint8_t* row, int64_t D, bool rotate) {
@@ -184,21 +214,7 @@ inline void quantize_row_lanes(const IN* src, uint8_t* row, int64_t D, bool rota
   F x[256 / V::kW];
   const int64_t n = D / V::kW;
   for (int64_t i = 0; i < n; ++i) x[i] = V::load(src + V::kW * i);
-  if (rotate) {
-    for (int64_t i = 0; i < n; ++i) {
-      x[i] = V::template butterfly<4>(V::template butterfly<2>(V::template butterfly<1>(x[i])));
-      if constexpr (V::kW == 16) x[i] = V::template butterfly<8>(x[i]);
-    }
-    for (int64_t h = 1; h < n; h *= 2)
-      for (int64_t g = 0; g < n; g += 2 * h)
-        for (int64_t j = g; j < g + h; ++j) {
-          const F lo = x[j], hi = x[j + h];
-          x[j] = V::add(lo, hi);
-          x[j + h] = V::sub(lo, hi);
-        }
-    const F norm = V::set(static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))));
-    for (int64_t i = 0; i < n; ++i) x[i] = V::mul(x[i], norm);
-  }
+  if (rotate) fwht_lanes<V>(x, n);
   F top = V::set(0.f);
   for (int64_t i = 0; i < n; ++i) top = V::max(top, V::abs(x[i]));
   const uint16_t bits = scale_bits<C>(V::hmax(top));
