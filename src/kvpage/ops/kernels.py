@@ -98,7 +98,7 @@ class Kernels:
     def kv_affine_rows(self, x: Tensor, sub: Tensor | None, mul: Tensor | None, rotate: bool,
                        add: Tensor | None) -> Tensor:
         """A quantized cache's key/value transform in one pass (attention/kv_transform.py affine_rows, whose
-        bits it gives): ``round((x - sub) * mul)``, Walsh-Hadamard rotated if ``rotate``, ``+ add``."""
+        bits it gives): ``(x - sub) * mul``, Walsh-Hadamard rotated if ``rotate``, ``+ add``, rounded once."""
         return self._c.kv_affine_rows(x, sub, mul, rotate, add)
 
     def reshape_and_cache_channel(self, key: Tensor, value: Tensor, pages: Tensor, slot_mapping: Tensor,

@@ -55,7 +55,8 @@ const char* paged_attention_quant(const torch::Tensor& query, const torch::Tenso
 void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
                              const torch::Tensor& slot_mapping, bool packed);
 // A quantized cache's key/value transform, one pass over [tokens, heads, D] rows (attention/kv_affine.cpp):
-// round((x - sub) * mul), Walsh-Hadamard rotated if `rotate`, + add; each [heads, D] float32 part optional.
+// (x - sub) * mul, Walsh-Hadamard rotated if `rotate`, + add, in float32 and rounded once to x's dtype; each
+// [heads, D] float32 part optional.
 torch::Tensor kv_affine_rows(torch::Tensor x, c10::optional<torch::Tensor> sub, c10::optional<torch::Tensor> mul,
                              bool rotate, c10::optional<torch::Tensor> add);
 // int8 pages with keys per channel (attention/paged_attention_channel.cpp, attention/channel_keys.h).

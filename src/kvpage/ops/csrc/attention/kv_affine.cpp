@@ -7,7 +7,7 @@
 // whose int8 engine then served 0.92x the bf16 one. Here each row is read once, mapped in registers and written
 // once, the rotation as fwht's butterflies (2 log2(D) adds a value instead of D multiply-adds).
 //
-// y = round((x - sub) * mul) rotated, + add, each part optional, in float32 in that order and with no fused
+// y = (x - sub) * mul, then rotated, then + add: each part optional, in float32 in that order and with no fused
 // multiply-add (so the bits equal kv_transform.py affine_rows, the torch oracle), rounded once to x's dtype.
 #include "tensor.h"
 
