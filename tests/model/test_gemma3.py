@@ -227,6 +227,31 @@ def test_sliding_layers_hold_only_their_window(gemma_path, prompts):
     assert_drained(llm)
 
 
+def test_bf16_decode_reads_the_heads_q8_blocks(gemma_path):
+    """bf16 weights: steps of a few rows take the tied head's own Q8_0 blocks (what one stream's decode step
+    mostly reads) and give the logits of the exact weights, float32 sums; more rows keep the packed bf16 head."""
+    from kvpage.config import cpu_has_bf16
+    from kvpage.model.loader import load_model
+
+    if not cpu_has_bf16():
+        pytest.skip("bf16 is the default only where the CPU has AVX512_BF16")
+    lm = load_model(GEMMA, dtype="bfloat16")
+    fast = lm.model.fast
+    if fast is None:
+        pytest.skip("no compiled kernels: no fast path")
+    q = fast.lm_quant
+    assert q is not None and q.kind == "q8"
+    n, k = q.qs.shape
+    exact = (q.qs.float().view(n, k // 32, 32) * q.d.float()[..., None]).view(n, k)
+    hidden = torch.randn(2, k, generator=torch.Generator().manual_seed(5))
+    res = fast.compute_logits_ex(hidden)
+    ref = hidden @ exact.T
+    torch.testing.assert_close(res.logits, ref, rtol=1e-4, atol=1e-3)
+    assert torch.equal(res.argmax, ref.argmax(-1))
+    many = fast.compute_logits_ex(hidden.repeat(4, 1))  # 8 rows: the bf16 head, rounded weights
+    assert (many.logits[:2] - ref).abs().max() > 0
+
+
 def test_bf16_agrees_with_float32_teacher_forced(gemma_path, prompts, reference):
     """bf16 weights and cache against float32 on the same token stream (prompt + transformers' continuation):
     the top-1 token agrees at >= 99% of positions."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpage.model.fast_path import AMX_LOGITS_MAX_ROWS, LOGITS_SPLIT_ROWS, packed_logits
+from kvpage.model.fast_path import AMX_LOGITS_MAX_ROWS, LOGITS_SPLIT_ROWS, few_token_logits, packed_logits
 from kvpage.model.layers.linear import PackedLinear, gather_weights
 from kvpage.model.logits import LogitsBuffer, LogitsResult, RowDraws
 from kvpage.model.quant import QuantWeight, concat
@@ -76,6 +76,12 @@ class Gemma3FastPath:
         self.lm_packed = PackedLinear(self.lm_weight, None, blocks("embed_tokens.weight"), ops=ops,
                                       amx_max_rows=AMX_LOGITS_MAX_ROWS, split_rows=LOGITS_SPLIT_ROWS,
                                       stream_out=True)
+        # Few-token steps read the tied head's own Q8_0 blocks (178 MB against 335 MB of bf16 a token: the head is
+        # most of what one stream's decode step reads), as SmolLM2's fast path does; float32 models keep their
+        # panel GEMM, whose products give a row the same bits in any step.
+        head_q = (quant or {}).get("embed_tokens.weight")
+        self.lm_quant = (head_q if head_q is not None and head_q.few_token_ok
+                         and self.lm_weight.dtype == torch.bfloat16 else None)
         self.embed_scale = torch.tensor(model.config.hidden_size**0.5, dtype=self.lm_weight.dtype)
         if ops.config.weight_huge_pages:
             gather_weights([w for p in self.layers for w in (p.qkv, p.o, p.gate_up, p.down)] + [self.lm_packed])
@@ -105,4 +111,7 @@ class Gemma3FastPath:
 
     def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
                           buffer: LogitsBuffer | None = None, draws: RowDraws | None = None) -> LogitsResult:
+        few = few_token_logits(self.ops, self.lm_quant, self.lm_weight, hidden, argmax_only, buffer, draws)
+        if few is not None:
+            return few
         return packed_logits(self.ops, self.lm_packed, self.lm_weight, hidden, argmax_only, buffer, draws=draws)
