@@ -151,9 +151,9 @@ def few_token_logits(ops: Kernels, lm_quant: QuantWeight | None, weight: torch.T
                      argmax_only: bool, buffer: LogitsBuffer | None, draws: RowDraws | None) -> LogitsResult | None:
     """A step of at most quant_max_tokens rows through the head's own quantized blocks (what such a step costs is
     reading the head: Q8_0 is 1.06 bytes a weight against bf16's 2), or None where the step or the head does not
-    qualify. float32 logits from the exact quantized weights (one row: 16-bit activation codes, ~2e-5 relative):
-    nothing near the maximum needs recomputing."""
-    if lm_quant is None or not lm_quant.few_token_ok or not 0 < hidden.shape[0] <= ops.config.quant_max_tokens:
+    qualify (``lm_quant``: blocks the few-token kernel reads, or None). float32 logits from the exact quantized
+    weights (one row: 16-bit activation codes, ~2e-5 relative): nothing near the maximum needs recomputing."""
+    if lm_quant is None or not 0 < hidden.shape[0] <= ops.config.quant_max_tokens:
         return None
     raw = ops.quant_linear(hidden, lm_quant.qs, lm_quant.d, lm_quant.m, True)
     return postprocess_raw(ops, raw, hidden, weight, argmax_only, buffer, draws)

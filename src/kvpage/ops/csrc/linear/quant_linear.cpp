@@ -57,18 +57,15 @@ inline void half_row(const at::Half* src, float* dst, int64_t n) {
 
 #if KVPAGE_ISA_AVX512 || KVPAGE_ISA_AVX2
 // Row n's codes and scales into L1 ahead of use: the hardware prefetcher alone leaves the weight stream
-// latency-bound (measured: half the bandwidth). m may be null (Q8). `to_l2`: the codes into L2 only, for
+// latency-bound (measured: half the bandwidth). m may be null (Q8). Hint _MM_HINT_T1: the codes into L2 only, for
 // streams whose arithmetic is too light to keep up with L1's few outstanding misses (one token row of Q8 on
 // AVX-512: Gemma 3's 262k x 640 head took 8.6 ms instead of 10.4, ~21 against ~17 GB/s, AMX Xeon, 2026-12-02;
 // four rows, or one row of Q4 blocks, were as fast or faster with L1 prefetches).
+template <enum _mm_hint Hint = _MM_HINT_T0>
 inline void prefetch_row(const void* qs, int64_t row_bytes, const at::Half* d, const at::Half* m, int64_t nb,
-                         int64_t n, bool to_l2 = false) {
+                         int64_t n) {
   const char* next = static_cast<const char*>(qs) + n * row_bytes;
-  if (to_l2) {
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
-  } else {
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-  }
+  for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(next + off, Hint);
   _mm_prefetch(reinterpret_cast<const char*>(d + n * nb), _MM_HINT_T0);
   if (m != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m + n * nb), _MM_HINT_T0);
 }
@@ -172,7 +169,8 @@ void quant_rows(const float* x, const float* xsum, const void* qs_v, const at::H
   [[maybe_unused]] const int64_t row_bytes = Q4 ? K / 2 : K;
   for (int64_t n = n0; n < n1; ++n) {
 #if KVPAGE_ISA_AVX512 || KVPAGE_ISA_AVX2
-    if (n + kAhead < n1) prefetch_row(qs_v, row_bytes, d, m, nb, n + kAhead, KVPAGE_ISA_AVX512 && !Q4 && M == 1);
+    constexpr auto hint = KVPAGE_ISA_AVX512 && !Q4 && M == 1 ? _MM_HINT_T1 : _MM_HINT_T0;
+    if (n + kAhead < n1) prefetch_row<hint>(qs_v, row_bytes, d, m, nb, n + kAhead);
 #endif
     half_row(d + n * nb, dbuf.data(), nb);
     float mterm[M];
