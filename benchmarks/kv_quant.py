@@ -64,10 +64,12 @@ def fixed_text() -> str:
 
 
 def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES, windows: int = 1,
-             untransformed: bool = False) -> list[dict]:
-    """Top-1 agreement and perplexity of each cache dtype over ``windows`` consecutive windows of ``positions``
-    tokens of the text (each window scored from an empty cache). Quantized caches run with the engine's
-    transforms (attention/kv_transform.py); ``untransformed`` adds each quantized dtype without them."""
+             untransformed: bool = False, without_feedback: bool = False) -> list[dict]:
+    """Top-1 agreement, the mean KL divergence of the next-token distribution from the float32 cache's (a measure
+    that near ties do not make noisy, as they make top-1) and the perplexity of each cache dtype over ``windows``
+    consecutive windows of ``positions`` tokens of the text (each window scored from an empty cache). Quantized
+    caches run with the engine's transforms (attention/kv_transform.py); ``untransformed`` adds each quantized
+    dtype without them, ``without_feedback`` with them but without the keys' rounding feedback."""
     lm = load_model(model, dtype="float32")
     attends = [layer.self_attn.attend for layer in lm.model.layers]
     quantized = [d for d in dtypes if is_quantized(kv_torch_dtype(d))]
@@ -79,17 +81,22 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
     if len(spans[-1]) < positions + 1:
         raise SystemExit(f"the text has {len(ids)} tokens: fewer than {windows} windows of {positions}")
     refs = [chunked_logits(lm, span, torch.float32) for span in spans]
-    cases = [("float32", True)]
+    cases = [("float32", "")]
     for d in dtypes:
         if d != "float32":
-            cases.append((d, True))
+            cases.append((d, ""))
             if untransformed and d in quantized:
-                cases.append((d, False))
+                cases.append((d, "untransformed"))
+            if without_feedback and d in quantized:
+                cases.append((d, "no key feedback"))
     rows = []
-    for name, transformed in cases:
+    for name, variant in cases:
         for a, t in zip(attends, saved, strict=True):
-            a.transforms = dict(t) if transformed else {}
-        agree, nll, n = 0, 0.0, 0
+            a.transforms = {} if variant == "untransformed" else dict(t)
+            if variant == "no key feedback":
+                a.transforms = {k: None if v is None else v.parts(v.keys is not None, v.values is not None)
+                                for k, v in t.items()}
+        agree, nll, kl, n = 0, 0.0, 0.0, 0
         per_window = []
         for span, ref in zip(spans, refs, strict=True):
             logits = ref if name == "float32" else chunked_logits(lm, span, kv_torch_dtype(name))
@@ -98,9 +105,11 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
             agree += same
             n += len(span) - 1
             nll += float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(span[1:]), reduction="sum"))
-        label = name if transformed else f"{name} (untransformed)"
+            lp, lq = ref[:-1].log_softmax(-1), logits[:-1].log_softmax(-1)
+            kl += float((lp.exp() * (lp - lq)).sum())
+        label = f"{name} ({variant})" if variant else name
         rows.append({"model": lm.config.name, "kv_dtype": label, "positions": n, "top1_agreement": agree / n,
-                     "per_window": per_window, "perplexity": float(torch.exp(torch.tensor(nll / n)))})
+                     "kl": kl / n, "per_window": per_window, "perplexity": float(torch.exp(torch.tensor(nll / n)))})
     for a, t in zip(attends, saved, strict=True):
         a.transforms = t
     return rows
@@ -340,6 +349,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=1, help="accuracy: consecutive windows of --positions tokens")
     ap.add_argument("--untransformed", action="store_true",
                     help="accuracy: also each quantized dtype without its key/value transforms")
+    ap.add_argument("--without-feedback", action="store_true",
+                    help="accuracy: also each quantized dtype with its transforms but not the keys' rounding feedback")
     ap.add_argument("--speed-seqs", type=int, default=64)
     ap.add_argument("--speed-context", type=int, default=8192)
     ap.add_argument("--speed-block-size", type=int, default=16, help="speed: tokens per KV block")
@@ -370,11 +381,12 @@ def main() -> None:
                   f"{r['tokens_per_gib']:>9} tokens/GiB  {r['vs_bfloat16']:.3f}x bf16")
     if "accuracy" not in a.skip:
         result["accuracy"] = [r for m in models for r in accuracy(m, a.positions, tuple(a.kv_dtypes), a.windows,
-                                                                       a.untransformed)]
+                                                                       a.untransformed, a.without_feedback)]
         for r in result["accuracy"]:
             windows = " ".join(f"{w:.2%}" for w in r["per_window"]) if len(r["per_window"]) > 1 else ""
-            print(f"accuracy {r['model']:<24} {r['kv_dtype']:<24} top-1 vs float32 cache {r['top1_agreement']:.2%} "
-                  f"over {r['positions']} positions, perplexity {r['perplexity']:.3f} {windows}")
+            print(f"accuracy {r['model']:<24} {r['kv_dtype']:<28} top-1 vs float32 cache {r['top1_agreement']:.2%} "
+                  f"over {r['positions']} positions, KL {r['kl']:.2e}, perplexity {r['perplexity']:.3f} {windows}",
+                  flush=True)
     if a.split:
         result["split"] = [r for m in models for r in split(m, a.positions, a.split_cases)]
         for r in result["split"]:

@@ -96,3 +96,54 @@ def test_compiled_amx_layers_equal_the_python_loop(load_fast, prompts, hf_greedy
     assert len(got) == len(want) > 1
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+def test_compiled_decode_layers_pass_the_keys_rounding_feedback(load_fast, prompts, hf_greedy):
+    """int8 pages whose transform is only the keys' rounding feedback (attention/kv_quant.py keys_feedback) keep
+    the compiled stack, which hands each layer's matrices to its write: the same logits, bit for bit, as the
+    Python loop, and not those of plain rounding."""
+    from kvpage.attention.kv_quant import keys_feedback
+    from kvpage.attention.kv_transform import KVTransform
+
+    names = sorted(prompts)
+    seq = prompts[names[0]] + hf_greedy[names[0]]
+    start = len(prompts[names[0]])
+
+    def decode(lm, feedback: bool) -> torch.Tensor:
+        for i, layer in enumerate(lm.model.layers):
+            attn = layer.self_attn
+            g = torch.Generator().manual_seed(i)
+            q = torch.randn(200, attn.num_heads, attn.head_dim, generator=g) * torch.exp(
+                torch.linspace(1, -1, attn.head_dim))
+            fb = keys_feedback(q, attn.num_kv_heads) if feedback else None
+            attn.attend.transforms[torch.int8] = KVTransform(None, None, fb) if feedback else None
+        d_rows = []
+        d = PagedGreedy(lm, block_size=16, num_blocks=64, kv_dtype=torch.int8)
+        d.m.allocate_slots(KVSequence("x", seq[:start]), start)
+        d_rows.append(d.runner.execute([ScheduledSeq("x", seq[:start], 0, d.m.block_table("x"))])["x"])
+        for i in range(start, len(seq) - 1):
+            d.m.allocate_slots(KVSequence("x", seq[: i + 1]), 1)
+            d_rows.append(d.runner.execute([ScheduledSeq("x", seq[i : i + 1], i, d.m.block_table("x"))])["x"])
+        for layer in lm.model.layers:
+            layer.self_attn.attend.transforms.pop(torch.int8, None)
+        return torch.stack(d_rows)
+
+    compiled = load_fast()
+    calls = []
+    stack = compiled.model.fast.decode_layers
+
+    class Counting:  # the stack, counting the steps it runs and what it passes to the writes
+        def run(self, *args):
+            calls.append(len(args[-1]) if len(args) > 8 else 0)
+            return stack.run(*args)
+
+    compiled.model.fast.decode_layers = Counting()
+    try:
+        got = decode(compiled, True)
+        plain = decode(compiled, False)
+    finally:
+        compiled.model.fast.decode_layers = stack
+    assert calls and set(calls) == {len(compiled.model.layers), 0}  # every decode step on the stack
+    loop = load_fast(KernelConfig(decode_layers="python"))
+    assert torch.equal(got, decode(loop, True))
+    assert not torch.equal(got, plain)

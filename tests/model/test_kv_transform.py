@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvpage.attention.backends.reference import ReferenceAttention
-from kvpage.attention.kv_quant import quantize_rows
+from kvpage.attention.kv_quant import keys_feedback, quantize_rows, write_rows
 from kvpage.attention.kv_transform import KVTransform, LayerAttend
 from kvpage.engine.llm import LLM
 from kvpage.model.loader import load_model
@@ -86,6 +86,40 @@ def test_the_transform_cuts_the_int8_error():
     assert err_moved < 0.5 * err_plain, (err_moved, err_plain)
 
 
+def test_the_keys_rounding_feedback_reaches_the_write_and_the_digest():
+    """A transform's feedback (attention/kv_quant.py keys_feedback) goes to the backend's write with the rows as
+    the key part maps them; it is part of the digest (blocks written under it are read under it only), and a
+    transform of the feedback alone is still a transform."""
+    q, k, v = keys_with_offset(100, 8)
+    full = KVTransform.from_samples(*keys_with_offset(300, 9))
+    fb = keys_feedback(keys_with_offset(300, 9)[0] * full.keys.query_scale, KV_HEADS)
+    meta = one_step(100, 10)
+    seen = []
+
+    def forward(*args, key_feedback=None):
+        seen.append(key_feedback)
+        return ReferenceAttention().forward(*args, key_feedback=key_feedback)
+
+    attend = LayerAttend(forward)
+    int8 = quantize_rows(torch.zeros(2, 40, BS, KV_HEADS, DIM), torch.int8)
+    for t in (full.parts(True, False, fb), full.parts(False, False, fb), full.parts(True, True)):
+        attend.transforms[torch.int8] = t
+        attend(q, k, v, int8.clone(), meta, DIM**-0.5)
+        assert seen[-1] is t.feedback
+    assert full.parts(False, False, fb) is not None and full.parts(False, False) is None
+    prints = {full.parts(True, False).fingerprint(), full.parts(True, False, fb).fingerprint(),
+              full.parts(False, False, fb).fingerprint(), full.parts(True, False, fb * 2).fingerprint()}
+    assert len(prints) == 4
+    # the stored keys: the key part's rows, rounded with the feedback (the oracle's bytes)
+    cache = int8.clone()
+    attend.transforms[torch.int8] = full.parts(True, False, fb)
+    attend(q, k, v, cache, meta, DIM**-0.5)
+    mapped = (k.float() - full.keys.center) * full.keys.inv_scale
+    oracle = int8.clone()
+    write_rows(mapped, v, oracle, meta.slot_mapping, fb)
+    assert torch.equal(cache, oracle)
+
+
 @pytest.mark.slow
 def test_calibration_keeps_the_parts_that_lower_the_error_and_is_deterministic(caplog):
     lm = load_model(dtype="float32")
@@ -97,11 +131,12 @@ def test_calibration_keeps_the_parts_that_lower_the_error_and_is_deterministic(c
             first = calibrate_kv_transforms(lm, dtype)
         # the log lists each choice's hidden-state error; the kept parts are the smallest one
         line = next(r.getMessage() for r in caplog.records if str(dtype) in r.getMessage())
-        errors = {k: float(e) for k, e in re.findall(r"(\(\w+, \w+\)): ([0-9.e+-]+)", line)}
-        assert len(errors) == 4
-        none = KVTransform(None, None)  # what a model that keeps neither part holds (None) stands for
+        errors = {k: float(e) for k, e in re.findall(r"(\(\w+, \w+, \w+\)): ([0-9.e+-]+)", line)}
+        assert len(errors) == 5 and "(False, False, False)" in errors  # no transform; feedback with each part
+        assert all(k.endswith("True)") for k in errors if k != "(False, False, False)")
+        none = KVTransform(None, None)  # what a model that keeps no part holds (None) stands for
         t = attends[0].transforms[dtype] or none
-        kept = f"({t.keys is not None}, {t.values is not None})"
+        kept = f"({t.keys is not None}, {t.values is not None}, {t.feedback is not None})"
         assert errors[kept] == min(errors.values()), (kept, errors)
         assert all(((a.transforms[dtype] or none).keys is None) == (t.keys is None) for a in attends)
         saved = [a.transforms.pop(dtype) or none for a in attends]

@@ -1,7 +1,8 @@
 """The quantizing row write as AVX2-only builds run it (attention/quant_codes.h quantize_row8), compiled here
 with -mno-avx512f so that machines with AVX-512 test it too: the same bytes as the torch oracle for every code
 type, head sizes 8 to 256, float32 and bfloat16 sources, rotated (key) rows or not, with subnormal codes, ties
-and all-zero rows. The key/value transform's rows (attention/kv_affine.cpp) on the same 8-lane build: the
+and all-zero rows; key rows rounded with feedback (attention/key_feedback.h, 8 rows side by side). The key/value
+transform's rows (attention/kv_affine.cpp) on the same 8-lane build: the
 bits of kv_transform.affine_rows."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpage.attention.kv_quant import hadamard, quantize_rows
+from kvpage.attention.kv_quant import hadamard, keys_feedback, quantize_rows
 from kvpage.cpuinfo import cpuinfo_field
 from tests.helpers.kernels import have_cxx
 
@@ -58,3 +59,18 @@ def test_avx2_transform_rows_give_the_oracles_bits(avx2_write):
     from tests.ops.test_kv_affine import check_affine_rows
 
     check_affine_rows(avx2_write.kv_affine_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_avx2_feedback_write_equals_the_torch_oracle_byte_for_byte(avx2_write, dtype):
+    torch.manual_seed(4)
+    for dim in (8, 16, 64, 96, 256):  # 96: one row at a time, scalar
+        fb = keys_feedback(torch.randn(300, 2, dim) * torch.exp(torch.linspace(1, -1, dim)), 1)
+        n = 75  # two calls of four groups of 8 rows, then two groups with idle lanes
+        x = torch.randn(n, dim) * torch.exp(torch.randn(n, 1) * 2)
+        x[3] = 0
+        for src in (torch.float32, torch.bfloat16):
+            xs = x.to(src)
+            ours = avx2_write.quantize_feedback(xs.contiguous(), dtype, fb[0].contiguous())
+            ref = quantize_rows(hadamard(xs.float()).view(n, 1, dim), dtype, fb).view(torch.uint8).view(n, dim + 2)
+            assert torch.equal(ours, ref), (dim, src)

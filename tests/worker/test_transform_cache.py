@@ -34,6 +34,9 @@ def forget(lm):
 def same(a, b) -> bool:
     if a is None or b is None:
         return a is b
+    if (a.feedback is None) != (b.feedback is None) or (a.feedback is not None and not torch.equal(a.feedback,
+                                                                                                  b.feedback)):
+        return False
     return all((x is None and y is None) or (x is not None and y is not None and all(
         torch.equal(getattr(x, f), getattr(y, f)) for f in x.__dataclass_fields__))
                for x, y in ((a.keys, b.keys), (a.values, b.values)))

@@ -13,7 +13,10 @@ codes on both. Changes of basis that are exact in real arithmetic remove that:
   is smallest at ``s^2 = rms(k) / rms(q)`` per channel (Cauchy-Schwarz); ``s`` is shared by each RoPE pair and
   rounded to a power of two, so the multiplications are exact;
 * values minus a constant ``c_v`` and rotated by the keys' Walsh-Hadamard matrix H: softmax weights sum to
-  one, so the output is ``(attention over the stored rows) H + c_v``.
+  one, so the output is ``(attention over the stored rows) H + c_v``;
+* keys rounded channel by channel, each channel's rounding error passed on to the later ones through the
+  queries' statistics (``feedback``, attention/kv_quant.py keys_feedback): not a change of basis but of which
+  codes a key row gets, so the kernels read the pages as they read any others.
 
 The constants come from the model's own queries, keys and values over a fixed text, and which parts a model
 keeps for a cache dtype is measured there too (worker/kv_calibration.py): a part that does not lower the
@@ -78,10 +81,12 @@ class ValueTransform:
 @dataclass(frozen=True)
 class KVTransform:
     """One layer's transform for one cache dtype; a part is None where the model does without it (a model
-    that keeps neither holds None instead of a transform)."""
+    that keeps none holds None instead of a transform). ``feedback``: the keys' rounding feedback
+    ``[kv_heads, D, D]`` for queries as the key part leaves them (keys_feedback)."""
 
     keys: KeyTransform | None
     values: ValueTransform | None
+    feedback: torch.Tensor | None = None
 
     @classmethod
     def from_samples(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KVTransform:
@@ -106,11 +111,12 @@ class KVTransform:
         values = ValueTransform(value_center, value_center.repeat_interleave(group, 0).contiguous())
         return cls(keys, values)
 
-    def parts(self, keys: bool, values: bool) -> KVTransform | None:
-        """The transform with only the chosen parts; None for neither (the plain call, the compiled stack)."""
-        if not (keys or values):
+    def parts(self, keys: bool, values: bool, feedback: torch.Tensor | None = None) -> KVTransform | None:
+        """The transform with only the chosen parts and ``feedback``; None for none (the plain call, the
+        compiled stack)."""
+        if not (keys or values) and feedback is None:
             return None
-        return KVTransform(self.keys if keys else None, self.values if values else None)
+        return KVTransform(self.keys if keys else None, self.values if values else None, feedback)
 
     def fingerprint(self) -> str:
         """A short digest of the constants: KV written under one transform is read only under the same one."""
@@ -119,6 +125,8 @@ class KVTransform:
             h.update(b"-" if part is None else b"+")
             for f in () if part is None else fields(part):
                 h.update(getattr(part, f.name).contiguous().view(torch.uint8).numpy().tobytes())  # any dtype
+        if self.feedback is not None:  # absent: the digest of a transform without it, as before it existed
+            h.update(b"f" + self.feedback.contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
 
 
@@ -153,13 +161,14 @@ class LayerAttend:
                     kv_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
         """Attention through ``t``, on any cache (equal to the plain call up to rounding)."""
         q, k, v, rows = query, key, value, self.rows
+        fb = {} if t.feedback is None else {"key_feedback": t.feedback}
         if t.keys is not None:
             q = rows(query, None, t.keys.query_scale, False, None)  # powers of two: exact
             k = rows(key, t.keys.center, t.keys.inv_scale, False, None)
         if t.values is None:
-            return self.forward(q, k, v, kv_cache, meta, scale)
+            return self.forward(q, k, v, kv_cache, meta, scale, **fb)
         v = rows(value, t.values.center, None, True, None)
-        out = self.forward(q, k, v, kv_cache, meta, scale)
+        out = self.forward(q, k, v, kv_cache, meta, scale, **fb)
         return rows(out, None, None, True, t.values.center_q)
 
 

@@ -118,12 +118,14 @@ class FastPath:
         # has them all (a GGUF may mix formats layer by layer; PackedLinear.forward sorts out the rest)
         few = t <= ops.config.quant_max_tokens
         meta = metas[0]
-        # the compiled stack calls the backend's kernels itself, without a quantized cache's transform
-        # (attention/kv_transform.py): such layers take the loop below
+        # the compiled stack calls the backend's kernels itself: it passes the keys' rounding feedback of a quantized
+        # cache's transform (attention/kv_transform.py) to its writes, but maps no rows: layers that do take the loop
         stack = self.decode_layers if few else self.amx_layers
-        if stack is not None and meta.decode_only and first.attend.active(kv_caches[0].dtype) is None:
-            return stack.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.plan, ops.quant_int16,
-                             meta.packed)
+        if stack is not None and meta.decode_only:
+            feedback = self._stack_feedback(kv_caches[0].dtype)
+            if feedback is not None:
+                return stack.run(residual, cos, sin, kv_caches, meta.slot_mapping, meta.plan, ops.quant_int16,
+                                 meta.packed, feedback)
         h = ops.rms_norm(residual, first.in_norm, first.eps)
         for p, kv_cache, meta in zip(self.plan, kv_caches, metas, strict=True):
             qkv_proj, o_proj, gate_up, down = p.decode if few and p.decode is not None else p.full
@@ -137,6 +139,16 @@ class FastPath:
             m = down(gate_up(h))  # silu(gate) * up
             h = ops.add_rms_norm(m, residual, p.next_norm, p.next_eps)
         return h
+
+    def _stack_feedback(self, dtype: torch.dtype) -> list | None:
+        """What the compiled stack passes to its writes for caches of ``dtype``: [] (no transform), each layer's
+        keys' rounding feedback, or None when a layer's transform maps rows (keys or values parts)."""
+        ts = [p.attend.active(dtype) for p in self.plan]
+        if all(t is None for t in ts):
+            return []
+        if any(t is not None and (t.keys is not None or t.values is not None) for t in ts):
+            return None
+        return [None if t is None else t.feedback for t in ts]
 
     def compute_logits_ex(self, hidden: torch.Tensor, argmax_only: bool = False,
                           buffer: LogitsBuffer | None = None, draws: RowDraws | None = None) -> LogitsResult:

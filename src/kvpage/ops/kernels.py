@@ -91,9 +91,10 @@ class Kernels:
 
     # attention (csrc/attention/)
     def reshape_and_cache(self, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-                          packed: bool) -> None:
-        """Scatter new K/V rows to their slots (row or packed layout)."""
-        self._c.reshape_and_cache(key, value, kv_cache, slot_mapping, packed)
+                          packed: bool, key_feedback: Tensor | None = None) -> None:
+        """Scatter new K/V rows to their slots (row or packed layout); quantized pages round the keys with
+        ``key_feedback`` ``[kv_heads, D, D]`` float32 if given (attention/kv_quant.py quantize_rows)."""
+        self._c.reshape_and_cache(key, value, kv_cache, slot_mapping, packed, key_feedback)
 
     def kv_affine_rows(self, x: Tensor, sub: Tensor | None, mul: Tensor | None, rotate: bool,
                        add: Tensor | None) -> Tensor:

@@ -3,9 +3,13 @@ model keeps, from the model itself over a fixed text.
 
 The text is kvpage's own, mixed on purpose (prose, a dialogue, numbers, a table, code, a list) and never the
 text the accuracy benchmark scores. One pass through a float cache of the model's dtype gives the queries,
-keys and values the constants come from and the reference hidden states; four passes through the quantized
-cache (no transform, keys only, values only, both) give each choice's error against that reference, and the
-smallest wins: a choice that measured better per layer can still lose end to end (SmolLM2 with fp8 pages).
+keys and values the constants come from and the reference hidden states; five passes through the quantized
+cache (no transform; then the keys' rounding feedback alone, with the key part, with the value part, with both)
+give each choice's error against that reference, and the smallest wins: a choice that measured better per layer
+can still lose end to end (SmolLM2 with fp8 pages). The feedback goes with every part because it lowered the
+error wherever it was measured (SmolLM2 and Gemma 3, int8 and fp8) and the key part (a per-channel scale that
+balances keys against queries) is a coarser answer to the same imbalance; pages with keys per channel have no
+feedback (four passes).
 About 1.3 s at start-up for either packaged model in bf16 on a 2-core Zen 5 EPYC; 10.5 s for SmolLM2 in float32
 on the AVX2-only family-23 EPYC (five 512-token prompts' worth of forward passes at that CPU's float32 GEMM
 rate), where it was most of an int8 engine's start before the result was kept on disk (worker/transform_cache.py:
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvpage.attention.kv_quant import keys_feedback
 from kvpage.attention.kv_transform import KVTransform, LayerAttend, transforms_fingerprint
 from kvpage.worker import transform_cache
 from kvpage.worker.scoring import chunked_hidden
@@ -31,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 512
 CHUNK = 64  # the passes feed the text in chunks that read their keys back from the pages
-PARTS = ((False, False), (True, False), (False, True), (True, True))  # (keys, values): the choices measured
+PARTS = ((False, False), (True, False), (False, True), (True, True))  # (keys, values): the parts measured
 
 CALIBRATION_TEXT = """\
 The harbour town woke slowly. Fishing boats rocked against the pier while gulls argued over the night's
@@ -117,19 +122,37 @@ def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False, 
     full = [KVTransform.from_samples(*(torch.cat([r[i] for r in rows]) for i in range(3)))
             for rows in samples]
     errors = {}
-    for parts in PARTS:  # which parts help is measured end to end: the hidden states' error over the text
-        for a, t in zip(attends, full, strict=True):
-            a.transforms[key] = t.parts(*parts)
+
+    def measure(choice: tuple[bool, bool, bool]) -> None:
+        for a, t, rows in zip(attends, full, samples, strict=True):
+            a.transforms[key] = t.parts(*choice[:2], feedback_for(t, rows, choice))
         hidden = chunked_hidden(lm, ids, dtype, chunk=CHUNK, channel_keys=channel_keys)
-        errors[parts] = float((hidden - ref).pow(2).mean())
+        errors[choice] = float((hidden - ref).pow(2).mean())
+
+    # which parts help is measured end to end: the hidden states' error over the text, for no transform and
+    # for each choice of parts with the keys' rounding feedback (without it where keys are rounded per channel)
+    for choice in [(False, False, False)] + [(*parts, not channel_keys) for parts in PARTS]:
+        if choice not in errors:
+            measure(choice)
     best = min(errors, key=errors.__getitem__)
-    for a, t in zip(attends, full, strict=True):
-        a.transforms[key] = t.parts(*best)
+    for a, t, rows in zip(attends, full, samples, strict=True):
+        a.transforms[key] = t.parts(*best[:2], feedback_for(t, rows, best))
     digest = transforms_fingerprint(attends, key)
     if entry is not None:
         transform_cache.save(cache_dir, entry, [a.transforms[key] for a in attends], digest)
-    logger.info("%s pages%s: key transform %s, value transform %s (hidden-state error %s), from %d tokens in "
-                "%.2f s (digest %s)", dtype, " (keys per channel)" if channel_keys else "",
+    logger.info("%s pages%s: key transform %s, value transform %s, key rounding feedback %s (hidden-state error "
+                "%s), from %d tokens in %.2f s (digest %s)", dtype, " (keys per channel)" if channel_keys else "",
                 *("on" if b else "off" for b in best),
                 ", ".join(f"{k}: {e:.3g}" for k, e in errors.items()), len(ids), time.perf_counter() - t0, digest)
     return digest
+
+
+def feedback_for(t: KVTransform, rows: list, choice: tuple[bool, bool, bool]) -> torch.Tensor | None:
+    """The keys' rounding feedback of ``choice`` (keys, values, feedback) from one layer's captured rows: for the
+    queries as the key part leaves them (times its query scale)."""
+    if not choice[2]:
+        return None
+    q = torch.cat([r[0] for r in rows]).float()
+    if choice[0] and t.keys is not None:
+        q = q * t.keys.query_scale
+    return keys_feedback(q, rows[0][1].shape[1])

@@ -25,7 +25,7 @@ from kvpage.attention.kv_transform import KeyTransform, KVTransform, ValueTransf
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the keys' rounding feedback
 _SOURCES = ("attention/kv_transform.py", "attention/kv_quant.py", "worker/kv_calibration.py",
             "worker/transform_cache.py")
 
@@ -66,6 +66,8 @@ def save(directory: Path, key: str, transforms: list[KVTransform | None], digest
         for name, part in (("keys", None if t is None else t.keys), ("values", None if t is None else t.values)):
             for f in () if part is None else fields(part):
                 entry[f"{name}.{f.name}"] = getattr(part, f.name).contiguous().clone()
+        if t is not None and t.feedback is not None:
+            entry["feedback"] = t.feedback.contiguous().clone()
         layers.append(entry)
     path = _entry(directory, key)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -93,8 +95,10 @@ def load(directory: Path, key: str, layers: int) -> tuple[list[KVTransform | Non
         for entry in data["layers"]:
             keys = {k.split(".", 1)[1]: v for k, v in entry.items() if k.startswith("keys.")}
             values = {k.split(".", 1)[1]: v for k, v in entry.items() if k.startswith("values.")}
+            feedback = entry.get("feedback")
             out.append(KVTransform(KeyTransform(**keys) if keys else None,
-                                   ValueTransform(**values) if values else None) if keys or values else None)
+                                   ValueTransform(**values) if values else None, feedback)
+                       if keys or values or feedback is not None else None)
         return out, data["digest"]
     except Exception as e:
         logger.warning("ignoring %s: %s", path, e)

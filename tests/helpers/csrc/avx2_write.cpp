@@ -3,6 +3,7 @@
 // attention/kv_affine.cpp beside it: the key/value transform's 8-lane rows, tests/ops/test_kv_affine.py).
 #include <torch/extension.h>
 
+#include "attention/key_feedback.h"
 #include "attention/quant_rows.h"
 #include "ops.h"  // kv_affine_rows
 
@@ -32,7 +33,35 @@ torch::Tensor quantize(const torch::Tensor& x, at::ScalarType code, bool rotate)
   return out;
 }
 
+template <KVCode C, typename IN>
+void feedback_rows(const torch::Tensor& x, const torch::Tensor& fb, torch::Tensor& out) {
+  const int64_t N = x.size(0), D = x.size(1);
+  std::vector<float> t(static_cast<size_t>(D * kFeedbackRows));
+  std::vector<uint8_t> codes(static_cast<size_t>(D * kFeedbackRows));
+  const IN* src[kFeedbackRows];
+  uint8_t* dst[kFeedbackRows];
+  for (int64_t i0 = 0; i0 < N; i0 += kFeedbackRows) {
+    const int64_t n = std::min(kFeedbackRows, N - i0);
+    for (int64_t r = 0; r < n; ++r) {
+      src[r] = x.data_ptr<IN>() + (i0 + r) * D;
+      dst[r] = out.data_ptr<uint8_t>() + (i0 + r) * (D + kScaleBytes);
+    }
+    quantize_keys_feedback<C>(src, n, D, fb.data_ptr<float>(), dst, t.data(), codes.data());
+  }
+}
+
+// key rows x [N, D] with the rounding feedback fb [D, D] (key_feedback.h, 8 rows at a time) -> [N, D + 2] bytes
+torch::Tensor quantize_feedback(const torch::Tensor& x, at::ScalarType code, const torch::Tensor& fb) {
+  auto out = torch::empty({x.size(0), x.size(1) + kScaleBytes}, torch::kUInt8);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  if (code == at::kChar) f32 ? feedback_rows<KVCode::kInt8, float>(x, fb, out) : feedback_rows<KVCode::kInt8, at::BFloat16>(x, fb, out);
+  else if (code == at::kFloat8_e4m3fn) f32 ? feedback_rows<KVCode::kE4M3, float>(x, fb, out) : feedback_rows<KVCode::kE4M3, at::BFloat16>(x, fb, out);
+  else f32 ? feedback_rows<KVCode::kE5M2, float>(x, fb, out) : feedback_rows<KVCode::kE5M2, at::BFloat16>(x, fb, out);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &quantize);
+  m.def("quantize_feedback", &quantize_feedback);
   m.def("kv_affine_rows", &kv_affine_rows);
 }

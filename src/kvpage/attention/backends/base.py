@@ -44,6 +44,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: Any,  # what this backend's builder built for the step
         scale: float,
+        key_feedback: torch.Tensor | None = None,  # quantized row pages: the keys' rounding feedback (kv_quant)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write this step's K/V into their slots, then attend each query over its sequence's blocks."""
         ...
@@ -63,12 +64,15 @@ class CommonMetadata:
         return common
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             key_feedback: torch.Tensor | None = None) -> None:
     """Scatter each new token's K and V to ``slot = block * block_size + offset`` (quantized caches: each row
-    quantized with its scale, attention/kv_quant.py)."""
+    quantized with its scale, the keys with ``key_feedback`` if given, attention/kv_quant.py)."""
     if is_quantized(kv_cache.dtype):
-        write_rows(key, value, kv_cache, slot_mapping)
+        write_rows(key, value, kv_cache, slot_mapping, key_feedback)
         return
+    if key_feedback is not None:
+        raise ValueError(f"key rounding feedback is for quantized pages, not {kv_cache.dtype} ones")
     block_size = kv_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     kv_cache[0, blocks, offsets] = key.to(kv_cache.dtype)  # works on any strides (the engine's are block-major)

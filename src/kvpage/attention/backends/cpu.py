@@ -200,13 +200,16 @@ class CpuPagedAttention:
                          window: int | None = None) -> CpuMetadataBuilder:
         return CpuMetadataBuilder(self, kv_cache, dtype, num_heads, window)
 
-    def forward(self, query, key, value, kv_cache, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query, key, value, kv_cache, meta: CpuAttentionMetadata, scale: float,
+                key_feedback: torch.Tensor | None = None) -> torch.Tensor:
         ops, packed, common = self.ops, meta.packed, meta.common
         if meta.channel:
+            if key_feedback is not None:
+                raise ValueError("key rounding feedback is for int8 rows, not keys per channel")
             ops.reshape_and_cache_channel(key, value, kv_cache, common.slot_mapping, common.residual_slot_mapping,
                                           common.block_size)
             return ops.paged_attention_channel(query, kv_cache, meta.plan, common.residual_block_tables, scale)
-        ops.reshape_and_cache(key, value, kv_cache, common.slot_mapping, packed)
+        ops.reshape_and_cache(key, value, kv_cache, common.slot_mapping, packed, key_feedback)
         if meta.decode_only:
             return ops.paged_attention(query, kv_cache, meta.plan, scale, packed)
         out = torch.empty(query.shape, dtype=query.dtype)

@@ -25,15 +25,18 @@ class ReferenceAttention:
                          window: int | None = None) -> CommonMetadata:
         return CommonMetadata()
 
-    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float,
+                key_feedback: torch.Tensor | None = None) -> torch.Tensor:
         bs = meta.block_size
         channel = kv_channel.is_channel_pages(kv_cache)
         if channel:
+            if key_feedback is not None:
+                raise ValueError("key rounding feedback is for int8 rows, not keys per channel")
             if meta.residual_slot_mapping is None or meta.residual_block_tables is None:
                 raise ValueError("int8 pages with keys per channel need the residual-key group's slots and tables")
             kv_channel.write_pages(key, value, kv_cache, meta.slot_mapping, meta.residual_slot_mapping, bs)
         else:
-            write_kv(key, value, kv_cache, meta.slot_mapping)
+            write_kv(key, value, kv_cache, meta.slot_mapping, key_feedback)
         out = torch.empty_like(query)
         heads, kv_heads, dim = query.shape[1], key.shape[1], key.shape[2]
         gqa = heads != kv_heads

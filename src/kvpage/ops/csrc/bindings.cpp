@@ -51,7 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("kv_cache"), py::arg("plan"), py::arg("scale"), py::arg("packed") = false,
         py::arg("amx_decode") = true, py::arg("avx2_row_decode") = false, py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache", &reshape_and_cache, "scatter new K/V rows to their slots", py::arg("key"),
-        py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("packed") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("packed") = false,
+        py::arg("key_feedback") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("kv_affine_rows", &kv_affine_rows, "a quantized cache's key/value transform over [tokens, heads, D] rows",
         py::arg("x"), py::arg("sub") = py::none(), py::arg("mul") = py::none(), py::arg("rotate") = false,
         py::arg("add") = py::none(), py::call_guard<py::gil_scoped_release>());
@@ -147,5 +148,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("post_norm"), py::arg("eps"), py::arg("next_norm"), py::arg("next_eps"))
       .def("num_layers", &kvpage::DecodeLayers::num_layers)
       .def("run", &kvpage::DecodeLayers::run, py::arg("residual"), py::arg("cos"), py::arg("sin"),
-           py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("plan"), py::arg("int16"), py::arg("packed"), py::call_guard<py::gil_scoped_release>());
+           py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("plan"), py::arg("int16"), py::arg("packed"),
+           py::arg("key_feedback") = std::vector<c10::optional<torch::Tensor>>{},
+           py::call_guard<py::gil_scoped_release>());
 }

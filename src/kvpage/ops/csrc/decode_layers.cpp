@@ -67,9 +67,12 @@ void DecodeLayers::push_layer(const LayerMat (&m)[4], torch::Tensor post_norm, d
 
 torch::Tensor DecodeLayers::run(torch::Tensor residual, const torch::Tensor& cos, const torch::Tensor& sin,
                                 const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& slot_mapping,
-                                const attn::AttentionPlan& plan, bool int16, bool packed) const {
+                                const attn::AttentionPlan& plan, bool int16, bool packed,
+                                const std::vector<c10::optional<torch::Tensor>>& key_feedback) const {
   TORCH_CHECK(kv_caches.size() == layers_.size(), "got ", kv_caches.size(), " KV caches for ", layers_.size(),
               " layers");
+  TORCH_CHECK(key_feedback.empty() || key_feedback.size() == layers_.size(), "got ", key_feedback.size(),
+              " key feedback entries for ", layers_.size(), " layers");
   const int64_t T = residual.size(0);
   const int64_t q_out = num_heads_ * head_dim_, kv_out = num_kv_heads_ * head_dim_;
   torch::Tensor h = rms_norm(residual, first_norm_, first_eps_);
@@ -80,7 +83,8 @@ torch::Tensor DecodeLayers::run(torch::Tensor residual, const torch::Tensor& cos
     const torch::Tensor k = qkv.narrow(1, q_out, kv_out).view({T, num_kv_heads_, head_dim_});
     const torch::Tensor v = qkv.narrow(1, q_out + kv_out, kv_out).view({T, num_kv_heads_, head_dim_});
     rotary_(q, k, cos, sin);
-    reshape_and_cache(k, v, kv_caches[i], slot_mapping, packed);
+    reshape_and_cache(k, v, kv_caches[i], slot_mapping, packed,
+                      key_feedback.empty() ? c10::nullopt : key_feedback[i]);
     const torch::Tensor a = paged_attention_planned(q, kv_caches[i], plan, scale_, packed, amx_decode_,
                                                           avx2_row_decode_);
     h = add_rms_norm(L.o(a.view({T, q_out}), int16), residual, L.post_norm, L.eps);

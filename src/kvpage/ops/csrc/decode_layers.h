@@ -78,9 +78,11 @@ class DecodeLayers {
 
   // residual [T, H] float32 (updated in place); cos/sin [T, head_dim]; plan: the step's attention plan (every
   // layer runs it); returns the last layer's output after the final norm (next_norm of the last layer).
+  // key_feedback: empty, or each layer's keys' rounding feedback for its quantized pages (None: plain rounding).
   torch::Tensor run(torch::Tensor residual, const torch::Tensor& cos, const torch::Tensor& sin,
                     const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& slot_mapping,
-                    const attn::AttentionPlan& plan, bool int16, bool packed) const;
+                    const attn::AttentionPlan& plan, bool int16, bool packed,
+                    const std::vector<c10::optional<torch::Tensor>>& key_feedback = {}) const;
 
  private:
   torch::Tensor first_norm_;

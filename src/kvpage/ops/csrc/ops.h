@@ -39,8 +39,9 @@ std::vector<torch::Tensor> logits_finish(torch::Tensor out, torch::Tensor hidden
 torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cache,
                                       const kvpage::attn::AttentionPlan& plan, double scale, bool packed,
                                       bool amx_decode, bool avx2_row_decode);
+// key_feedback (quantized pages only): the keys' rounding feedback [kv_heads, D, D] (attention/key_feedback.h).
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
-                       bool packed);
+                       bool packed, c10::optional<torch::Tensor> key_feedback = c10::nullopt);
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, double scale,
                               int64_t partition_size, bool packed, bool split_short, bool amx_decode,
@@ -53,7 +54,8 @@ const char* paged_attention_quant(const torch::Tensor& query, const torch::Tenso
                                   const kvpage::attn::AttentionPlan& plan, double scale, bool packed, bool amx_decode,
                                   torch::Tensor& out);
 void reshape_and_cache_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-                             const torch::Tensor& slot_mapping, bool packed);
+                             const torch::Tensor& slot_mapping, bool packed,
+                             const c10::optional<torch::Tensor>& key_feedback);
 // A quantized cache's key/value transform, one pass over [tokens, heads, D] rows (attention/kv_affine.cpp):
 // (x - sub) * mul, Walsh-Hadamard rotated if `rotate`, + add, in float32 and rounded once to x's dtype; each
 // [heads, D] float32 part optional.

@@ -419,7 +419,7 @@ void check_common(const torch::Tensor& kv_cache) {
 }  // namespace
 
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
-                       bool packed) {
+                       bool packed, c10::optional<torch::Tensor> key_feedback) {
   check_common(kv_cache);
   if (packed) check_packed(kv_cache);
   TORCH_CHECK(key.sizes() == value.sizes() && key.dim() == 3, "key/value must be [tokens, kv_heads, dim]");
@@ -431,9 +431,10 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_
   TORCH_CHECK(key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16, "key must be float32/bfloat16");
   if (is_quantized_kv(kv_cache)) {
     TORCH_CHECK(value.scalar_type() == key.scalar_type(), "key and value dtypes differ");
-    reshape_and_cache_quant(key, value, kv_cache, slot_mapping, packed);
+    reshape_and_cache_quant(key, value, kv_cache, slot_mapping, packed, key_feedback);
     return;
   }
+  TORCH_CHECK(!key_feedback.has_value(), "key_feedback is for quantized pages, not ", kv_cache.scalar_type(), " ones");
   TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4), "key shape does not match the cache");
 #if KVPAGE_PACKED
   if (packed) {

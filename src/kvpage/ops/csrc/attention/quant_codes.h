@@ -101,6 +101,7 @@ struct RowLanes8 {
   static I srl(I a) { return _mm256_srli_epi32(a, K); }
   static I umin(I a, I b) { return _mm256_min_epu32(a, b); }
   static I round(F x) { return _mm256_cvtps_epi32(x); }  // MXCSR's default: to nearest even, as nearbyint
+  static F tofloat(I x) { return _mm256_cvtepi32_ps(x); }
   // where a < b (both below 2^31: a signed compare orders them) y, else x
   static I select_below(I a, I b, I x, I y) { return _mm256_blendv_epi8(x, y, _mm256_cmpgt_epi32(b, a)); }
   // lanes H apart within blocks of 2H: lo + hi below, lo - hi above
@@ -111,6 +112,10 @@ struct RowLanes8 {
     return _mm256_blend_ps(add(x, p), sub(p, x), H == 1 ? 0xAA : H == 2 ? 0xCC : 0xF0);
   }
   // codes in the low byte of each lane (int8 within +-127, fp8 0..255: the packs never saturate) -> 8 bytes
+  // table[code] for 8 one-byte codes
+  static F gather(const float* table, const uint8_t* codes) {
+    return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))), 4);
+  }
   static void store_codes(I c, bool is_signed, uint8_t* out) {
     const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
     const __m128i w = is_signed ? _mm_packs_epi32(lo, hi) : _mm_packus_epi32(lo, hi);
@@ -148,6 +153,7 @@ struct RowLanes16 {
   static I srl(I a) { return _mm512_srli_epi32(a, K); }
   static I umin(I a, I b) { return _mm512_min_epu32(a, b); }
   static I round(F x) { return _mm512_cvtps_epi32(x); }
+  static F tofloat(I x) { return _mm512_cvtepi32_ps(x); }
   static I select_below(I a, I b, I x, I y) { return _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, b), x, y); }
   template <int H>
   static F butterfly(F x) {
@@ -156,6 +162,9 @@ struct RowLanes16 {
     constexpr __mmask16 upper = H == 1 ? 0xAAAA : H == 2 ? 0xCCCC : H == 4 ? 0xF0F0 : 0xFF00;
     const __m512 p = _mm512_permutexvar_ps(partner, x);
     return _mm512_mask_sub_ps(add(x, p), upper, p, x);
+  }
+  static F gather(const float* table, const uint8_t* codes) {
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))), table, 4);
   }
   static void store_codes(I c, bool, uint8_t* out) {  // the low byte of each lane, whatever its sign
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
