@@ -5,6 +5,8 @@ ones the matrices came from than rounding each channel alone."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -62,23 +64,24 @@ def test_feedback_lowers_the_score_error_of_held_out_queries(dtype):
 @pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
 def test_compiled_feedback_write_equals_the_oracle_byte_for_byte(dtype, src):
     """Head sizes the lanes take (8-256, powers of two) and the scalar rows (96); token counts that leave idle
-    lanes; zero rows; a strided key view (a qkv slice)."""
+    lanes; one token (its own path); zero rows; a strided key view (a qkv slice)."""
     ops = load_kernels()
     torch.manual_seed(1)
-    for dim in (8, 16, 64, 96, 128, 256):
-        kv_heads, n, bs = 3, 37, 16
+    for dim, n in itertools.product((8, 16, 64, 96, 128, 256), (37, 1)):  # 1: a decode step's one row
+        kv_heads, bs = 3, 16
         fb = keys_feedback(queries(300, 2 * kv_heads, dim), kv_heads)
         qkv = (torch.randn(n, 2 * kv_heads, dim) * torch.exp(torch.randn(dim))).to(src)
         key = qkv[:, :kv_heads]  # a view: rows kv_heads * dim apart
         value = (torch.randn(n, kv_heads, dim) * 0.1).to(src)
-        qkv[4, :kv_heads] = 0.0
+        if n > 4:
+            qkv[4, :kv_heads] = 0.0
         cache = torch.zeros(2, 4, bs, kv_heads, dim + 2, dtype=torch.uint8).view(dtype)
         slots = torch.randperm(4 * bs)[:n]
         oracle = cache.clone()
         write_rows(key, value, oracle, slots, fb)
         ours = as_block_major(cache.clone())
         ops.reshape_and_cache(key, value, ours, slots, False, fb)
-        assert torch.equal(ours.view(torch.uint8), oracle.view(torch.uint8)), dim
+        assert torch.equal(ours.view(torch.uint8), oracle.view(torch.uint8)), (dim, n)
         plain = cache.clone()
         write_rows(key, value, plain, slots)
         assert not torch.equal(plain.view(torch.uint8), oracle.view(torch.uint8))  # the feedback moved codes

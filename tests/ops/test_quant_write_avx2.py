@@ -74,3 +74,5 @@ def test_avx2_feedback_write_equals_the_torch_oracle_byte_for_byte(avx2_write, d
             ours = avx2_write.quantize_feedback(xs.contiguous(), dtype, fb[0].contiguous())
             ref = quantize_rows(hadamard(xs.float()).view(n, 1, dim), dtype, fb).view(torch.uint8).view(n, dim + 2)
             assert torch.equal(ours, ref), (dim, src)
+            one = avx2_write.quantize_feedback(xs[5:6].contiguous(), dtype, fb[0].contiguous())  # a lone row's path
+            assert torch.equal(one, ref[5:6]), (dim, src)

@@ -81,6 +81,39 @@ inline typename V::F product(typename V::F a, typename V::F b) {
   return p;
 }
 
+// One row (a decode step of one sequence), the row's own vectors updated: channel i's step is a scalar division,
+// rounding and value, and its error goes to the row's vectors from the one holding channel i + 1 on (fb[i] is
+// zero up to i, and channels up to i are never read again). A token's write on the AMX Xeon: 3 KV heads of 64
+// 5.4 us against 8.0 us on the lanes with one row in them; one head of 256 7.8 against 19.1 us (plain rounding:
+// 1.3 and 1.1 us).
+template <class V, KVCode C, typename IN>
+void quantize_key_feedback_row(const IN* src, uint8_t* out, int64_t D, const float* fb) {
+  using F = typename V::F;
+  constexpr int W = V::kW;
+  alignas(64) float x[256];
+  F v[256 / W];
+  const int64_t nv = D / W;
+  for (int64_t i = 0; i < nv; ++i) v[i] = V::load(src + W * i);
+  fwht_lanes<V>(v, nv);
+  F top = V::set(0.f);
+  for (int64_t i = 0; i < nv; ++i) top = V::max(top, V::abs(v[i]));
+  const uint16_t bits = scale_bits<C>(V::hmax(top));
+  const uint32_t up = static_cast<uint32_t>(bits) << 16;
+  float s;
+  std::memcpy(&s, &up, sizeof(s));
+  for (int64_t i = 0; i < nv; ++i) V::store(x + W * i, v[i]);
+  for (int64_t i = 0; i < D; ++i) {
+    const float w = x[i];
+    const uint8_t c = encode1<C>(s > 0.f ? w / s : 0.f);
+    out[i] = c;
+    const F r = V::set(w - product(decode1<C>(c), s));
+    const float* f = fb + i * D;
+    for (int64_t k = (i + 1) / W; k < nv; ++k)
+      V::store(x + W * k, V::sub(V::load(x + W * k), product<V>(r, V::load(f + W * k))));
+  }
+  std::memcpy(out + D, &bits, sizeof(bits));
+}
+
 template <class V, KVCode C, typename IN, int NG>
 void quantize_keys_feedback_lanes(const IN* const* src, int64_t n, int64_t D, const float* fb, uint8_t* const* out,
                                   float* t, uint8_t* codes) {
@@ -169,6 +202,7 @@ inline void quantize_keys_feedback(const IN* const* src, int64_t n, int64_t D, c
                                    float* t, uint8_t* codes) {
 #if KVPAGE_ISA_AVX2
   if (D >= RowLanes::kW && D <= 256 && (D & (D - 1)) == 0) {
+    if (n == 1) return quantize_key_feedback_row<RowLanes, C>(src[0], out[0], D, fb);
     switch ((n + RowLanes::kW - 1) / RowLanes::kW) {
       case 1: quantize_keys_feedback_lanes<RowLanes, C, IN, 1>(src, n, D, fb, out, t, codes); return;
       case 2: quantize_keys_feedback_lanes<RowLanes, C, IN, 2>(src, n, D, fb, out, t, codes); return;
