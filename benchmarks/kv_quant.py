@@ -6,13 +6,16 @@ how well the model predicts from them, and how fast the paged kernel reads them.
 * accuracy: one fixed text (benchmarks/data/kv_quant_text.txt: README.md, docs/kv.md and a Python module of
   kvpage as of 2026-12-02, for prose, markup and code),
   teacher-forced in chunks of 32 tokens so that every position attends through the cache (the paged kernel
-  reads each chunk's keys back from the pages it just wrote): top-1 agreement with the float32-cache run and
-  the perplexity, float32 weights throughout, so only the cache differs;
+  reads each chunk's keys back from the pages it just wrote): top-1 agreement with the float32-cache run, the
+  mean KL divergence from its next-token distribution (which near ties do not make noisy) and the perplexity,
+  float32 weights throughout, so only the cache differs (--untransformed, --without-feedback: the engine's
+  transforms left out, or only the keys' rounding feedback);
+* write: the quantizing write of one layer's new rows, plain against keys rounded with feedback;
 * speed: one layer's paged decode attention over 64 sequences x 8K tokens of context, median of rounds,
   every cache dtype side by side in each round, the caches allocated as the engine's pool is (2 MiB pages
   where the OS allows; --small-pages for 4 KiB pages); where decode over packed int8 pages runs on AMX byte
   tiles, "int8-vnni" times the same pages on the VNNI loop;
-* split (--split): where int8's disagreement comes from. A float32 cache is written with keys and/or values
+* split (--split, kv_split.py): where int8's disagreement comes from. A float32 cache is written with keys and/or values
   that went through int8 rows and back (the oracle's rounding: row scales, keys rotated), on all layers or on
   some (e.g. only a hybrid model's sliding-window layers), with one scale per 64 values instead of per row,
   and with keys quantized per channel (a scale and a zero point per channel over each complete 16-key
@@ -45,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from kvpage.attention.kv_channel import dequantize_block_keys, quantize_block_keys
+from kv_split import split
 from kvpage.attention.kv_quant import is_quantized
 from kvpage.model.loader import load_model
 from kvpage.model.registry import packaged_model_path
@@ -134,110 +137,32 @@ def channel(model: str, positions: int, chunks: tuple[int, ...], block_size: int
     return rows
 
 
-# split()'s cases of keys per channel over 32-key blocks: re-rounded as a filling block's keys arrive (one-byte or
-# exact parameters), or rounded once over the complete block (exact or one-byte parameters)
-ARRIVING, ARRIVING_FLOAT, ONCE, ONCE_COMPACT = -2, -3, -4, -5
-PER_BLOCK = (ARRIVING, ARRIVING_FLOAT, ONCE, ONCE_COMPACT)
-
-
-def _block_of(group: int) -> int:
-    """The block size a split() case runs at (the per-channel key cases round over one block)."""
-    return 32 if group in PER_BLOCK else 16
-
-
-def _channel_round(y: torch.Tensor, compact: bool = True) -> torch.Tensor:
-    """Rows ``[n, heads, D]`` rounded per channel over the rows, as a page would hold them: ``compact``, the
-    format of attention/kv_channel.py (scale and zero point in one byte each per channel), else with a zero
-    point (the channel's minimum) and a step (its range / 255) both exact."""
-    if compact:
-        return dequantize_block_keys(quantize_block_keys(y))
-    lo, hi = y.amin(0), y.amax(0)
-    step = ((hi - lo) / 255).clamp_min(1e-30)
-    return torch.round((y - lo) / step) * step + lo
-
-
-def arriving_keys(y: torch.Tensor, compact: bool = True) -> torch.Tensor:
-    """One block's keys ``[n, heads, D]`` written one at a time: each arrival re-rounds the block's stored
-    values (not the exact keys, which a page no longer has) with the parameters of the widened range."""
-    held = _channel_round(y[:1], compact)
-    for t in range(1, y.shape[0]):
-        held = _channel_round(torch.cat([held, y[t : t + 1]]), compact)
-    return held
-
-
-def split(model: str, positions: int, only: str = "") -> list[dict]:
-    """Top-1 agreement with the float32 cache when only some rows carry int8's rounding (see the module doc);
-    ``only``: just the cases whose name contains it."""
-    from kvpage.attention.kv_quant import dequantize_rows, hadamard, quantize_rows
+def write_speed(rounds: int) -> list[dict]:
+    """The quantizing write (reshape_and_cache) of one layer's new keys and values, plain rounding against the
+    keys rounded with feedback (keys_feedback's matrices from random queries: the work does not depend on them),
+    SmolLM2's shape (3 KV heads of 64) and Gemma 3's (1 of 256), at 1 token (one sequence's decode step), 128
+    (a batch's) and 2048 (a prompt step's); median of rounds, each case alternating."""
+    from kvpage.attention.kv_quant import keys_feedback
     from kvpage.ops import load_kernels
 
-    lm = load_model(model, dtype="float32")
-    ids = lm.tokenizer.encode(fixed_text())[: positions + 1]
-    n_layers = lm.config.num_layers
-    full = {i for i in range(n_layers) if not lm.config.layer_window(i)}
-    sliding = set(range(n_layers)) - full
-
-    def round_trip(x: torch.Tensor, rotate: bool, group: int) -> torch.Tensor:
-        if group < 0:  # keys per channel over each block of x's tokens (the text's last one short)
-            blocks = x.float().split(_block_of(group))
-            if group in (ARRIVING, ARRIVING_FLOAT):
-                return torch.cat([arriving_keys(y, group == ARRIVING) for y in blocks]).to(x.dtype)
-            return torch.cat([_channel_round(y, compact=group == ONCE_COMPACT) for y in blocks]).to(x.dtype)
-        y = hadamard(x) if rotate else x.float()
-        g = group or y.shape[-1]
-        y = dequantize_rows(quantize_rows(y.reshape(*y.shape[:-1], -1, g), torch.int8)).reshape(y.shape)
-        return (hadamard(y) if rotate else y).to(x.dtype)
-
     ops = load_kernels()
-    write = ops.reshape_and_cache
-    setting: dict = {}
-    calls = [0]
-    value_sums: dict[int, torch.Tensor] = {}  # per layer, from the last reference pass
-
-    def patched(key, value, cache, slots, packed):  # chunked_logits writes the layers in order, every chunk
-        layer = calls[0] % n_layers
-        calls[0] += 1
-        if setting["group"] is None:  # the float32 pass: the values' mean per layer and head
-            value_sums[layer] = value_sums.get(layer, 0) + value.double().sum(0)
-        elif setting["group"] in PER_BLOCK:
-            c = (value_sums[layer] / len(ids)).float()
-            value = (hadamard(round_trip(hadamard(value.float() - c), False, 0)) + c).to(value.dtype)
-        elif layer in setting["v"]:
-            value = round_trip(value, False, max(setting["group"], 0))  # values keep rows in the per-channel cases
-        if setting["group"] is not None and layer in setting["k"]:
-            key = round_trip(key, True, setting["group"])
-        return write(key, value, cache, slots, packed)
-
-    everything = set(range(n_layers))
-    cases = [("keys", everything, set(), 0), ("values", set(), everything, 0), ("both", everything, everything, 0),
-             ("keys, 64-value scales", everything, set(), 64), ("values, 64-value scales", set(), everything, 64),
-             ("both, 64-value scales", everything, everything, 64)]
-    if full and sliding:
-        cases += [("keys on full-attention layers only", full, set(), 0),
-                  ("keys on sliding-window layers only, values everywhere", sliding, everything, 0)]
-    cases += [("keys per channel, 16-key blocks", everything, set(), -1),
-              ("keys per channel, 16-key blocks; values", everything, everything, -1),
-              ("keys per channel as they arrive, 32-key blocks; values", everything, everything, ARRIVING),
-              ("keys as they arrive, exact parameters; values", everything, everything, ARRIVING_FLOAT),
-              ("keys per channel once, 32-key blocks; values", everything, everything, ONCE),
-              ("keys per channel once, one-byte parameters; values", everything, everything, ONCE_COMPACT)]
-    refs: dict[int, torch.Tensor] = {}  # the float32 cache's top-1 per block size, run when a case first needs it
     rows = []
-    ops.reshape_and_cache = patched
-    try:
-        for name, k, v, group in (c for c in cases if only in c[0]):
-            block = _block_of(group)
-            for g in ([None] if block not in refs else []) + [group]:  # None: the reference pass
-                setting.update(k=k, v=v, group=g)
-                calls[0] = 0
-                if g is None:
-                    value_sums.clear()
-                top = chunked_logits(lm, ids, torch.float32, block_size=block)[:-1].argmax(-1)
-                refs.setdefault(block, top)
-            rows.append({"model": lm.config.name, "int8 rounding on": name, "positions": len(top),
-                         "top1_agreement": float((top == refs[block]).float().mean())})
-    finally:
-        ops.reshape_and_cache = write
+    for kv_heads, dim, heads in ((3, 64, 9), (1, 256, 4)):
+        fb = keys_feedback(torch.randn(400, heads, dim), kv_heads)
+        for n in (1, 128, 2048):
+            for dtype in (torch.int8, torch.float8_e4m3fn):
+                k, v = torch.randn(n, kv_heads, dim).bfloat16(), torch.randn(n, kv_heads, dim).bfloat16()
+                cache = torch.zeros(2, n // 16 + 2, 16, kv_heads, dim + 2, dtype=dtype)
+                slots = torch.arange(n)
+                times: dict[str, list[float]] = {"plain": [], "feedback": []}
+                for _ in range(max(rounds, 5)):
+                    for name, f in (("plain", None), ("feedback", fb)):
+                        t0 = time.perf_counter()
+                        ops.reshape_and_cache(k, v, cache, slots, False, f)
+                        times[name].append(time.perf_counter() - t0)
+                plain, fed = (statistics.median(times[x]) * 1e6 for x in ("plain", "feedback"))
+                rows.append({"kv_heads": kv_heads, "head_dim": dim, "tokens": n, "kv_dtype": str(dtype).split(".")[1],
+                             "plain_us": plain, "feedback_us": fed})
     return rows
 
 
@@ -355,7 +280,7 @@ def main() -> None:
     ap.add_argument("--speed-context", type=int, default=8192)
     ap.add_argument("--speed-block-size", type=int, default=16, help="speed: tokens per KV block")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--skip", nargs="*", default=(), choices=("capacity", "accuracy", "speed"))
+    ap.add_argument("--skip", nargs="*", default=(), choices=("capacity", "accuracy", "speed", "write"))
     ap.add_argument("--kv-dtypes", nargs="*", default=list(CACHE_DTYPES), choices=CACHE_DTYPES,
                     help="the cache dtypes of the accuracy part (float32 always runs: the reference)")
     ap.add_argument("--split", action="store_true", help="also run the int8 error split (module doc)")
@@ -388,7 +313,7 @@ def main() -> None:
                   f"over {r['positions']} positions, KL {r['kl']:.2e}, perplexity {r['perplexity']:.3f} {windows}",
                   flush=True)
     if a.split:
-        result["split"] = [r for m in models for r in split(m, a.positions, a.split_cases)]
+        result["split"] = [r for m in models for r in split(m, a.positions, fixed_text(), a.split_cases)]
         for r in result["split"]:
             print(f"split    {r['model']:<24} int8 rounding on {r['int8 rounding on']:<54} top-1 "
                   f"{r['top1_agreement']:.2%} over {r['positions']} positions")
@@ -406,6 +331,12 @@ def main() -> None:
             print(f"speed    {r['kv_dtype']:<9} {r['seqs']} seqs x {r['context']} keys, {a.speed_block_size}-token "
                   f"blocks: {r['ms']:.2f} ms "
                   f"({r['vs_bfloat16']:.2f}x bf16) [{r['kernel']}]")
+    if "write" not in a.skip:
+        result["write"] = write_speed(a.rounds)
+        for r in result["write"]:
+            print(f"write    {r['kv_heads']} KV heads of {r['head_dim']:<3} {r['tokens']:>5} tokens {r['kv_dtype']:<14}"
+                  f" plain {r['plain_us']:8.1f} us, keys with feedback {r['feedback_us']:8.1f} us "
+                  f"({r['feedback_us'] / r['plain_us']:.1f}x)")
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
 
