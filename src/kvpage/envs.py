@@ -71,6 +71,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "held unrounded in a residual KV group); `kvpage plan` and `kvpage simulate` price int8 pages by it unless "
            "given `--int8-keys`", "int8_keys",
            ("rows", "channel")),
+    EnvVar("KVPAGE_KEY_FEEDBACK", bool, True, "quantized row pages: calibration may round keys with feedback from "
+           "the layer's queries' statistics (docs/kv.md), kept where it lowers the error; 0 measures only the parts "
+           "without it", "key_feedback"),
     EnvVar("KVPAGE_WEIGHT_HUGE_PAGES", bool, True, "the packed weights a step streams gathered into one arena on 2 MiB "
            "pages (where transparent huge pages are 'madvise' or 'always'): no TLB miss every 4 KiB of weights; 0 "
            "leaves each on the allocator's pages", "weight_huge_pages"),
@@ -130,6 +133,7 @@ class KernelConfig:
     paged_prompts: bool = True
     tp_vocab_head: bool = True
     int8_keys: str = "rows"
+    key_feedback: bool = True
     weight_huge_pages: bool = True
 
     def __post_init__(self) -> None:

@@ -84,3 +84,24 @@ def test_a_directory_that_cannot_be_written_costs_nothing_but_the_entry(tmp_path
     assert "could not keep" in caplog.text
     assert transform_cache.load(tmp_path, "k", 1) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv-transforms"]
+
+
+def test_the_keys_rounding_feedback_is_kept_and_can_be_turned_off(tiny_path, tmp_path):
+    """A transform of the feedback alone goes to disk and back bit for bit; KVPAGE_KEY_FEEDBACK=0 (feedback=False)
+    calibrates without it, even on a model calibrated with it before."""
+    from kvpage.attention.kv_quant import keys_feedback
+    from kvpage.attention.kv_transform import KVTransform
+
+    fb = keys_feedback(torch.randn(50, 2, 64) * torch.linspace(2, 0.1, 64), 1)
+    layers = [KVTransform(None, None, fb), None]
+    transform_cache.save(tmp_path, "entry", layers, "d")
+    back, digest = transform_cache.load(tmp_path, "entry", 2)
+    assert digest == "d" and back[1] is None and same(back[0], layers[0])
+    assert not same(back[0], KVTransform(None, None, fb * 2))
+    lm = forget(load_model(str(tiny_path), torch.float32))
+    calibrate_kv_transforms(lm, torch.int8)
+    with_it = transforms(lm)
+    calibrate_kv_transforms(lm, torch.int8, feedback=False)
+    assert all(t is None or t.feedback is None for t in transforms(lm))
+    if any(t is not None and t.feedback is not None for t in with_it):  # it was kept: the second call redid it
+        assert [t and t.fingerprint() for t in transforms(lm)] != [t and t.fingerprint() for t in with_it]

@@ -82,7 +82,7 @@ Questions about lost luggage go to lost@harbour.example or to +44 1632 960 018, 
 
 
 def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False, cache_dir: Path | None = None,
-                            identity: dict[str, Any] | None = None) -> str | None:
+                            identity: dict[str, Any] | None = None, feedback: bool = True) -> str | None:
     """Give every attention layer of loaded model ``lm`` its transform for pages of ``dtype`` (once per dtype: a model
     already calibrated for it is left as it is); returns the transforms' digest (None: the model does best
     without them). ``channel_keys``: int8 pages with keys per channel, whose tensors are bytes (uint8): their
@@ -90,15 +90,19 @@ def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False, 
     runs the same passes at the same point of its start-up, so the collectives inside the forward pair up, and
     every rank ends each pass with the same hidden states, so all make the same choice. With ``cache_dir`` the
     result is kept there and read back by later starts (worker/transform_cache.py), ``identity`` naming what
-    else it depends on (the kernels' build and configuration, the shard)."""
+    else it depends on (the kernels' build and configuration, the shard). ``feedback``: False measures the parts
+    without the keys' rounding feedback only (KVPAGE_KEY_FEEDBACK=0)."""
     attends: list[LayerAttend] = [layer.self_attn.attend for layer in lm.model.layers]
     key = torch.uint8 if channel_keys else dtype  # the cache tensors' dtype, which LayerAttend looks up
-    if all(key in a.transforms for a in attends):
+    current = [a.transforms.get(key) for a in attends]  # a calibration with feedback is redone without if asked
+    if all(key in a.transforms for a in attends) and (feedback or all(t is None or t.feedback is None
+                                                                      for t in current)):
         return transforms_fingerprint(attends, key)
     t0 = time.perf_counter()
     entry = None
     if cache_dir is not None:
-        entry = transform_cache.cache_key(lm.path, lm.dtype, dtype, channel_keys, identity or {})
+        entry = transform_cache.cache_key(lm.path, lm.dtype, dtype, channel_keys,
+                                          {**(identity or {}), "key_feedback": feedback})
         kept = transform_cache.load(cache_dir, entry, len(attends))
         if kept is not None:
             for a, t in zip(attends, kept[0], strict=True):
@@ -130,8 +134,10 @@ def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False, 
         errors[choice] = float((hidden - ref).pow(2).mean())
 
     # which parts help is measured end to end: the hidden states' error over the text, for no transform and
-    # for each choice of parts with the keys' rounding feedback (without it where keys are rounded per channel)
-    for choice in [(False, False, False)] + [(*parts, not channel_keys) for parts in PARTS]:
+    # for each choice of parts with the keys' rounding feedback (without it where keys are rounded per channel,
+    # or where the configuration says so)
+    fed = feedback and not channel_keys
+    for choice in [(False, False, False)] + [(*parts, fed) for parts in PARTS]:
         if choice not in errors:
             measure(choice)
     best = min(errors, key=errors.__getitem__)

@@ -107,7 +107,8 @@ class Worker:
             identity = {"kernels": build_tag(), "kernel_config": repr(self.kernel_config), "tp": self.tp,
                         "backend": mc.attention_backend, "fast": self.lm.model.fast is not None}
             self.kv_transform = calibrate_kv_transforms(self.lm, self.kv_dtype, self.channel_keys,
-                                                        default_dir(str(read("KVPAGE_CACHE_DIR"))), identity)
+                                                        default_dir(str(read("KVPAGE_CACHE_DIR"))), identity,
+                                                        feedback=self.kernel_config.key_feedback)
         self.layout = model_layout(cfg, self.channel_keys)
         self.bytes_per_block = kv_bytes_per_block(cfg, cc.block_size, self.kv_dtype, self.layout, self.channel_keys)
         self.num_blocks = int(cc.kv_cache_memory) // self.bytes_per_block
