@@ -80,7 +80,13 @@ def accuracy(model: str, positions: int, dtypes: tuple[str, ...] = CACHE_DTYPES,
         calibrate_kv_transforms(lm, kv_torch_dtype(d))
     saved = [dict(a.transforms) for a in attends]
     ids = lm.tokenizer.encode(fixed_text())
-    spans = [ids[w * positions : (w + 1) * positions + 1] for w in range(windows)]
+    # every window starts as a prompt does: with the BOS token where the tokenizer adds one (Gemma 3), since a
+    # Gemma 3 sequence without it makes its first token an attention sink of its own and runs off the model's
+    # range (one window of 800 so scored flipped 46 argmaxes between two runs whose attention outputs differed
+    # by 1e-4); the windows' predictions are the same positions of the text either way
+    bos = [ids[0]] if lm.tokenizer.add_bos_token and ids[:1] == [lm.tokenizer.bos_token_id] else []
+    spans = [ids[: positions + 1]] + [bos + ids[w * positions + len(bos) : (w + 1) * positions + 1]
+                                      for w in range(1, windows)]
     if len(spans[-1]) < positions + 1:
         raise SystemExit(f"the text has {len(ids)} tokens: fewer than {windows} windows of {positions}")
     refs = [chunked_logits(lm, span, torch.float32) for span in spans]
