@@ -48,9 +48,7 @@ inline void quantize_key_feedback(const IN* src, uint8_t* row, int64_t D, float*
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(buf[d]));
   const uint16_t bits = scale_bits<C>(amax);
-  const uint32_t up = static_cast<uint32_t>(bits) << 16;
-  float s;
-  std::memcpy(&s, &up, sizeof(s));
+  const float s = scale_value(bits);
   for (int64_t i = 0; i < D; ++i) {
     const float w = buf[i];
     const uint8_t c = encode1<C>(s > 0.f ? w / s : 0.f);
@@ -98,9 +96,7 @@ void quantize_key_feedback_row(const IN* src, uint8_t* out, int64_t D, const flo
   F top = V::set(0.f);
   for (int64_t i = 0; i < nv; ++i) top = V::max(top, V::abs(v[i]));
   const uint16_t bits = scale_bits<C>(V::hmax(top));
-  const uint32_t up = static_cast<uint32_t>(bits) << 16;
-  float s;
-  std::memcpy(&s, &up, sizeof(s));
+  const float s = scale_value(bits);
   for (int64_t i = 0; i < nv; ++i) V::store(x + W * i, v[i]);
   for (int64_t i = 0; i < D; ++i) {
     const float w = x[i];
@@ -135,8 +131,7 @@ void quantize_keys_feedback_lanes(const IN* const* src, int64_t n, int64_t D, co
     F top = V::set(0.f);
     for (int64_t i = 0; i < nv; ++i) top = V::max(top, V::abs(x[i]));
     bits[r] = scale_bits<C>(V::hmax(top));
-    const uint32_t up = static_cast<uint32_t>(bits[r]) << 16;
-    std::memcpy(&s[r], &up, sizeof(float));
+    s[r] = scale_value(bits[r]);
     safe[r] = s[r] > 0.f ? s[r] : 1.f;
     for (int64_t i = 0; i < nv; ++i) V::store(row + W * i, x[i]);
     for (int64_t d = 0; d < D; ++d) tg[d * W] = row[d];

@@ -142,62 +142,6 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
     });
 }
 
-// write_quant with the keys rounded with feedback (key_feedback.h): a chunk's keys first, kFeedbackRows tokens
-// of one KV head at a time, into rows of their own; then each token's values, and both placed as write_quant
-// places them.
-template <KVCode C, typename IN>
-void write_quant_feedback(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-                          const torch::Tensor& slot_mapping, bool packed, const float* fb) {
-  const int64_t N = key.size(0), kv_heads = key.size(1), D = key.size(2);
-  const int64_t block_size = kv_cache.size(2), num_slots = kv_cache.size(1) * block_size;
-  const int64_t head_stride = D + kScaleBytes, row = kv_heads * head_stride;
-  const kvpage::KVGeometry geo = kvpage::kv_geometry(kv_cache);
-  auto* kdst = static_cast<uint8_t*>(kv_cache.data_ptr());
-  uint8_t* vdst = kdst + geo.v_offset;
-  const IN* ksrc = key.data_ptr<IN>();
-  const IN* vsrc = value.data_ptr<IN>();
-  const int64_t ks = key.stride(0), vs = value.stride(0);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  (void)packed;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> t(static_cast<size_t>(D * kFeedbackRows));
-    std::vector<uint8_t> codes(static_cast<size_t>(D * kFeedbackRows));
-    std::vector<uint8_t> keys(static_cast<size_t>((end - begin) * row)), vrow(static_cast<size_t>(head_stride));
-    const IN* src[kFeedbackRows];
-    uint8_t* out[kFeedbackRows];
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t i0 = begin; i0 < end; i0 += kFeedbackRows) {
-        const int64_t n = std::min(kFeedbackRows, end - i0);
-        for (int64_t r = 0; r < n; ++r) {
-          src[r] = ksrc + (i0 + r) * ks + h * D;
-          out[r] = keys.data() + (i0 + r - begin) * row + h * head_stride;
-        }
-        quantize_keys_feedback<C>(src, n, D, fb + h * D * D, out, t.data(), codes.data());
-      }
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t slot = slots[i];
-      TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
-      const uint8_t* krows = keys.data() + (i - begin) * row;
-#if KVPAGE_PACKED_INT8
-      if (packed) {
-        const int64_t off = slot % block_size;
-        const int64_t at = int8_group_offset(slot / block_size, off, geo.block_stride, kv_heads, D);
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          quantize_row<C>(vsrc + i * vs + h * D, vrow.data(), D, t.data(), false);
-          put_packed_int8(krows + h * head_stride, vrow.data(), kdst + at + h * 16 * head_stride,
-                          vdst + at + h * 16 * head_stride, off % 16, D);
-        }
-        continue;
-      }
-#endif
-      const int64_t at = (slot / block_size) * geo.block_stride + (slot % block_size) * row;
-      std::memcpy(kdst + at, krows, static_cast<size_t>(row));
-      for (int64_t h = 0; h < kv_heads; ++h)
-        quantize_row<C>(vsrc + i * vs + h * D, vdst + at + h * head_stride, D, t.data(), false);
-    }
-  });
-}
-
 template <KVCode C, typename IN>
 void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
                  const torch::Tensor& slot_mapping, bool packed, const float* fb) {
@@ -212,8 +156,45 @@ void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Te
   const int64_t ks = key.stride(0), vs = value.stride(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   (void)packed;  // only KVPAGE_PACKED_INT8 builds write the packed int8 layout
-  if (fb != nullptr) {
-    write_quant_feedback<C, IN>(key, value, kv_cache, slot_mapping, packed, fb);
+  if (fb != nullptr) {  // keys rounded with feedback (key_feedback.h): a chunk's keys first, kFeedbackRows tokens
+    // of one KV head at a time, into rows of their own; then each token's values, and both placed as below
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> t(static_cast<size_t>(D * kFeedbackRows));
+      std::vector<uint8_t> codes(static_cast<size_t>(D * kFeedbackRows));
+      std::vector<uint8_t> keys(static_cast<size_t>((end - begin) * row)), vrow(static_cast<size_t>(head_stride));
+      const IN* src[kFeedbackRows];
+      uint8_t* out[kFeedbackRows];
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t i0 = begin; i0 < end; i0 += kFeedbackRows) {
+          const int64_t n = std::min(kFeedbackRows, end - i0);
+          for (int64_t r = 0; r < n; ++r) {
+            src[r] = ksrc + (i0 + r) * ks + h * D;
+            out[r] = keys.data() + (i0 + r - begin) * row + h * head_stride;
+          }
+          quantize_keys_feedback<C>(src, n, D, fb + h * D * D, out, t.data(), codes.data());
+        }
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t slot = slots[i];
+        TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
+        const uint8_t* krows = keys.data() + (i - begin) * row;
+#if KVPAGE_PACKED_INT8
+        if (packed) {
+          const int64_t off = slot % block_size;
+          const int64_t at = int8_group_offset(slot / block_size, off, geo.block_stride, kv_heads, D);
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            quantize_row<C>(vsrc + i * vs + h * D, vrow.data(), D, t.data(), false);
+            put_packed_int8(krows + h * head_stride, vrow.data(), kdst + at + h * 16 * head_stride,
+                            vdst + at + h * 16 * head_stride, off % 16, D);
+          }
+          continue;
+        }
+#endif
+        const int64_t at = (slot / block_size) * geo.block_stride + (slot % block_size) * row;
+        std::memcpy(kdst + at, krows, static_cast<size_t>(row));
+        for (int64_t h = 0; h < kv_heads; ++h)
+          quantize_row<C>(vsrc + i * vs + h * D, vdst + at + h * head_stride, D, t.data(), false);
+      }
+    });
     return;
   }
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {

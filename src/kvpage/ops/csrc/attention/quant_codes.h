@@ -52,6 +52,14 @@ inline uint16_t scale_bits(float amax) {
   return static_cast<uint16_t>((f + 0xFFFFu) >> 16);
 }
 
+// The float a scale's bfloat16 bits stand for.
+inline float scale_value(uint16_t bits) {
+  const uint32_t up = static_cast<uint32_t>(bits) << 16;
+  float s;
+  std::memcpy(&s, &up, sizeof(s));
+  return s;
+}
+
 #if KVPAGE_ISA_AVX2
 // quantize_row's arithmetic a vector of lanes at a time, the same operations on every value in the same order (so
 // the same codes, byte for byte): the butterflies of fwht stage by stage, the division by the scale, and the
@@ -227,9 +235,7 @@ inline void quantize_row_lanes(const IN* src, uint8_t* row, int64_t D, bool rota
   F top = V::set(0.f);
   for (int64_t i = 0; i < n; ++i) top = V::max(top, V::abs(x[i]));
   const uint16_t bits = scale_bits<C>(V::hmax(top));
-  const uint32_t up = static_cast<uint32_t>(bits) << 16;
-  float s;
-  std::memcpy(&s, &up, sizeof(s));
+  const float s = scale_value(bits);
   const F vs = V::set(s);
   for (int64_t i = 0; i < n; ++i) encode_lanes<V, C>(s > 0.f ? V::div(x[i], vs) : V::set(0.f), row + V::kW * i);
   std::memcpy(row + D, &bits, sizeof(bits));

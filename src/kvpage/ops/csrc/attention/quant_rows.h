@@ -65,9 +65,7 @@ inline void quantize_row(const IN* src, uint8_t* row, int64_t D, float* buf, boo
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
   const uint16_t bits = scale_bits<C>(amax);
-  const uint32_t up = static_cast<uint32_t>(bits) << 16;
-  float s;
-  std::memcpy(&s, &up, sizeof(s));
+  const float s = scale_value(bits);
   for (int64_t d = 0; d < D; ++d) row[d] = s > 0.f ? encode1<C>(x[d] / s) : encode1<C>(0.f);
   std::memcpy(row + D, &bits, sizeof(bits));
 }
