@@ -125,24 +125,24 @@ def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False, 
             a.capture = None
     full = [KVTransform.from_samples(*(torch.cat([r[i] for r in rows]) for i in range(3)))
             for rows in samples]
-    errors = {}
-
-    def measure(choice: tuple[bool, bool, bool]) -> None:
-        for a, t, rows in zip(attends, full, samples, strict=True):
-            a.transforms[key] = t.parts(*choice[:2], feedback_for(t, rows, choice))
-        hidden = chunked_hidden(lm, ids, dtype, chunk=CHUNK, channel_keys=channel_keys)
-        errors[choice] = float((hidden - ref).pow(2).mean())
-
     # which parts help is measured end to end: the hidden states' error over the text, for no transform and
     # for each choice of parts with the keys' rounding feedback (without it where keys are rounded per channel,
-    # or where the configuration says so)
+    # or where the configuration says so); the feedback depends only on whether the key part scales the queries
     fed = feedback and not channel_keys
-    for choice in [(False, False, False)] + [(*parts, fed) for parts in PARTS]:
-        if choice not in errors:
-            measure(choice)
+    feedbacks = {scaled: [layer_feedback(t, rows, scaled) for t, rows in zip(full, samples, strict=True)]
+                 for scaled in ((False, True) if fed else ())}
+    made: dict[tuple[bool, bool, bool], list[KVTransform | None]] = {}
+    errors = {}
+    for choice in dict.fromkeys([(False, False, False)] + [(*parts, fed) for parts in PARTS]):
+        fbs = feedbacks[choice[0]] if choice[2] else [None] * len(full)
+        made[choice] = [t.parts(*choice[:2], fb) for t, fb in zip(full, fbs, strict=True)]
+        for a, t in zip(attends, made[choice], strict=True):
+            a.transforms[key] = t
+        hidden = chunked_hidden(lm, ids, dtype, chunk=CHUNK, channel_keys=channel_keys)
+        errors[choice] = float((hidden - ref).pow(2).mean())
     best = min(errors, key=errors.__getitem__)
-    for a, t, rows in zip(attends, full, samples, strict=True):
-        a.transforms[key] = t.parts(*best[:2], feedback_for(t, rows, best))
+    for a, t in zip(attends, made[best], strict=True):
+        a.transforms[key] = t
     digest = transforms_fingerprint(attends, key)
     if entry is not None:
         transform_cache.save(cache_dir, entry, [a.transforms[key] for a in attends], digest)
@@ -153,12 +153,10 @@ def calibrate_kv_transforms(lm, dtype: torch.dtype, channel_keys: bool = False, 
     return digest
 
 
-def feedback_for(t: KVTransform, rows: list, choice: tuple[bool, bool, bool]) -> torch.Tensor | None:
-    """The keys' rounding feedback of ``choice`` (keys, values, feedback) from one layer's captured rows: for the
-    queries as the key part leaves them (times its query scale)."""
-    if not choice[2]:
-        return None
+def layer_feedback(t: KVTransform, rows: list, scaled: bool) -> torch.Tensor:
+    """One layer's keys' rounding feedback from its captured rows, for the queries as they reach the pages: times
+    the key part's query scale where ``scaled``."""
     q = torch.cat([r[0] for r in rows]).float()
-    if choice[0] and t.keys is not None:
+    if scaled and t.keys is not None:
         q = q * t.keys.query_scale
     return keys_feedback(q, rows[0][1].shape[1])

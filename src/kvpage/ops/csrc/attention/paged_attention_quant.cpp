@@ -156,12 +156,14 @@ void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Te
   const int64_t ks = key.stride(0), vs = value.stride(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   (void)packed;  // only KVPAGE_PACKED_INT8 builds write the packed int8 layout
-  if (fb != nullptr) {  // keys rounded with feedback (key_feedback.h): a chunk's keys first, kFeedbackRows tokens
-    // of one KV head at a time, into rows of their own; then each token's values, and both placed as below
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> t(static_cast<size_t>(D * kFeedbackRows));
-      std::vector<uint8_t> codes(static_cast<size_t>(D * kFeedbackRows));
-      std::vector<uint8_t> keys(static_cast<size_t>((end - begin) * row)), vrow(static_cast<size_t>(head_stride));
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    const int64_t lanes = fb != nullptr ? kFeedbackRows : 1;
+    std::vector<float> buf(static_cast<size_t>(D * lanes));
+    std::vector<uint8_t> rows(static_cast<size_t>(2 * head_stride)), keys, codes;
+    if (fb != nullptr) {  // keys rounded with feedback (key_feedback.h): the chunk's keys first, kFeedbackRows
+      // tokens of one KV head at a time, into rows of their own
+      keys.resize(static_cast<size_t>((end - begin) * row));
+      codes.resize(static_cast<size_t>(D * kFeedbackRows));
       const IN* src[kFeedbackRows];
       uint8_t* out[kFeedbackRows];
       for (int64_t h = 0; h < kv_heads; ++h)
@@ -171,35 +173,14 @@ void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Te
             src[r] = ksrc + (i0 + r) * ks + h * D;
             out[r] = keys.data() + (i0 + r - begin) * row + h * head_stride;
           }
-          quantize_keys_feedback<C>(src, n, D, fb + h * D * D, out, t.data(), codes.data());
+          quantize_keys_feedback<C>(src, n, D, fb + h * D * D, out, buf.data(), codes.data());
         }
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t slot = slots[i];
-        TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
-        const uint8_t* krows = keys.data() + (i - begin) * row;
-#if KVPAGE_PACKED_INT8
-        if (packed) {
-          const int64_t off = slot % block_size;
-          const int64_t at = int8_group_offset(slot / block_size, off, geo.block_stride, kv_heads, D);
-          for (int64_t h = 0; h < kv_heads; ++h) {
-            quantize_row<C>(vsrc + i * vs + h * D, vrow.data(), D, t.data(), false);
-            put_packed_int8(krows + h * head_stride, vrow.data(), kdst + at + h * 16 * head_stride,
-                            vdst + at + h * 16 * head_stride, off % 16, D);
-          }
-          continue;
-        }
-#endif
-        const int64_t at = (slot / block_size) * geo.block_stride + (slot % block_size) * row;
-        std::memcpy(kdst + at, krows, static_cast<size_t>(row));
-        for (int64_t h = 0; h < kv_heads; ++h)
-          quantize_row<C>(vsrc + i * vs + h * D, vdst + at + h * head_stride, D, t.data(), false);
-      }
-    });
-    return;
-  }
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(static_cast<size_t>(D));
-    std::vector<uint8_t> rows(static_cast<size_t>(2 * head_stride));
+    }
+    // token i's key row of head h into dst: the chunk's rounded with feedback, or rounded here
+    const auto put_key = [&](int64_t i, int64_t h, uint8_t* dst) {
+      if (fb != nullptr) std::memcpy(dst, keys.data() + (i - begin) * row + h * head_stride, head_stride);
+      else quantize_row<C>(ksrc + i * ks + h * D, dst, D, buf.data(), true);
+    };
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i];
       TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
@@ -208,7 +189,7 @@ void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Te
         const int64_t off = slot % block_size;
         const int64_t at = int8_group_offset(slot / block_size, off, geo.block_stride, kv_heads, D);
         for (int64_t h = 0; h < kv_heads; ++h) {
-          quantize_row<C>(ksrc + i * ks + h * D, rows.data(), D, buf.data(), true);
+          put_key(i, h, rows.data());
           quantize_row<C>(vsrc + i * vs + h * D, rows.data() + head_stride, D, buf.data(), false);
           put_packed_int8(rows.data(), rows.data() + head_stride, kdst + at + h * 16 * head_stride,
                           vdst + at + h * 16 * head_stride, off % 16, D);
@@ -218,7 +199,7 @@ void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Te
 #endif
       const int64_t at = (slot / block_size) * geo.block_stride + (slot % block_size) * row;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        quantize_row<C>(ksrc + i * ks + h * D, kdst + at + h * head_stride, D, buf.data(), true);
+        put_key(i, h, kdst + at + h * head_stride);
         quantize_row<C>(vsrc + i * vs + h * D, vdst + at + h * head_stride, D, buf.data(), false);
       }
     }
