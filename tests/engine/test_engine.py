@@ -218,6 +218,7 @@ def test_default_engine_is_on_the_fast_path():
     assert_drained(llm)
 
 
+@pytest.mark.slow  # the static policy's default-run case: tests/model/test_gemma3.py (with KV groups)
 def test_static_policy_engine_runs_and_admits_fewer(baseline):
     static = LLM(kv_cache_memory=24 * BLOCK_BYTES_FP32, block_size=8, max_model_len=64, dtype="float32",
                  kv_policy="static")

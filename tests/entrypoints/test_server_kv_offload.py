@@ -31,6 +31,7 @@ def complete(port: int, prompt: list[int]) -> tuple[list[int] | str, int]:
     return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+@pytest.mark.slow  # ~35 s on the slowest machine; the tiers' default-run cases: tests/engine/test_kv_offload.py
 def test_tiers_through_the_server(tmp_path):
     d = str(tmp_path / "kv")
     flags = ("--kv-offload-memory", f"{40 * BLOCK}B", "--kv-offload-dir", d)

@@ -24,6 +24,21 @@ def test_kernels_build_where_a_compiler_exists():
     assert load_kernels() is not None, kernels_error()
 
 
+def test_precompiled_header_is_compiled_with_the_sources_flags():
+    """GCC takes the precompiled ATen headers only from a compile with the sources' own options and parses the
+    text otherwise (correct, ~2x slower): the header's flags are the ones torch's build.ninja gave the sources."""
+    from kvpage.ops import build
+
+    assert load_kernels() is not None, kernels_error()
+    name = f"kvpage_kernels_{build.build_tag()}"
+    with build._build_lock(name) as build_dir:
+        ninja = (build_dir / "build.ninja").read_text()
+        cflags = next(line for line in ninja.splitlines() if line.startswith("cflags = ")).split()[2:]
+        assert cflags == [*build._compile_flags(name, build_dir), "-include", str(build_dir / build._PCH)]
+        assert (build_dir / build._PCH).read_text().endswith("#include <ATen/ATen.h>\n")
+        assert not (build_dir / f"{build._PCH}.gch").exists()  # deleted after the build: ~0.4 GB
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 128), (6, 2, 32)])
 @pytest.mark.parametrize("layout", LAYOUTS)

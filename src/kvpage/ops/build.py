@@ -2,8 +2,9 @@
 
 The extension is compiled with torch's C++ extension machinery for this CPU (``-march=native``); the build
 is cached under torch's extensions directory, one build per version of the sources and CPU (``_sources_tag``,
-``_cpu_tag``). Without a working
-compiler ``load_kernels`` returns None and logs why; the engine then runs the reference backend and torch.
+``_cpu_tag``). A first build compiles ATen's headers once into a GCC precompiled header (``_precompile``) that
+every source then loads instead of parsing them again. Without a working compiler ``load_kernels`` returns
+None and logs why; the engine then runs the reference backend and torch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import functools
 import hashlib
 import logging
 import os
+import subprocess
+import sysconfig
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +27,8 @@ from kvpage.cpuinfo import cpuinfo_field
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = sorted(_CSRC.rglob("*.cpp"))  # bindings.cpp and every kernel it binds
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_PCH = "kvpage_pch.h"  # in the build directory; its compiled form (.gch) lives there only during a build
 _module: ModuleType | None = None
 _error: str | None = None
 
@@ -33,10 +39,10 @@ def _cpu_tag() -> str:
 
 
 def _sources_tag() -> str:
-    """A hash of every source and header, in the build's name: each version of the kernels gets its own build
-    directory, so two checkouts (a benchmark against an earlier commit) never rebuild over each other, and
-    editing a header rebuilds too (torch's cache hashes only the listed sources)."""
-    digest = hashlib.sha1()
+    """A hash of every source and header (and the build's flags), in the build's name: each version of the
+    kernels gets its own build directory, so two checkouts (a benchmark against an earlier commit) never
+    rebuild over each other, and editing a header rebuilds too (torch's cache hashes only the listed sources)."""
+    digest = hashlib.sha1(" ".join([*_CFLAGS, "-include", _PCH]).encode())  # and the build's own flags
     for f in sorted(_CSRC.rglob("*")):
         if f.suffix in (".cpp", ".h"):
             digest.update(str(f.relative_to(_CSRC)).encode())
@@ -52,7 +58,7 @@ def build_tag() -> str:
 
 
 @contextmanager
-def _build_lock(name: str) -> Iterator[None]:
+def _build_lock(name: str) -> Iterator[Path]:
     """Serializes kernel builds across processes with a lock the kernel drops when its holder dies.
 
     Why: torch's own build lock is a plain file, and its waiters poll for as long as the file exists. A process
@@ -74,7 +80,46 @@ def _build_lock(name: str) -> Iterator[None]:
         if orphan.exists():
             logger.warning("removing an orphaned kernel build lock (%s): an interrupted build", orphan)
             orphan.unlink(missing_ok=True)
-        yield  # closing the file lets go of the flock
+        yield build_dir  # closing the file lets go of the flock
+
+
+def _compile_flags(name: str, build_dir: Path) -> list[str]:
+    """The flags torch's build gives each source (its build.ninja's cflags, in order), for the precompiled
+    header: GCC takes a .gch only from a compile with the same options, and silently parses the header text
+    otherwise (tests/ops/test_kernels.py holds the two lists equal)."""
+    from torch.utils.cpp_extension import include_paths
+
+    flags = [f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{_CSRC}"]
+    for inc in [*include_paths(), sysconfig.get_paths()["include"]]:
+        flags += ["-isystem", inc]
+    return [*flags, "-fPIC", "-std=c++20", *_CFLAGS]
+
+
+def _precompile(name: str, build_dir: Path) -> Path | None:
+    """Compiles ATen's headers into build_dir/kvpage_pch.h.gch before a build, where none is built yet.
+
+    Why: every kernel source includes ATen, and parsing its headers was ~20 of the ~30 s each of the 17
+    sources took to compile (the family-23 EPYC, 2026-12-02); the .gch is ~0.4 GB, so it is deleted after
+    the build. Each source gets ``-include kvpage_pch.h`` whether or not it exists (the flags stay the same, so
+    torch does not see a change and rebuild); without the .gch GCC reads the header's one line as text."""
+    header, text = build_dir / _PCH, "// ATen's headers, precompiled for the kernels' build (ops/build.py)\n" \
+        "#include <ATen/ATen.h>\n"
+    if not header.exists() or header.read_text() != text:
+        header.write_text(text)
+    if (build_dir / f"{name}.so").exists():
+        return None  # built already: torch loads it (or rebuilds a changed source without the header)
+    gch = build_dir / f"{_PCH}.gch"
+    cmd = [os.environ.get("CXX", "c++"), *_compile_flags(name, build_dir), "-x", "c++-header",
+           str(build_dir / _PCH), "-o", str(gch)]
+    t0 = time.monotonic()
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.info("no precompiled header (%s): the build parses ATen's headers per source", e)
+        gch.unlink(missing_ok=True)
+        return None
+    logger.info("precompiled ATen's headers in %.1f s", time.monotonic() - t0)
+    return gch
 
 
 def load_kernels() -> ModuleType | None:
@@ -86,10 +131,15 @@ def load_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         name = f"kvpage_kernels_{build_tag()}"
-        with _build_lock(name):
-            _module = load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_lock(name) as build_dir:
+            gch = _precompile(name, build_dir)
+            try:
+                _module = load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
+                               extra_cflags=[*_CFLAGS, "-include", str(build_dir / _PCH)],
+                               extra_ldflags=["-fopenmp"], verbose=False)
+            finally:
+                if gch is not None:
+                    gch.unlink(missing_ok=True)
     except Exception as e:  # no compiler, no ninja, ...
         _error = f"{type(e).__name__}: {e}".splitlines()[0]
         logger.warning("compiled CPU kernels unavailable (%s): using the reference attention backend", _error)
