@@ -29,6 +29,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = sorted(_CSRC.rglob("*.cpp"))  # bindings.cpp and every kernel it binds
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _PCH = "kvpage_pch.h"  # in the build directory; its compiled form (.gch) lives there only during a build
+_PCH_TEXT = "// ATen's headers, precompiled for the kernels' build (ops/build.py)\n#include <ATen/ATen.h>\n"
 _module: ModuleType | None = None
 _error: str | None = None
 
@@ -83,7 +84,7 @@ def _build_lock(name: str) -> Iterator[Path]:
         yield build_dir  # closing the file lets go of the flock
 
 
-def _compile_flags(name: str, build_dir: Path) -> list[str]:
+def _compile_flags(name: str) -> list[str]:
     """The flags torch's build gives each source (its build.ninja's cflags, in order), for the precompiled
     header: GCC takes a .gch only from a compile with the same options, and silently parses the header text
     otherwise (tests/ops/test_kernels.py holds the two lists equal)."""
@@ -102,15 +103,13 @@ def _precompile(name: str, build_dir: Path) -> Path | None:
     sources took to compile (the family-23 EPYC, 2026-12-02); the .gch is ~0.4 GB, so it is deleted after
     the build. Each source gets ``-include kvpage_pch.h`` whether or not it exists (the flags stay the same, so
     torch does not see a change and rebuild); without the .gch GCC reads the header's one line as text."""
-    header, text = build_dir / _PCH, "// ATen's headers, precompiled for the kernels' build (ops/build.py)\n" \
-        "#include <ATen/ATen.h>\n"
-    if not header.exists() or header.read_text() != text:
-        header.write_text(text)
+    header = build_dir / _PCH
+    if not header.exists() or header.read_text() != _PCH_TEXT:
+        header.write_text(_PCH_TEXT)
     if (build_dir / f"{name}.so").exists():
         return None  # built already: torch loads it (or rebuilds a changed source without the header)
     gch = build_dir / f"{_PCH}.gch"
-    cmd = [os.environ.get("CXX", "c++"), *_compile_flags(name, build_dir), "-x", "c++-header",
-           str(build_dir / _PCH), "-o", str(gch)]
+    cmd = [os.environ.get("CXX", "c++"), *_compile_flags(name), "-x", "c++-header", str(header), "-o", str(gch)]
     t0 = time.monotonic()
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=600)
