@@ -1,38 +1,19 @@
 """Beam search inside the engine against transformers' ``generate(num_beams=k)`` (float32, the independent
-reference): the same beams, in the same order, with the same cumulative log-probabilities, on shared blocks,
-under forced preemption and at block sizes 1 and 16; and the KV bookkeeping a beam group leaves behind."""
+reference, its outputs as tests/helpers/reference.py stores them): the same beams, in the same order, with the
+same cumulative log-probabilities, on shared blocks, under forced preemption and at block sizes 1 and 16; and the
+KV bookkeeping a beam group leaves behind."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvpage.core.beam import BeamGroup
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import BeamSearchParams
 from tests.engine.test_engine import BLOCK_BYTES_FP32, assert_drained
 from tests.helpers.marks import slow
-
-LENGTH = 10  # generated tokens per beam in the fixed-length cases
-
-
-def hf_beams(hf_smol, ids: list[int], k: int, eos: list[int], length_penalty: float, fixed: bool,
-             early_stopping: bool | str = False) -> list[tuple[list[int], float]]:
-    """transformers' beams for one prompt: (output tokens, sequence score), best first. ``fixed``: EOS
-    suppressed (min_new_tokens = max_new_tokens), so every beam runs LENGTH tokens."""
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        g = hf_smol.generate(x, attention_mask=torch.ones_like(x), num_beams=k, num_return_sequences=k,
-                             max_new_tokens=LENGTH, min_new_tokens=LENGTH if fixed else 0, do_sample=False,
-                             length_penalty=length_penalty, early_stopping=early_stopping, eos_token_id=eos,
-                             pad_token_id=eos[0], return_dict_in_generate=True, output_scores=True)
-    out = []
-    for row, score in zip(g.sequences, g.sequences_scores, strict=True):
-        toks = row[len(ids):].tolist()
-        while toks and toks[-1] == eos[0] and len(toks) > 1 and toks[-2] == eos[0]:
-            toks.pop()  # padding after an early EOS
-        out.append((toks, float(score)))
-    return out
+from tests.helpers.reference import BEAM_LENGTH as LENGTH
+from tests.helpers.reference import FINISHED_PROMPTS, FIXED_PROMPTS, BeamCase, stored_beams
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +23,7 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def chat_ids(prompts) -> dict[str, list[int]]:
-    return {name: prompts[name] for name in ("chat", "chat_multi", "story")}
+    return {name: prompts[name] for name in FIXED_PROMPTS}
 
 
 def ours(llm: LLM, ids: list[int], params: BeamSearchParams) -> list[tuple[list[int], float]]:
@@ -57,23 +38,20 @@ def assert_same_beams(got, want, tol: float = 1e-4) -> None:
 
 
 @pytest.mark.parametrize("k", [2, slow(4), slow(8)])
-def test_fixed_length_beams_equal_transformers(llm, hf_smol, chat_ids, smol_fp32, k):
-    eos = list(smol_fp32.tokenizer.eos_token_ids)
+def test_fixed_length_beams_equal_transformers(llm, chat_ids, k):
     params = BeamSearchParams(beam_width=k, max_tokens=LENGTH, min_tokens=LENGTH, length_penalty=0.0)
-    for ids in chat_ids.values():
-        assert_same_beams(ours(llm, ids, params), hf_beams(hf_smol, ids, k, eos, 0.0, fixed=True))
+    for name, ids in chat_ids.items():
+        assert_same_beams(ours(llm, ids, params), stored_beams(BeamCase(name, k, 0.0, True), ids))
     assert_drained(llm)
 
 
 @pytest.mark.parametrize("early_stopping", [slow(False), True, slow("never")])
-def test_finished_set_with_eos_and_length_penalty_equals_transformers(llm, hf_smol, prompts, smol_fp32,
-                                                                      early_stopping):
-    eos = list(smol_fp32.tokenizer.eos_token_ids)
+def test_finished_set_with_eos_and_length_penalty_equals_transformers(llm, prompts, early_stopping):
     params = BeamSearchParams(beam_width=4, max_tokens=LENGTH, length_penalty=1.0, early_stopping=early_stopping)
-    for name in ("fact", "chat", "count"):
+    for name in FINISHED_PROMPTS:
         ids = prompts[name]
         got = llm.beam_search([{"prompt_token_ids": ids}], params)[0].sequences
-        want = hf_beams(hf_smol, ids, 4, eos, 1.0, fixed=False, early_stopping=early_stopping)
+        want = stored_beams(BeamCase(name, 4, 1.0, False, early_stopping), ids)
         assert [s.output_token_ids for s in got] == [t for t, _ in want]
         for s, (toks, score) in zip(got, want, strict=True):
             assert abs(s.cum_logprob / len(toks) - score) < 1e-4

@@ -39,3 +39,11 @@ CHATS = {
         {"role": "user", "content": "Why page it?"},
     ],
 }
+
+
+def encode_prompts(tk) -> dict[str, list[int]]:
+    """Every prompt and chat as token ids, by name."""
+    out = {name: tk.encode(text) for name, text in PROMPT_TEXTS.items()}
+    for name, messages in CHATS.items():
+        out[name] = tk.encode(tk.apply_chat_template(messages))
+    return out

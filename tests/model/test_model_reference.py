@@ -26,6 +26,19 @@ def test_prompts_cover_the_required_shapes(prompts):
     assert any(ord(c) > 127 for c in "東京")
 
 
+@pytest.mark.slow
+def test_stored_reference_is_what_transformers_generates(hf_smol, smol_fp32, prompts):
+    """The stored outputs the default run compares against are transformers' own, prompt for prompt."""
+    import json
+
+    from tests.helpers.reference import STORED, generate_reference
+
+    stored = json.loads(STORED.read_text())
+    fresh = generate_reference(hf_smol, prompts, list(smol_fp32.tokenizer.eos_token_ids))
+    assert fresh["greedy"] == stored["greedy"]
+    assert json.loads(json.dumps(fresh["beams"])) == stored["beams"]
+
+
 def test_greedy_matches_transformers(smol_fp32, prompts, hf_greedy):
     names = list(prompts)
     ours = generate(smol_fp32, [prompts[n] for n in names], MAX_NEW)
