@@ -35,9 +35,9 @@ def prompts(smol_fp32) -> dict[str, list[int]]:
 def hf_smol(smol_fp32):
     """transformers' own GGUF loader and Llama implementation (float32): the independent reference, for the slow
     tests that run it; the default run compares against its stored outputs (tests/helpers/reference.py)."""
-    from tests.helpers.reference import load_hf_smol
+    from tests.helpers.reference import load_hf_gguf
 
-    return load_hf_smol(smol_fp32.path)
+    return load_hf_gguf(smol_fp32.path)
 
 
 @pytest.fixture(scope="session")

@@ -48,8 +48,8 @@ def digest(ids: list[int]) -> str:
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
-def load_hf_smol(path: Path):
-    """transformers' own GGUF loader and Llama implementation, float32: the independent reference."""
+def load_hf_gguf(path: Path):
+    """transformers' own GGUF loader and model implementation, float32: the independent reference."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -105,33 +105,36 @@ def _stored() -> dict:
     return json.loads(STORED.read_text())
 
 
-def _checked(entry: dict, ids: list[int], what: str) -> dict:
+def checked_entry(entry: dict, ids: list[int], what: str, source: Path = STORED,
+                  rewrite: str = "python -m tests.helpers.reference") -> dict:
+    """A stored entry, refused unless it was generated from these prompt tokens."""
     assert entry["prompt_digest"] == digest(ids), (
-        f"{what}: the prompt is not the one {STORED.name} was generated from: run python -m tests.helpers.reference")
+        f"{what}: the prompt is not the one {source.name} was generated from: run {rewrite}")
     return entry
+
+
+def entry_lines(entries: dict) -> str:
+    """A JSON object's members one per line, so that a regenerated file's diff shows which outputs moved."""
+    return ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in entries.items())
 
 
 def stored_greedy(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     """The stored greedy continuations, each only for the prompt it was generated from."""
-    return {n: _checked(_stored()["greedy"][n], ids, n)["tokens"] for n, ids in prompts.items()}
+    return {n: checked_entry(_stored()["greedy"][n], ids, n)["tokens"] for n, ids in prompts.items()}
 
 
 def stored_beams(case: BeamCase, ids: list[int]) -> list[tuple[list[int], float]]:
     """The stored beams of one case (tokens, transformers' sequence score), best first."""
-    entry = _checked(_stored()["beams"][case.key], ids, case.key)
+    entry = checked_entry(_stored()["beams"][case.key], ids, case.key)
     return [(list(t), float(s)) for t, s in entry["beams"]]
 
 
 def write_reference(ref: dict, version: str) -> None:
-    """One line per entry, so that a regenerated file's diff shows which outputs moved."""
-    def block(d: dict) -> str:
-        return ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in d.items())
-
     by = json.dumps(f"transformers {version}, float32; greedy: {MAX_NEW} tokens, stops at EOS; beams: "
                     f"{BEAM_LENGTH} tokens")
     STORED.parent.mkdir(exist_ok=True)
-    STORED.write_text(f'{{"generated_by": {by},\n "greedy": {{\n{block(ref["greedy"])}}},\n'
-                      f' "beams": {{\n{block(ref["beams"])}}}}}\n')
+    STORED.write_text(f'{{"generated_by": {by},\n "greedy": {{\n{entry_lines(ref["greedy"])}}},\n'
+                      f' "beams": {{\n{entry_lines(ref["beams"])}}}}}\n')
     _stored.cache_clear()
 
 
@@ -142,7 +145,7 @@ def main() -> None:
 
     lm = load_model("SmolLM2-135M-Instruct", dtype="float32")
     prompts = encode_prompts(lm.tokenizer)
-    write_reference(generate_reference(load_hf_smol(lm.path), prompts, list(lm.tokenizer.eos_token_ids)),
+    write_reference(generate_reference(load_hf_gguf(lm.path), prompts, list(lm.tokenizer.eos_token_ids)),
                     transformers.__version__)
     print(f"wrote {STORED}")
 

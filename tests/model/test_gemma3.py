@@ -10,7 +10,6 @@ the slow test regenerates them with transformers and holds the file equal, and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -22,6 +21,7 @@ from kvpage.engine.llm import LLM
 from kvpage.model.registry import packaged_model_path
 from kvpage.sampling_params import SamplingParams
 from tests.helpers.marks import slow
+from tests.helpers.reference import checked_entry, digest, entry_lines, load_hf_gguf
 
 NEW = 24
 GEMMA = "gemma-3-270m"  # the short name, as users give it: every engine here shares one load of the file
@@ -50,16 +50,6 @@ def gemma_path():
 STORED = Path(__file__).parent / "data" / "gemma3_greedy.json"
 
 
-def load_hf_gemma(path: Path):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
-
-
 def build_prompts(llm: LLM) -> dict[str, list[int]]:
     tk = llm.get_tokenizer()
     out = {f"short{i}": tk.encode(t) for i, t in enumerate(SHORT)}
@@ -80,25 +70,16 @@ def transformers_greedy(model, prompts: dict[str, list[int]], new: int = NEW) ->
     return out
 
 
-def digest(ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
-
-
 def stored_reference(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     """The stored continuations, each only for the prompt it was generated from."""
-    stored = json.loads(STORED.read_text())
-    out = {}
-    for name, ids in prompts.items():
-        entry = stored["prompts"][name]
-        assert entry["prompt_digest"] == digest(ids), (
-            f"prompt {name!r} is not the one {STORED.name} was generated from: run python {Path(__file__).name}")
-        out[name] = entry["tokens"]
-    return out
+    stored = json.loads(STORED.read_text())["prompts"]
+    return {name: checked_entry(stored[name], ids, name, STORED, f"python {Path(__file__).name}")["tokens"]
+            for name, ids in prompts.items()}
 
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_path):
-    return load_hf_gemma(gemma_path)
+    return load_hf_gguf(gemma_path)
 
 
 @pytest.fixture(scope="module")
@@ -321,10 +302,9 @@ if __name__ == "__main__":  # rewrite the stored reference from transformers
 
     path = packaged_model_path("gemma-3-270m")
     ids = build_prompts(LLM(model=str(path), dtype="float32", kv_cache_memory="256MiB", max_model_len=2048))
-    tokens = transformers_greedy(load_hf_gemma(path), ids)
+    tokens = transformers_greedy(load_hf_gguf(path), ids)
     STORED.parent.mkdir(exist_ok=True)
-    entries = ",\n".join(f"  {json.dumps(n)}: {json.dumps({'prompt_digest': digest(ids[n]), 'tokens': tokens[n]})}"
-                          for n in ids)  # one line per prompt
+    entries = entry_lines({n: {"prompt_digest": digest(ids[n]), "tokens": tokens[n]} for n in ids})
     by = json.dumps(f"transformers {transformers.__version__}, float32, greedy, {NEW} tokens, EOS ignored")
     STORED.write_text(f'{{"generated_by": {by},\n "prompts": {{\n{entries}}}}}\n')
     print(f"wrote {STORED}")
