@@ -60,6 +60,26 @@ def test_f32_linear_rows_do_not_depend_on_the_batch(ops):
     assert torch.equal(whole, parts)
 
 
+def test_f32_linear_is_the_same_on_any_number_of_threads(ops):
+    """The threads claim (row chunk, panel) tasks as they go, so which thread computes an output changes from
+    call to call; every output is one task's, so its bits do not: 1 thread, 2 threads and repeated calls agree
+    on many row chunks (1,000 rows of 1,536 features: 24 chunks) and on a short, wide product."""
+    g = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    for m, n, k in ((1000, 200, 1536), (7, 4100, 64)):
+        x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        packed = ops.f32_pack_weight(w)
+        try:
+            torch.set_num_threads(1)
+            one = ops.f32_linear(x, packed, n, b)
+            torch.set_num_threads(2)
+            runs = [ops.f32_linear(x, packed, n, b) for _ in range(3)]
+        finally:
+            torch.set_num_threads(threads)
+        assert all(torch.equal(one, r) for r in runs)
+        check(ops, m, n, k, bias=True, seed=m + n)
+
+
 def test_f32_linear_rejects_mismatched_operands(ops):
     packed = ops.f32_pack_weight(torch.randn(40, 64))
     with pytest.raises(RuntimeError, match="features"):

@@ -95,19 +95,26 @@ void on_claiming_threads(Claims& claims, const F& work) {
 }
 
 // A GEMM's (row chunk, column tile) tasks over the threads: chunks of equal size, a multiple of mr rows, whose
-// inputs (row_bytes a row) stay in L2 (~256 KiB) while every column tile passes by; tasks run chunk-major, so a
-// thread's consecutive tasks share their rows. Equal chunks: 128 rows cut as 108 + 20 left one thread 5x the
-// other's work. fn(first row, rows, tile).
+// inputs (row_bytes a row) stay in L2 (~256 KiB) while every column tile passes by; tasks run chunk-major and
+// are claimed in runs of consecutive tasks (ChunkClaims, about `runs` a thread), so a thread's consecutive
+// tasks share their rows and a thread the OS parks leaves its remaining runs to the other. Equal chunks: 128
+// rows cut as 108 + 20 left one thread 5x the other's work. Every output is one task's, so the split never
+// changes a bit. fn(first row, rows, tile).
 template <typename F>
-void for_row_chunks_and_tiles(int64_t M, int64_t row_bytes, int64_t mr, int64_t tiles, const F& fn) {
+void for_row_chunks_and_tiles(int64_t M, int64_t row_bytes, int64_t mr, int64_t tiles, const F& fn,
+                              int64_t runs = 8) {
   const int64_t mc_max = std::max<int64_t>(mr, (256 * 1024 / row_bytes) / mr * mr);
   const int64_t chunks = (M + mc_max - 1) / mc_max;
   const int64_t mc = ((M + chunks - 1) / chunks + mr - 1) / mr * mr;
   const int64_t tasks = chunks * tiles;
-  at::parallel_for(0, tasks, std::max<int64_t>(1, tasks / (8 * at::get_num_threads())), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t m0 = (t / tiles) * mc, rows = std::min(mc, M - m0);
-      if (rows > 0) fn(m0, rows, t % tiles);
+  ChunkClaims claims(tasks, tasks / (runs * at::get_num_threads()));
+  on_claiming_threads(claims, [&](ChunkClaims& queue) {
+    int64_t t0 = 0, t1 = 0;
+    while (queue.next(t0, t1)) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t m0 = (t / tiles) * mc, rows = std::min(mc, M - m0);
+        if (rows > 0) fn(m0, rows, t % tiles);
+      }
     }
   });
 }
