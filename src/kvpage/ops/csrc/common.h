@@ -96,18 +96,17 @@ void on_claiming_threads(Claims& claims, const F& work) {
 
 // A GEMM's (row chunk, column tile) tasks over the threads: chunks of equal size, a multiple of mr rows, whose
 // inputs (row_bytes a row) stay in L2 (~256 KiB) while every column tile passes by; tasks run chunk-major and
-// are claimed in runs of consecutive tasks (ChunkClaims, about `runs` a thread), so a thread's consecutive
+// are claimed in runs of consecutive tasks (ChunkClaims, about eight runs a thread), so a thread's consecutive
 // tasks share their rows and a thread the OS parks leaves its remaining runs to the other. Equal chunks: 128
 // rows cut as 108 + 20 left one thread 5x the other's work. Every output is one task's, so the split never
 // changes a bit. fn(first row, rows, tile).
 template <typename F>
-void for_row_chunks_and_tiles(int64_t M, int64_t row_bytes, int64_t mr, int64_t tiles, const F& fn,
-                              int64_t runs = 8) {
+void for_row_chunks_and_tiles(int64_t M, int64_t row_bytes, int64_t mr, int64_t tiles, const F& fn) {
   const int64_t mc_max = std::max<int64_t>(mr, (256 * 1024 / row_bytes) / mr * mr);
   const int64_t chunks = (M + mc_max - 1) / mc_max;
   const int64_t mc = ((M + chunks - 1) / chunks + mr - 1) / mr * mr;
   const int64_t tasks = chunks * tiles;
-  ChunkClaims claims(tasks, tasks / (runs * at::get_num_threads()));
+  ChunkClaims claims(tasks, tasks / (8 * at::get_num_threads()));
   on_claiming_threads(claims, [&](ChunkClaims& queue) {
     int64_t t0 = 0, t1 = 0;
     while (queue.next(t0, t1)) {
