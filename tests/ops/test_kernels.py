@@ -39,7 +39,7 @@ def test_precompiled_header_is_compiled_with_the_sources_flags():
         assert not (build_dir / f"{build._PCH}.gch").exists()  # deleted after the build: ~0.4 GB
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32, 128])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 128), (6, 2, 32)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_kernel_matches_reference_fp32(block_size, heads, kv_heads, dim, layout):

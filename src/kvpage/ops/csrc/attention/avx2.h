@@ -107,12 +107,19 @@ inline __m256 dot8(const float* q, const KV* k, int64_t stride) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// Keys per softmax step of attend_tile_avx2: consecutive blocks of a sequence (four 16-token blocks) go through
+// one step, so a query row's serial work (its maxima, the correction's exp, the output row's rescaling) is paid
+// once per 64 keys instead of once per block.
+constexpr int64_t kFloatUnitKeys = 64;
+
 // attend_tile for float32, bf16 or float16 KV and head size D on AVX2 + FMA (same contract: q pre-scaled, rows
 // r = j * H + head, row r sees keys <= pos0 + r / H). K and V rows are read where they lie in the cache (no
 // copy; 16-bit values widened to float32 in registers, so every cache computes the same float32 arithmetic
-// on its stored values); scores come eight keys
-// at a time (dot8), the weights through exp8, and P.V keeps each row's output in registers 64 dims at a time
-// while the block's values stream past.
+// on its stored values). Keys go in units of up to kFloatUnitKeys (runs of whole blocks, UnitRuns), in three
+// passes: the scores of every row, block by block (all of a block's heads while its K rows are in L1), eight
+// keys at a time (dot8); one softmax step per row over the unit (exp8); P.V block by block, each row's output
+// in registers 64 dims at a time while the block's values stream past. The blocks after the unit are fetched
+// in small steps all through the first query's work (LineStream).
 template <typename KV, int64_t D>
 void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV* kcache, const KV* vcache,
                       const int64_t* table, int64_t block_size, int64_t block_stride, int64_t kv_heads, int64_t pos0,
@@ -121,107 +128,119 @@ void attend_tile_avx2(const float* q, int64_t nq, int64_t H, int64_t G, const KV
   static_assert(D % 64 == 0, "head size must be a multiple of 64");
   const int64_t R = nq * H;
   const int64_t row_stride = kv_heads * D;
-  scratch.resize(static_cast<size_t>(R * block_size + 8 + (kPairOrder<KV> ? R * D : 0)));
-  float* sc = scratch.data();  // this block's weights, [r][i]
+  const int64_t blocks = std::clamp<int64_t>(kFloatUnitKeys / block_size, 1, kUnitBlocks);  // per unit
+  const int64_t ss = blocks * block_size + 8;  // a row's scores, then weights, over the unit
+  scratch.resize(static_cast<size_t>(R * ss + 8 + (kPairOrder<KV> ? R * D : 0)));
+  float* sc = scratch.data();
   if constexpr (kPairOrder<KV>) {  // queries in load16's order; the outputs accumulate in it too
-    float* qp = scratch.data() + R * block_size + 8;
+    float* qp = scratch.data() + R * ss + 8;
     for (int64_t r = 0; r < R; ++r) to_pair_order(q + r * D, qp + r * D, D);
     q = qp;
   }
   reset_partials(acc, m, l, R, D);
   int64_t t = k_begin;
   while (t < k_end) {
-    const int64_t off = t % block_size;
-    const int64_t n = std::min(block_size - off, k_end - t);
-    const int64_t phys = table[t / block_size];
-    const BlockPrefetch<KV> prefetch(kcache, vcache, table, block_size, block_stride, row_stride, t, k_begin,
-                                     k_end, next);
-    // The block kPrefetchAhead ahead is fetched in small parts spread over this block's work: one part per
-    // eight keys of each query row's scores, as many during P.V (side by side on random 16-token blocks,
-    // 16-64 sequences x 256-4096 keys: 1.35-1.45x the bandwidth of fetching a head's share at once, which
-    // queues more misses than the core can track and stalls it).
-    const int64_t groups = (n + 7) / 8, parts = 2 * kv_heads * G * groups;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const KV* kbase = kcache + phys * block_stride + off * row_stride + h * D;
-      const KV* vbase = vcache + phys * block_stride + off * row_stride + h * D;
-      for (int64_t j = 0; j < nq; ++j) {
-        const int64_t visible = std::min(n, pos0 + j + 1 - t);  // keys after this query's position are masked
-        const int64_t first = window_first(window, pos0 + j, t, n);  // and keys before its window
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = j * H + h * G + g;
-          float* s = sc + r * block_size;
-          if (visible <= first) {
-            std::fill(s, s + n, 0.f);
-            continue;
-          }
-          std::fill(s, s + first, 0.f);
-          const float* qr = q + r * D;
-          __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-          int64_t i = first;
-          for (; i + 8 <= visible; i += 8) {
-            if (j == 0) prefetch.part((h * G + g) * groups + i / 8, parts);
-            const __m256 d8 = dot8<KV, D>(qr, kbase + i * row_stride, row_stride);
-            _mm256_storeu_ps(s + i, d8);
-            vmax = _mm256_max_ps(vmax, d8);
-          }
-          float bmax = kvpage::hmax8(vmax);
-          for (; i < visible; ++i) {  // the block's last < 8 visible keys, one by one
-            s[i] = dot1<KV, D>(qr, kbase + i * row_stride);
-            bmax = std::max(bmax, s[i]);
-          }
-          const float new_m = std::max(m[r], bmax);
-          const float corr = exp_neg(m[r] - new_m);
-          const __m256 vm = _mm256_set1_ps(new_m);
-          __m256 vsum = _mm256_setzero_ps();
-          i = first;
-          for (; i + 8 <= visible; i += 8) {
-            const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
-            _mm256_storeu_ps(s + i, w);
-            vsum = _mm256_add_ps(vsum, w);
-          }
-          float sum = kvpage::hsum8(vsum);
-          for (; i < visible; ++i) {
-            s[i] = exp_neg(s[i] - new_m);
-            sum += s[i];
-          }
-          for (i = visible; i < n; ++i) s[i] = 0.f;
-          l[r] = l[r] * corr + sum;
-          m[r] = new_m;
-          if (corr != 1.f) {
-            const __m256 vc = _mm256_set1_ps(corr);
-            float* a = acc + r * D;
-            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), vc));
-          }
-        }
-      }
-      for (int64_t j = 0; j < nq; ++j) {
-        const int64_t visible = std::min(n, pos0 + j + 1 - t);
-        const int64_t first = window_first(window, pos0 + j, t, n);
-        if (visible <= first) continue;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = j * H + h * G + g;
-          const float* w = sc + r * block_size;
-          if (j == 0)
-            for (int64_t gi = 0; gi < groups; ++gi) prefetch.part(parts / 2 + (h * G + g) * groups + gi, parts);
-          for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            float* a = acc + r * D + d0;
-            __m256 o[8];
-            for (int c = 0; c < 8; ++c) o[c] = _mm256_loadu_ps(a + 8 * c);
-            for (int64_t i = first; i < visible; ++i) {
-              const __m256 wv = _mm256_set1_ps(w[i]);
-              const KV* v = vbase + i * row_stride + d0;
-              for (int c = 0; c < 4; ++c) {
-                __m256 lo, hi;
-                load16(v + 16 * c, lo, hi);
-                o[2 * c] = _mm256_fmadd_ps(wv, lo, o[2 * c]);
-                o[2 * c + 1] = _mm256_fmadd_ps(wv, hi, o[2 * c + 1]);
-              }
+    LineStream ls;
+    const UnitRuns unit(table, block_size, t, k_end, blocks, -1, [&](int64_t u) {
+      ls.add(BlockPrefetch<KV>(kcache, vcache, table, block_size, block_stride, row_stride, u, k_begin, k_end, next,
+                               std::max<int64_t>(kPrefetchAhead, blocks)));
+    });
+    const int runs = unit.count;
+    const int64_t n = unit.n;
+    ls.pace(2 * kv_heads * G * ((n + 7) / 8));  // one step per eight keys of the first query's scores and P.V
+    // the scores, block by block
+    for (int b = 0; b < runs; ++b) {
+      const int64_t at = unit.block[b] * block_stride + unit.off[b] * row_stride;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const KV* kb = kcache + at + h * D;
+        for (int64_t j = 0; j < nq; ++j) {
+          int64_t lo, hi;  // keys after this query's position are masked, and keys before its window
+          unit.part(b, window_first(window, pos0 + j, t, n), std::min(n, pos0 + j + 1 - t), lo, hi);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = j * H + h * G + g;
+            float* s = sc + r * ss + unit.start[b];  // indexed by the key's place in the unit
+            const float* qr = q + r * D;
+            int64_t i = lo;
+            for (; i + 8 <= hi; i += 8) {
+              if (j == 0) ls.step();
+              _mm256_storeu_ps(s + i, dot8<KV, D>(qr, kb + i * row_stride, row_stride));
             }
-            for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * c, o[c]);
+            for (; i < hi; ++i) s[i] = dot1<KV, D>(qr, kb + i * row_stride);  // a run's last < 8 keys
           }
         }
       }
     }
+    // one softmax step per row over the unit; the row's output rescaled to the new maximum
+    for (int64_t j = 0; j < nq; ++j) {
+      const int64_t visible = std::min(n, pos0 + j + 1 - t);
+      const int64_t first = window_first(window, pos0 + j, t, n);
+      if (visible <= first) continue;
+      for (int64_t hg = 0; hg < H; ++hg) {
+        const int64_t r = j * H + hg;
+        float* s = sc + r * ss;
+        __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        int64_t i = first;
+        for (; i + 8 <= visible; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+        float bmax = kvpage::hmax8(vmax);
+        for (; i < visible; ++i) bmax = std::max(bmax, s[i]);
+        const float new_m = std::max(m[r], bmax);
+        const float corr = exp_neg(m[r] - new_m);
+        const __m256 vm = _mm256_set1_ps(new_m);
+        __m256 vsum = _mm256_setzero_ps();
+        for (i = first; i + 8 <= visible; i += 8) {
+          const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+          _mm256_storeu_ps(s + i, w);
+          vsum = _mm256_add_ps(vsum, w);
+        }
+        float sum = kvpage::hsum8(vsum);
+        for (; i < visible; ++i) {
+          s[i] = exp_neg(s[i] - new_m);
+          sum += s[i];
+        }
+        l[r] = l[r] * corr + sum;
+        m[r] = new_m;
+        if (corr != 1.f) {
+          const __m256 vc = _mm256_set1_ps(corr);
+          float* a = acc + r * D;
+          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), vc));
+        }
+      }
+    }
+    // P.V, block by block
+    for (int b = 0; b < runs; ++b) {
+      const int64_t at = unit.block[b] * block_stride + unit.off[b] * row_stride;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const KV* vb = vcache + at + h * D;
+        for (int64_t j = 0; j < nq; ++j) {
+          int64_t lo, hi;
+          unit.part(b, window_first(window, pos0 + j, t, n), std::min(n, pos0 + j + 1 - t), lo, hi);
+          if (lo >= hi) continue;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = j * H + h * G + g;
+            const float* w = sc + r * ss + unit.start[b];
+            if (j == 0)
+              for (int64_t k = lo; k < hi; k += 8) ls.step();
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+              float* a = acc + r * D + d0;
+              __m256 o[8];
+              for (int c = 0; c < 8; ++c) o[c] = _mm256_loadu_ps(a + 8 * c);
+              for (int64_t k = lo; k < hi; ++k) {
+                const __m256 wv = _mm256_set1_ps(w[k]);
+                const KV* v = vb + k * row_stride + d0;
+                for (int c = 0; c < 4; ++c) {
+                  __m256 vlo, vhi;
+                  load16(v + 16 * c, vlo, vhi);
+                  o[2 * c] = _mm256_fmadd_ps(wv, vlo, o[2 * c]);
+                  o[2 * c + 1] = _mm256_fmadd_ps(wv, vhi, o[2 * c + 1]);
+                }
+              }
+              for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + 8 * c, o[c]);
+            }
+          }
+        }
+      }
+    }
+    ls.rest();
     t += n;
   }
   if constexpr (kPairOrder<KV>)

@@ -164,9 +164,13 @@ struct LineStream {
   int count = 0, cur = 0;
   int64_t lines = 0, next = 0, per_step = 1;   // next: the line of blocks[cur] to fetch next
 
-  void add(const BlockPrefetch<uint8_t>& b) {
+  template <typename KV>
+  void add(const BlockPrefetch<KV>& b) {  // a block of any cache dtype: its lines are bytes alike
     if (b.lines > 0 && count < kUnitBlocks) {
-      blocks[count++] = b;
+      BlockPrefetch<uint8_t>& c = blocks[count++];
+      c.k = b.k;
+      c.v = b.v;
+      c.lines = b.lines;
       lines += b.lines;
     }
   }
