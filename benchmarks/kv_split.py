@@ -70,7 +70,7 @@ def split(model: str, positions: int, text: str, only: str = "") -> list[dict]:
     calls = [0]
     value_sums: dict[int, torch.Tensor] = {}  # per layer, from the last reference pass
 
-    def patched(key, value, cache, slots, packed):  # chunked_logits writes the layers in order, every chunk
+    def patched(key, value, cache, slots, packed, *rest):  # chunked_logits writes the layers in order, every chunk
         layer = calls[0] % n_layers
         calls[0] += 1
         if setting["group"] is None:  # the float32 pass: the values' mean per layer and head
@@ -82,7 +82,7 @@ def split(model: str, positions: int, text: str, only: str = "") -> list[dict]:
             value = round_trip(value, False, max(setting["group"], 0))  # values keep rows in the per-channel cases
         if setting["group"] is not None and layer in setting["k"]:
             key = round_trip(key, True, setting["group"])
-        return write(key, value, cache, slots, packed)
+        return write(key, value, cache, slots, packed, *rest)
 
     everything = set(range(n_layers))
     cases = [("keys", everything, set(), 0), ("values", set(), everything, 0), ("both", everything, everything, 0),
