@@ -106,8 +106,9 @@ constexpr int64_t kPrefetchAhead = 2;  // blocks (the row-layout kernels' prefet
 // kernel starts a block (key t), this picks the block kPrefetchAhead blocks later and fetches its K and V rows
 // into L2 in parts, so the requests do not queue up behind each other: part(i, parts) fetches the i-th of
 // `parts` equal shares (the AVX-512 kernel takes one share per KV head; the loops that take units of blocks
-// hand each block to a LineStream, which spreads its lines over the unit's work). Past the task's last block it runs on into the thread's next task (`next`), so a short
-// context (decode at a few hundred keys: ~20 blocks) does not start every sequence on cold misses.
+// hand each block to a LineStream, which spreads its lines over the unit's work). Past the task's last block
+// it runs on into the thread's next task (`next`), so a short context (decode at a few hundred keys: ~20
+// blocks) does not start every sequence on cold misses.
 template <typename KV>
 struct BlockPrefetch {
   const char* k = nullptr;
