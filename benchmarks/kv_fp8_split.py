@@ -26,7 +26,14 @@ import time
 import torch
 
 from kv_quant import fixed_text
-from kvpage.attention.kv_quant import dequantize_rows, hadamard, keys_feedback, quantize_rows
+from kvpage.attention.kv_quant import (
+    dequantize_rows,
+    gptq_feedback,
+    hadamard,
+    keys_feedback,
+    quantize_rows,
+    query_moment,
+)
 from kvpage.model.loader import load_model
 from kvpage.ops import load_kernels
 from kvpage.worker.kv_calibration import CALIBRATION_TEXT, CALIBRATION_TOKENS, CHUNK
@@ -49,22 +56,10 @@ CASES = {
 }
 
 
-def gram_feedback(c: torch.Tensor, damp: float) -> torch.Tensor:
-    """GPTQ's feedback rows ``[heads, D, D]`` for second moments ``c`` ``[heads, D, D]`` (keys_feedback's rule)."""
-    c = c.double()
+def damped(c: torch.Tensor, damp: float = 0.1) -> torch.Tensor:
+    """A second moment ``[heads, D, D]`` damped as keys_feedback damps it, as float32."""
     eye = torch.eye(c.shape[-1], dtype=torch.float64)
-    c = c + damp * c.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * eye
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(c)), upper=True)
-    return torch.triu(u / u.diagonal(dim1=-2, dim2=-1)[..., None], diagonal=1).float().contiguous()
-
-
-def query_moment(query: torch.Tensor, kv_heads: int, rotate: bool, damp: float = 0.1) -> torch.Tensor:
-    """The queries' second moment per KV head ``[kv_heads, D, D]``, damped as keys_feedback damps it."""
-    q = hadamard(query.float()) if rotate else query.float()
-    tokens, heads, d = q.shape
-    x = q.view(tokens, kv_heads, heads // kv_heads, d).transpose(0, 1).reshape(kv_heads, -1, d).double()
-    c = x.mT @ x / x.shape[1]
-    return (c + damp * c.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(d, dtype=torch.float64)).float()
+    return (c + damp * c.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * eye).float()
 
 
 def bf16_up(x: torch.Tensor) -> torch.Tensor:
@@ -118,12 +113,12 @@ def main() -> None:
         att.capture = None
     group = queries[0].shape[1] // kv_heads
     key_fb = [keys_feedback(q, kv_heads) for q in queries]
-    key_moment = [query_moment(q, kv_heads, rotate=True) for q in queries]
-    raw_fb = [gram_feedback(query_moment(q, kv_heads, rotate=False, damp=0.0), 0.1) for q in queries]
+    key_moment = [damped(query_moment(hadamard(q), kv_heads)) for q in queries]
+    raw_fb = [gptq_feedback(query_moment(q, kv_heads)) for q in queries]
     value_fb = []
     for layer in lm.model.layers:  # sum over the KV head's query heads of W_g^T W_g, W_g their o_proj columns
         w = layer.self_attn.o_proj.weight.detach().double().view(-1, kv_heads, group, d)
-        value_fb.append(gram_feedback(torch.einsum("ohgd,ohge->hde", w, w), 1.0))
+        value_fb.append(gptq_feedback(torch.einsum("ohgd,ohge->hde", w, w), 1.0))
 
     def keys(x: torch.Tensor, how: str, layer: int) -> torch.Tensor:
         if how.startswith("unrotated"):

@@ -109,11 +109,22 @@ def keys_feedback(query: torch.Tensor, kv_heads: int, damp: float = 0.1) -> torc
     (feedback alone) 1.30e-4 / 1.29e-4 / 1.45e-4 at 0.01 / 0.1 / 1, Gemma 3 (with both parts) 1.73e-4 /
     1.64e-4 / 1.58e-4; without feedback 2.45e-4 / 2.01e-4). Row i holds U[i, j] / U[i, i] for j > i (U upper,
     U^T U = C^-1), zeros elsewhere."""
-    q = hadamard(query.float())
-    tokens, heads, d = q.shape
-    x = q.view(tokens, kv_heads, heads // kv_heads, d).transpose(0, 1).reshape(kv_heads, -1, d).double()
-    c = x.mT @ x / x.shape[1]
-    eye = torch.eye(d, dtype=torch.float64)
+    return gptq_feedback(query_moment(hadamard(query.float()), kv_heads), damp)
+
+
+def query_moment(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The second moment ``[kv_heads, D, D]`` (float64) of queries ``[tokens, heads, D]``, pooled over each KV
+    head's query heads."""
+    tokens, heads, d = query.shape
+    x = query.view(tokens, kv_heads, heads // kv_heads, d).transpose(0, 1).reshape(kv_heads, -1, d).double()
+    return x.mT @ x / x.shape[1]
+
+
+def gptq_feedback(c: torch.Tensor, damp: float = 0.1) -> torch.Tensor:
+    """GPTQ's rounding feedback ``[heads, D, D]`` for error weights ``c`` ``[heads, D, D]`` (float64; a row's
+    error e costs e^T c e), ``damp`` times c's mean diagonal added first: row i holds U[i, j] / U[i, i] for j > i
+    (U upper, U^T U = (c + damp)^-1), zeros elsewhere."""
+    eye = torch.eye(c.shape[-1], dtype=torch.float64)
     c = c + damp * c.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)[:, None, None] * eye
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(c)), upper=True)
     return torch.triu(u / u.diagonal(dim1=-2, dim2=-1)[..., None], diagonal=1).float().contiguous()
