@@ -56,6 +56,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = field(default=None)
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first, then its own and the top
+    # logprobs under the model at the position before (vLLM's field); in a delta stream only the first output
+    # after the prompt is computed carries it
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

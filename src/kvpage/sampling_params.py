@@ -32,6 +32,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
+    # top-N logprobs per prompt token (each token's own always included; the first token has none): what
+    # scoring harnesses (lm-eval's loglikelihood) read. Such a request skips the prefix cache's hits, as its
+    # hidden states are needed for every prompt position.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: OutputKind = "cumulative"
@@ -65,6 +69,9 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                              and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         need(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         need(self.output_kind in ("cumulative", "delta", "final_only"),
              f"output_kind must be cumulative, delta or final_only, got {self.output_kind!r}")

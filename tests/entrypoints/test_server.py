@@ -137,6 +137,55 @@ def test_sampling_extras_logprobs_n_and_stop(srv, model_id):
     assert body["usage"]["completion_tokens"] == 6
 
 
+def test_echo_and_prompt_logprobs_as_scoring_harnesses_send_them(srv, model_id, offline):
+    """lm-eval's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1): every prompt token's logprob
+    after the first, equal to the offline engine's prompt logprobs; echo with max_tokens 0 returns the prompt
+    alone; prompt_logprobs as vLLM's extra field, on completions and chat."""
+    from kvpage.sampling_params import SamplingParams
+
+    ids = request(srv, "POST", "/tokenize", {"prompt": PROMPT})[1]["tokens"]
+    status, body = request(srv, "POST", "/v1/completions", {
+        "model": model_id, "prompt": [ids], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True,
+        "seed": 1234})
+    assert status == 200, body
+    ch = body["choices"][0]
+    lp = ch["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert ch["text"].startswith(offline.get_tokenizer().decode(ids))
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    ref = offline.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    want = [ref.prompt_logprobs[p][t].logprob for p, t in enumerate(ids) if p > 0]
+    assert lp["token_logprobs"][1:-1] == pytest.approx(want, abs=1e-3)
+    assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
+    status, body = request(srv, "POST", "/v1/completions", {
+        "model": model_id, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert status == 200, body
+    ch = body["choices"][0]
+    assert ch["text"] == PROMPT and len(ch["logprobs"]["tokens"]) == len(ids)
+    assert body["usage"]["completion_tokens"] == 0
+    status, body = request(srv, "POST", "/v1/completions", {
+        "model": model_id, "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 2})
+    assert status == 200, body
+    pl = body["choices"][0]["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None
+    assert all(str(t) in e and 2 <= len(e) <= 3 for t, e in zip(ids[1:], pl[1:], strict=True))
+    status, body = request(srv, "POST", "/v1/chat/completions", {
+        "model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0})
+    assert status == 200 and body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) > 2, body
+    chunks = list(client(srv).completions.create(model=model_id, prompt=PROMPT, max_tokens=2, temperature=0,
+                                                 echo=True, stream=True, logprobs=0))
+    first = chunks[0].choices[0]
+    assert first.text.startswith(PROMPT) and len(first.logprobs.tokens) == len(ids) + 1
+    assert "".join(c.choices[0].text for c in chunks).startswith(PROMPT)
+    for bad, words in [({"max_tokens": 0}, "max_tokens"), ({"prompt_logprobs": 1, "stream": True}, "stream"),
+                       ({"prompt_logprobs": 21}, "prompt_logprobs"),
+                       ({"echo": True, "use_beam_search": True, "n": 2}, "echo")]:
+        status, err = request(srv, "POST", "/v1/completions", {"model": model_id, "prompt": PROMPT, **bad})
+        assert status == 400 and words in err["error"]["message"], (bad, err)
+    wait_idle(srv, 10)
+    assert metric(srv, "kvpage:kv_cache_blocks_used") == 0
+
+
 def test_beam_search_matches_offline_beam_search(srv, model_id, offline):
     """use_beam_search with best_of 4, n 2: the same two best beams as LLM.beam_search, best first."""
     from kvpage.sampling_params import BeamSearchParams

@@ -90,11 +90,13 @@ message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "ass
                                                          [{"type": "image_url", "image_url": {"url": "x"}}]])})
 messages = field(st.lists(message, min_size=1, max_size=3), [[], [{"role": "wizard", "content": "x"}]])
 completion = body({"prompt": prompt}, {**SAMPLING, "logprobs": field(st.integers(0, 20), [21, -1]),
-                                       "echo": field(st.just(False), [True]),
+                                       "echo": field(st.booleans()),
+                                       "prompt_logprobs": field(st.integers(0, 20), [21, -1, "x"]),
                                        "best_of": field(st.integers(1, 4), [0, 5, -1])})
 chat = body({"messages": messages}, {
     **SAMPLING, "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 20), [21]),
     "max_completion_tokens": field(st.integers(1, 12), [0, 10**6]),
+    "prompt_logprobs": field(st.integers(0, 3), [21]),
     "add_generation_prompt": field(st.booleans()), "chat_template_kwargs": field(st.dictionaries(text, text))})
 tokenize = st.one_of(body({"prompt": text}, {"add_special_tokens": field(st.booleans())}),
                      body({"messages": messages}, {"add_generation_prompt": field(st.booleans())}))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpage.core.beam import BeamGroup, Candidates
+from kvpage.core.prompt_scores import PromptScore, record_scores
 from kvpage.core.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from kvpage.core.sequence import Request, Sequence, SequenceStatus
 from kvpage.errors import KVCapacityError
@@ -59,13 +60,16 @@ class StepWorker(Protocol):
     """What computes a step. ``execute_model`` performs the step's block operations and its forward pass (an
     exception there is fatal); ``sample`` draws one token per target of each task, or gives a task the
     exception its own settings raised; ``beam_candidates`` gives each beam task its request's
-    ``beam.keep`` best continuations (token, log-probability; blocked ids left out), best first."""
+    ``beam.keep`` best continuations (token, log-probability; blocked ids left out), best first;
+    ``prompt_scores`` the step's prompt logprobs, per sequence, for the spans ``score_span`` names."""
 
     def execute_model(self, out: SchedulerOutput) -> Any: ...
 
     def sample(self, step: Any, tasks: Seq[SampleTask]) -> list[list[Sample] | BaseException]: ...
 
     def beam_candidates(self, step: Any, tasks: Seq[SampleTask]) -> list[Candidates | BaseException]: ...
+
+    def prompt_scores(self, step: Any) -> dict[str, list[PromptScore]]: ...
 
 
 class OutputProcessor(Protocol):
@@ -242,6 +246,14 @@ class EngineCore:
             self.fail_all(f"model step failed: {error}", touched, fatal=True)
             return
         self.scheduler.mark_computed(out)
+        if any(w.seq.wants_prompt_scores for w in out.work):
+            try:
+                record_scores(out.work, self.worker.prompt_scores(step))
+            except Exception as e:
+                logger.exception("prompt logprobs failed")
+                for w in out.work:
+                    if w.seq.wants_prompt_scores:
+                        self.fail_request(w.seq.request, f"prompt logprobs failed: {type(e).__name__}: {e}", touched)
         tasks = [self._task(w) for w in out.work if w.completes_prompt and not w.seq.finished]
         if self.regroup is not None:
             tasks = self.regroup(tasks)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from kvpage.core.sequence import Sequence, SequenceStatus
 from kvpage.errors import InvalidRequestError, KVCapacityError, PromptTooLongError
-from kvpage.kv import KVManager
+from kvpage.kv import NO_HIT, KVManager
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.request.beam is not None and any(w.seq.request is seq.request for w in out.work):
                 break  # one beam of a group per step: the next one finds this one's blocks in the prefix cache
-            hit = self.kv.lookup_prefix(seq)
+            # a sequence that still owes prompt logprobs computes its whole prompt: no hit
+            hit = NO_HIT if seq.wants_prompt_scores else self.kv.lookup_prefix(seq)
             want = len(seq.token_ids) - hit.num_tokens
             n = min(want, budget)
             if not chunked and n < want:

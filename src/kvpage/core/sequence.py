@@ -67,6 +67,14 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def wants_prompt_scores(self) -> bool:
+        """Does this sequence still owe its request prompt logprobs? (Only the first sample computes the prompt;
+        a complete record holds one score per prompt token after the first: core/prompt_scores.py.)"""
+        req = self.request
+        return (req.params.prompt_logprobs is not None and self.index == 0 and req.beam is None
+                and len(req.prompt_scores) < self.prompt_len - 1)
+
+    @property
     def sort_key(self) -> tuple[int, int, int]:
         return (*self.request.sort_key, self.index)
 
@@ -92,6 +100,11 @@ class Request:
     error: str | None = None
     use_priority: bool = False
     beam: BeamGroup | None = None  # beam search: the group's state (its live beams are ``seqs`` not finished)
+    # prompt_logprobs: one core.prompt_scores.PromptScore per prompt token after the first, as computed; the
+    # output processor's rendering of them (opaque here) and whether a delta output carried it yet
+    prompt_scores: list[Any] = field(default_factory=list)
+    prompt_logprobs: Any = None
+    sent_prompt_logprobs: bool = False
 
     @property
     def sort_key(self) -> tuple[int, int]:

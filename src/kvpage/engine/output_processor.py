@@ -123,7 +123,30 @@ def make_request_output(req: Request, tokenizer: KVTokenizer | None = None) -> R
             logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
         ))
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                         req.num_cached_tokens, req.metrics, req.error)
+                         req.num_cached_tokens, req.metrics, req.error, _prompt_logprobs(req, tokenizer, kind))
+
+
+def _prompt_logprobs(req: Request, tokenizer: KVTokenizer | None, kind: str) -> list | None:
+    """The request's prompt logprobs once every prompt position is scored (rendered once, kept on the
+    request); a delta stream gets them in one output only."""
+    if req.params.prompt_logprobs is None or len(req.prompt_scores) < len(req.prompt_token_ids) - 1:
+        return None
+    if req.prompt_logprobs is None:
+        def text(t: int) -> str | None:
+            return None if tokenizer is None else tokenizer.decode([t], skip_special_tokens=False)
+
+        rendered: list[dict[int, Logprob] | None] = [None]
+        for tok, score in zip(req.prompt_token_ids[1:], req.prompt_scores, strict=True):
+            entry = {t: Logprob(lp, rank, text(t)) for rank, (t, lp) in enumerate(score.top, start=1)}
+            if tok not in entry:
+                entry[tok] = Logprob(score.logprob, score.rank, text(tok))
+            rendered.append(entry)
+        req.prompt_logprobs = rendered
+    if kind == "delta":
+        if req.sent_prompt_logprobs:
+            return None
+        req.sent_prompt_logprobs = True
+    return req.prompt_logprobs
 
 
 def _beam_output(req: Request, tokenizer: KVTokenizer | None) -> RequestOutput:

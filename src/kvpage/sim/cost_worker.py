@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from kvpage.core.engine_core import Sample, SampleTask
+from kvpage.core.prompt_scores import PromptScore
 from kvpage.core.scheduler import SchedulerOutput
 from kvpage.core.step import StepFeatures
 from kvpage.kv.specs import KVLayout
@@ -44,6 +45,10 @@ class CostModelWorker:
         if self.on_step is not None:
             self.on_step(features, seconds)
         self.clock.now += seconds
+
+    def prompt_scores(self, step: None) -> dict[str, list[PromptScore]]:
+        """The simulator computes no logits: its workloads ask for no prompt logprobs."""
+        return {}
 
     def sample(self, step: None, tasks: Seq[SampleTask]) -> list[list[Sample] | BaseException]:
         """Fresh ids that no prompt holds, so generated tokens never hit the prefix cache by accident."""

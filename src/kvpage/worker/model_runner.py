@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvpage.attention.metadata import AttentionMetadata
+from kvpage.core.prompt_scores import PromptScore
 from kvpage.model.llama import LlamaForCausalLM
 from kvpage.model.logits import LogitsBuffer, RowDraws
 from kvpage.worker.kv_cache import KVCache
@@ -31,6 +32,9 @@ class ScheduledSeq:
     all_logits: bool = False  # logits for every computed token (prompt logprobs, teacher forcing)
     # One table per KV group when the model has several (block_table is then the first); -1: dropped by a window
     block_tables: Sequence[Sequence[int]] | None = None
+    # prompt logprobs: (first scored token of this chunk, counted from its start; the tokens those positions
+    # predict; how many top logprobs each) -- core/prompt_scores.py says which positions
+    scores: tuple[int, Sequence[int], int] | None = None
 
     def tables(self, num_groups: int) -> Sequence[Sequence[int]]:
         if self.block_tables is not None:
@@ -61,6 +65,7 @@ class PreparedBatch:
     meta: list[Any]  # what the attention backend's builder made of it, per layer (its group's)
     logits_rows: torch.Tensor  # flat-batch rows whose logits are computed
     logits_slices: dict[str, slice]  # per sequence: its part of logits_rows
+    score_rows: list[tuple[ScheduledSeq, int]] = field(default_factory=list)  # (seq, flat row of its first score)
 
 
 class StepLogits:
@@ -70,6 +75,7 @@ class StepLogits:
                  tokens: torch.Tensor | None = None) -> None:
         self.logits, self.argmax_rows, self.lse_rows = logits, argmax, lse
         self.tokens = tokens  # [rows, draws] when the logits pass drew each row's tokens (no logits then)
+        self.prompt_scores: dict[str, list[PromptScore]] = {}  # prompt logprobs, per scoring sequence
         self._slices, self._all = slices, all_rows
 
     def __getitem__(self, seq_id: str) -> torch.Tensor:
@@ -101,6 +107,8 @@ class ModelRunner:
         # the fast path where the loader enabled it (model/fast_path.py), else the reference model
         self.forward = model.fast or model
         self.kv_cache = kv_cache
+        # sizes the prompt-logprobs slices alike on every tensor-parallel rank
+        self.vocab_size = int(model.config.vocab_size or model.embed_tokens.weight.shape[0])
         self.block_size = kv_cache.block_size
         self.persist: Callable[[Any, bytes], None] = _no_disk_tier
         layout = self.layout = kv_cache.layout
@@ -137,6 +145,7 @@ class ModelRunner:
         query_lens: list[int] = []
         rows: list[int] = []
         slices: dict[str, slice] = {}
+        score_rows: list[tuple[ScheduledSeq, int]] = []
         max_blocks = 0
         tables_of = [s.tables(num_groups) for s in batch]
         for s, tables in zip(batch, tables_of, strict=True):
@@ -155,6 +164,8 @@ class ModelRunner:
             seq_lens.append(end)
             query_lens.append(n)
             max_blocks = max(max_blocks, -(-end // bs))
+            if s.scores is not None:
+                score_rows.append((s, qsl[-2] + s.scores[0]))
             if s.all_logits:
                 slices[s.seq_id] = slice(len(rows), len(rows) + n)
                 rows.extend(range(qsl[-2], qsl[-1]))
@@ -192,7 +203,7 @@ class ModelRunner:
             metas.append(builder.build(common))
         layer_metas = [metas[g] for g in self.layer_group]
         return PreparedBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), commons,
-                             layer_metas, torch.tensor(rows, dtype=torch.long), slices)
+                             layer_metas, torch.tensor(rows, dtype=torch.long), slices, score_rows)
 
     def apply_block_ops(self, ops: BlockOps | None) -> None:
         """In the order the KV manager's plans require: device -> host (swap-outs, prefix offloads), device ->
@@ -210,13 +221,15 @@ class ModelRunner:
         self.kv_cache.copy_blocks(ops.copies)
 
     @torch.inference_mode()
-    def forward_only(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None) -> torch.Tensor:
+    def forward_only(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None) -> list[torch.Tensor]:
         """A tensor-parallel follower's step: block operations and the forward pass into its KV shard. Returns
-        the hidden states of the rows rank 0 computes logits for (every rank ends the pass with the same)."""
+        the hidden states rank 0 computes logits for, in the order it runs the lm head on them (the prompt
+        logprobs' slices, then the step's rows); every rank ends the pass with the same hidden states."""
         self.apply_block_ops(ops)
         prepared = self.prepare(batch)
         hidden = self.forward(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
-        return hidden[prepared.logits_rows]
+        slices = [hidden[rows] for _, rows, _ in score_slices(prepared, self.vocab_size)]
+        return [*slices, hidden[prepared.logits_rows]]
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledSeq], ops: BlockOps | None = None,
@@ -232,6 +245,7 @@ class ModelRunner:
         self.apply_block_ops(ops)
         prepared = self.prepare(batch)
         hidden = self.forward(prepared.input_ids, prepared.positions, self.kv_cache.layers, prepared.meta)
+        scores = self._prompt_scores(hidden, prepared)  # first: the head's calls in the followers' order
         all_rows = {s.seq_id for s in batch if s.all_logits}
         row_draws = None
         if draws is not None and not all_rows and not argmax_only and draws.keys() == prepared.logits_slices.keys():
@@ -243,4 +257,46 @@ class ModelRunner:
                                  torch.tensor([d.uniforms for _, d in by_row], dtype=torch.float64))
         res = self.forward.compute_logits_ex(hidden[prepared.logits_rows], argmax_only and not all_rows,
                                              None if all_rows else logits_buffer, draws=row_draws)
-        return StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows, res.tokens)
+        out = StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows, res.tokens)
+        out.prompt_scores = scores
+        return out
+
+    def _prompt_scores(self, hidden: torch.Tensor, prepared: PreparedBatch) -> dict[str, list[PromptScore]]:
+        """Each scoring sequence's prompt logprobs, from float32 logits of at most ~64 MB at a time (a 2,048-token
+        chunk's [rows, vocab] would be 400 MB for SmolLM2, 2 GB for Gemma 3)."""
+        scores: dict[str, list[PromptScore]] = {}
+        for seq, rows, targets in score_slices(prepared, self.vocab_size):
+            res = self.forward.compute_logits_ex(hidden[rows])
+            logits = res.logits
+            lse = res.lse if res.lse is not None else torch.logsumexp(logits, dim=-1)
+            tgt = torch.tensor(targets, dtype=torch.long)
+            chosen = logits.gather(1, tgt[:, None])[:, 0]
+            ranks = (logits > chosen[:, None]).sum(dim=1) + 1
+            lps = (chosen - lse).tolist()
+            k = seq.scores[2]
+            top_ids = top_lps = None
+            if k > 0:
+                vals, idx = logits.topk(k, dim=1)
+                top_ids, top_lps = idx.tolist(), (vals - lse[:, None]).tolist()
+            out = scores.setdefault(seq.seq_id, [])
+            for i, (lp, rank) in enumerate(zip(lps, ranks.tolist(), strict=True)):
+                top = () if top_ids is None else tuple(zip(top_ids[i], top_lps[i], strict=True))
+                out.append(PromptScore(lp, rank, top))
+        return scores
+
+
+# float32 logits of one prompt-logprobs slice: at most this many bytes (at least one row)
+SCORE_SLICE_BYTES = 64 << 20
+
+
+def score_slices(prepared: PreparedBatch, vocab: int) -> list[tuple[ScheduledSeq, torch.Tensor, list[int]]]:
+    """(sequence, flat-batch rows, the tokens they predict) per slice of the step's prompt-logprobs rows, in the
+    order the lm head runs on them (rank 0 and the tensor-parallel followers must agree on it)."""
+    per = max(1, SCORE_SLICE_BYTES // (4 * vocab))
+    out = []
+    for seq, row in prepared.score_rows:
+        targets = list(seq.scores[1])
+        for i in range(0, len(targets), per):
+            part = targets[i : i + per]
+            out.append((seq, torch.arange(row + i, row + i + len(part)), part))
+    return out

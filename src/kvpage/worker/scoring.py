@@ -46,5 +46,5 @@ def _feed(lm, ids: list[int], kv_dtype: torch.dtype, chunk: int, block_size: int
             raise RuntimeError("the scoring cache is too small")
         tables = m.block_tables("s")
         seq = ScheduledSeq("s", part, start, tables[0], all_logits=True, block_tables=tables if hybrid else None)
-        rows.append(runner.execute([seq])["s"].float() if logits else runner.forward_only([seq]).float())
+        rows.append(runner.execute([seq])["s"].float() if logits else runner.forward_only([seq])[-1].float())
     return rows

@@ -12,7 +12,8 @@ from kvpage.attention.kv_quant import is_quantized
 from kvpage.config import CacheConfig, ModelRunConfig, fast_path, resolve_dtype
 from kvpage.core.beam import Candidates
 from kvpage.core.engine_core import Sample, SampleTask, blocked_ids
-from kvpage.core.scheduler import SchedulerOutput
+from kvpage.core.prompt_scores import PromptScore, score_span
+from kvpage.core.scheduler import ScheduledWork, SchedulerOutput
 from kvpage.core.sequence import Sequence
 from kvpage.distributed.config import ParallelConfig
 from kvpage.distributed.group import CommStats, VocabParallelHead, make_row_parallel
@@ -44,6 +45,16 @@ from kvpage.worker.sampler import (
 from kvpage.worker.transform_cache import default_dir
 
 logger = logging.getLogger(__name__)
+
+
+def _scores(w: ScheduledWork) -> tuple[int, list[int], int] | None:
+    """What the runner scores in this work's chunk (prompt logprobs): core/prompt_scores.py names the positions."""
+    span = score_span(w)
+    if span is None:
+        return None
+    first, last = span
+    ids = w.seq.token_ids
+    return first - w.start_pos, ids[first + 1 : last + 1], int(w.seq.request.params.prompt_logprobs)
 
 
 class Worker:
@@ -211,11 +222,12 @@ class Worker:
             for w in out.work:
                 per_group = tables(w.seq.seq_id)
                 batch.append(ScheduledSeq(w.seq.seq_id, w.token_ids, w.start_pos, per_group[0],
-                                          need_logits=w.completes_prompt, block_tables=per_group))
+                                          need_logits=w.completes_prompt, block_tables=per_group,
+                                          scores=_scores(w)))
         else:
             table = self.kv.block_table
             batch = [ScheduledSeq(w.seq.seq_id, w.token_ids, w.start_pos, table(w.seq.seq_id),
-                                  need_logits=w.completes_prompt) for w in out.work]
+                                  need_logits=w.completes_prompt, scores=_scores(w)) for w in out.work]
         # what each sampling sequence may not draw yet, for this step's argmax decision and its draw
         self._blocked = {w.seq.seq_id: blocked_ids(w.seq, self.eos_ids) for w in out.work if w.completes_prompt}
         argmax_only = all(w.seq.request.beam is None and argmax_suffices(w.seq.request.params,
@@ -232,6 +244,9 @@ class Worker:
             if self.ranks.alive and not isinstance(e, RankFailure):
                 raise self.ranks.guard(e) from e
             raise
+
+    def prompt_scores(self, step: StepLogits | None) -> dict[str, list[PromptScore]]:
+        return {} if step is None else step.prompt_scores
 
     def _plan_draws(self, out: SchedulerOutput) -> dict[str, DrawSetting] | None:
         """The step's draws for the logits pass to make itself, when no request needs its logits (greedy or
@@ -262,9 +277,10 @@ class Worker:
     def follow(self, plan: StepPlan) -> None:
         """A tensor-parallel follower runs rank 0's plan on its own shard and KV tensors."""
         if plan.kind == "step":
-            rows = self.runner.forward_only(plan.batch, plan.ops)
-            if self.vocab_head is not None:  # this rank's slice of the logits, to rank 0
-                self.vocab_head(rows.to(self.lm.dtype))
+            parts = self.runner.forward_only(plan.batch, plan.ops)
+            if self.vocab_head is not None:  # this rank's slice of the logits, to rank 0, for each head call
+                for rows in parts:
+                    self.vocab_head(rows.to(self.lm.dtype))
         elif plan.kind == "ops":
             self.runner.apply_block_ops(plan.ops)
         else:

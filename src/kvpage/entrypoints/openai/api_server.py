@@ -41,6 +41,7 @@ from kvpage.entrypoints.openai.serving import (
     api_error,
     chat_logprobs,
     completion_logprobs,
+    prompt_logprobs_json,
     sse_response,
     usage,
 )
@@ -213,7 +214,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         common_checks(req)
         req.check()
         base = f"cmpl-{uuid.uuid4().hex}"
-        jobs, params = [], []
+        jobs, params, texts = [], [], {}
         for i, prompt in enumerate(req.prompts()):
             if isinstance(prompt, str):
                 ids = await encode(prompt, "prompt")
@@ -223,17 +224,30 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                 raise APIError(400, "prompt must be a string, a list of token ids, or a list of either",
                                param="prompt")
             ids = truncate(ids, req.truncate_prompt_tokens)
-            max_tokens = engine.check_request(len(ids), req.max_tokens, fit_context=True)
+            max_tokens = engine.check_request(len(ids), 1 if req.echo_only else req.max_tokens, fit_context=True)
             jobs.append(Job(i, f"{base}-{i}", ids))
             params.append(req.sampling_params(max_tokens, req.logprobs, req.stream))
+            if req.echo:  # the prompt as the client sent it, or (token ids, a truncated prompt) its tokens' text
+                texts[i] = prompt if isinstance(prompt, str) and req.truncate_prompt_tokens is None else \
+                    tokenizer.decode(ids, skip_special_tokens=False)
         top_n = req.logprobs or 0
         include_usage, every_chunk = stream_usage(req)
         model = config.model_name
 
-        def choice(job: Job, c: CompletionOutput, offset: int) -> dict[str, Any]:
-            return {"index": job.index * req.n + c.index, "text": c.text,
-                    "logprobs": completion_logprobs(c, top_n, offset), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
+        def choice(job: Job, c: CompletionOutput, offset: int, pl: list | None, first: bool) -> dict[str, Any]:
+            """``first``: the choice's first chunk (or its whole body), which carries the echoed prompt."""
+            if req.echo_only:  # the engine's one token stays out
+                c = CompletionOutput(c.index, "", [], c.cumulative_logprob, [] if c.logprobs is not None else None,
+                                     c.finish_reason, c.stop_reason)
+            echo = req.echo and first
+            ids = job.prompt_ids
+            echoed = (ids, pl, tokenizer.decode(ids[:1], skip_special_tokens=False)) if echo and pl else None
+            out = {"index": job.index * req.n + c.index, "text": (texts[job.index] if echo else "") + c.text,
+                   "logprobs": completion_logprobs(c, top_n, offset, echoed), "finish_reason": c.finish_reason,
+                   "stop_reason": c.stop_reason}
+            if req.prompt_logprobs is not None:
+                out["prompt_logprobs"] = prompt_logprobs_json(pl)
+            return out
 
         def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return {"id": base, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -248,21 +262,24 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                 out = finals[job.request_id]
                 cached += out.num_cached_tokens
                 for c in out.outputs:
-                    choices.append(choice(job, c, 0))
-                    n_out += len(c.token_ids)
+                    choices.append(choice(job, c, 0, out.prompt_logprobs, True))
+                    n_out += 0 if req.echo_only else len(c.token_ids)
             choices.sort(key=lambda ch: ch["index"])
             return JSONResponse(frame(choices, usage=usage(jobs, n_out, cached)))
 
         async def events() -> AsyncIterator[dict[str, Any]]:
-            n_out, cached, offsets = 0, {}, {}
+            n_out, cached, offsets, pls = 0, {}, {}, {}
             async with aclosing(runner.changes(request, jobs, outputs)) as it:
                 async for job, out, c in it:
                     cached[job.request_id] = out.num_cached_tokens
+                    if out.prompt_logprobs is not None:  # in one delta output only
+                        pls[job.request_id] = out.prompt_logprobs
                     key = (job.index, c.index)
-                    n_out += len(c.token_ids)
+                    n_out += 0 if req.echo_only else len(c.token_ids)
                     extra = {"usage": usage(jobs, n_out, sum(cached.values()))} if every_chunk else {}
-                    yield frame([choice(job, c, offsets.get(key, 0))], **extra)
-                    offsets[key] = offsets.get(key, 0) + len(c.text)
+                    ch = choice(job, c, offsets.get(key, 0), pls.get(job.request_id), key not in offsets)
+                    yield frame([ch], **extra)
+                    offsets[key] = offsets.get(key, 0) + len(ch["text"])
             if include_usage:
                 yield frame([], usage=usage(jobs, n_out, sum(cached.values())))
 
@@ -296,7 +313,10 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                         "logprobs": chat_logprobs(c, top_n), "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason} for c in out.outputs]
             n_out = sum(len(c.token_ids) for c in out.outputs)
-            return JSONResponse(frame(choices, "chat.completion", usage=usage(jobs, n_out, out.num_cached_tokens)))
+            pl = out.prompt_logprobs
+            extra = {} if req.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(pl)}
+            return JSONResponse(frame(choices, "chat.completion", usage=usage(jobs, n_out, out.num_cached_tokens),
+                                      **extra))
 
         async def events() -> AsyncIterator[dict[str, Any]]:
             n_out, cached = 0, 0

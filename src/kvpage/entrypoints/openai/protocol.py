@@ -59,7 +59,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "guided_grammar": _set,
     "guided_whitespace_pattern": _set,
     "structured_outputs": _set,
-    "prompt_logprobs": lambda v: v is not None,
     "bad_words": _set,
     "audio": _set,
     "modalities": lambda v: v is not None and v != ["text"],
@@ -109,6 +108,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: up to max_model_len)
+    prompt_logprobs: int | None = None  # vLLM's extra: top-k logprobs per prompt token (not with stream)
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
@@ -126,8 +126,17 @@ class SamplingFields(BaseModel):
             bias[int(key)] = value
         return bias
 
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         stream: bool) -> SamplingParams | BeamSearchParams:
+        if self.prompt_logprobs is not None:
+            if stream:
+                raise APIError(400, "prompt_logprobs are not available with stream: true", param="prompt_logprobs")
+            if not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise APIError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+                               param="prompt_logprobs")
         if self.use_beam_search:
             return self.beam_search_params(max_tokens, logprobs, stream)
         try:
@@ -152,6 +161,7 @@ class SamplingFields(BaseModel):
                 output_kind="delta" if stream else "final_only",
                 logit_bias=self.token_bias(),
                 allowed_token_ids=self.allowed_token_ids,
+                prompt_logprobs=self.requested_prompt_logprobs(),
             )
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
@@ -163,6 +173,8 @@ class SamplingFields(BaseModel):
                                 "stream: false", param="stream")
         if logprobs is not None:
             raise APIError(400, "logprobs are not returned with use_beam_search", param="logprobs")
+        if self.requested_prompt_logprobs() is not None:
+            raise APIError(400, "prompt_logprobs are not returned with use_beam_search", param="prompt_logprobs")
         for name, neutral in _NOT_FOR_BEAMS.items():
             if getattr(self, name) not in neutral:
                 raise APIError(400, f"{name} has no meaning with use_beam_search: remove it", param=name)
@@ -186,8 +198,11 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
     def check(self) -> None:
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if self.echo and self.use_beam_search:
+            raise APIError(400, "echo is not supported with use_beam_search", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone comes back)",
+                           param="max_tokens")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
@@ -197,6 +212,17 @@ class CompletionRequest(SamplingFields):
 
     def beam_width(self) -> int:
         return self.n if self.best_of is None else self.best_of
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """echo with logprobs needs the prompt's logprobs too (as many top ones as the output's)."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the engine runs one token (max_tokens 1) that the response leaves out."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -195,21 +195,52 @@ def _lp(value: float) -> float:
     return value if value > -9999.0 else -9999.0
 
 
-def completion_logprobs(c: CompletionOutput, top_n: int, offset: int) -> dict[str, Any] | None:
+def completion_logprobs(c: CompletionOutput, top_n: int, offset: int,
+                        echoed: tuple[list[int], list, str] | None = None) -> dict[str, Any] | None:
+    """The legacy completions' logprobs object; ``echoed`` = (prompt ids, their RequestOutput.prompt_logprobs,
+    the first token's text) puts the prompt's tokens first (``echo``: the first token has no logprob, as in
+    OpenAI's and vLLM's API)."""
     if c.logprobs is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
+    if echoed is not None:
+        ids, entries, first = echoed
+        for tok, entry in zip(ids, entries, strict=True):
+            if entry is None:
+                tokens.append(first)
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                chosen = entry[tok]
+                tokens.append(chosen.decoded_token or "")
+                token_lps.append(_lp(chosen.logprob))
+                tops.append(_tops(entry, top_n) if top_n else None)
+            offsets.append(offset)
+            offset += len(tokens[-1])
     for tok, entry in zip(c.token_ids, c.logprobs, strict=False):
         chosen = entry[tok]
         text = chosen.decoded_token or ""
         tokens.append(text)
         token_lps.append(_lp(chosen.logprob))
-        tops.append({(lp.decoded_token or ""): _lp(lp.logprob)
-                     for _, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if lp.rank <= top_n}
-                    if top_n else None)
+        tops.append(_tops(entry, top_n) if top_n else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _tops(entry: dict, top_n: int) -> dict[str, float]:
+    return {(lp.decoded_token or ""): _lp(lp.logprob)
+            for _, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if lp.rank <= top_n}
+
+
+def prompt_logprobs_json(pl: list | None) -> list | None:
+    """RequestOutput.prompt_logprobs as vLLM's servers return them: per prompt token, null for the first, then
+    {token id: {logprob, rank, decoded_token}}."""
+    if pl is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in pl]
 
 
 def chat_logprobs(c: CompletionOutput, top_n: int) -> dict[str, Any] | None:
