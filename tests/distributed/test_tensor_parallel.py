@@ -59,6 +59,30 @@ def test_tiny_models_match_one_rank(tiny_models, name, tp):
     assert _no_rank_processes()
 
 
+def _prompt_logprobs(model: str, tp: int) -> list:
+    """Prompt logprobs of two prompts beside two plain requests, over 8-token steps: each rank runs the lm head
+    on the scored slices and the step's rows in the same order."""
+    params = [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2 if i % 2 else None) for i in range(4)]
+    with LLM(model, dtype="float32", kv_cache_memory="64MiB", max_model_len=256, tensor_parallel_size=tp,
+             max_num_batched_tokens=8) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, None if o.prompt_logprobs is None else
+             [None if e is None else {t: round(lp.logprob, 3) for t, lp in e.items()} for e in o.prompt_logprobs])
+            for o in outs]
+
+
+def test_prompt_logprobs_under_tensor_parallelism_match_one_rank(tiny_models):
+    one = _prompt_logprobs(tiny_models["kv2"], 1)
+    two = _prompt_logprobs(tiny_models["kv2"], 2)
+    assert [o[0] for o in two] == [o[0] for o in one]
+    for (_, a), (_, b) in zip(one, two, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert [None if e is None else set(e) for e in a] == [None if e is None else set(e) for e in b]
+            assert all(abs(e[t] - f[t]) <= 2e-3 for e, f in zip(a[1:], b[1:], strict=True) for t in e)
+    assert _no_rank_processes()
+
+
 @pytest.mark.slow
 def test_smollm2_tp3_matches_tp1_with_prefix_cache_chunks_and_preemption():
     """SmolLM2 at 3 ranks (9 query / 3 KV heads: one KV head each), float32: the same tokens as one rank with
