@@ -29,7 +29,7 @@ class ScheduledSeq:
     start_pos: int  # tokens of this sequence already in the cache (cached prefix, earlier chunks)
     block_table: Sequence[int]
     need_logits: bool = True  # False for a prompt chunk that is not the last one
-    all_logits: bool = False  # logits for every computed token (prompt logprobs, teacher forcing)
+    all_logits: bool = False  # logits for every computed token (teacher forcing: worker/scoring.py)
     # One table per KV group when the model has several (block_table is then the first); -1: dropped by a window
     block_tables: Sequence[Sequence[int]] | None = None
     # prompt logprobs: (first scored token of this chunk, counted from its start; the tokens those positions
