@@ -2,9 +2,10 @@
 prompt whose every token's logprob comes back (``prompt_logprobs``, one top logprob each, as lm-eval's
 ``logprobs: 1``), with one generated token; the figure is prompt tokens scored per second. Offline, each engine in
 its own process, side by side: kvpage's ``LLM`` and, with --vllm-python / --vllm-model, vLLM's CPU build with the
-same settings (its prompt-logprobs requests skip the prefix cache, as kvpage's do).
+same settings (its prompt-logprobs requests skip the prefix cache, as kvpage's do); ``kvpage-plain`` is kvpage on
+the same prompts without prompt logprobs (what scoring adds to plain prompt processing).
 
-    python benchmarks/scoring.py [--requests 64] [--min-len 64] [--max-len 512] [--engines kvpage vllm]
+    python benchmarks/scoring.py [--requests 64] [--min-len 64] [--max-len 512] [--engines kvpage kvpage-plain vllm]
                                  [--vllm-python /root/peers/vllm/bin/python --vllm-model /root/peers/smollm2-hf]
                                  [--vllm-dtype float32] [--rounds 1]
 
@@ -30,17 +31,20 @@ from _common import cpu_model
 TEXT = Path(__file__).parent / "data" / "kv_quant_text.txt"
 
 KVPAGE = r"""
-import json, sys, time
+import json, os, sys, time
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
 reqs = json.load(sys.stdin)
 llm = LLM(kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048)
-params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+plain = os.environ.get("KVPAGE_BENCH_PLAIN") == "1"  # the same prompts without prompt logprobs
+params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=None if plain else 1)
 llm.generate([reqs[0]], params, use_tqdm=False)  # warm-up
+llm.engine.reset_prefix_cache()  # plain requests would otherwise hit the warm-up's blocks
 t = time.perf_counter()
 outs = llm.generate(reqs, params, use_tqdm=False)
 dt = time.perf_counter() - t
-sums = [sum(e[tok].logprob for e, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])) for o in outs]
+sums = [0.0 if plain else sum(e[tok].logprob for e, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:]))
+        for o in outs]
 print(json.dumps({"seconds": dt, "tokens": sum(len(r) for r in reqs), "sums": sums,
                   "dtype": str(llm.engine.worker.lm.dtype)}))
 """
@@ -98,7 +102,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--engines", nargs="+", default=["kvpage", "vllm"], choices=["kvpage", "vllm"])
+    ap.add_argument("--engines", nargs="+", default=["kvpage", "vllm"], choices=["kvpage", "kvpage-plain", "vllm"])
     ap.add_argument("--vllm-python", default=os.environ.get("KVPAGE_VLLM_PYTHON"))
     ap.add_argument("--vllm-model", default=os.environ.get("KVPAGE_VLLM_MODEL"))
     ap.add_argument("--vllm-dtype", default="bfloat16")
@@ -110,8 +114,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {e: [] for e in args.engines}
     for _ in range(args.rounds):
         for eng in args.engines:
-            if eng == "kvpage":
-                runs[eng].append(run_python(sys.executable, KVPAGE, reqs))
+            if eng.startswith("kvpage"):
+                runs[eng].append(run_python(sys.executable, KVPAGE, reqs,
+                                            {"KVPAGE_BENCH_PLAIN": "1" if eng == "kvpage-plain" else "0"}))
             elif args.vllm_python and args.vllm_model:
                 runs[eng].append(run_python(args.vllm_python, VLLM, reqs, {
                     "KVPAGE_VLLM_MODEL": args.vllm_model, "VLLM_CPU_KVCACHE_SPACE": "4",
@@ -127,7 +132,9 @@ def main() -> None:
         rates = [r["tokens"] / r["seconds"] for r in rs]
         rate[eng] = statistics.median(rates)
         print(f"| {eng} | {rs[0]['dtype']} | {rate[eng]:.1f} | {', '.join(f'{x:.1f}' for x in rates)} |")
-    if len(rate) == 2:
+    if "kvpage" in rate and "kvpage-plain" in rate:
+        print(f"kvpage with prompt logprobs / without: {rate['kvpage'] / rate['kvpage-plain']:.2f}x")
+    if "kvpage" in rate and "vllm" in rate:
         print(f"kvpage / vllm: {rate['kvpage'] / rate['vllm']:.2f}x")
         a, b = runs["kvpage"][0]["sums"], runs["vllm"][0]["sums"]
         diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
