@@ -89,14 +89,25 @@ def engine_gemm_tflops(dtype: str, rows: int = 256) -> float:
 
 def run_python(python: str, code: str, reqs: object, env: dict | None = None, timeout: float = 3600) -> dict:
     """Run ``code`` with ``python`` (an engine in its own process), ``reqs`` as JSON on stdin; its last
-    ``{"seconds": ...}`` line of stdout is the result."""
+    ``{"seconds": ...}`` line of stdout is the result. Its output goes to files, read once the runner itself has
+    exited: a helper process a peer leaves behind (vLLM's resource tracker) can hold an inherited pipe open for
+    ever. A result line counts whatever the exit status (vLLM 0.32's CPU build aborts in its shutdown after a
+    run with prompt logprobs, its result already printed); without one the runner's last error line is raised."""
     # Run from a neutral directory: with this one as the working directory, a peer that imports a module
     # named like one of these scripts (vLLM and HF's `kernels` package) would pick up the script instead.
-    proc = subprocess.run([python, "-c", code], input=json.dumps(reqs), capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=tempfile.gettempdir())
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
-    for line in reversed(proc.stdout.strip().splitlines()):  # peers may log to stdout after the result
-        if line.startswith('{"seconds"'):
-            return json.loads(line)
-    raise RuntimeError("no result line in the runner's output")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([python, "-c", code], stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
+                                env={**os.environ, **(env or {})}, cwd=tempfile.gettempdir())
+        try:
+            proc.communicate(json.dumps(reqs), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        for line in reversed(out.read().strip().splitlines()):  # peers may log to stdout after the result
+            if line.startswith('{"seconds"'):
+                return json.loads(line)
+        err.seek(0)
+        lines = err.read().strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"exit status {proc.returncode}, no result line in its output")

@@ -21,12 +21,10 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from _common import cpu_model
+from _common import cpu_model, run_python
 
 TEXT = Path(__file__).parent / "data" / "kv_quant_text.txt"
 
@@ -63,24 +61,6 @@ dt = time.perf_counter() - t
 sums = [sum(e[tok].logprob for e, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])) for o in outs]
 print(json.dumps({"seconds": dt, "tokens": sum(len(r) for r in reqs), "sums": sums, "dtype": dtype}), flush=True)
 """
-
-
-def run_python(python: str, code: str, reqs: object, env: dict | None = None, timeout: float = 3600) -> dict:
-    """``code`` with ``python`` in its own process, ``reqs`` as JSON on stdin, its output into a file: vLLM 0.32's
-    CPU build aborts in its shutdown after a run with prompt logprobs (after printing its result), and a helper
-    process it leaves holds an inherited stdout pipe open, so the result is read from the file once the runner
-    itself has exited, whatever its exit status."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([python, "-c", code], stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
-                                env={**os.environ, **(env or {})}, cwd=tempfile.gettempdir())
-        proc.communicate(json.dumps(reqs), timeout=timeout)
-        out.seek(0)
-        for line in reversed(out.read().splitlines()):
-            if line.startswith('{"seconds"'):
-                return json.loads(line)
-        err.seek(0)
-        lines = err.read().strip().splitlines()
-        raise RuntimeError(lines[-1] if lines else f"exit status {proc.returncode}, no result line")
 
 
 def make_requests(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:

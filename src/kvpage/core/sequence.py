@@ -72,7 +72,7 @@ class Sequence:
         a complete record holds one score per prompt token after the first: core/prompt_scores.py.)"""
         req = self.request
         return (req.params.prompt_logprobs is not None and self.index == 0 and req.beam is None
-                and len(req.prompt_scores) < self.prompt_len - 1)
+                and not req.prompt_scored)
 
     @property
     def sort_key(self) -> tuple[int, int, int]:
@@ -113,3 +113,8 @@ class Request:
     @property
     def finished(self) -> bool:
         return bool(self.seqs) and all(s.finished for s in self.seqs)
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Every prompt token after the first has its score (prompt_logprobs)."""
+        return len(self.prompt_scores) >= len(self.prompt_token_ids) - 1

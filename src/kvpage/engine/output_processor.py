@@ -129,7 +129,7 @@ def make_request_output(req: Request, tokenizer: KVTokenizer | None = None) -> R
 def _prompt_logprobs(req: Request, tokenizer: KVTokenizer | None, kind: str) -> list | None:
     """The request's prompt logprobs once every prompt position is scored (rendered once, kept on the
     request); a delta stream gets them in one output only."""
-    if req.params.prompt_logprobs is None or len(req.prompt_scores) < len(req.prompt_token_ids) - 1:
+    if req.params.prompt_logprobs is None or not req.prompt_scored:
         return None
     if req.prompt_logprobs is None:
         def text(t: int) -> str | None:

@@ -72,10 +72,11 @@ class StepLogits:
     """Per-sequence logits of one step (a read-only mapping), with each last row's argmax and log-sum-exp."""
 
     def __init__(self, logits, argmax, lse, slices: dict[str, slice], all_rows: set[str],
-                 tokens: torch.Tensor | None = None) -> None:
+                 tokens: torch.Tensor | None = None, prompt_scores: dict[str, list[PromptScore]] | None = None,
+                 ) -> None:
         self.logits, self.argmax_rows, self.lse_rows = logits, argmax, lse
         self.tokens = tokens  # [rows, draws] when the logits pass drew each row's tokens (no logits then)
-        self.prompt_scores: dict[str, list[PromptScore]] = {}  # prompt logprobs, per scoring sequence
+        self.prompt_scores = prompt_scores or {}  # prompt logprobs, per scoring sequence
         self._slices, self._all = slices, all_rows
 
     def __getitem__(self, seq_id: str) -> torch.Tensor:
@@ -257,9 +258,7 @@ class ModelRunner:
                                  torch.tensor([d.uniforms for _, d in by_row], dtype=torch.float64))
         res = self.forward.compute_logits_ex(hidden[prepared.logits_rows], argmax_only and not all_rows,
                                              None if all_rows else logits_buffer, draws=row_draws)
-        out = StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows, res.tokens)
-        out.prompt_scores = scores
-        return out
+        return StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows, res.tokens, scores)
 
     def _prompt_scores(self, hidden: torch.Tensor, prepared: PreparedBatch) -> dict[str, list[PromptScore]]:
         """Each scoring sequence's prompt logprobs, from float32 logits of at most ~64 MB at a time (a 2,048-token

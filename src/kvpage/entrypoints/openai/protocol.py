@@ -131,12 +131,8 @@ class SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         stream: bool) -> SamplingParams | BeamSearchParams:
-        if self.prompt_logprobs is not None:
-            if stream:
-                raise APIError(400, "prompt_logprobs are not available with stream: true", param="prompt_logprobs")
-            if not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-                raise APIError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
-                               param="prompt_logprobs")
+        if self.prompt_logprobs is not None and stream:  # (its range is SamplingParams' check)
+            raise APIError(400, "prompt_logprobs are not available with stream: true", param="prompt_logprobs")
         if self.use_beam_search:
             return self.beam_search_params(max_tokens, logprobs, stream)
         try:

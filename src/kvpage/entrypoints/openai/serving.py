@@ -202,29 +202,24 @@ def completion_logprobs(c: CompletionOutput, top_n: int, offset: int,
     OpenAI's and vLLM's API)."""
     if c.logprobs is None:
         return None
-    tokens, token_lps, tops, offsets = [], [], [], []
+    pairs = list(zip(c.token_ids, c.logprobs, strict=False))
+    first = ""
     if echoed is not None:
         ids, entries, first = echoed
-        for tok, entry in zip(ids, entries, strict=True):
-            if entry is None:
-                tokens.append(first)
-                token_lps.append(None)
-                tops.append(None)
-            else:
-                chosen = entry[tok]
-                tokens.append(chosen.decoded_token or "")
-                token_lps.append(_lp(chosen.logprob))
-                tops.append(_tops(entry, top_n) if top_n else None)
-            offsets.append(offset)
-            offset += len(tokens[-1])
-    for tok, entry in zip(c.token_ids, c.logprobs, strict=False):
-        chosen = entry[tok]
-        text = chosen.decoded_token or ""
-        tokens.append(text)
-        token_lps.append(_lp(chosen.logprob))
-        tops.append(_tops(entry, top_n) if top_n else None)
+        pairs = list(zip(ids, entries, strict=True)) + pairs
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tok, entry in pairs:
+        if entry is None:  # the echoed prompt's first token: text, no logprob
+            tokens.append(first)
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            chosen = entry[tok]
+            tokens.append(chosen.decoded_token or "")
+            token_lps.append(_lp(chosen.logprob))
+            tops.append(_tops(entry, top_n) if top_n else None)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
