@@ -12,7 +12,8 @@ with the float32 cache and the mean KL divergence from its next-token distributi
 * values rounded with feedback too, by GPTQ's rule with the output projection's Gram matrix in the Hessian's
   place (a value's error e reaches the residual stream as W_o e, summed over the KV head's query heads);
 * keys with a scale search: each row rounded (with feedback) at eight scales, the row's scale times 2^(j/8),
-  keeping the one whose error e has the smallest e^T C e (C the queries' second moment).
+  keeping the one whose error e has the smallest e^T C e (C the queries' second moment);
+* both rounded but a window's first 1, 4 or 16 positions (the attention sink) left exact.
 
     python benchmarks/kv_fp8_split.py [--model SmolLM2-135M-Instruct] [--positions 800] [--windows 4]
                                       [--cases keys values both ...]
@@ -53,6 +54,9 @@ CASES = {
     "both, values with feedback": ("feedback", "feedback"),
     "keys with a scale search": ("search", None),
     "both, keys with a scale search": ("search", "plain"),
+    "both, first 16 kept": ("feedback", "plain", 16),
+    "both, first 4 kept": ("feedback", "plain", 4),
+    "both, first 1 kept": ("feedback", "plain", 1),
 }
 
 
@@ -130,16 +134,22 @@ def main() -> None:
         return hadamard(dequantize_rows(quantize_rows(xr, E4M3, key_fb[layer] if how == "feedback" else None)))
 
     ops = load_kernels()
-    write, calls, setting = ops.reshape_and_cache, [0], {"k": None, "v": None}
+    write, calls, setting = ops.reshape_and_cache, [0], {"k": None, "v": None, "kept": 0}
+    written = [0] * layers  # rows each layer has written in the current window
 
     def patched(key, value, cache, slots, packed, *rest):  # chunked_logits writes the layers in order
         layer = calls[0] % layers
         calls[0] += 1
+        k0, v0 = key, value
         if setting["k"]:
             key = keys(key.float(), setting["k"], layer).to(key.dtype)
         if setting["v"]:
             fb = value_fb[layer] if setting["v"] == "feedback" else None
             value = dequantize_rows(quantize_rows(value.float(), E4M3, fb)).to(value.dtype)
+        kept = max(0, min(len(key), setting["kept"] - written[layer]))  # a sequence's first rows left exact
+        if kept:
+            key, value = torch.cat([k0[:kept], key[kept:]]), torch.cat([v0[:kept], value[kept:]])
+        written[layer] += len(key)
         return write(key, value, cache, slots, packed, *rest)
 
     ids = lm.tokenizer.encode(fixed_text())
@@ -148,6 +158,7 @@ def main() -> None:
         out = []
         for w in range(a.windows):
             calls[0] = 0
+            written[:] = [0] * layers
             out.append(chunked_logits(lm, ids[w * a.positions : (w + 1) * a.positions + 1], torch.float32)[:-1])
         return out
 
@@ -157,7 +168,7 @@ def main() -> None:
         n = sum(len(r) for r in ref)
         print(f"{lm.config.name}, fp8_e4m3 rounding, {n} positions ({a.windows} x {a.positions})")
         for name in a.cases:
-            setting["k"], setting["v"] = CASES[name]
+            setting["k"], setting["v"], setting["kept"] = (*CASES[name], 0)[:3]
             t0 = time.perf_counter()
             out = logits()
             agree = sum(int((o.argmax(-1) == r.argmax(-1)).sum()) for o, r in zip(out, ref, strict=True)) / n
