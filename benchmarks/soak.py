@@ -5,8 +5,9 @@
 
 Without --url it starts its own server (default model, --kv-cache-memory 256MiB, --max-model-len 1024). The
 traffic: streamed and plain completions and chats, sampled and greedy, n > 1, clients that disconnect
-mid-stream, malformed and hostile bodies, prompts over the context length, degenerate sampling settings, and
-/tokenize calls, as Poisson arrivals. It reports requests by kind and outcome (a 5xx, a timeout or a broken
+mid-stream, malformed and hostile bodies, prompts over the context length, degenerate sampling settings,
+scoring requests (echo, logprobs, prompt_logprobs), beam search, stop strings and ids, allowed tokens, prompt
+truncation and cache salts, and /tokenize calls, as Poisson arrivals. It reports requests by kind and outcome (a 5xx, a timeout or a broken
 stream is a failure), the KV blocks still in use once the server is idle (must be 0), and the server's
 memory growth (resident set size after warm-up vs at the end).
 """
@@ -86,8 +87,8 @@ class Soak:
 
     async def one(self) -> None:
         rng = self.rng
-        kind = rng.choices(["stream", "chat", "n>1", "disconnect", "bad", "too-long", "degenerate", "tokenize"],
-                           [25, 20, 10, 10, 15, 5, 10, 5])[0]
+        kind = rng.choices(["stream", "chat", "n>1", "disconnect", "bad", "too-long", "degenerate", "tokenize",
+                            "scoring", "shaped"], [25, 20, 10, 10, 15, 5, 10, 5, 10, 10])[0]
         sampled = rng.random() < 0.7
         sampling = {} if sampled else {"temperature": 0}
         path, body, expect, limit = "/v1/completions", None, {200}, None
@@ -116,6 +117,35 @@ class Soak:
                                   {"repetition_penalty": 1e300}, {"min_p": 1.0}, {"temperature": 1e30},
                                   {"presence_penalty": -2, "frequency_penalty": 2, "temperature": 3e-5},
                                   {"logit_bias": {"2": 100}, "min_tokens": 4}])}
+        elif kind == "scoring":  # what evaluation harnesses send: echoed prompts with their logprobs
+            prompt = text(rng, rng.randint(2, 300))
+            body = rng.choice([
+                {"prompt": prompt, "echo": True, "logprobs": rng.randint(0, 5), "max_tokens": rng.choice([0, 1])},
+                {"prompt": prompt, "prompt_logprobs": rng.randint(0, 20), "max_tokens": rng.randint(1, 8),
+                 "n": rng.randint(1, 3), **sampling},
+                {"prompt": prompt, "echo": True, "max_tokens": 0, "stream": True, "logprobs": 1},
+                {"prompt": prompt, "logprobs": rng.randint(0, 20), "max_tokens": rng.randint(1, 16), "stream": True,
+                 **sampling},
+            ])
+            if rng.random() < 0.3:
+                path = "/v1/chat/completions"
+                body = {"messages": [{"role": "user", "content": prompt}], "logprobs": True,
+                        "top_logprobs": rng.randint(0, 20), "max_tokens": rng.randint(1, 16),
+                        "prompt_logprobs": rng.choice([None, 2]), **sampling}
+        elif kind == "shaped":  # settings that change how a request runs: beams, stops, masks, truncation
+            prompt = text(rng, rng.randint(3, 120))
+            body = {"prompt": prompt, "max_tokens": rng.randint(4, 48), **rng.choice([
+                {"use_beam_search": True, "n": rng.randint(1, 3), "best_of": 4, "temperature": 0,
+                 "length_penalty": rng.choice([0.5, 1.0, 2.0])},
+                {"stop": rng.sample(WORDS, 3), "include_stop_str_in_output": rng.random() < 0.5, "stream": True},
+                {"stop_token_ids": [rng.randint(0, 2000) for _ in range(4)], "min_tokens": 2},
+                {"allowed_token_ids": [rng.randint(0, 40000) for _ in range(rng.randint(1, 6))]},
+                {"truncate_prompt_tokens": rng.choice([-1, 1, 16])},
+                {"cache_salt": rng.choice(["a", "b"]), "n": 2, "seed": 7},
+            ]), **sampling}
+            if rng.random() < 0.1:  # refused by name, as vLLM's V1 engine refuses them
+                refused = rng.choice([{"best_of": 3, "n": 2}, {"suffix": "."}])
+                body, expect = {"prompt": prompt, **refused}, {400}
         else:
             path, body = "/tokenize", {"prompt": text(rng, rng.randint(1, 300))}
         raw = body if isinstance(body, str) else json.dumps(body)
