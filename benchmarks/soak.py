@@ -7,9 +7,11 @@ Without --url it starts its own server (default model, --kv-cache-memory 256MiB,
 traffic: streamed and plain completions and chats, sampled and greedy, n > 1, clients that disconnect
 mid-stream, malformed and hostile bodies, prompts over the context length, degenerate sampling settings,
 scoring requests (echo, logprobs, prompt_logprobs), beam search, stop strings and ids, allowed tokens, prompt
-truncation and cache salts, and /tokenize calls, as Poisson arrivals. It reports requests by kind and outcome (a 5xx, a timeout or a broken
-stream is a failure), the KV blocks still in use once the server is idle (must be 0), and the server's
-memory growth (resident set size after warm-up vs at the end).
+truncation and cache salts, and /tokenize calls, as Poisson arrivals (chats are expected to be refused by
+name when the model has no chat template). It reports requests by kind and outcome (a 5xx, a timeout or a
+broken stream is a failure), the KV blocks still in use once the server is idle (must be 0), and the server's
+memory growth (resident set size after warm-up vs at the end). --serve-args "--model gemma-3-270m" soaks
+another model.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Soak:
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.failures: list[str] = []
         self.rss: list[tuple[float, float | None]] = []  # (seconds into the run, server RSS in MiB)
+        self.chats = True  # False: the model has no chat template, and the server refuses chats by name
 
     async def http(self, path: str, body: str | bytes, read_limit: int | None = None) -> tuple[int, bytes]:
         """POST with Connection: close; the status and the whole body (or its first ``read_limit`` bytes, then
@@ -148,6 +151,8 @@ class Soak:
                 body, expect = {"prompt": prompt, **refused}, {400}
         else:
             path, body = "/tokenize", {"prompt": text(rng, rng.randint(1, 300))}
+        if path == "/v1/chat/completions" and not isinstance(body, str) and not self.chats:
+            expect = {400}
         raw = body if isinstance(body, str) else json.dumps(body)
         try:
             status, got = await asyncio.wait_for(self.http(path, raw, limit), TIMEOUT)
@@ -257,6 +262,10 @@ def main() -> int:
                 time.sleep(0.5)
     pid = proc.pid if proc else None
     soak = Soak(host, port, args.api_key, random.Random(args.seed), args.max_model_len)
+    model = json.loads(get(host, port, "/v1/models"))["data"][0]["id"]
+    status, got = asyncio.run(soak.http("/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})))
+    soak.chats = not (status == 400 and b"no chat template" in got)
     asyncio.run(soak.run(10.0, args.rate, args.concurrency))  # warm-up: allocator and caches settle
     rss0 = rss_mib(pid)
     soak.outcomes.clear()
@@ -271,7 +280,8 @@ def main() -> int:
     rss1 = rss_mib(pid)
     healthy = '"error"' not in get(host, port, "/health")
     total = sum(soak.outcomes.values())
-    print(f"machine: {cpu_model()}; kvpage serve, SmolLM2-135M-Instruct; {wall:.0f} s of traffic at "
+    chats = "" if soak.chats else " (no chat template: chats must be refused)"
+    print(f"machine: {cpu_model()}; kvpage serve, {model}{chats}; {wall:.0f} s of traffic at "
           f"{args.rate:g} req/s (concurrency cap {args.concurrency}); {total} requests")
     for (kind, outcome), n in sorted(soak.outcomes.items()):
         print(f"  {kind:<11} {outcome:<22} {n}")
@@ -284,7 +294,8 @@ def main() -> int:
               f"({rss1 - rss0:+.0f} MiB); every 30 s: " + ", ".join(f"{r:.0f}" for _, r in soak.rss if r))
     if args.json_out:
         args.json_out.write_text(json.dumps({
-            "machine": cpu_model(), "seconds": wall, "rate": args.rate, "requests": total,
+            "machine": cpu_model(), "model": model, "chats": soak.chats, "seconds": wall, "rate": args.rate,
+            "requests": total,
             "outcomes": {f"{k} / {o}": n for (k, o), n in sorted(soak.outcomes.items())},
             "failures": soak.failures, "leaked_blocks": leaked, "rss_mib": [rss0, rss1], "rss_every_30s": soak.rss,
             "healthy": healthy},
