@@ -12,7 +12,7 @@ the bytes it reads (SDPA reads the same rounded values in the query dtype).
 
     python benchmarks/kernels.py [--batches 1 16 64 256] [--contexts 128 1024 8192] [--threads N]
                                  [--dtype auto|bfloat16|float32] [--kv-dtype same|bfloat16|float16|float32]
-                                 [--vllm-python <venv>/bin/python [--vllm-block-size 128]]
+                                 [--vllm-python <venv>/bin/python [--vllm-block-size 128]] [--fold-blocks N]
 
 With --vllm-python (or $KVPAGE_VLLM_PYTHON), vLLM CPU's own paged decode op runs the same shapes in that
 interpreter, in the same invocation (benchmarks/_vllm_attention.py: its cache layout, its block size, blocks
@@ -77,6 +77,8 @@ def main() -> None:
                     help="a Python with vLLM's CPU build: time its paged decode op on the same shapes")
     ap.add_argument("--vllm-block-size", type=int, default=128,
                     help="vLLM's block size (its CPU engine's default here; AMX needs a multiple of 32)")
+    ap.add_argument("--fold-blocks", type=int, default=0,
+                    help="also time the paged kernel with every block id folded into the first N (in cache)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,21 +107,24 @@ def main() -> None:
         print(f"vLLM: its CPU paged decode op (isa {vllm.pop('isa')}), block size {args.vllm_block_size}")
     header = (f"{'batch':>5} {'context':>7} {'paged ms':>9} {'SDPA ms':>8} {'paged/SDPA':>10} {'paged GB/s':>10} "
               f"{'SDPA GB/s':>9}")
-    print(header + (f" {'vLLM ms':>8} {'vLLM GB/s':>9} {'paged/vLLM':>10}" if vllm else ""))
+    print(header + (f" {'vLLM ms':>8} {'vLLM GB/s':>9} {'paged/vLLM':>10}" if vllm else "")
+          + (f" {'folded ms':>9}" if args.fold_blocks else ""))
     for b in args.batches:
         for ctx in args.contexts:
             kv_bytes = 2 * b * ctx * hkv * d * esize
             if (b, ctx) not in cases:
                 print(f"{b:>5} {ctx:>7}  skipped (K/V {kv_bytes / 2**30:.1f} GiB > --max-kv-gib)")
                 continue
-            paged, dense = run_case(ops, b, ctx, hq, hkv, d, bs, 20 if kv_bytes < 2**28 else 5, packed, dtype,
-                                    kv_dtype)
+            paged, dense, folded = run_case(ops, b, ctx, hq, hkv, d, bs, 20 if kv_bytes < 2**28 else 5, packed,
+                                            dtype, kv_dtype, args.fold_blocks)
             dense_bytes = kv_bytes // esize * dense_esize
             line = (f"{b:>5} {ctx:>7} {paged:9.3f} {dense:8.3f} {paged / dense:10.2f} "
                     f"{kv_bytes / paged / 1e6:10.1f} {dense_bytes / dense / 1e6:9.1f}")
             if (b, ctx) in vllm:
                 peer = vllm[(b, ctx)]
                 line += f" {peer:8.3f} {kv_bytes / peer / 1e6:9.1f} {paged / peer:10.2f}"
+            if folded is not None:
+                line += f" {folded:9.3f}"
             print(line)
 
 
@@ -143,10 +148,11 @@ def run_vllm(python: str | None, cases: list[tuple[int, int]], block_size: int, 
 
 
 def run_case(ops, b: int, ctx: int, hq: int, hkv: int, d: int, bs: int, reps: int,
-             packed: bool, dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None
-             ) -> tuple[float, float]:
-    """Median ms of the paged kernel and of contiguous SDPA on the same K/V (checked to agree). A kv_dtype
-    other than dtype rounds K/V to it first; SDPA then reads those values in dtype."""
+             packed: bool, dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None,
+             fold: int = 0) -> tuple[float, float, float | None]:
+    """Median ms of the paged kernel and of contiguous SDPA on the same K/V (checked to agree), and with fold
+    > 0 of the paged kernel with every block id folded into the first `fold` blocks (the same work on K/V that
+    stays in cache). A kv_dtype other than dtype rounds K/V to it first; SDPA then reads those values in dtype."""
     kv_dtype = kv_dtype or dtype
     k = torch.randn(b, hkv, ctx, d).to(kv_dtype).to(dtype)
     v = torch.randn(b, hkv, ctx, d).to(kv_dtype).to(dtype)
@@ -165,14 +171,15 @@ def run_case(ops, b: int, ctx: int, hq: int, hkv: int, d: int, bs: int, reps: in
     lens = torch.full((b,), ctx)
     qflat = q[:, :, 0, :].contiguous()
 
-    def paged_call():
+    def paged_call(tables=tables):
         return ops.paged_attention(qflat, cache, tables, qsl, lens, d**-0.5, PARTITION_SIZE, packed)
 
     def dense_call():
         return F.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True)
 
     assert (paged_call().float() - dense_call()[:, :, 0, :].float()).abs().max() < 5e-2, "paged != contiguous"
-    return median_ms(paged_call, reps), median_ms(dense_call, reps)
+    folded = median_ms(lambda: paged_call(tables % fold), reps) if fold else None
+    return median_ms(paged_call, reps), median_ms(dense_call, reps), folded
 
 if __name__ == "__main__":
     main()
