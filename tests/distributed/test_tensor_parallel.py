@@ -108,7 +108,7 @@ def test_smollm2_tp3_matches_tp1_with_prefix_cache_chunks_and_preemption():
 
 def test_host_tier_under_tensor_parallelism(tiny_models):
     """Evicted prefix blocks go to every rank's host tier and come back from it: the same tokens as one rank
-    without any cache; the disk tier is refused by name."""
+    without any cache."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 300) for _ in range(40)] for _ in range(4)]  # 10 blocks of 4 each
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -123,8 +123,41 @@ def test_host_tier_under_tensor_parallelism(tiny_models):
             assert [list(o.outputs[0].token_ids) for o in outs] == ref
         assert [o.num_cached_tokens for o in outs] == [36] * 4
         assert llm.engine.stats()["host_hit_tokens"] > 0
-    with pytest.raises(ValueError, match="disk tier"):
-        LLM(tiny_models["kv2"], tensor_parallel_size=2, kv_cache_memory="20KiB", kv_offload_dir="/tmp/x", **kw)
+    assert _no_rank_processes()
+
+
+@pytest.mark.parametrize("name", ["kv2", "kv1"])
+def test_disk_tier_under_tensor_parallelism(tiny_models, tmp_path, name):
+    """A disk-tier file holds every rank's shard: prefixes evicted to disk come back with the same tokens as one
+    rank without any cache, and so does every prefix after a restart (the pool's cached blocks are written at
+    shutdown, each rank's share gathered); a one-rank engine ignores the two-rank files. Even shards (kv2) and
+    a replicated KV head (kv1)."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 300) for _ in range(40)] for _ in range(4)]  # 10 blocks of 4 each
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = dict(dtype="float32", block_size=4, max_model_len=64)
+    with LLM(tiny_models[name], kv_cache_memory="64MiB", enable_prefix_caching=False, **kw) as llm:
+        ref = [list(o.outputs[0].token_ids) for o in (llm.generate([p], sp, use_tqdm=False)[0] for p in prompts)]
+    d = str(tmp_path / "kv")
+    # per rank: one KV head of 16 floats x 2 layers x 4 tokens x K and V = 1 KiB a block; 20 blocks hold two prompts
+    tp = dict(tensor_parallel_size=2, kv_cache_memory="20KiB", kv_offload_dir=d, **kw)
+    with LLM(tiny_models[name], **tp) as llm:
+        for _ in range(2):
+            outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+            assert [list(o.outputs[0].token_ids) for o in outs] == ref
+        assert llm.engine.stats()["disk_hit_tokens"] > 0
+    files = list((tmp_path / "kv").glob("*.kvblock"))
+    assert len(files) >= 4 * 10 and all(f.stat().st_size > 2 * 1024 for f in files)  # both shards in each
+    with LLM(tiny_models[name], **tp) as llm:  # a new pool: every prefix from disk
+        outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+        assert [list(o.outputs[0].token_ids) for o in outs] == ref
+        assert [o.num_cached_tokens for o in outs] == [36] * 4
+        assert llm.engine.stats()["disk_hit_tokens"] == 4 * 36
+    with LLM(tiny_models[name], kv_cache_memory="64MiB", kv_offload_dir=d, **kw) as llm:
+        outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+        assert [list(o.outputs[0].token_ids) for o in outs] == ref
+        s = llm.engine.stats()
+        assert s["disk_hit_tokens"] == 0 and s["disk_ignored_files"] >= 4 * 10
     assert _no_rank_processes()
 
 
@@ -203,19 +236,23 @@ def test_gemma3_tp2_matches_tp1():
     assert _no_rank_processes()
 
 
-def test_server_with_two_ranks_serves_and_stops_them(tiny_models):
-    """`kvpage serve -tp 2`: completions as one rank's, and SIGTERM stops every rank."""
+def test_server_with_two_ranks_serves_and_stops_them(tiny_models, tmp_path):
+    """`kvpage serve -tp 2`: completions as one rank's, and SIGTERM stops every rank, after the ranks' shares of
+    the pool's cached blocks reached the disk tier (the server starts the ranks on its engine thread, which
+    ends before the engine's shutdown: the ranks must outlive that thread)."""
     from tests.helpers.server_util import KEY, request, serve_cmd, server_proc
 
-    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    prompt = " ".join([PROMPTS[0]] * 6)  # three full blocks of 16
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with server_proc(serve_cmd, "--model", tiny_models["kv2"], "--dtype", "float32", "-tp", "2",
-                     "--max-model-len", "256", "--api-key", KEY) as (port, proc):
+                     "--max-model-len", "256", "--api-key", KEY, "--kv-offload-dir", str(tmp_path)) as (port, proc):
         status, out = request(port, "POST", "/v1/completions", body)
         assert status == 200, out
         proc.terminate()
         assert proc.wait(30) == 0
     assert _no_rank_processes()
+    assert len(list(tmp_path.glob("*.kvblock"))) >= 3
     with LLM(tiny_models["kv2"], dtype="float32", kv_cache_memory="64MiB", max_model_len=256) as llm:
-        one = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        one = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0].text
     assert out["choices"][0]["text"] == one

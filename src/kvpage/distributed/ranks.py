@@ -10,13 +10,12 @@ copies and swaps before it) is what every rank executes, so block tables agree b
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import pickle
-import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,10 +45,18 @@ def threads_per_rank(config: ParallelConfig) -> int:
     return max(1, (os.cpu_count() or 1) // config.per_node)
 
 
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the process that started it exits (no orphans)."""
-    with contextlib.suppress(Exception):  # not Linux: the broken group still ends the rank
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def die_with_parent(poll_s: float = 0.2) -> None:
+    """This process exits when the process that started it is gone (no orphans), polled from a daemon thread.
+    Not PR_SET_PDEATHSIG: that fires when the parent's *thread* that started us exits, and the server starts
+    the ranks on its engine thread, which ends before the engine's shutdown has stopped them in order."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvpage-parent-watch", daemon=True).start()
 
 
 def exchange_ready(rank: int, size: int, status: dict) -> list[dict]:

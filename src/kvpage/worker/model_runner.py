@@ -10,6 +10,7 @@ import torch
 
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.core.prompt_scores import PromptScore
+from kvpage.distributed.kv_shards import BlockShards
 from kvpage.model.llama import LlamaForCausalLM
 from kvpage.model.logits import LogitsBuffer, RowDraws
 from kvpage.worker.kv_cache import KVCache
@@ -112,6 +113,8 @@ class ModelRunner:
         self.vocab_size = int(model.config.vocab_size or model.embed_tokens.weight.shape[0])
         self.block_size = kv_cache.block_size
         self.persist: Callable[[Any, bytes], None] = _no_disk_tier
+        # under tensor parallelism: this rank's share of a disk-tier block (gathered out, sliced in)
+        self.shards: BlockShards | None = None
         layout = self.layout = kv_cache.layout
         attn = model.layers[0].self_attn
         # One builder per KV group: it splits and plans each step once for all the group's layers (the groups
@@ -214,11 +217,17 @@ class ModelRunner:
             return
         self.kv_cache.swap_out(ops.swap_out)
         if ops.persists:
-            payloads = self.kv_cache.read_blocks([block for block, _ in ops.persists])
-            for (_, entry), payload in zip(ops.persists, payloads, strict=True):
-                self.persist(entry, payload)
+            payloads: list[bytes] | None = self.kv_cache.read_blocks([block for block, _ in ops.persists])
+            if self.shards is not None:  # every rank's share, joined on rank 0 (the others get None)
+                payloads = self.shards.gather(payloads)
+            if payloads is not None:  # None on a follower: rank 0 writes the files
+                for (_, entry), payload in zip(ops.persists, payloads, strict=True):
+                    self.persist(entry, payload)
         self.kv_cache.swap_in(ops.swap_in)
-        self.kv_cache.write_blocks(ops.disk_loads)
+        loads = ops.disk_loads
+        if self.shards is not None and loads:
+            loads = [(self.shards.mine(payload), block) for payload, block in loads]
+        self.kv_cache.write_blocks(loads)
         self.kv_cache.copy_blocks(ops.copies)
 
     @torch.inference_mode()

@@ -17,6 +17,7 @@ from kvpage.core.scheduler import ScheduledWork, SchedulerOutput
 from kvpage.core.sequence import Sequence
 from kvpage.distributed.config import ParallelConfig
 from kvpage.distributed.group import CommStats, VocabParallelHead, make_row_parallel
+from kvpage.distributed.kv_shards import BlockShards
 from kvpage.distributed.ranks import RankFailure, RankGroup, StepPlan
 from kvpage.distributed.shard import check_tensor_parallel
 from kvpage.envs import kernel_config, read
@@ -141,6 +142,8 @@ class Worker:
         if cc.kv_prefault:
             self.kv_cache.prefault()
         self.runner = ModelRunner(self.lm.model, self.kv_cache)
+        if self.tp is not None:
+            self.runner.shards = BlockShards(self.tp[0], self.tp[1], self.kv_cache.block_nbytes)
         self.eos_ids = tuple(self.lm.tokenizer.eos_token_ids)
         self.kv: KVCacheManager | None = None  # set by make_kv_manager
         self._blocked: dict[str, tuple[int, ...]] = {}  # the current step's blocked ids per sampling sequence
@@ -169,11 +172,8 @@ class Worker:
         )
 
     def _check_offload(self, cc: CacheConfig) -> None:
-        """The disk tier serves one rank (for now): say so up front. The host tier works on any number: its
-        stores and loads are block copies every rank applies to its own shard, as swaps are."""
-        if self.tp is not None and cc.kv_offload_dir is not None:
-            raise ValueError("the KV disk tier (kv_offload_dir) does not work with tensor parallelism yet: each "
-                             "rank would need its own files; use kv_offload_memory (the host tier) or one rank")
+        """Both tiers work on any number of ranks: the host tier's stores and loads are block copies every rank
+        applies to its own shard, as swaps are; a disk-tier file holds every rank's shard (kv_shards.py)."""
         if cc.kv_offload_memory and not self.num_offload_blocks:
             raise ValueError(f"kv_offload_memory={format_bytes(int(cc.kv_offload_memory))} holds no block "
                              f"({format_bytes(self.bytes_per_block)} each)")
@@ -202,9 +202,13 @@ class Worker:
                         "kv_heads": cfg.num_kv_heads, "row": int(t.shape[-1]),
                         "packed": any(getattr(b, "packed", False) for b in self.runner.builders),
                         "kv_transform": self.kv_transform}
+            if self.tp is not None:  # a file holds every rank's shard, in rank order
+                identity["tensor_parallel_size"] = self.tp[1]
             disk = DiskTier(Path(cc.kv_offload_dir).expanduser(), identity, int(cc.kv_offload_disk))
             self.runner.persist = disk.put
-        return PrefixTiers(host, disk, cc.block_size, self.kv_cache.block_nbytes)
+        shards = self.runner.shards
+        return PrefixTiers(host, disk, cc.block_size, self.kv_cache.block_nbytes if shards is None else
+                           shards.block_bytes)
 
     # ------------------------------------------------------------ StepWorker
     def execute_model(self, out: SchedulerOutput) -> StepLogits | None:
@@ -212,9 +216,7 @@ class Worker:
         every one of them is plain greedy without logprobs, only each row's argmax is computed."""
         ops = BlockOps(out.swap_out, out.swap_in, out.copies, out.persists, out.disk_loads)
         if not out.work:
-            if self.ranks is not None:
-                self.ranks.send(StepPlan("ops", ops=ops))
-            self.runner.apply_block_ops(ops)
+            self._apply_ops(ops)
             return None
         if self.layout.hybrid:
             tables = self.kv.block_tables
@@ -286,16 +288,36 @@ class Worker:
         else:
             raise ValueError(f"unknown step plan {plan.kind!r}")
 
+    def _apply_ops(self, ops: BlockOps) -> None:
+        """Block operations alone (no forward pass), on every rank."""
+        if self.ranks is None:
+            self.runner.apply_block_ops(ops)
+            return
+        self.ranks.send(StepPlan("ops", ops=ops))
+        try:
+            self.runner.apply_block_ops(ops)
+        except Exception as e:
+            if self.ranks.alive and not isinstance(e, RankFailure):
+                raise self.ranks.guard(e) from e
+            raise
+
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do on one rank) and finish the disk tier's writes;
-        idempotent."""
-        if self.ranks is not None:
-            self.ranks.shutdown()
+        """Write the pool's cached blocks that the disk tier lacks (every rank's shard of them), stop the other
+        tensor-parallel ranks and finish the disk tier's writes; idempotent."""
         tiers = getattr(self.kv, "tiers", None)
         if tiers is not None:
             todo = tiers.unpersisted(list(self.kv.pool.cached.values()))
-            for (_, entry), payload in zip(todo, self.kv_cache.read_blocks([b for b, _ in todo]), strict=True):
-                tiers.disk.put(entry, payload)
+            if todo and (self.ranks is None or self.ranks.alive):
+                try:
+                    self._apply_ops(BlockOps(persists=todo))
+                except RankFailure as e:  # the other shards are gone: those blocks are not written
+                    logger.warning("the disk tier's last writes were skipped: %s", e)
+            elif todo:
+                logger.warning("the disk tier's last %d writes were skipped: the tensor-parallel group is down",
+                               len(todo))
+        if self.ranks is not None:
+            self.ranks.shutdown()
+        if tiers is not None:
             tiers.close()
 
     def sample(self, logits: StepLogits, tasks: Seq[SampleTask]) -> list[list[Sample] | BaseException]:
