@@ -68,9 +68,11 @@ class Soak:
         self.rss: list[tuple[float, float | None]] = []  # (seconds into the run, server RSS in MiB)
         self.chats = True  # False: the model has no chat template, and the server refuses chats by name
 
-    async def http(self, path: str, body: str | bytes, read_limit: int | None = None) -> tuple[int, bytes]:
+    async def http(self, path: str, body: str | bytes, read_limit: int | None = None,
+                   progress: list[float] | None = None) -> tuple[int, bytes]:
         """POST with Connection: close; the status and the whole body (or its first ``read_limit`` bytes, then
-        the connection is dropped, as a client that goes away)."""
+        the connection is dropped, as a client that goes away). ``progress`` gets [bytes read, time of the last
+        read] as they come, so a timeout can tell a slow answer from a silent one."""
         data = body.encode() if isinstance(body, str) else body
         reader, writer = await asyncio.open_connection(self.host, self.port)
         auth = f"Authorization: Bearer {self.key}\r\n" if self.key else ""
@@ -81,6 +83,8 @@ class Soak:
         try:
             while chunk := await reader.read(65536):
                 got += chunk
+                if progress is not None:
+                    progress[:] = [len(got), time.monotonic()]
                 if read_limit is not None and got.count(b"data: ") >= read_limit:
                     break
         finally:
@@ -154,10 +158,14 @@ class Soak:
         if path == "/v1/chat/completions" and not isinstance(body, str) and not self.chats:
             expect = {400}
         raw = body if isinstance(body, str) else json.dumps(body)
+        progress = [0, time.monotonic()]
         try:
-            status, got = await asyncio.wait_for(self.http(path, raw, limit), TIMEOUT)
-        except TimeoutError:
-            self.record(kind, "timeout", f"{kind}: no answer in {TIMEOUT:g} s: {raw[:120]}")
+            status, got = await asyncio.wait_for(self.http(path, raw, limit, progress), TIMEOUT)
+        except TimeoutError:  # still a failure; the outcome says whether the answer was coming or had stopped
+            silent = time.monotonic() - progress[1]
+            how = "timeout, still answering" if progress[0] and silent < 10 else "timeout, silent"
+            self.record(kind, how, f"{kind}: not finished in {TIMEOUT:g} s ({progress[0]} bytes read, the last "
+                                   f"{silent:.0f} s ago): {raw[:120]}")
             return
         except OSError as e:
             self.record(kind, "connection error", f"{kind}: {e}")
