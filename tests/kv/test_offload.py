@@ -177,6 +177,29 @@ def test_disk_files_of_another_identity_or_damaged_are_ignored_and_counted(tmp_p
     d.close()
 
 
+def test_engines_of_other_identities_in_turn_keep_their_own_files(tmp_path):
+    """A bfloat16 engine, then an int8 one on the same directory (the lock lets only one at a time), then the
+    bfloat16 one again: the second writes its own files beside the first's (same hashes, other identity tags),
+    never over them, and the first finds all of its own after; a file named by its hash alone is still read."""
+    m = make(tmp_path, host=0)
+    run_all(Blocks(m))
+    m.tiers.close()
+    first = sorted(p.name for p in (tmp_path / "tier").glob("*.kvblock"))
+    other = DiskTier(tmp_path / "tier", {**IDENT, "kv_dtype": "int8"}, 1 << 20)
+    assert len(other) == 0 and other.counters.ignored_files == len(first)
+    m2 = KVPoolConfig(8, BS, num_swap_blocks=0, watermark=0.0).build(
+        None, None, PrefixTiers(HostTier(0, offload=False), other, BS, PAYLOAD))
+    run_all(Blocks(m2))
+    m2.tiers.close()
+    both = sorted(p.name for p in (tmp_path / "tier").glob("*.kvblock"))
+    assert len(both) == 2 * len(first) and set(first) <= set(both)
+    legacy = tmp_path / "tier" / first[0]
+    legacy.rename(legacy.with_name(first[0].split(".")[0] + ".kvblock"))
+    again = make(tmp_path, host=0)
+    assert len(again.tiers.disk) == len(first) and again.tiers.disk.counters.ignored_files == len(first)
+    again.tiers.close()
+
+
 def test_a_failed_disk_block_ends_the_hit_there(tmp_path):
     m = make(tmp_path, host=0)
     b = Blocks(m)
@@ -185,7 +208,7 @@ def test_a_failed_disk_block_ends_the_hit_there(tmp_path):
     m2 = make(tmp_path, host=0)
     s = seq("x", PROMPTS[0])
     hashes = chain(s)
-    path = tmp_path / "tier" / (hashes[1].hex() + ".kvblock")
+    path = tmp_path / "tier" / m2.tiers.disk.file_name(hashes[1])
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))

@@ -124,8 +124,8 @@ class EngineArgs:
                        help="host memory for evicted prefix blocks, shared with --swap-space (bare number = GiB)")
         o.add_argument("--kv-offload-dir", help="directory of evicted prefix blocks: survives restarts of an engine "
                                                 "with the same model, KV dtype and block size")
-        o.add_argument("--kv-offload-disk", help="most disk the directory's blocks may use (bare number = GiB; "
-                                                 "default 8GiB)")
+        o.add_argument("--kv-offload-disk", help="most disk this engine's blocks may use in the directory (bare "
+                                                 "number = GiB; default 8GiB)")
         o.add_argument("--kv-events-endpoint",
                        help="publish KV events (BlockStored, BlockRemoved, AllBlocksCleared) on this ZeroMQ PUB "
                             "endpoint, e.g. tcp://*:5557 (vLLM's format)")

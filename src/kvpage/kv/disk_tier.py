@@ -1,6 +1,9 @@
 """The disk tier: evicted prefix blocks as files, LRU within a byte bound, found again after a restart.
 
-One file per block, named by its chained prefix hash. A file holds a header (format version, the engine's
+One file per block, named by its chained prefix hash and a tag of the engine's identity (so engines of other
+dtypes, layouts or tensor-parallel sizes that use the directory in turn keep their own files of the same
+prefix instead of overwriting each other's; files named by the hash alone, as earlier versions wrote them,
+are still read). A file holds a header (format version, the engine's
 identity: model, KV dtype, block size, the KV shape; the block's parent hash and tokens; the
 payload's length and CRC-32) and the block's bytes. At start the directory's headers are read into an index;
 a file of another format, identity or a damaged header is ignored and counted, never served, and a payload
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -80,6 +84,7 @@ class DiskTier:
         self._lock_fd: int | None = None
         self._queue: queue.Queue = queue.Queue()
         self._ident = json.dumps(self.identity, sort_keys=True)
+        self._tag = hashlib.sha256(self._ident.encode()).hexdigest()[:16]
         self._open()
         self._thread: threading.Thread | None = None
         if self.enabled and self.writable:
@@ -140,7 +145,7 @@ class DiskTier:
             except (KeyError, TypeError, ValueError):
                 self.counters.ignored_files += 1
                 continue
-            if path.name != entry.block_hash.hex() + _SUFFIX:
+            if path.name not in (self.file_name(entry.block_hash), entry.block_hash.hex() + _SUFFIX):
                 self.counters.ignored_files += 1
                 continue
             found.append((st.st_mtime, entry, path, st.st_size))
@@ -154,6 +159,10 @@ class DiskTier:
             logger.info("KV offload directory %s: %d prefix blocks (%d bytes) from earlier runs", self.directory,
                         len(self._index), self.used_bytes)
         self._trim(keep=None)
+
+    def file_name(self, block_hash: BlockHash) -> str:
+        """``<prefix hash>.<identity tag>.kvblock``."""
+        return f"{block_hash.hex()}.{self._tag}{_SUFFIX}"
 
     # ---------------------------------------------------------------- lookups
     def __len__(self) -> int:
@@ -227,7 +236,7 @@ class DiskTier:
 
     def _write(self, entry: TierEntry, payload: bytes) -> None:
         h = entry.block_hash
-        path = self.directory / (h.hex() + _SUFFIX)
+        path = self.directory / self.file_name(h)
         meta = {"identity": self._ident, "hash": h.hex(), "parent": entry.parent_hash.hex(),
                 "tokens": list(entry.token_ids), "first": entry.first,
                 "payload_bytes": len(payload), "crc32": zlib.crc32(payload)}
