@@ -308,8 +308,12 @@ class Worker:
         if tiers is not None:
             todo = tiers.unpersisted(list(self.kv.pool.cached.values()))
             if todo and (self.ranks is None or self.ranks.alive):
+                # in slices of ~64 MiB: a whole pool read (and gathered from every rank) at once would hold
+                # several copies of it
+                per = max(1, (64 << 20) // max(1, tiers.payload_bytes))
                 try:
-                    self._apply_ops(BlockOps(persists=todo))
+                    for i in range(0, len(todo), per):
+                        self._apply_ops(BlockOps(persists=todo[i : i + per]))
                 except RankFailure as e:  # the other shards are gone: those blocks are not written
                     logger.warning("the disk tier's last writes were skipped: %s", e)
             elif todo:
