@@ -19,7 +19,7 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class BlockShards:
     """This rank's place in a disk-tier block: ``nbytes`` is one rank's share (equal on every rank: KV heads
-    either split evenly or are replicated, distributed/shard.py)."""
+    either split evenly or are replicated, distributed/shard.py). An engine of one rank has (0, 1, its block)."""
 
     rank: int
     size: int
@@ -32,22 +32,23 @@ class BlockShards:
 
     def gather(self, payloads: Sequence[bytes]) -> list[bytes] | None:
         """Called by every rank with its own bytes of the same blocks (the step's plan names them): rank 0 gets
-        each block's joined bytes, the other ranks None."""
-        n = self.nbytes
+        each block's joined bytes, the other ranks None. One rank: the bytes as they are."""
+        if self.size == 1:
+            return list(payloads)
+        n, blocks = self.nbytes, len(payloads)
         if any(len(p) != n for p in payloads):
             raise ValueError(f"a rank's share of a block is {n} bytes here, got {[len(p) for p in payloads]}")
-        local = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8) if payloads else \
-            torch.empty(0, dtype=torch.uint8)
+        local = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
         if self.rank != 0:
             dist.gather(local, None, dst=0)
             return None
         parts = [local] + [torch.empty_like(local) for _ in range(self.size - 1)]
         dist.gather(local, parts, dst=0)
-        raw = [p.numpy().tobytes() for p in parts]
-        return [b"".join(r[i * n : (i + 1) * n] for r in raw) for i in range(len(payloads))]
+        joined = torch.stack([p.view(blocks, n) for p in parts], dim=1).reshape(blocks, self.block_bytes)
+        return [row.numpy().tobytes() for row in joined]
 
     def mine(self, payload: bytes) -> bytes:
-        """This rank's slice of a block's joined bytes."""
+        """This rank's slice of a block's joined bytes (one rank: all of them)."""
         if len(payload) != self.block_bytes:
             raise ValueError(f"a disk-tier block is {self.block_bytes} bytes under {self.size} ranks, "
                              f"got {len(payload)}")

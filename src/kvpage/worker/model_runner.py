@@ -113,8 +113,9 @@ class ModelRunner:
         self.vocab_size = int(model.config.vocab_size or model.embed_tokens.weight.shape[0])
         self.block_size = kv_cache.block_size
         self.persist: Callable[[Any, bytes], None] = _no_disk_tier
-        # under tensor parallelism: this rank's share of a disk-tier block (gathered out, sliced in)
-        self.shards: BlockShards | None = None
+        # this rank's share of a disk-tier block (under tensor parallelism gathered out, sliced in; the worker
+        # sets the rank and size)
+        self.shards = BlockShards(0, 1, kv_cache.block_nbytes)
         layout = self.layout = kv_cache.layout
         attn = model.layers[0].self_attn
         # One builder per KV group: it splits and plans each step once for all the group's layers (the groups
@@ -217,17 +218,13 @@ class ModelRunner:
             return
         self.kv_cache.swap_out(ops.swap_out)
         if ops.persists:
-            payloads: list[bytes] | None = self.kv_cache.read_blocks([block for block, _ in ops.persists])
-            if self.shards is not None:  # every rank's share, joined on rank 0 (the others get None)
-                payloads = self.shards.gather(payloads)
-            if payloads is not None:  # None on a follower: rank 0 writes the files
+            # every rank's share, joined on rank 0; None on a follower: rank 0 writes the files
+            payloads = self.shards.gather(self.kv_cache.read_blocks([block for block, _ in ops.persists]))
+            if payloads is not None:
                 for (_, entry), payload in zip(ops.persists, payloads, strict=True):
                     self.persist(entry, payload)
         self.kv_cache.swap_in(ops.swap_in)
-        loads = ops.disk_loads
-        if self.shards is not None and loads:
-            loads = [(self.shards.mine(payload), block) for payload, block in loads]
-        self.kv_cache.write_blocks(loads)
+        self.kv_cache.write_blocks([(self.shards.mine(payload), block) for payload, block in ops.disk_loads])
         self.kv_cache.copy_blocks(ops.copies)
 
     @torch.inference_mode()

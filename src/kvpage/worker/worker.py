@@ -143,7 +143,7 @@ class Worker:
             self.kv_cache.prefault()
         self.runner = ModelRunner(self.lm.model, self.kv_cache)
         if self.tp is not None:
-            self.runner.shards = BlockShards(self.tp[0], self.tp[1], self.kv_cache.block_nbytes)
+            self.runner.shards = BlockShards(*self.tp, self.kv_cache.block_nbytes)
         self.eos_ids = tuple(self.lm.tokenizer.eos_token_ids)
         self.kv: KVCacheManager | None = None  # set by make_kv_manager
         self._blocked: dict[str, tuple[int, ...]] = {}  # the current step's blocked ids per sampling sequence
@@ -206,9 +206,7 @@ class Worker:
                 identity["tensor_parallel_size"] = self.tp[1]
             disk = DiskTier(Path(cc.kv_offload_dir).expanduser(), identity, int(cc.kv_offload_disk))
             self.runner.persist = disk.put
-        shards = self.runner.shards
-        return PrefixTiers(host, disk, cc.block_size, self.kv_cache.block_nbytes if shards is None else
-                           shards.block_bytes)
+        return PrefixTiers(host, disk, cc.block_size, self.runner.shards.block_bytes)
 
     # ------------------------------------------------------------ StepWorker
     def execute_model(self, out: SchedulerOutput) -> StepLogits | None:
@@ -307,18 +305,14 @@ class Worker:
         tiers = getattr(self.kv, "tiers", None)
         if tiers is not None:
             todo = tiers.unpersisted(list(self.kv.pool.cached.values()))
-            if todo and (self.ranks is None or self.ranks.alive):
-                # in slices of ~64 MiB: a whole pool read (and gathered from every rank) at once would hold
-                # several copies of it
-                per = max(1, (64 << 20) // max(1, tiers.payload_bytes))
-                try:
-                    for i in range(0, len(todo), per):
-                        self._apply_ops(BlockOps(persists=todo[i : i + per]))
-                except RankFailure as e:  # the other shards are gone: those blocks are not written
-                    logger.warning("the disk tier's last writes were skipped: %s", e)
-            elif todo:
-                logger.warning("the disk tier's last %d writes were skipped: the tensor-parallel group is down",
-                               len(todo))
+            # in slices of ~64 MiB: a whole pool read (and gathered from every rank) at once would hold several
+            # copies of it
+            per = max(1, (64 << 20) // max(1, tiers.payload_bytes))
+            try:
+                for i in range(0, len(todo), per):
+                    self._apply_ops(BlockOps(persists=todo[i : i + per]))
+            except RankFailure as e:  # the group is down: the other shards of those blocks are gone
+                logger.warning("the disk tier's last writes were skipped: %s", e)
         if self.ranks is not None:
             self.ranks.shutdown()
         if tiers is not None:
