@@ -3,6 +3,7 @@
 Workloads (fixed seed, EOS ignored, output tokens counted as requested):
   chat64    64 chat-templated short questions x 128 output tokens
   chat128   the same with 128 questions (128 sequences decoding at once)
+  chat16, chat32  the same with 16 / 32 questions (a moderately loaded server's decode steps)
   sharegpt  256 requests; prompt / output lengths lognormal, medians ~160 / ~200, capped at 1024 / 512
   essays64  64 plain-text prompts x 128 output tokens (for base models without a chat template)
   random256 200 prompts of 256 random tokens x 128 output tokens (`vllm bench serve`'s random dataset in
@@ -55,6 +56,7 @@ from pathlib import Path
 from _common import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
+CHATS = {"chat16": 16, "chat32": 32, "chat64": 64, "chat128": 128}  # chat workloads: questions at once
 
 
 def build_workload(name: str, seed: int = 0, model: str | None = None) -> list[dict]:
@@ -67,10 +69,10 @@ def build_workload(name: str, seed: int = 0, model: str | None = None) -> list[d
     special = set(tk.special_ids)
     vocab = [t for t in range(100, tk.vocab_size) if t not in special]  # random prompts' tokens
     reqs = []
-    if name in ("chat64", "chat128"):
+    if name in CHATS:
         topics = ["the moon", "rivers", "bread", "volcanoes", "owls", "trains", "tea", "glaciers", "chess",
                   "bees", "maps", "clocks", "salt", "wind", "paper", "copper"]
-        for i in range(64 if name == "chat64" else 128):
+        for i in range(CHATS[name]):
             q = f"In two sentences, what is interesting about {topics[i % len(topics)]}? (question {i})"
             ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": q}]))
             reqs.append({"prompt_token_ids": ids, "max_tokens": 128})
@@ -274,7 +276,7 @@ def run_engine(eng: str, reqs: list[dict], args: argparse.Namespace, dtype: str)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=["chat64", "sharegpt"],
-                    choices=["chat64", "chat128", "sharegpt", "essays64", "random256"])
+                    choices=[*CHATS, "sharegpt", "essays64", "random256"])
     ap.add_argument("--model", help="kvpage's model (default: the embedded SmolLM2), e.g. gemma-3-270m")
     ap.add_argument("--sampling", nargs="+", default=["greedy"], choices=list(SAMPLING))
     ap.add_argument("--engines", nargs="+",

@@ -159,3 +159,41 @@ def test_i8_linear_streamed_output_is_the_same_bits(ops, n, dtype):
     if n % 32 == 0:
         gc, gs = ops.i8_pack_weight(qw.qs, qw.d, qw.m, True)
         assert torch.equal(ops.i8_linear(x, gc, gs, n, True, None, True), ops.i8_linear(x, gc, gs, n, True, None))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_packed_linear_takes_the_int8_gemm_up_to_its_row_limit(ops, gated):
+    """Where the int8 GEMM pays only for a few rows (the Zen 4 EPYC: ops/kernels.py int8_gemm_rows), a layer keeps
+    both packings and each call takes the int8 GEMM up to the limit, oneDNN's bf16 GEMM above it: each the same
+    bits as that product alone; a head split in vocabulary slices runs whole on the int8 GEMM."""
+    from kvpage.envs import KernelConfig
+    from kvpage.model.layers.linear import PackedLinear
+    from kvpage.ops import Kernels
+
+    bound_ops = Kernels(ops, KernelConfig(i8_gemm="1", amx_linear=False, quant_max_tokens=0))
+    bound_ops.i8_max_rows = 8  # a fresh object, not the shared one kernels() caches
+    g = torch.Generator().manual_seed(5)
+    qw = quant_weight("q4", 64, 96, g)
+    w = qw.dequantize().bfloat16()
+    lin = PackedLinear(w, None, qw, bound_ops, gated=gated)
+    assert lin.i8 is not None and lin.packed is not None and lin.i8_max_rows == 8
+    for rows in (1, 8, 9, 40):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        got = lin(x)
+        if rows <= 8:
+            want = ops.i8_linear(x, lin.i8[0], lin.i8[1], 64, gated, None, False)
+        else:
+            want = torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
+            want = ops.silu_mul(want) if gated else want
+        assert torch.equal(got, want), rows
+    if gated:
+        return
+    head = PackedLinear(w, None, qw, bound_ops, split_rows=32)
+    assert head.packed is None and len(head.packed_parts) == 2
+    assert not head.splits(8) and head.splits(9)
+    x = torch.randn(8, 96, generator=g).bfloat16()
+    parts = list(head.forward_parts(x))
+    assert len(parts) == 1 and torch.equal(parts[0][1], lin(x))
+    # where it pays at every row count (Intel), no oneDNN copy of the weight is kept
+    everywhere = Kernels(ops, KernelConfig(i8_gemm="1", amx_linear=False, quant_max_tokens=0))
+    assert everywhere.i8_max_rows > 1 << 40 and PackedLinear(w, None, qw, everywhere).packed is None

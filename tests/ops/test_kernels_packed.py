@@ -162,12 +162,16 @@ def test_backend_packs_bf16_caches_and_keeps_rows_otherwise():
     assert not CpuPagedAttention(kernels(KernelConfig(kv_layout="rows"))).packed_layout(bf16, torch.bfloat16)
 
 
-@pytest.mark.parametrize(("vendor", "setting", "expected"), [
-    ("GenuineIntel", "auto", True), ("AuthenticAMD", "auto", False), ("AuthenticAMD", "1", True),
-    ("GenuineIntel", "0", False)])
-def test_int8_gemm_auto_follows_the_measurements(monkeypatch, vendor, setting, expected):
-    """`auto` takes the int8 GEMM on Intel CPUs only (on AMD's Zen 5 oneDNN's bf16 GEMM is faster); 1 and 0
-    force either, and a build without it never claims it."""
+ALL = 1 << 62
+
+
+@pytest.mark.parametrize(("vendor", "family", "setting", "expected"), [
+    ("GenuineIntel", "6", "auto", ALL), ("AuthenticAMD", "26", "auto", 0), ("AuthenticAMD", "25", "auto", 48),
+    ("AuthenticAMD", "26", "1", ALL), ("AuthenticAMD", "25", "0", 0), ("GenuineIntel", "6", "0", 0)])
+def test_int8_gemm_auto_follows_the_measurements(monkeypatch, vendor, family, setting, expected):
+    """`auto` takes the int8 GEMM at every row count on Intel CPUs, up to 48 rows on AMD's Zen 4 (family 25) and
+    never on Zen 5 (family 26), where oneDNN's bf16 GEMM is faster; 1 and 0 force either, and a build without it
+    never claims it."""
     import importlib
 
     kernels_mod = importlib.import_module("kvpage.ops.kernels")  # the module (kvpage.ops.kernels is also a function)
@@ -180,8 +184,10 @@ def test_int8_gemm_auto_follows_the_measurements(monkeypatch, vendor, setting, e
             return lambda: self.has_i8 if name == "i8_gemm_available" else False
 
     monkeypatch.setattr(kernels_mod, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(kernels_mod, "cpuinfo_field", lambda name: family if name == "cpu family" else "")
     config = KernelConfig(i8_gemm=setting)
-    assert kernels_mod.Kernels(Build(True), config).i8_gemm_ok is expected
+    bound = kernels_mod.Kernels(Build(True), config)
+    assert bound.i8_max_rows == expected and bound.i8_gemm_ok is (expected > 0)
     assert kernels_mod.Kernels(Build(False), config).i8_gemm_ok is False
     with pytest.raises(ValueError, match="i8_gemm"):
         KernelConfig(i8_gemm=True)  # the old boolean form is refused by name

@@ -27,12 +27,25 @@ def cpu_vendor() -> str:
     return cpuinfo_field("vendor_id")
 
 
-def int8_gemm_pays() -> bool:
-    """Whether the int8 GEMM (gemm_i8.cpp) beats oneDNN's bf16 GEMM here, by what was measured
-    (benchmarks/linear.py --i8, one pass of SmolLM2's projections): on the Intel Xeon without AMX, where
-    vdpbf16ps peaks at ~170 GFLOP/s on two cores, 2.25-2.76x at 8-2048 rows; on the AMD EPYC Zen 5, whose
-    512-bit bf16 products oneDNN runs at ~0.9 TFLOP/s, 0.67-0.97x (2026-11-26). So Intel yes, AMD no."""
-    return cpu_vendor() == "GenuineIntel"
+# int8_gemm_rows' answer where the int8 GEMM takes every row count
+I8_ALL_ROWS = 1 << 62
+# Zen 4's limit: the int8 GEMM up to this many rows, oneDNN's bf16 GEMM above (the measurements below)
+I8_ZEN4_MAX_ROWS = 48
+
+
+def int8_gemm_rows() -> int:
+    """Up to how many rows the int8 GEMM (gemm_i8.cpp) beats oneDNN's bf16 GEMM here (0: none), by what was
+    measured (benchmarks/linear.py --i8, one pass of SmolLM2's projections): on the Intel Xeon without AMX, where
+    vdpbf16ps peaks at ~170 GFLOP/s on two cores, 2.25-2.76x at 8-2048 rows: every row count. On the AMD EPYC
+    Zen 5, whose 512-bit bf16 products oneDNN runs at ~0.9 TFLOP/s, 0.67-0.97x (2026-11-26): none. On the Zen 4
+    EPYC (CPU family 25 with AVX-512: its 512-bit products run on 256-bit units, so oneDNN's bf16 GEMM is at its
+    peak from ~64 rows, while the int8 GEMM reads half the weight bytes) 1.67x / 1.33x / 1.17x / 1.12x / 1.01x /
+    0.91x at 8 / 16 / 32 / 48 / 64 / 96 rows (2026-12-03): up to 48 rows."""
+    if cpu_vendor() == "GenuineIntel":
+        return I8_ALL_ROWS
+    if cpu_vendor() == "AuthenticAMD" and cpuinfo_field("cpu family") == "25":
+        return I8_ZEN4_MAX_ROWS
+    return 0
 
 
 def packed_layout_pays() -> bool:
@@ -64,8 +77,10 @@ class Kernels:
         self.packed_int8_layout = module.has_packed_int8_layout() and packed
         self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
         self.f32_gemm_ok = config.f32_gemm and module.f32_gemm_available()
-        self.i8_gemm_ok = module.i8_gemm_available() and (
-            config.i8_gemm == "1" or (config.i8_gemm == "auto" and int8_gemm_pays()))
+        # the int8 GEMM for projections of up to i8_max_rows rows (oneDNN's bf16 GEMM above); i8_gemm_ok: any
+        self.i8_max_rows = 0 if not module.i8_gemm_available() else (
+            I8_ALL_ROWS if config.i8_gemm == "1" else int8_gemm_rows() if config.i8_gemm == "auto" else 0)
+        self.i8_gemm_ok = self.i8_max_rows > 0
         self.amx_prefill_ok = config.amx_prefill and module.prefill_amx_available()
         # auto: where float32 runs the panel GEMM (AVX2 builds), the one path whose products are batch-invariant
         self.batch_invariant = config.batch_invariant == "1" or (

@@ -4,8 +4,9 @@ kvpage's AMX tile GEMM (csrc/linear/linear_amx.cpp) runs the layer projections a
 oneDNN's packed GEMM for 1-1024 rows, 0.97x at 2048, on the AMX Xeon: benchmarks/linear.py, BENCHMARKS.md);
 the kernel configuration's amx_linear=False turns it off (side-by-side runs). On AVX-512 VNNI CPUs without
 AMX, bf16 models with the checkpoint's Q4 / Q8 blocks run their many-row products on those blocks with int8
-activation codes (csrc/linear/gemm_i8.cpp: ~2.5x oneDNN's bf16 GEMM on the Xeon without AMX), where it pays: the
-kernel configuration's i8_gemm ("auto": Intel CPUs; ops/kernels.py int8_gemm_pays) decides.
+activation codes (csrc/linear/gemm_i8.cpp: ~2.5x oneDNN's bf16 GEMM on the Xeon without AMX), for the row counts
+where it pays: the kernel configuration's i8_gemm ("auto": every row count on Intel CPUs, up to 48 rows on the Zen 4
+EPYC, oneDNN's above; ops/kernels.py int8_gemm_rows) decides.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from kvpage.model.quant import QuantWeight
-from kvpage.ops import ACT_GELU_TANH, ACT_NONE, ACT_SILU, Kernels
+from kvpage.ops import ACT_GELU_TANH, ACT_NONE, ACT_SILU, I8_ALL_ROWS, Kernels
 from kvpage.pages import gather_on_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
 
 
-_ALL_ROWS = 1 << 62  # amx_max_rows when no limit is given
+_ALL_ROWS = I8_ALL_ROWS  # amx_max_rows (and i8_max_rows) when no limit is given
 
 
 class PackedLinear(nn.Module):
@@ -79,6 +80,8 @@ class PackedLinear(nn.Module):
         if (self.amx is None and quant is not None and ops is not None and ops.i8_gemm_ok
                 and weight.dtype == torch.bfloat16 and quant.shape == (n, k) and not (gated and n % 32)):
             self.i8 = ops.i8_pack_weight(quant.qs, quant.d, quant.m, self.fused_silu)
+        # up to how many rows it takes them (oneDNN's packing above, where that is a limit)
+        self.i8_max_rows = ops.i8_max_rows if self.i8 is not None else 0
         # float32 weights on AVX2 builds: kvpage's panel GEMM (ops/csrc/linear/gemm_f32.cpp; 1.1-1.65x oneDNN's packed
         # product on a pass of this model's layers at 1-2048 rows: benchmarks/linear.py --dtype float32),
         # oneDNN's packing otherwise.
@@ -90,7 +93,8 @@ class PackedLinear(nn.Module):
             # token row's outputs are the same bits whichever product its step takes
             panels = self.quant.as_panels() if self.quant is not None and ops.config.quant_panels else None
             self.quant = panels or self.quant
-        elif (self.amx is None and self.i8 is None) or (self.amx is not None and amx_max_rows is not None):
+        elif ((self.amx is None and self.i8_max_rows < _ALL_ROWS)
+              or (self.amx is not None and amx_max_rows is not None)):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
         # split_rows (lm heads): the product also by slices of at most this many output features, for
         # forward_parts: outputs small enough for malloc to reuse step after step, where one [rows, 262144]
@@ -129,7 +133,7 @@ class PackedLinear(nn.Module):
             out = self.ops.quant_linear(x, q.qs, q.d, q.m, False)
             if self.bias is not None:
                 out = out + self.bias.to(x.dtype)
-        elif self.i8 is not None:  # SiLU in the kernel's epilogue
+        elif rows <= self.i8_max_rows:  # SiLU in the kernel's epilogue
             out = self.ops.i8_linear(x, self.i8[0], self.i8[1], self.n, self.fused_silu, self.bias, self.stream_out)
             if self.fused_silu or not self.gated:
                 return out
@@ -149,7 +153,8 @@ class PackedLinear(nn.Module):
         if self._on_amx(rows):
             return self.amx_split is not None
         q = self.quant
-        return bool(self.packed_parts) and not (q is not None and rows <= self.quant_max_tokens)
+        return (bool(self.packed_parts) and not (q is not None and rows <= self.quant_max_tokens)
+                and rows > self.i8_max_rows)
 
     def forward_parts(self, x: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """(first output feature, output slice) in order: the slices of split_rows where the call splits,
