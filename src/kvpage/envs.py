@@ -40,7 +40,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("KVPAGE_I8_GEMM", str, "auto", "bf16 models' many-row projections multiply the checkpoint's Q4 / Q8 "
            "blocks with int8 activation codes (AVX-512 VNNI, CPUs without AMX): 'auto' on Intel CPUs, where it is "
            "2.3-2.8x oneDNN's bf16 GEMM, up to 48 rows on AMD's Zen 4 (1.1-1.7x oneDNN's there, slower above), "
-           "never on Zen 5 (0.67-0.97x); 1 wherever the build has it, at every row count; 0 keeps oneDNN's bf16 GEMM", "i8_gemm", ("auto", "1", "0")),
+           "never on Zen 5 (0.67-0.97x); 1 wherever the build has it, at every row count; 0 keeps oneDNN's bf16 GEMM",
+           "i8_gemm", ("auto", "1", "0")),
     EnvVar("KVPAGE_F32_GEMM", bool, True, "kvpage's float32 panel GEMM for float32 projections on AVX2 builds; 0 keeps "
            "oneDNN's", "f32_gemm"),
     EnvVar("KVPAGE_AMX_DECODE", bool, True, "AMX tile products for decode attention where the CPU and OS allow them; "
