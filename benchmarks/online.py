@@ -2,7 +2,8 @@
 `kvpage serve` and `vllm serve`, same weights, same requests, in one run.
 
     python benchmarks/online.py --vllm-python /root/peers/vllm/bin/python --vllm-model /root/peers/smollm2-hf \\
-        [--rates 10 inf] [--modes sampled greedy] [--rounds 2] [--num-prompts 200] [--engines kvpage vllm]
+        [--rates 10 inf] [--modes sampled greedy] [--rounds 2] [--num-prompts 200] [--engines kvpage vllm] \
+        [--max-concurrency 16]
 
 Requests: the client's random dataset, 256 prompt / 128 output tokens, EOS ignored; a new seed for every
 measurement, the same for both engines, so no run finds its prompts in a prefix cache. "sampled" sends no
@@ -86,6 +87,8 @@ def bench(args: argparse.Namespace, port: int, rate: str, mode: str, out: Path, 
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
     if mode == "greedy":
         cmd += ["--temperature", "0"]
+    if args.max_concurrency:
+        cmd += ["--max-concurrency", str(args.max_concurrency)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
     return json.loads(out.read_text())
 
@@ -97,6 +100,9 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["sampled", "greedy"], choices=["sampled", "greedy"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument("--max-concurrency", type=int, default=0,
+                    help="at most this many requests in flight (the client's --max-concurrency: a moderately loaded "
+                         "server); 0: no limit")
     ap.add_argument("--vllm-python", default=os.environ.get("KVPAGE_VLLM_PYTHON"))
     ap.add_argument("--vllm-model", default=os.environ.get("KVPAGE_VLLM_MODEL"),
                     help="the converted HF directory (also the client's tokenizer)")
@@ -129,8 +135,9 @@ def main() -> None:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    limit = f", at most {args.max_concurrency} in flight" if args.max_concurrency else ""
     print(f"\nmachine: {cpu_model()}, {os.cpu_count()} cores; {NAME}; vllm bench serve, random 256/128, "
-          f"{args.num_prompts} prompts, ignore_eos; medians of {args.rounds} rounds")
+          f"{args.num_prompts} prompts, ignore_eos{limit}; medians of {args.rounds} rounds")
     print("| rate | requests | engine | " + " | ".join(METRICS.values()) + " |")
     print("|---" * (3 + len(METRICS)) + "|")
     table = {}
