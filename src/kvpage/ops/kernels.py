@@ -77,15 +77,19 @@ class Kernels:
         self.packed_int8_layout = module.has_packed_int8_layout() and packed
         self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
         self.f32_gemm_ok = config.f32_gemm and module.f32_gemm_available()
-        # the int8 GEMM for projections of up to i8_max_rows rows (oneDNN's bf16 GEMM above); i8_gemm_ok: any
-        self.i8_max_rows = 0 if not module.i8_gemm_available() else (
-            I8_ALL_ROWS if config.i8_gemm == "1" else int8_gemm_rows() if config.i8_gemm == "auto" else 0)
-        self.i8_gemm_ok = self.i8_max_rows > 0
+        # the int8 GEMM for projections of up to i8_max_rows rows (oneDNN's bf16 GEMM above)
+        wanted = {"1": I8_ALL_ROWS, "0": 0}.get(config.i8_gemm) if config.i8_gemm != "auto" else int8_gemm_rows()
+        self.i8_max_rows = wanted if module.i8_gemm_available() else 0
         self.amx_prefill_ok = config.amx_prefill and module.prefill_amx_available()
         # auto: where float32 runs the panel GEMM (AVX2 builds), the one path whose products are batch-invariant
         self.batch_invariant = config.batch_invariant == "1" or (
             config.batch_invariant == "auto" and module.f32_gemm_available())
         self.quant_int16 = config.quant_int16
+
+    @property
+    def i8_gemm_ok(self) -> bool:
+        """Whether the int8 GEMM takes any row count here (layers then pack their weights for it)."""
+        return self.i8_max_rows > 0
 
     # what the build has (diagnostics and tests)
     def last_decode_kernel(self) -> str:
