@@ -144,11 +144,18 @@ inline void int8_scores(const int8_t* const* q8, const float* qs, const int32_t*
 // as 16-bit unsigned codes (hi bytes at w[0..15], lo bytes at w[16..31]) and returns (corr, weight scale).
 inline void int8_softmax(__m512 s, __mmask16 keep, __m512 vscale, float& m, float& l, uint8_t* w, float& corr,
                          float& wscale) {
-  const float new_m = std::max(m, _mm512_mask_reduce_max_ps(keep, s));
-  corr = exp_neg(m - new_m);
-  const __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_m)), keep);
+  // Past the first groups a group seldom raises the running maximum; a compare tells, without the horizontal
+  // maximum and the scalar exp on the step's critical path. Bit for bit the full update: exp_neg(0) is 1.
+  __m512 vm = _mm512_set1_ps(m);
+  corr = 1.f;
+  if (_mm512_mask_cmp_ps_mask(keep, s, vm, _CMP_GT_OQ) != 0) {
+    const float new_m = _mm512_mask_reduce_max_ps(keep, s);
+    corr = exp_neg(m - new_m);
+    m = new_m;
+    vm = _mm512_set1_ps(new_m);
+  }
+  const __m512 e = exp16(_mm512_sub_ps(s, vm), keep);
   l = l * corr + _mm512_reduce_add_ps(e);
-  m = new_m;
   const __m512 u = _mm512_maskz_mul_ps(keep, e, vscale);  // unwritten lanes' scales may be NaN: never used
   const float top = _mm512_reduce_max_ps(u);
   const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(u, _mm512_set1_ps(top > 0.f ? 65535.f / top : 0.f)));
