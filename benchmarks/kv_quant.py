@@ -205,15 +205,16 @@ def channel_pages(ops, seqs: int, context: int, tables: torch.Tensor, kv_heads: 
 
 
 def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 3, dim: int = 64,
-          huge_pages: bool = True, fold: int = 0, bs: int = 16) -> list[dict]:
+          huge_pages: bool = True, fold: int = 0, bs: int = 16, layout: str = "auto") -> list[dict]:
     """One layer's decode attention: `seqs` sequences of `context` keys on scattered `bs`-token blocks, in
-    caches allocated as the engine allocates its pool (2 MiB pages where the OS allows, unless huge_pages=False)."""
+    caches allocated as the engine allocates its pool (2 MiB pages where the OS allows, unless huge_pages=False),
+    under the KV layout setting `layout` (KVPAGE_KV_LAYOUT's values)."""
     from kvpage.attention.kv_quant import quantize_rows
     from kvpage.envs import KernelConfig
     from kvpage.ops import kernels, pack_kv_rows
     from kvpage.worker.kv_cache import as_block_major
 
-    ops = kernels(KernelConfig())
+    ops = kernels(KernelConfig(kv_layout=layout))
     per = -(-context // bs)
     nb = seqs * per
     gen = torch.Generator().manual_seed(0)
@@ -245,7 +246,7 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
     # where decode over packed int8 pages runs on AMX byte tiles, the same pages through the VNNI loop beside it
     vnni_ops = None
     if "int8" in packed_names and ops.amx_int8_decode_available():
-        vnni_ops = kernels(KernelConfig(amx_decode=False))
+        vnni_ops = kernels(KernelConfig(amx_decode=False, kv_layout=layout))
         caches["int8-vnni"] = caches["int8"]
     residual = torch.zeros_like(tables)  # contexts of whole blocks: no sequence reads a residual block
     channel_plan = ops.plan_attention(tables, qsl, lens, heads, caches["int8-channel"].shape[0], bs)
@@ -299,6 +300,8 @@ def main() -> None:
                     help="speed: caches on 4 KiB pages (the engine's --no-kv-huge-pages) instead of 2 MiB pages")
     ap.add_argument("--fold-blocks", type=int, default=0,
                     help="speed: read only the first N blocks (the same work on K/V that stays in cache)")
+    ap.add_argument("--kv-layout", default="auto", choices=("auto", "packed", "rows"),
+                    help="speed: the KV layout setting (KVPAGE_KV_LAYOUT) the caches take")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
@@ -332,7 +335,7 @@ def main() -> None:
                   f"{r['positions']} positions")
     if "speed" not in a.skip:
         result["speed"] = speed(a.speed_seqs, a.speed_context, a.rounds, huge_pages=not a.small_pages,
-                                fold=a.fold_blocks, bs=a.speed_block_size)
+                                fold=a.fold_blocks, bs=a.speed_block_size, layout=a.kv_layout)
         for r in result["speed"]:
             print(f"speed    {r['kv_dtype']:<9} {r['seqs']} seqs x {r['context']} keys, {a.speed_block_size}-token "
                   f"blocks: {r['ms']:.2f} ms "

@@ -193,12 +193,14 @@ def test_int8_gemm_auto_follows_the_measurements(monkeypatch, vendor, family, se
         KernelConfig(i8_gemm=True)  # the old boolean form is refused by name
 
 
-@pytest.mark.parametrize(("vendor", "setting", "expected"), [
-    ("GenuineIntel", "auto", True), ("AuthenticAMD", "auto", False), ("AuthenticAMD", "packed", True),
-    ("GenuineIntel", "rows", False)])
-def test_kv_layout_auto_follows_the_measurements(monkeypatch, vendor, setting, expected):
-    """`auto` packs bf16 and int8 pages on Intel CPUs and keeps rows on AMD's (where the row loops stream long
-    contexts faster); packed and rows force either; a build without the packed kernels never claims them."""
+@pytest.mark.parametrize(("vendor", "family", "setting", "bf16", "int8"), [
+    ("GenuineIntel", "6", "auto", True, True), ("AuthenticAMD", "26", "auto", False, False),
+    ("AuthenticAMD", "25", "auto", False, True), ("AuthenticAMD", "26", "packed", True, True),
+    ("AuthenticAMD", "25", "rows", False, False), ("GenuineIntel", "6", "rows", False, False)])
+def test_kv_layout_auto_follows_the_measurements(monkeypatch, vendor, family, setting, bf16, int8):
+    """`auto` packs bf16 and int8 pages on Intel CPUs, int8 pages alone on AMD's Zen 4 (family 25) and neither
+    on Zen 5 (family 26), where the row loops stream long contexts faster; packed and rows force either; a build
+    without the packed kernels never claims them."""
     import importlib
 
     kernels_mod = importlib.import_module("kvpage.ops.kernels")
@@ -211,9 +213,10 @@ def test_kv_layout_auto_follows_the_measurements(monkeypatch, vendor, setting, e
             return lambda: self.has if name in ("has_packed_layout", "has_packed_int8_layout") else False
 
     monkeypatch.setattr(kernels_mod, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(kernels_mod, "cpuinfo_field", lambda name: family if name == "cpu family" else "")
     config = KernelConfig(kv_layout=setting)
     ops = kernels_mod.Kernels(Build(True), config)
-    assert ops.packed_layout is expected and ops.packed_int8_layout is expected
+    assert ops.packed_layout is bf16 and ops.packed_int8_layout is int8
     assert ops.avx2_row_decode is (vendor == "AuthenticAMD")  # bf16 rows decode on the AVX2 loop where rows pay
     ops = kernels_mod.Kernels(Build(False), config)
     assert ops.packed_layout is False and ops.packed_int8_layout is False

@@ -48,16 +48,23 @@ def int8_gemm_rows() -> int:
     return 0
 
 
-def packed_layout_pays() -> bool:
-    """Whether kv_layout "auto" takes the packed bf16 / int8 layouts (when the build has them).
+def packed_layouts() -> tuple[bool, bool]:
+    """Whether kv_layout "auto" takes the packed bf16 and the packed int8 layout (where the build has them).
 
     Why: the packed layouts were built where the row loops' rearranging, not memory, limited decode (the Intel
     Xeon without AMX: packed int8 0.49x the bf16 cache's time; the AMX Xeon's tile kernels read only the packed
-    layout). On the AMD EPYC Zen 5 the AVX2 row loop streams the cache faster than the packed loops
+    layout): Intel, both. On the AMD EPYC Zen 5 the AVX2 row loop streams the cache faster than the packed loops
     (`python benchmarks/kv_quant.py --skip capacity accuracy`, 64 sequences x 8K keys, 2026-11-26: bf16 rows
     11.8 ms against packed 17.2 ms, int8 rows 9.0 against 11.1), and the engine with rows served more (offline
-    sharegpt +9-10%, chat128 within noise; online 256/128 at 10 req/s and at once +3-8%). So Intel yes, AMD no."""
-    return cpu_vendor() != "AuthenticAMD"
+    sharegpt +9-10%, chat128 within noise; online 256/128 at 10 req/s and at once +3-8%): neither. On the Zen 4
+    EPYC (family 25 with AVX-512; its 512-bit products run on 256-bit units, so the int8 row loop's widening
+    and 16-bit products set its pace) the packed int8 loop, whose byte products take the codes as they lie,
+    reads int8 pages in 0.74x the row loop's time (13.32 against 17.91 ms, `--kv-layout packed`, 2026-12-03) and
+    the engine decoding 32 sequences over 3K-token contexts on int8 pages made 1.4-1.8x the tokens per second,
+    while it served sharegpt with bf16 rows 1.06x the packed bf16 pages: int8 only."""
+    if cpu_vendor() != "AuthenticAMD":
+        return True, True
+    return False, cpuinfo_field("cpu family") == "25"
 
 
 class Kernels:
@@ -69,12 +76,16 @@ class Kernels:
         # What this build and machine can run, asked once.
         # AVX-512 BF16 dot products in the attention loops (the packed layout needs them; bf16 rows use them too)
         self.bf16_dot = module.has_packed_layout()
-        packed = config.kv_layout == "packed" or (config.kv_layout == "auto" and packed_layout_pays())
+        bf16_pays, int8_pays = packed_layouts()
+
+        def chosen(pays: bool) -> bool:
+            return config.kv_layout == "packed" or (config.kv_layout == "auto" and pays)
+
         # bf16 rows' decode on the AVX2 loop (AVX-512 builds keep their own row loop otherwise): where the same
-        # measurements keep rows, since that loop is what streams them faster there
-        self.avx2_row_decode = not packed_layout_pays()
-        self.packed_layout = self.bf16_dot and packed
-        self.packed_int8_layout = module.has_packed_int8_layout() and packed
+        # measurements keep bf16 rows, since that loop is what streams them faster there
+        self.avx2_row_decode = not bf16_pays
+        self.packed_layout = self.bf16_dot and chosen(bf16_pays)
+        self.packed_int8_layout = module.has_packed_int8_layout() and chosen(int8_pays)
         self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
         self.f32_gemm_ok = config.f32_gemm and module.f32_gemm_available()
         # the int8 GEMM for projections of up to i8_max_rows rows (oneDNN's bf16 GEMM above)
