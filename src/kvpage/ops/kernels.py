@@ -60,8 +60,9 @@ def packed_layouts() -> tuple[bool, bool]:
     EPYC (family 25 with AVX-512; its 512-bit products run on 256-bit units, so the int8 row loop's widening
     and 16-bit products set its pace) the packed int8 loop, whose byte products take the codes as they lie,
     reads int8 pages in 0.74x the row loop's time (13.32 against 17.91 ms, `--kv-layout packed`, 2026-12-03) and
-    the engine decoding 32 sequences over 3K-token contexts on int8 pages made 1.4-1.8x the tokens per second,
-    while it served sharegpt with bf16 rows 1.06x the packed bf16 pages: int8 only."""
+    the engine decoding 32 sequences over 3K-token contexts on int8 pages made 1.48x the tokens per second
+    (`benchmarks/long_decode.py`), while it served sharegpt with bf16 rows 1.06x the packed bf16 pages: int8
+    only."""
     if cpu_vendor() != "AuthenticAMD":
         return True, True
     return False, cpuinfo_field("cpu family") == "25"
