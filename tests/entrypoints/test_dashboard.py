@@ -56,8 +56,6 @@ def test_live_page_shows_what_metrics_say(srv, tmp_path):
 
     stop = threading.Event()
     workers = [threading.Thread(target=_load, args=(srv, stop), daemon=True) for _ in range(6)]
-    for w in workers:
-        w.start()
     samples: list[tuple[float, float, float]] = []  # (time, running, blocks used) from /metrics
 
     def sample() -> None:
@@ -69,12 +67,16 @@ def test_live_page_shows_what_metrics_say(srv, tmp_path):
     sampler = threading.Thread(target=sample, daemon=True)
     browser = Browser()
     try:
+        # the page first, then the load: six requests of 200 tokens end in a few seconds on a fast machine,
+        # less than the browser can take to start on a loaded one
+        browser.open(f"http://127.0.0.1:{srv}/dashboard?key={KEY}")
+        browser.wait_for("document.getElementById('v-blocks-total').textContent !== '-'")
+        for w in workers:
+            w.start()
         deadline = time.time() + 30
         while metric(srv, "kvpage:num_requests_running") < len(workers) and time.time() < deadline:
             time.sleep(0.1)
         sampler.start()
-        browser.open(f"http://127.0.0.1:{srv}/dashboard?key={KEY}")
-        browser.wait_for("document.getElementById('v-blocks-total').textContent !== '-'")
         checks = 0
         for _ in range(6):
             time.sleep(0.4)
