@@ -27,6 +27,12 @@ def cpu_vendor() -> str:
     return cpuinfo_field("vendor_id")
 
 
+def amd_family() -> str:
+    """AMD's CPU family ('25': Zen 3 / Zen 4, '26': Zen 5), '' on other vendors: the machine kinds whose
+    measured defaults differ (int8_gemm_rows, packed_layouts)."""
+    return cpuinfo_field("cpu family") if cpu_vendor() == "AuthenticAMD" else ""
+
+
 # int8_gemm_rows' answer where the int8 GEMM takes every row count
 I8_ALL_ROWS = 1 << 62
 # Zen 4's limit: the int8 GEMM up to this many rows, oneDNN's bf16 GEMM above (the measurements below)
@@ -43,7 +49,7 @@ def int8_gemm_rows() -> int:
     0.91x at 8 / 16 / 32 / 48 / 64 / 96 rows (2026-12-03): up to 48 rows."""
     if cpu_vendor() == "GenuineIntel":
         return I8_ALL_ROWS
-    if cpu_vendor() == "AuthenticAMD" and cpuinfo_field("cpu family") == "25":
+    if amd_family() == "25":
         return I8_ZEN4_MAX_ROWS
     return 0
 
@@ -65,7 +71,7 @@ def packed_layouts() -> tuple[bool, bool]:
     only."""
     if cpu_vendor() != "AuthenticAMD":
         return True, True
-    return False, cpuinfo_field("cpu family") == "25"
+    return False, amd_family() == "25"
 
 
 class Kernels:
