@@ -226,12 +226,14 @@ def speed(seqs: int, context: int, rounds: int, heads: int = 9, kv_heads: int = 
     plan = ops.plan_attention(tables, qsl, lens, heads, nb, bs)
     q = torch.randn(seqs, heads, dim, generator=gen).to(torch.bfloat16)
     caches = {}
-    # bf16 and int8 both in the row layout and, where the engine stores them so (AVX512_BF16 builds; int8 with
-    # VNNI too), the packed one: the ratios are taken against the bf16 cache the engine runs here ("bfloat16"
-    # is that one, "int8" the int8 one)
+    # each dtype in the row layout and, where the engine stores it so (KVPAGE_KV_LAYOUT auto or packed on
+    # AVX512_BF16 builds; int8 and fp8 with VNNI too), the packed one: the ratios are taken against the bf16
+    # cache the engine runs here ("bfloat16" is that one, "int8" the int8 one, and so on)
     packed_names = {"bfloat16"} if ops.packed_layout else set()
     if ops.packed_int8_layout:
         packed_names.add("int8")
+    if ops.packed_fp8_layout:
+        packed_names |= {"fp8_e4m3", "fp8_e5m2"}
     names = [v for n in ("bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
              for v in ((f"{n}-rows", n) if n in packed_names else (n,))]
     for name in names:

@@ -60,6 +60,8 @@ def test_engine_runs_quantized_pages_with_hits_forks_and_swaps(kv_dtype):
     if kv_dtype == "int8" and ops.packed_int8_layout:  # SmolLM2's int8 pages in the packed layout (VNNI builds)
         on_tiles = ops.config.amx_decode and ops.amx_int8_decode_available()  # AMX byte tiles
         assert ops.last_decode_kernel() == ("amx-int8-packed" if on_tiles else "avx512-int8-packed")
+    if kv_dtype.startswith("fp8") and ops.packed_fp8_layout:  # fp8 pages packed (where kv_layout auto says so)
+        assert ops.last_decode_kernel() == "avx512-fp8-packed"
 
 
 def test_planner_worker_and_simulator_agree_on_bytes_per_block():

@@ -135,7 +135,7 @@ def test_packed_layout_rejects_what_it_cannot_hold():
     if not ops.has_packed_layout():
         pytest.skip("this build has no packed layout (no AVX512-BF16)")
     one = torch.tensor([0])
-    with pytest.raises(RuntimeError, match="bfloat16 \\(or int8\\) only"):
+    with pytest.raises(RuntimeError, match="bfloat16, int8 or fp8 only"):
         ops.reshape_and_cache(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), torch.zeros(2, 4, 16, 2, 64), one, True)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         cache = torch.zeros(2, 4, 8, 2, 64, dtype=torch.bfloat16)
@@ -193,14 +193,14 @@ def test_int8_gemm_auto_follows_the_measurements(monkeypatch, vendor, family, se
         KernelConfig(i8_gemm=True)  # the old boolean form is refused by name
 
 
-@pytest.mark.parametrize(("vendor", "family", "setting", "bf16", "int8"), [
-    ("GenuineIntel", "6", "auto", True, True), ("AuthenticAMD", "26", "auto", False, False),
-    ("AuthenticAMD", "25", "auto", False, True), ("AuthenticAMD", "26", "packed", True, True),
-    ("AuthenticAMD", "25", "rows", False, False), ("GenuineIntel", "6", "rows", False, False)])
-def test_kv_layout_auto_follows_the_measurements(monkeypatch, vendor, family, setting, bf16, int8):
-    """`auto` packs bf16 and int8 pages on Intel CPUs, int8 pages alone on AMD's Zen 4 (family 25) and neither
-    on Zen 5 (family 26), where the row loops stream long contexts faster; packed and rows force either; a build
-    without the packed kernels never claims them."""
+@pytest.mark.parametrize(("vendor", "family", "setting", "bf16", "int8", "fp8"), [
+    ("GenuineIntel", "6", "auto", True, True, False), ("AuthenticAMD", "26", "auto", False, False, False),
+    ("AuthenticAMD", "25", "auto", False, True, True), ("AuthenticAMD", "26", "packed", True, True, True),
+    ("AuthenticAMD", "25", "rows", False, False, False), ("GenuineIntel", "6", "rows", False, False, False)])
+def test_kv_layout_auto_follows_the_measurements(monkeypatch, vendor, family, setting, bf16, int8, fp8):
+    """`auto` packs bf16 and int8 pages on Intel CPUs (fp8 rows there: AMX tiles read them), int8 and fp8 pages
+    on AMD's Zen 4 (family 25) and none on Zen 5 (family 26), where the row loops stream long contexts faster;
+    packed and rows force either; a build without the packed kernels never claims them."""
     import importlib
 
     kernels_mod = importlib.import_module("kvpage.ops.kernels")
@@ -216,22 +216,23 @@ def test_kv_layout_auto_follows_the_measurements(monkeypatch, vendor, family, se
     monkeypatch.setattr(kernels_mod, "cpuinfo_field", lambda name: family if name == "cpu family" else "")
     config = KernelConfig(kv_layout=setting)
     ops = kernels_mod.Kernels(Build(True), config)
-    assert ops.packed_layout is bf16 and ops.packed_int8_layout is int8
+    assert ops.packed_layout is bf16 and ops.packed_int8_layout is int8 and ops.packed_fp8_layout is fp8
     assert ops.avx2_row_decode is (vendor == "AuthenticAMD")  # bf16 rows decode on the AVX2 loop where rows pay
     ops = kernels_mod.Kernels(Build(False), config)
-    assert ops.packed_layout is False and ops.packed_int8_layout is False
+    assert not (ops.packed_layout or ops.packed_int8_layout or ops.packed_fp8_layout)
     with pytest.raises(ValueError, match="kv_layout"):
         KernelConfig(kv_layout="pack")
 
 
-def test_backend_packs_int8_pages_where_the_build_has_vnni():
+def test_backend_packs_int8_and_fp8_pages_where_the_build_has_vnni():
     backend = CpuPagedAttention(kernels(KernelConfig(kv_layout="packed")))
     int8 = torch.zeros(2, 4, 16, 3, 66, dtype=torch.int8)
     has = load_kernels().has_packed_int8_layout()
-    assert backend.packed_layout(int8, torch.float32) == has  # any activation dtype: the kernel quantizes q
-    assert backend.packed_layout(int8, torch.bfloat16) == has
-    assert not backend.prompts_read_cache(int8, torch.bfloat16)  # the AMX prompt kernel reads bf16 only
+    rows = CpuPagedAttention(kernels(KernelConfig(kv_layout="rows")))
+    for pages in (int8, int8.view(torch.float8_e4m3fn), int8.view(torch.float8_e5m2)):
+        assert backend.packed_layout(pages, torch.float32) == has  # any activation dtype: the kernel takes q
+        assert backend.packed_layout(pages, torch.bfloat16) == has
+        assert not backend.prompts_read_cache(pages, torch.bfloat16)  # the AMX prompt kernel reads bf16 only
+        assert not rows.packed_layout(pages, torch.bfloat16)
     assert not backend.packed_layout(torch.zeros(2, 4, 8, 3, 66, dtype=torch.int8), torch.bfloat16)
     assert not backend.packed_layout(torch.zeros(2, 4, 16, 3, 82, dtype=torch.int8), torch.bfloat16)
-    assert not backend.packed_layout(int8.view(torch.float8_e4m3fn), torch.bfloat16)
-    assert not CpuPagedAttention(kernels(KernelConfig(kv_layout="rows"))).packed_layout(int8, torch.bfloat16)

@@ -88,21 +88,22 @@ def test_compiled_feedback_write_equals_the_oracle_byte_for_byte(dtype, src):
 
 
 @needs_cxx
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dim", [64, 128, 256])
-def test_packed_int8_pages_take_the_same_feedback_codes(dim):
+def test_packed_pages_take_the_same_feedback_codes(dim, dtype):
     ops = load_kernels()
     if not ops.has_packed_int8_layout():
-        pytest.skip("this build has no packed int8 layout (AVX512-VNNI)")
+        pytest.skip("this build has no packed int8 and fp8 layouts (AVX512-VNNI)")
     torch.manual_seed(dim)
     kv_heads, n, bs = 2, 50, 32
     fb = keys_feedback(queries(300, 4 * kv_heads, dim), kv_heads)
     key, value = torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
-    rows = torch.zeros(2, 3, bs, kv_heads, dim + 2, dtype=torch.int8)
+    rows = torch.zeros(2, 3, bs, kv_heads, dim + 2, dtype=torch.int8).view(dtype)
     slots = torch.randperm(3 * bs)[:n]
     write_rows(key, value, rows, slots, fb)
     packed = pack_kv_rows(torch.zeros_like(rows))
     ops.reshape_and_cache(key, value, packed, slots, True, fb)
-    assert torch.equal(unpack_kv_rows(packed), rows)
+    assert torch.equal(unpack_kv_rows(packed).view(torch.uint8), rows.view(torch.uint8))
 
 
 @needs_cxx

@@ -145,32 +145,42 @@ def test_compiled_attention_matches_the_reference_on_quantized_pages(dtype, dim,
 
 
 @needs_cxx
+@pytest.mark.parametrize("dtype", CODES)
 @pytest.mark.parametrize(("dim", "block_size"), [(64, 16), (64, 32), (128, 16), (256, 32)])
-def test_packed_int8_pages_match_the_reference(dim, block_size):
-    """int8 pages in the packed layout (ops/csrc/attention/packed_int8.h): the slot write puts every code and
-    scale where pack_kv_rows says, and the kernel over them matches the reference backend on the rows, sliding
-    windows included."""
+def test_packed_pages_match_the_reference(dtype, dim, block_size):
+    """int8 and fp8 pages in the packed layout (ops/csrc/attention/packed_int8.h, packed_fp8.h): the slot write
+    puts every code and scale where pack_kv_rows says, and the kernel over them matches the reference backend on
+    the rows, sliding windows included."""
     ops = load_kernels()
     if not ops.has_packed_int8_layout():
-        pytest.skip("this build has no packed int8 layout (AVX512-VNNI)")
-    rng = random.Random(dim + block_size)
+        pytest.skip("this build has no packed int8 and fp8 layouts (AVX512-VNNI, AVX512-BF16)")
+    rng = random.Random(dim + block_size + len(str(dtype)))
     for case in range(14):  # query groups of 4, 3, 4, 5, 1, 2, 8; decodes, chunks after cached keys, prompts
         heads, kv_heads = [(8, 2), (9, 3), (4, 1), (10, 2), (6, 6), (8, 4), (16, 2)][case % 7]
         q_dtype = torch.float32 if case % 2 else torch.bfloat16
         window = [None, None, 1, 24, None, 37][case % 6]  # edges inside 16-key groups, and a window of one
-        q, k, v, cache, meta = quant_case(rng, torch.int8, block_size, heads, kv_heads, dim, window, q_dtype)
+        q, k, v, cache, meta = quant_case(rng, dtype, block_size, heads, kv_heads, dim, window, q_dtype)
         scale = dim**-0.5
         ref_cache = cache.clone()
         ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), ref_cache, meta, scale)
         packed = pack_kv_rows(cache)
         ours = as_block_major(packed.clone()) if case % 2 else packed.clone()
         ops.reshape_and_cache(k, v, ours, meta.slot_mapping, True)
-        assert torch.equal(unpack_kv_rows(ours.contiguous()), ref_cache)
+        assert torch.equal(unpack_kv_rows(ours.contiguous()).view(torch.uint8), ref_cache.view(torch.uint8))
         for part in (512, 16):
             plan = ops.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, heads, cache.shape[1],
                                       block_size, part, True, window or 0)
             for amx in (False, True):  # decode tasks: the VNNI loop, then AMX byte tiles where granted
                 out = ops.paged_attention_planned(q, ours, plan, scale, True, amx)
+                if dtype != torch.int8:
+                    assert ops.last_decode_kernel() == "avx512-fp8-packed"  # AMX fp8 tiles read rows only
+                    # queries and weights rounded to bf16 as on the row loop (whose own worst element here is
+                    # 1.3x the rows test's 2e-2: 256 dims of bf16 queries): within a bf16 rounding of its output
+                    rows = ops.paged_attention_planned(q, ref_cache, plan, scale, False, False).float()
+                    paths = FP8_PATHS if q_dtype == torch.float32 else FP8_PATHS + 2**-7
+                    torch.testing.assert_close(out.float(), rows, rtol=paths, atol=paths)
+                    torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
+                    continue
                 # queries as two int8 codes (~16 bits), weights x value scales as 16-bit codes per group
                 tol = 1e-3 if q_dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
@@ -244,13 +254,15 @@ def test_int8_weights_keep_their_precision_over_long_contexts():
 @needs_cxx
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize(("dim", "kv_heads", "heads"), [(64, 3, 9), (128, 2, 8)])
-def test_fp8_decode_on_tiles_keeps_the_loops_precision_over_long_contexts(dtype, dim, kv_heads, heads):
-    """fp8 decode on AMX bf16 tiles (attention/amx_fp8.h: 64-key softmax steps) over 4K keys
-    with an attention sink and many small weights, a window edge inside a 16-key group and a context that ends
-    inside one: as close to the reference on the same pages as the dpbf16 loop (16-key steps)."""
+def test_fp8_decode_paths_keep_the_loops_precision_over_long_contexts(dtype, dim, kv_heads, heads):
+    """fp8 decode on AMX bf16 tiles (attention/amx_fp8.h: 64-key softmax steps) and on the packed pages' loop
+    (attention/packed_fp8.h: 16-key groups, no horizontal sums) over 4K keys with an attention sink and many
+    small weights, a window edge inside a 16-key group and a context that ends inside one: as close to the
+    reference on the same pages as the dpbf16 row loop (16-key steps)."""
     ops = load_kernels()
-    if not ops.amx_decode_available():
-        pytest.skip("no AMX tiles on this CPU, build or OS")
+    tiles, packed = ops.amx_decode_available(), ops.has_packed_int8_layout()
+    if not (tiles or packed):
+        pytest.skip("neither AMX tiles nor the packed fp8 layout on this CPU, build or OS")
     rng = random.Random(dim)
     torch.manual_seed(dim)
     seqs, bs = 4, 16
@@ -272,14 +284,23 @@ def test_fp8_decode_on_tiles_keeps_the_loops_precision_over_long_contexts(dtype,
         ops.reshape_and_cache(k, v, ours, meta.slot_mapping, False)
         plan = ops.plan_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens, heads, cache.shape[1], bs,
                                   512, True, window or 0)
+        runs = {"avx512-fp8-quant": (ours, False, False)}
+        if tiles:
+            runs["amx-fp8-rows"] = (ours, False, True)
+        if packed:
+            pages = pack_kv_rows(cache)
+            ops.reshape_and_cache(k, v, pages, meta.slot_mapping, True)
+            runs["avx512-fp8-packed"] = (pages, True, False)
         err = {}
-        for amx in (False, True):
-            out = ops.paged_attention_planned(q, ours, plan, dim**-0.5, False, amx).float()
-            assert ops.last_decode_kernel() == ("amx-fp8-rows" if amx else "avx512-fp8-quant")
-            err[amx] = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).median().item()
-        print(f"window {window}: median relative error, loop {err[False]:.2e}, tiles {err[True]:.2e}")
-        # both round the query and the weights to bf16 (2^-9): ~1e-3 of the output
-        assert err[True] < 1.5 * err[False] + 2e-4, err
+        for name, (pages, is_packed, amx) in runs.items():
+            out = ops.paged_attention_planned(q, pages, plan, dim**-0.5, is_packed, amx).float()
+            assert ops.last_decode_kernel() == name
+            err[name] = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).median().item()
+        print(f"window {window}: median relative error {err}")
+        # all round the query and the weights to bf16 (2^-9): ~1e-3 of the output
+        loop = err.pop("avx512-fp8-quant")
+        for name, e in err.items():
+            assert e < 1.5 * loop + 2e-4, (name, e, loop)
 
 
 @needs_cxx
@@ -325,14 +346,14 @@ def test_fresh_prompts_over_quantized_pages_attend_over_their_own_kv(dtype, wind
 def test_quantized_pages_refuse_a_packed_layout_they_lack_and_a_wrong_width():
     ops = load_kernels()
     k = torch.zeros(1, 1, 64)
-    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        cache = torch.zeros(2, 4, 16, 1, 66, dtype=torch.uint8).view(dtype)
-        with pytest.raises(RuntimeError, match="packed KV layout is bfloat16"):
-            ops.reshape_and_cache(k, k, cache, torch.tensor([0]), True)
-    cache = torch.zeros(2, 4, 16, 1, 66, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="packed KV layout is bfloat16, int8 or fp8 only"):
+        ops.reshape_and_cache(k, k, torch.zeros(2, 4, 16, 1, 64, dtype=torch.float16), torch.tensor([0]), True)
     if not ops.has_packed_int8_layout():
-        with pytest.raises(RuntimeError, match="no packed int8 KV layout"):
-            ops.reshape_and_cache(k, k, cache, torch.tensor([0]), True)
+        for dtype in CODES:
+            cache = torch.zeros(2, 4, 16, 1, 66, dtype=torch.uint8).view(dtype)
+            with pytest.raises(RuntimeError, match="no packed int8 or fp8 KV layout"):
+                ops.reshape_and_cache(k, k, cache, torch.tensor([0]), True)
+    cache = torch.zeros(2, 4, 16, 1, 66, dtype=torch.int8)
     with pytest.raises(RuntimeError, match="block size that is a multiple of 16"):
         ops.reshape_and_cache(k, k, torch.zeros(2, 4, 8, 1, 66, dtype=torch.int8), torch.tensor([0]), True)
     with pytest.raises(RuntimeError, match="head_dim \\+ 2"):

@@ -54,8 +54,8 @@ def int8_gemm_rows() -> int:
     return 0
 
 
-def packed_layouts() -> tuple[bool, bool]:
-    """Whether kv_layout "auto" takes the packed bf16 and the packed int8 layout (where the build has them).
+def packed_layouts() -> tuple[bool, bool, bool]:
+    """Whether kv_layout "auto" takes the packed bf16, int8 and fp8 layouts (where the build has them).
 
     Why: the packed layouts were built where the row loops' rearranging, not memory, limited decode (the Intel
     Xeon without AMX: packed int8 0.49x the bf16 cache's time; the AMX Xeon's tile kernels read only the packed
@@ -68,10 +68,13 @@ def packed_layouts() -> tuple[bool, bool]:
     reads int8 pages in 0.74x the row loop's time (13.32 against 17.91 ms, `--kv-layout packed`, 2026-12-03) and
     the engine decoding 32 sequences over 3K-token contexts on int8 pages made 1.48x the tokens per second
     (`benchmarks/long_decode.py`), while it served sharegpt with bf16 rows 1.06x the packed bf16 pages: int8
-    only."""
+    and fp8 (whose packed loop, packed_fp8.h, was built there for the same reason). fp8 pages stay rows
+    elsewhere: AMX Xeons read fp8 rows on their bf16 tiles (amx_fp8.h), and the packed fp8 loop was measured on
+    the Zen 4 alone."""
     if cpu_vendor() != "AuthenticAMD":
-        return True, True
-    return False, amd_family() == "25"
+        return True, True, False
+    zen4 = amd_family() == "25"
+    return False, zen4, zen4
 
 
 class Kernels:
@@ -83,7 +86,7 @@ class Kernels:
         # What this build and machine can run, asked once.
         # AVX-512 BF16 dot products in the attention loops (the packed layout needs them; bf16 rows use them too)
         self.bf16_dot = module.has_packed_layout()
-        bf16_pays, int8_pays = packed_layouts()
+        bf16_pays, int8_pays, fp8_pays = packed_layouts()
 
         def chosen(pays: bool) -> bool:
             return config.kv_layout == "packed" or (config.kv_layout == "auto" and pays)
@@ -93,6 +96,8 @@ class Kernels:
         self.avx2_row_decode = not bf16_pays
         self.packed_layout = self.bf16_dot and chosen(bf16_pays)
         self.packed_int8_layout = module.has_packed_int8_layout() and chosen(int8_pays)
+        # fp8 pages' packed loop is built where the packed int8 one is (packed_fp8.h)
+        self.packed_fp8_layout = module.has_packed_int8_layout() and chosen(fp8_pays)
         self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
         self.f32_gemm_ok = config.f32_gemm and module.f32_gemm_available()
         # the int8 GEMM for projections of up to i8_max_rows rows (oneDNN's bf16 GEMM above)

@@ -160,10 +160,11 @@ class CpuPagedAttention:
 
     def __init__(self, ops: Kernels) -> None:
         self.ops = ops
-        # The packed bf16 and int8 layouts unless the configuration keeps rows (kv_layout, for side-by-side
+        # The packed bf16, int8 and fp8 layouts unless the configuration keeps rows (kv_layout, for side-by-side
         # measurements).
         self.packed_ok = ops.packed_layout
         self.packed_int8_ok = ops.packed_int8_layout
+        self.packed_fp8_ok = ops.packed_fp8_layout
         # Fresh prompts with AMX tile products where the CPU has them (1.6-2.5x torch's SDPA at 64-1000
         # tokens); amx_prefill=False keeps SDPA (side-by-side measurements).
         self.amx_prefill = ops.amx_prefill_ok
@@ -181,8 +182,9 @@ class CpuPagedAttention:
         """Whether a cache written and read with activations of `dtype` holds the packed layout: decided by the
         tensors alone, so every write and every read of one cache agree."""
         block_size, head_dim = kv_cache.shape[2], head_dim_of(kv_cache)
-        if kv_cache.dtype == torch.int8:  # int8 pages: any activation dtype (the kernel quantizes queries)
-            return self.packed_int8_ok and block_size % 16 == 0 and head_dim in (64, 128, 256)
+        if kv_cache.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):  # any activation dtype
+            ok = self.packed_int8_ok if kv_cache.dtype == torch.int8 else self.packed_fp8_ok
+            return ok and block_size % 16 == 0 and head_dim in (64, 128, 256)
         return (self.packed_ok and kv_cache.dtype == torch.bfloat16 and dtype == torch.bfloat16
                 and block_size % 16 == 0 and head_dim in (64, 128, 256))
 

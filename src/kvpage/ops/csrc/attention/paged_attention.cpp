@@ -392,16 +392,18 @@ void write_cache_packed(const torch::Tensor& key, const torch::Tensor& value, to
 }
 #endif
 
-// Whether this build and cache can use the packed layout (packed_kv.h; int8 pages: packed_int8.h). The cache's
-// own limits come first, so a cache no build could pack is told so on every build.
+// Whether this build and cache can use the packed layout (packed_kv.h; int8 and fp8 pages: packed_int8.h,
+// packed_fp8.h). The cache's own limits come first, so a cache no build could pack is told so on every build.
 void check_packed(const torch::Tensor& kv_cache) {
-  const bool int8 = kv_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 || kv_cache.scalar_type() == at::kBFloat16, "the packed KV layout is bfloat16 (or int8) only");
+  const bool codes = is_quantized_kv(kv_cache);
+  TORCH_CHECK(codes || kv_cache.scalar_type() == at::kBFloat16,
+              "the packed KV layout is bfloat16, int8 or fp8 only");
   TORCH_CHECK(kv_cache.size(2) % 16 == 0, "the packed KV layout needs a block size that is a multiple of 16");
-  if (int8) {
+  if (codes) {
     const int64_t D = kv_cache.size(4) - 2;
-    TORCH_CHECK(D == 64 || D == 128 || D == 256, "the packed int8 KV layout needs head size 64, 128 or 256");
-    TORCH_CHECK(KVPAGE_PACKED_INT8, "this build has no packed int8 KV layout (needs AVX512-VNNI and AVX512-BF16)");
+    TORCH_CHECK(D == 64 || D == 128 || D == 256, "the packed int8 and fp8 KV layouts need head size 64, 128 or 256");
+    TORCH_CHECK(KVPAGE_PACKED_INT8,
+                "this build has no packed int8 or fp8 KV layout (needs AVX512-VNNI and AVX512-BF16)");
     return;
   }
   TORCH_CHECK(kv_cache.size(4) == 64 || kv_cache.size(4) == 128 || kv_cache.size(4) == 256,
@@ -461,7 +463,7 @@ torch::Tensor paged_attention_planned(torch::Tensor query, torch::Tensor kv_cach
   check_common(kv_cache);
   if (packed) {
     check_packed(kv_cache);
-    TORCH_CHECK(query.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kChar,
+    TORCH_CHECK(query.scalar_type() == at::kBFloat16 || is_quantized_kv(kv_cache),
                 "the packed bf16 KV layout needs bfloat16 queries");
     TORCH_CHECK(plan.partition_size % 16 == 0, "the packed KV layout needs partitions of a multiple of 16 keys");
   }

@@ -1,5 +1,5 @@
 // Paged attention and the cache write for quantized KV pages (int8, fp8 e4m3, fp8 e5m2; attention/quant_rows.h;
-// int8 pages also in the packed layout, attention/packed_int8.h): the same plan, tasks and partition merge as the
+// also in the packed layouts, attention/packed_int8.h and packed_fp8.h): the same plan, tasks and partition merge as the
 // other caches (attention/paged_attention.cpp dispatches here by the cache's dtype), with the codes read in
 // registers as each row is read. Decode tasks take AMX tiles where the CPU has them: packed int8 pages byte
 // tiles (attention/amx_int8.h), fp8 rows bf16 tiles (attention/amx_fp8.h).
@@ -13,6 +13,7 @@
 #include "attention/amx_int8.h"
 #include "attention/loop.h"
 #include "attention/merge.h"
+#include "attention/packed_fp8.h"
 #include "attention/packed_int8.h"
 #include "attention/plan.h"
 #include "attention/quant_loop.h"
@@ -57,7 +58,7 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
   const int64_t* tables = plan.block_tables.data_ptr<int64_t>();
   const auto* kcache = static_cast<const uint8_t*>(kv_cache.data_ptr());
   const uint8_t* vcache = kcache + geo.v_offset;
-  (void)packed;  // only KVPAGE_PACKED_INT8 builds have the packed int8 loop
+  (void)packed;  // only KVPAGE_PACKED_INT8 builds have the packed loops
   (void)amx;     // nor the AMX one (KVPAGE_AMX_INT8)
   (void)amx_fp8;  // only KVPAGE_ISA_AMX builds have fp8 tiles
   run_tasks(plan, query.data_ptr<Q>(), H, D, scale, out.data_ptr<Q>(),
@@ -96,15 +97,17 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
 #endif
 #if KVPAGE_PACKED_INT8
       if (packed) {
-        if (D == 64)
-          attend_tile_int8_packed<64>(q, tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
-                                      kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);
-        else if (D == 128)
-          attend_tile_int8_packed<128>(q, tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
-                                       kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);
-        else
-          attend_tile_int8_packed<256>(q, tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride,
-                                       kv_heads, tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);
+#define KVPAGE_PACKED_TILE(d)                                                                                  \
+  if constexpr (C == KVCode::kInt8)                                                                            \
+    attend_tile_int8_packed<d>(q, tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride, kv_heads,  \
+                               tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next);                        \
+  else                                                                                                         \
+    attend_tile_fp8_packed<C, d>(q, tk.nq, H, G, kcache, vcache, table, block_size, geo.block_stride, kv_heads, \
+                                 tk.pos0, k_begin, k_end, pa, pm, pl, plan.window, next)
+        if (D == 64) KVPAGE_PACKED_TILE(64);
+        else if (D == 128) KVPAGE_PACKED_TILE(128);
+        else KVPAGE_PACKED_TILE(256);
+#undef KVPAGE_PACKED_TILE
         return;
       }
 #endif
@@ -155,7 +158,7 @@ void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Te
   const IN* vsrc = value.data_ptr<IN>();
   const int64_t ks = key.stride(0), vs = value.stride(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  (void)packed;  // only KVPAGE_PACKED_INT8 builds write the packed int8 layout
+  (void)packed;  // only KVPAGE_PACKED_INT8 builds write the packed layouts
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     const int64_t lanes = fb != nullptr ? kFeedbackRows : 1;
     std::vector<float> buf(static_cast<size_t>(D * lanes));
@@ -185,14 +188,17 @@ void write_quant(const torch::Tensor& key, const torch::Tensor& value, torch::Te
       const int64_t slot = slots[i];
       TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the KV cache (", num_slots, " slots)");
 #if KVPAGE_PACKED_INT8
-      if (packed) {  // quantized as rows, then put in their 16-key group (packed_int8.h)
+      if (packed) {  // quantized as rows, then put in their 16-key group (packed_int8.h, packed_fp8.h)
         const int64_t off = slot % block_size;
         const int64_t at = int8_group_offset(slot / block_size, off, geo.block_stride, kv_heads, D);
         for (int64_t h = 0; h < kv_heads; ++h) {
           put_key(i, h, rows.data());
           quantize_row<C>(vsrc + i * vs + h * D, rows.data() + head_stride, D, buf.data(), false);
-          put_packed_int8(rows.data(), rows.data() + head_stride, kdst + at + h * 16 * head_stride,
-                          vdst + at + h * 16 * head_stride, off % 16, D);
+          uint8_t* kg = kdst + at + h * 16 * head_stride;
+          uint8_t* vg = vdst + at + h * 16 * head_stride;
+          const uint8_t *kr = rows.data(), *vr = rows.data() + head_stride;
+          if constexpr (C == KVCode::kInt8) put_packed_int8(kr, vr, kg, vg, off % 16, D);
+          else put_packed_fp8(kr, vr, kg, vg, off % 16, D);
         }
         continue;
       }
@@ -250,7 +256,8 @@ const char* paged_attention_quant(const torch::Tensor& query, const torch::Tenso
   by_code<Attend>(kv_cache.scalar_type(), query, kv_cache, plan, scale, packed, tiles, out);
   if (tiles == AmxDecode::kInt8) return "amx-int8-packed";  // decode tasks on tiles (prompt tiles keep the VNNI loop)
   if (tiles == AmxDecode::kFp8) return "amx-fp8-rows";  // decode tasks on tiles (prompt rows keep the dpbf16 loop)
-  if (packed) return "avx512-int8-packed";  // check_packed: int8 pages on a KVPAGE_PACKED_INT8 build
+  if (packed)  // check_packed: a KVPAGE_PACKED_INT8 build
+    return kv_cache.scalar_type() == at::kChar ? "avx512-int8-packed" : "avx512-fp8-packed";
   const int64_t D = query.size(2);  // run_quant's templated head sizes take quant_loop.h's loop
   if (!KVPAGE_ISA_AVX2) return "generic-quant";
   if (D != 64 && D != 128 && D != 256) return "avx2-quant";
