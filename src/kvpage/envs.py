@@ -53,10 +53,11 @@ VARIABLES: tuple[EnvVar, ...] = (
            "whole prompts on the paged kernel instead of torch's SDPA; 'auto' on AVX2 builds without AVX-512, "
            "where the float32 default path is batch-invariant in its products too (docs/engine.md, "
            "Reproducibility); 0 lets the batch pick the cuts", "batch_invariant", ("auto", "1", "0")),
-    EnvVar("KVPAGE_KV_LAYOUT", str, "auto", "bf16 and int8 KV blocks in the packed operand order of the dot-product "
-           "instructions ('packed') or as rows ('rows'); 'auto': both packed on Intel CPUs; on AMD's rows, where the "
-           "row loops stream long contexts faster (Zen 5, 64 x 8K keys: bf16 0.69x, int8 0.81x the packed loops' "
-           "time), except int8 pages on Zen 4 (family 25), which the packed loop reads in 0.74x the row loop's time",
+    EnvVar("KVPAGE_KV_LAYOUT", str, "auto", "bf16, int8 and fp8 KV blocks in the packed operand order of the "
+           "dot-product instructions ('packed') or as rows ('rows'); 'auto': bf16 and int8 packed on Intel CPUs "
+           "(fp8 rows, which AMX tiles read); on AMD's rows, where the row loops stream long contexts faster (Zen 5, "
+           "64 x 8K keys: bf16 0.69x, int8 0.81x the packed loops' time), except int8 and fp8 pages on Zen 4 "
+           "(family 25), which the packed loops read in 0.74x and 0.60-0.72x the row loops' time",
            "kv_layout", ("auto", "packed", "rows")),
     EnvVar("KVPAGE_AMX_PREFILL", bool, True, "fresh prompts' attention with AMX tiles where the CPU has them; 0 keeps "
            "torch's SDPA", "amx_prefill"),
