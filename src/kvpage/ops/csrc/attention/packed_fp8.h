@@ -156,21 +156,9 @@ void attend_tile_fp8_packed(const float* q, int64_t nq, int64_t H, int64_t G, co
   for (int64_t r = 0; r < R; ++r) to_bf16_lifted(q + r * D, D, F::kLift, q16.data() + r * D);
   reset_partials(acc, m, l, R, D);
   float corr[4];
-  for (int64_t t = group_start(k_begin); t < k_end; t += 16) {
-    const int64_t n = std::min<int64_t>(16, k_end - t);
-    const int64_t lane0 = std::max<int64_t>(0, k_begin - t);  // keys before the task's range
-    const int64_t base = groups.at(table, t), far = groups.ahead(t, k_end);
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      groups.prefetch(far, h);
-      const uint8_t* kp = kcache + base + h * groups.group;
-      const uint8_t* vp = vcache + base + h * groups.group;
-      const __m512 kscale = load_scales16(kp + 16 * D), vscale = load_scales16(vp + 16 * D);
-      for (int64_t j = 0; j < nq; ++j) {
-        const int64_t visible = std::clamp<int64_t>(pos0 + j + 1 - t, 0, n);  // later keys are masked
-        const int64_t first = std::max(lane0, window_first(window, pos0 + j, t, n));  // and those before its window
-        if (visible <= first) continue;
-        const __mmask16 keep = lane_range(first, visible);
-        const int64_t r0 = j * H + h * G;
+  walk_packed_groups(groups, table, nq, H, G, pos0, k_begin, k_end, window,
+                     [&](const uint8_t* kp, const uint8_t* vp, __m512 kscale, __m512 vscale, __mmask16 keep,
+                         int64_t visible, int64_t r0) {
 #define KVPAGE_FP8_BATCH(sb)                                                                              \
   {                                                                                                        \
     const int16_t* qp[sb];                                                                                 \
@@ -187,11 +175,9 @@ void attend_tile_fp8_packed(const float* q, int64_t nq, int64_t H, int64_t G, co
       fp8_softmax<C>(s[i], keep, vscale, m[r0 + g0 + i], l[r0 + g0 + i], wbuf.data() + (g0 + i) * 16, corr[i]); \
     fp8_pv<C, sb, D>(wp, corr, kFactor, vp, (visible + 3) / 4, ap);                                        \
   }
-        KVPAGE_ROW_BATCHES(KVPAGE_FP8_BATCH)
+    KVPAGE_ROW_BATCHES(KVPAGE_FP8_BATCH)
 #undef KVPAGE_FP8_BATCH
-      }
-    }
-  }
+  });
 }
 
 }  // namespace kvpage::attn

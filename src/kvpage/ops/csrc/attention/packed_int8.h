@@ -199,6 +199,32 @@ inline void int8_pv(const uint8_t* const* w, const float* corr, const float* wsc
   }
 }
 
+// The walk of the packed quantized loops (this file's and packed_fp8.h's): each 16-key group of [k_begin, k_end)
+// (prefetching kInt8PrefetchAhead groups ahead), each KV head, each query token that sees some of the group's
+// keys (later keys masked, and those before its window or before k_begin, which may fall inside a group):
+// on_rows(kp, vp, kscale, vscale, keep, visible, r0) for the G query rows from r0 = j * H + head * G.
+template <class OnRows>
+inline void walk_packed_groups(const Int8Groups& groups, const int64_t* table, int64_t nq, int64_t H, int64_t G,
+                               int64_t pos0, int64_t k_begin, int64_t k_end, int64_t window, OnRows&& on_rows) {
+  for (int64_t t = group_start(k_begin); t < k_end; t += 16) {
+    const int64_t n = std::min<int64_t>(16, k_end - t);
+    const int64_t lane0 = std::max<int64_t>(0, k_begin - t);  // keys before the task's range
+    const int64_t base = groups.at(table, t), far = groups.ahead(t, k_end);
+    for (int64_t h = 0; h < groups.kv_heads; ++h) {
+      groups.prefetch(far, h);
+      const uint8_t* kp = groups.kcache + base + h * groups.group;
+      const uint8_t* vp = groups.vcache + base + h * groups.group;
+      const __m512 kscale = load_scales16(kp + 16 * groups.D), vscale = load_scales16(vp + 16 * groups.D);
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t visible = std::clamp<int64_t>(pos0 + j + 1 - t, 0, n);  // later keys are masked
+        const int64_t first = std::max(lane0, window_first(window, pos0 + j, t, n));  // and those before its window
+        if (visible <= first) continue;
+        on_rows(kp, vp, kscale, vscale, lane_range(first, visible), visible, j * H + h * G);
+      }
+    }
+  }
+}
+
 // attend_tile for packed int8 pages and head size D (a multiple of 32), the contract of attend_tile_int8: q
 // pre-scaled float32 rows in the keys' rotated basis, rows r = j * H + head, row r sees keys <= pos0 + r / H and
 // none before its window (or before k_begin, which may fall inside a group).
@@ -222,21 +248,9 @@ void attend_tile_int8_packed(const float* q, int64_t nq, int64_t H, int64_t G, c
     qscale[r] = quantize_query_i8(q + r * D, q8.data() + r * 2 * D, q8.data() + r * 2 * D + D, D, qbias.data() + 2 * r);
   reset_partials(acc, m, l, R, D);
   float corr[4], wscale[4];
-  for (int64_t t = group_start(k_begin); t < k_end; t += 16) {
-    const int64_t n = std::min<int64_t>(16, k_end - t);
-    const int64_t lane0 = std::max<int64_t>(0, k_begin - t);  // keys before the task's range
-    const int64_t base = groups.at(table, t), far = groups.ahead(t, k_end);
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      groups.prefetch(far, h);
-      const uint8_t* kp = kcache + base + h * groups.group;
-      const uint8_t* vp = vcache + base + h * groups.group;
-      const __m512 kscale = load_scales16(kp + 16 * D), vscale = load_scales16(vp + 16 * D);
-      for (int64_t j = 0; j < nq; ++j) {
-        const int64_t visible = std::clamp<int64_t>(pos0 + j + 1 - t, 0, n);  // later keys are masked
-        const int64_t first = std::max(lane0, window_first(window, pos0 + j, t, n));  // and those before its window
-        if (visible <= first) continue;
-        const __mmask16 keep = lane_range(first, visible);
-        const int64_t r0 = j * H + h * G;
+  walk_packed_groups(groups, table, nq, H, G, pos0, k_begin, k_end, window,
+                     [&](const uint8_t* kp, const uint8_t* vp, __m512 kscale, __m512 vscale, __mmask16 keep,
+                         int64_t visible, int64_t r0) {
 #define KVPAGE_INT8_BATCH(sb)                                                                             \
   {                                                                                                        \
     const int8_t* qp[sb];                                                                                  \
@@ -256,11 +270,9 @@ void attend_tile_int8_packed(const float* q, int64_t nq, int64_t H, int64_t G, c
                    wscale[i]);                                                                             \
     int8_pv<sb, D>(wp, corr, wscale, vp, (visible + 3) / 4, ap);                                           \
   }
-        KVPAGE_ROW_BATCHES(KVPAGE_INT8_BATCH)
+    KVPAGE_ROW_BATCHES(KVPAGE_INT8_BATCH)
 #undef KVPAGE_INT8_BATCH
-      }
-    }
-  }
+  });
 }
 
 }  // namespace kvpage::attn
