@@ -87,21 +87,10 @@ inline void fp8_scores(const int16_t* const* q16, float factor, const uint8_t* k
     out[i] = _mm512_mask_blend_ps(keep, vneg_inf, _mm512_mul_ps(_mm512_add_ps(a[i], b[i]), f));
 }
 
-// Online-softmax update of one row with a group's scores (int8_softmax's, up to the weights): leaves the
-// group's weights times the value scales, lifted, as 16 bf16 lanes at w; returns corr.
+// group_weights (packed_int8.h), left lifted as 16 bf16 lanes at w; sets corr.
 template <KVCode C>
 inline void fp8_softmax(__m512 s, __mmask16 keep, __m512 vscale, float& m, float& l, int16_t* w, float& corr) {
-  __m512 vm = _mm512_set1_ps(m);
-  corr = 1.f;
-  if (_mm512_mask_cmp_ps_mask(keep, s, vm, _CMP_GT_OQ) != 0) {
-    const float new_m = _mm512_mask_reduce_max_ps(keep, s);
-    corr = exp_neg(m - new_m);
-    m = new_m;
-    vm = _mm512_set1_ps(new_m);
-  }
-  const __m512 e = exp16(_mm512_sub_ps(s, vm), keep);
-  l = l * corr + _mm512_reduce_add_ps(e);
-  const __m512 u = _mm512_maskz_mul_ps(keep, e, vscale);  // unwritten lanes' scales may be NaN: never used
+  const __m512 u = group_weights(s, keep, vscale, m, l, corr);
   const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(u, _mm512_set1_ps(Fp8Lanes<C>::kLift)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), b);
 }

@@ -140,10 +140,9 @@ inline void int8_scores(const int8_t* const* q8, const float* qs, const int32_t*
   }
 }
 
-// Online-softmax update of one row with a group's scores; leaves the group's weights times the value scales
-// as 16-bit unsigned codes (hi bytes at w[0..15], lo bytes at w[16..31]) and returns (corr, weight scale).
-inline void int8_softmax(__m512 s, __mmask16 keep, __m512 vscale, float& m, float& l, uint8_t* w, float& corr,
-                         float& wscale) {
+// Online-softmax update of one row (running maximum m, denominator l) with a group's scores: sets corr and
+// returns the group's weights times the value scales (masked lanes 0), as the packed loops' P.V takes them.
+inline __m512 group_weights(__m512 s, __mmask16 keep, __m512 vscale, float& m, float& l, float& corr) {
   // Past the first groups a group seldom raises the running maximum; a compare tells, without the horizontal
   // maximum and the scalar exp on the step's critical path. Bit for bit the full update: exp_neg(0) is 1.
   __m512 vm = _mm512_set1_ps(m);
@@ -156,7 +155,14 @@ inline void int8_softmax(__m512 s, __mmask16 keep, __m512 vscale, float& m, floa
   }
   const __m512 e = exp16(_mm512_sub_ps(s, vm), keep);
   l = l * corr + _mm512_reduce_add_ps(e);
-  const __m512 u = _mm512_maskz_mul_ps(keep, e, vscale);  // unwritten lanes' scales may be NaN: never used
+  return _mm512_maskz_mul_ps(keep, e, vscale);  // unwritten lanes' scales may be NaN: never used
+}
+
+// group_weights, left as 16-bit unsigned codes (hi bytes at w[0..15], lo bytes at w[16..31]); returns (corr,
+// weight scale).
+inline void int8_softmax(__m512 s, __mmask16 keep, __m512 vscale, float& m, float& l, uint8_t* w, float& corr,
+                         float& wscale) {
+  const __m512 u = group_weights(s, keep, vscale, m, l, corr);
   const float top = _mm512_reduce_max_ps(u);
   const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(u, _mm512_set1_ps(top > 0.f ? 65535.f / top : 0.f)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(w), _mm512_cvtepi32_epi8(_mm512_srli_epi32(q, 8)));
