@@ -1,5 +1,5 @@
 """Helpers shared by the benchmark scripts (timing, driving an engine to completion, naming the CPU, the
-engine's projection GEMM rate)."""
+engine's projection GEMM rate, variants with kernel switches)."""
 
 from __future__ import annotations
 
@@ -111,3 +111,22 @@ def run_python(python: str, code: str, reqs: object, env: dict | None = None, ti
         err.seek(0)
         lines = err.read().strip().splitlines()
         raise RuntimeError(lines[-1] if lines else f"exit status {proc.returncode}, no result line in its output")
+
+
+def variant_env(spec: str) -> tuple[str, dict[str, str]]:
+    """`HEAD+VAR=VALUE[+VAR=VALUE...]` -> (HEAD, {VAR: VALUE}), each VAR checked against kvpage's registry
+    (docs/envs.md) so that a misspelt switch stops the run instead of measuring the default."""
+    from kvpage.envs import read
+
+    head, *pairs = spec.split("+")
+    env = dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+    if len(env) != len(pairs):
+        raise SystemExit(f"{spec}: expected {head}+VAR=VALUE[+VAR=VALUE...]")
+    for name in env:
+        try:
+            read(name, env)
+        except KeyError:
+            raise SystemExit(f"{spec}: {name} is not a kvpage variable (docs/envs.md)") from None
+        except ValueError as e:
+            raise SystemExit(f"{spec}: {e}") from None
+    return head, env

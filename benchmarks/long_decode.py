@@ -19,6 +19,8 @@ import statistics
 import subprocess
 import sys
 
+from _common import variant_env
+
 
 def measure(kv_dtype: str, seqs: int, context: int, tokens: int) -> float:
     """Output tokens per second of the timed pass (see the module doc)."""
@@ -40,11 +42,8 @@ def measure(kv_dtype: str, seqs: int, context: int, tokens: int) -> float:
 
 
 def run(variant: str, a: argparse.Namespace) -> float:
-    kv_dtype, *pairs = variant.split("+")
-    env = dict(os.environ)
-    for p in pairs:
-        k, _, v = p.partition("=")
-        env[k] = v
+    kv_dtype, switches = variant_env(variant)
+    env = {**os.environ, **switches}
     cmd = [sys.executable, __file__, "--child", kv_dtype, "--seqs", str(a.seqs), "--context", str(a.context),
            "--tokens", str(a.tokens)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
@@ -64,6 +63,8 @@ def main() -> None:
     if a.child:
         print(measure(a.child, a.seqs, a.context, a.tokens))
         return
+    for v in a.variants:  # every variant's switches checked before the first run
+        variant_env(v)
     results: dict[str, list[float]] = {v: [] for v in a.variants}
     for r in range(a.rounds):
         for v in a.variants if r % 2 == 0 else a.variants[::-1]:

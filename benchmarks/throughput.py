@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import run_python
+from _common import run_python, variant_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CHATS = {"chat16": 16, "chat32": 32, "chat64": 64, "chat128": 128}  # chat workloads: questions at once
@@ -236,19 +236,7 @@ def run_engine(eng: str, reqs: list[dict], args: argparse.Namespace, dtype: str)
     if eng == "kvpage-i8":
         return run_python(sys.executable, KVPAGE, reqs, {"KVPAGE_I8_GEMM": "1"})
     if eng.startswith(("kvpage+", "kvpage:")):  # another KV cache dtype and/or kernel switches (docs/envs.md)
-        from kvpage.envs import read
-
-        head, *pairs = eng.split("+")
-        env = dict(pair.split("=", 1) for pair in pairs if "=" in pair)
-        if len(env) != len(pairs):
-            raise SystemExit(f"{eng}: expected kvpage[:DTYPE]+VAR=VALUE[+VAR=VALUE...]")
-        for name in env:
-            try:
-                read(name, env)
-            except KeyError:
-                raise SystemExit(f"{eng}: {name} is not a kvpage variable (docs/envs.md)") from None
-            except ValueError as e:
-                raise SystemExit(f"{eng}: {e}") from None
+        head, env = variant_env(eng)
         if head.startswith("kvpage:"):  # same KV memory: a quantized cache holds more tokens
             env["KVPAGE_BENCH_KV_DTYPE"] = head.split(":", 1)[1]
         return run_python(sys.executable, KVPAGE, reqs, env)
