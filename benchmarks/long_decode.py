@@ -7,6 +7,9 @@ their prompts come from the prefix cache, so the timed part is decode steps over
 sequence. Variants are `<kv dtype>` or `<kv dtype>+<ENV>=<value>`, e.g.
 
     python benchmarks/long_decode.py --variants bfloat16 int8 int8+KVPAGE_KV_LAYOUT=rows --rounds 2
+    python benchmarks/long_decode.py --model gemma-3-270m --variants bfloat16 int8
+
+With a sliding-window model (Gemma 3) only its global layers read the whole context; the others read their window.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import sys
 from _common import variant_env
 
 
-def measure(kv_dtype: str, seqs: int, context: int, tokens: int) -> float:
+def measure(kv_dtype: str, seqs: int, context: int, tokens: int, model: str | None = None) -> float:
     """Output tokens per second of the timed pass (see the module doc)."""
     import random
     import time
@@ -30,8 +33,8 @@ def measure(kv_dtype: str, seqs: int, context: int, tokens: int) -> float:
     from kvpage.engine.llm import LLM
     from kvpage.sampling_params import SamplingParams
 
-    llm = LLM(kv_cache_dtype=kv_dtype, max_model_len=context + tokens + 16, kv_cache_memory="6GiB",
-              enable_prefix_caching=True)
+    llm = LLM(model=model or "SmolLM2-135M-Instruct", kv_cache_dtype=kv_dtype, max_model_len=context + tokens + 16,
+              kv_cache_memory="6GiB", enable_prefix_caching=True)
     vocab = llm.engine.worker.lm.config.vocab_size
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(context)]} for _ in range(seqs)]
@@ -45,13 +48,14 @@ def run(variant: str, a: argparse.Namespace) -> float:
     kv_dtype, switches = variant_env(variant)
     env = {**os.environ, **switches}
     cmd = [sys.executable, __file__, "--child", kv_dtype, "--seqs", str(a.seqs), "--context", str(a.context),
-           "--tokens", str(a.tokens)]
+           "--tokens", str(a.tokens)] + (["--model", a.model] if a.model else [])
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="kvpage's model (default: the embedded SmolLM2)")
     ap.add_argument("--variants", nargs="+", default=["bfloat16", "int8", "int8+KVPAGE_KV_LAYOUT=rows"])
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--context", type=int, default=3000, help="prompt tokens per sequence")
@@ -61,7 +65,7 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(measure(a.child, a.seqs, a.context, a.tokens))
+        print(measure(a.child, a.seqs, a.context, a.tokens, a.model))
         return
     for v in a.variants:  # every variant's switches checked before the first run
         variant_env(v)
@@ -70,7 +74,8 @@ def main() -> None:
         for v in a.variants if r % 2 == 0 else a.variants[::-1]:
             results[v].append(run(v, a))
             print(f"round {r + 1}: {v}: {results[v][-1]:.1f} tok/s", flush=True)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {a.seqs} sequences x {a.context} prompt tokens, "
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {a.model or 'SmolLM2-135M-Instruct'}; "
+          f"{a.seqs} sequences x {a.context} prompt tokens, "
           f"{a.tokens} output tokens each (prompts cached)")
     base = statistics.median(results[a.variants[0]])
     for v, t in results.items():
