@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 from _common import variant_env
+from kvpage.config import DEFAULT_MODEL
 
 
 def measure(kv_dtype: str, seqs: int, context: int, tokens: int, model: str | None = None) -> float:
@@ -33,7 +34,7 @@ def measure(kv_dtype: str, seqs: int, context: int, tokens: int, model: str | No
     from kvpage.engine.llm import LLM
     from kvpage.sampling_params import SamplingParams
 
-    llm = LLM(model=model or "SmolLM2-135M-Instruct", kv_cache_dtype=kv_dtype, max_model_len=context + tokens + 16,
+    llm = LLM(model=model or DEFAULT_MODEL, kv_cache_dtype=kv_dtype, max_model_len=context + tokens + 16,
               kv_cache_memory="6GiB", enable_prefix_caching=True)
     vocab = llm.engine.worker.lm.config.vocab_size
     rng = random.Random(0)
@@ -74,7 +75,7 @@ def main() -> None:
         for v in a.variants if r % 2 == 0 else a.variants[::-1]:
             results[v].append(run(v, a))
             print(f"round {r + 1}: {v}: {results[v][-1]:.1f} tok/s", flush=True)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {a.model or 'SmolLM2-135M-Instruct'}; "
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {a.model or DEFAULT_MODEL}; "
           f"{a.seqs} sequences x {a.context} prompt tokens, "
           f"{a.tokens} output tokens each (prompts cached)")
     base = statistics.median(results[a.variants[0]])

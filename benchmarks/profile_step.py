@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from kvpage.config import DEFAULT_MODEL
 from kvpage.engine.llm import LLM
 from kvpage.ops.kernels import Kernels
 from kvpage.sampling_params import SamplingParams
@@ -77,25 +78,25 @@ def main() -> None:
     reqs = build_workload("chat64" if args.workload == "single" else args.workload, model=args.model)
     if args.workload == "single":
         reqs = [dict(reqs[0], max_tokens=256)]
-    llm = LLM(model=args.model or "SmolLM2-135M-Instruct", kv_cache_memory="4GiB", max_model_len=2048,
+    llm = LLM(model=args.model or DEFAULT_MODEL, kv_cache_memory="4GiB", max_model_len=2048,
               max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_dtype=args.kv_dtype, kv_prefault=True)
     llm.generate([reqs[0]["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    prof = cProfile.Profile()
     steps = llm.engine.num_steps
     t = time.perf_counter()
     if args.ops:
         with timed_kernels(acc):
             outs = llm.generate(prompts, params, use_tqdm=False)
     else:
+        prof = cProfile.Profile()
         prof.enable()
         outs = llm.generate(prompts, params, use_tqdm=False)
         prof.disable()
     dt = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"{args.workload}, {args.model or 'SmolLM2-135M-Instruct'}, KV {args.kv_dtype}: {tokens} tokens in "
+    print(f"{args.workload}, {args.model or DEFAULT_MODEL}, KV {args.kv_dtype}: {tokens} tokens in "
           f"{dt:.1f} s = {tokens / dt:.1f} tok/s {'with the kernels timed' if args.ops else 'under the profiler'}, "
           f"{llm.engine.num_steps - steps} steps")
     if not args.ops:

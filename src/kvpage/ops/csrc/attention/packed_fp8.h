@@ -145,7 +145,7 @@ void attend_tile_fp8_packed(const float* q, int64_t nq, int64_t H, int64_t G, co
   for (int64_t r = 0; r < R; ++r) to_bf16_lifted(q + r * D, D, F::kLift, q16.data() + r * D);
   reset_partials(acc, m, l, R, D);
   float corr[4];
-  walk_packed_groups(groups, table, nq, H, G, pos0, k_begin, k_end, window,
+  walk_packed_groups(groups, nq, H, G, pos0, k_begin, k_end, window,
                      [&](const uint8_t* kp, const uint8_t* vp, __m512 kscale, __m512 vscale, __mmask16 keep,
                          int64_t visible, int64_t r0) {
 #define KVPAGE_FP8_BATCH(sb)                                                                              \

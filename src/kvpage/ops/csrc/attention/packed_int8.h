@@ -210,12 +210,12 @@ inline void int8_pv(const uint8_t* const* w, const float* corr, const float* wsc
 // keys (later keys masked, and those before its window or before k_begin, which may fall inside a group):
 // on_rows(kp, vp, kscale, vscale, keep, visible, r0) for the G query rows from r0 = j * H + head * G.
 template <class OnRows>
-inline void walk_packed_groups(const Int8Groups& groups, const int64_t* table, int64_t nq, int64_t H, int64_t G,
+inline void walk_packed_groups(const Int8Groups& groups, int64_t nq, int64_t H, int64_t G,
                                int64_t pos0, int64_t k_begin, int64_t k_end, int64_t window, OnRows&& on_rows) {
   for (int64_t t = group_start(k_begin); t < k_end; t += 16) {
     const int64_t n = std::min<int64_t>(16, k_end - t);
     const int64_t lane0 = std::max<int64_t>(0, k_begin - t);  // keys before the task's range
-    const int64_t base = groups.at(table, t), far = groups.ahead(t, k_end);
+    const int64_t base = groups.at(groups.table, t), far = groups.ahead(t, k_end);
     for (int64_t h = 0; h < groups.kv_heads; ++h) {
       groups.prefetch(far, h);
       const uint8_t* kp = groups.kcache + base + h * groups.group;
@@ -254,7 +254,7 @@ void attend_tile_int8_packed(const float* q, int64_t nq, int64_t H, int64_t G, c
     qscale[r] = quantize_query_i8(q + r * D, q8.data() + r * 2 * D, q8.data() + r * 2 * D + D, D, qbias.data() + 2 * r);
   reset_partials(acc, m, l, R, D);
   float corr[4], wscale[4];
-  walk_packed_groups(groups, table, nq, H, G, pos0, k_begin, k_end, window,
+  walk_packed_groups(groups, nq, H, G, pos0, k_begin, k_end, window,
                      [&](const uint8_t* kp, const uint8_t* vp, __m512 kscale, __m512 vscale, __mmask16 keep,
                          int64_t visible, int64_t r0) {
 #define KVPAGE_INT8_BATCH(sb)                                                                             \
