@@ -1,7 +1,8 @@
 """Projections of a step: kvpage's AMX tile GEMM (amx_linear) vs oneDNN's pre-packed bf16 GEMM, or with
 --dtype float32 kvpage's float32 panel GEMM (f32_linear, AVX2 builds) vs oneDNN's pre-packed float32 GEMM, or
 with --i8 kvpage's int8 GEMM on the GGUF's quantized blocks (i8_linear, AVX-512 VNNI builds; what bf16 models
-run on CPUs without AMX) vs oneDNN's pre-packed bf16 GEMM.
+run on CPUs without AMX) vs oneDNN's pre-packed bf16 GEMM, or with --bf16 kvpage's bf16 panel GEMM (bf16_linear,
+AVX512_BF16 builds; what bf16 layer projections run above the int8 GEMM's rows on CPUs without AMX) vs oneDNN's.
 
 Uses the default model's real bf16 weights: for each row count M, the 120 layer projections of one forward
 pass (every layer's q|k|v, o, gate|up with its SiLU gating and down, so the ~210 MB of weights stream from
@@ -10,7 +11,7 @@ by side in one process, alternating rounds, medians reported. gate|up runs as th
 kernel's gated epilogue against oneDNN followed by silu_mul. PackedLinear uses the kernel for every layer
 projection and for the lm head up to kvpage.model.fast_path.AMX_LOGITS_MAX_ROWS rows.
 
-    python benchmarks/linear.py [--rows 1 8 16 32 64 128 256 512 1024 2048] [--rounds 7] [--dtype float32 | --i8]
+    python benchmarks/linear.py [--rows 1 8 16 32 64 128 256 512 1024 2048] [--rounds 7] [--dtype float32 | --i8 | --bf16]
 
 With float32, gate|up runs as the engine runs it there: either product followed by silu_mul.
 
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="the lm head's plain vs streamed stores (see above)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--i8", action="store_true", help="the int8 GEMM on the quantized blocks against oneDNN bf16")
+    ap.add_argument("--bf16", action="store_true", help="kvpage's bf16 panel GEMM against oneDNN bf16")
     args = ap.parse_args()
     ops = load_kernels()
     f32 = args.dtype == "float32"
@@ -79,7 +81,10 @@ def main() -> None:
                          "--hot, --pages, --stream)")
     if args.i8 and (f32 or amx_only or ops is None or not ops.i8_gemm_available()):
         raise SystemExit("--i8 needs the compiled kernels built for AVX-512 VNNI (bf16, neither --hot nor --pages)")
-    if not f32 and not args.i8 and (ops is None or not ops.amx_linear_available()):
+    if args.bf16 and (f32 or args.i8 or amx_only or args.stream or ops is None or not ops.bf16_gemm_available()):
+        raise SystemExit("--bf16 needs the compiled kernels built for AVX512_BF16 (and none of --dtype float32, "
+                         "--i8, --hot, --pages, --stream)")
+    if not f32 and not args.i8 and not args.bf16 and (ops is None or not ops.amx_linear_available()):
         raise SystemExit("needs the compiled kernels and AMX tile products (CPU with AMX-BF16, Linux >= 5.16)")
     dtype = torch.float32 if f32 else torch.bfloat16
     lm = load_model(dtype=args.dtype, attention_backend="reference")  # plain layers: the dense weights
@@ -100,7 +105,7 @@ def main() -> None:
         plain_vs_streamed_head(ops, head[0], args.rows, args.rounds, i8_weights(True)[-1] if args.i8 else None)
         return
     i8_packs = i8_weights(args.i8)
-    name = "kvpage f32" if f32 else "i8" if args.i8 else "amx"
+    name = "kvpage f32" if f32 else "i8" if args.i8 else "bf16" if args.bf16 else "amx"
     print(f"| rows | layers oneDNN (ms) | layers {name} (ms) | oneDNN / {name} | {name} TFLOP/s | "
           f"lm head oneDNN (ms) | lm head {name} (ms) | oneDNN / {name} |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -114,6 +119,8 @@ def main() -> None:
                 mine = [(ops.f32_pack_weight(w), w.shape[0]) for w in group]
             elif args.i8:
                 mine = i8_packs[: len(group)] if group is layers else i8_packs[-1:]
+            elif args.bf16:
+                mine = [(ops.bf16_pack_weight(w), w.shape[0]) for w in group]
             else:
                 mine = [ops.amx_pack_gate_up(w) if f else ops.amx_pack_weight(w)
                         for w, f in zip(group, flags, strict=True)]
@@ -129,8 +136,8 @@ def main() -> None:
             def pass_kvpage(group=group, flags=flags, mine=mine, inputs=inputs) -> float:
                 t = time.perf_counter()
                 for w, f, p in zip(group, flags, mine, strict=True):
-                    if f32:
-                        y = ops.f32_linear(inputs[w.shape[1]], *p)
+                    if f32 or args.bf16:
+                        y = (ops.f32_linear if f32 else ops.bf16_linear)(inputs[w.shape[1]], *p, None)
                         if f:
                             ops.silu_mul(y)
                     elif args.i8:  # the head's logits streamed, as the fast path writes them

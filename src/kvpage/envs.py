@@ -39,9 +39,14 @@ VARIABLES: tuple[EnvVar, ...] = (
            "oneDNN's packed GEMM", "amx_linear"),
     EnvVar("KVPAGE_I8_GEMM", str, "auto", "bf16 models' many-row projections multiply the checkpoint's Q4 / Q8 "
            "blocks with int8 activation codes (AVX-512 VNNI, CPUs without AMX): 'auto' on Intel CPUs, where it is "
-           "2.3-2.8x oneDNN's bf16 GEMM, up to 48 rows on AMD's Zen 4 (1.1-1.7x oneDNN's there, slower above), "
-           "never on Zen 5 (0.67-0.97x); 1 wherever the build has it, at every row count; 0 keeps oneDNN's bf16 GEMM",
+           "2.3-2.8x oneDNN's bf16 GEMM, never on AMD's Zen 4 (kvpage's bf16 panel GEMM is faster there at every row "
+           "count; up to 48 rows with KVPAGE_BF16_GEMM=0) or Zen 5 (0.67-0.97x oneDNN's); 1 wherever the build "
+           "has it, at every row count; 0 keeps the bf16 GEMM",
            "i8_gemm", ("auto", "1", "0")),
+    EnvVar("KVPAGE_BF16_GEMM", str, "auto", "kvpage's bf16 panel GEMM for bf16 layer projections on AVX512_BF16 "
+           "CPUs without AMX, above the rows the int8 GEMM takes: 'auto' on AMD's Zen 4 (every row count past the "
+           "few-token steps; 1.1-1.7x oneDNN's at 8-256 rows there), where it was measured; 1 wherever the build "
+           "has it; 0 keeps oneDNN's", "bf16_gemm", ("auto", "1", "0")),
     EnvVar("KVPAGE_F32_GEMM", bool, True, "kvpage's float32 panel GEMM for float32 projections on AVX2 builds; 0 keeps "
            "oneDNN's", "f32_gemm"),
     EnvVar("KVPAGE_AMX_DECODE", bool, True, "AMX tile products for decode attention where the CPU and OS allow them; "
@@ -126,6 +131,7 @@ class KernelConfig:
     decode_layers: str = "compiled"
     amx_linear: bool = True
     i8_gemm: str = "auto"
+    bf16_gemm: str = "auto"
     f32_gemm: bool = True
     amx_decode: bool = True
     split_short: bool = True

@@ -170,7 +170,7 @@ def test_packed_linear_takes_the_int8_gemm_up_to_its_row_limit(ops, gated):
     from kvpage.model.layers.linear import PackedLinear
     from kvpage.ops import Kernels
 
-    bound_ops = Kernels(ops, KernelConfig(i8_gemm="1", amx_linear=False, quant_max_tokens=0))
+    bound_ops = Kernels(ops, KernelConfig(i8_gemm="1", amx_linear=False, bf16_gemm="0", quant_max_tokens=0))
     bound_ops.i8_max_rows = 8  # a fresh object, not the shared one kernels() caches
     g = torch.Generator().manual_seed(5)
     qw = quant_weight("q4", 64, 96, g)

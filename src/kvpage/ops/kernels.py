@@ -39,19 +39,32 @@ I8_ALL_ROWS = 1 << 62
 I8_ZEN4_MAX_ROWS = 48
 
 
-def int8_gemm_rows() -> int:
-    """Up to how many rows the int8 GEMM (gemm_i8.cpp) beats oneDNN's bf16 GEMM here (0: none), by what was
-    measured (benchmarks/linear.py --i8, one pass of SmolLM2's projections): on the Intel Xeon without AMX, where
-    vdpbf16ps peaks at ~170 GFLOP/s on two cores, 2.25-2.76x at 8-2048 rows: every row count. On the AMD EPYC
-    Zen 5, whose 512-bit bf16 products oneDNN runs at ~0.9 TFLOP/s, 0.67-0.97x (2026-11-26): none. On the Zen 4
-    EPYC (CPU family 25 with AVX-512: its 512-bit products run on 256-bit units, so oneDNN's bf16 GEMM is at its
-    peak from ~64 rows, while the int8 GEMM reads half the weight bytes) 1.67x / 1.33x / 1.17x / 1.12x / 1.01x /
-    0.91x at 8 / 16 / 32 / 48 / 64 / 96 rows (2026-12-03): up to 48 rows."""
+def int8_gemm_rows(bf16_gemm: bool = False) -> int:
+    """Up to how many rows the int8 GEMM (gemm_i8.cpp) beats the bf16 GEMM that would run instead here (0: none;
+    bf16_gemm: kvpage's bf16 panel GEMM, gemm_bf16.cpp, else oneDNN's), by what was measured (benchmarks/linear.py
+    --i8 and --bf16, one pass of SmolLM2's projections): on the Intel Xeon without AMX, where vdpbf16ps peaks at
+    ~170 GFLOP/s on two cores, 2.25-2.76x oneDNN's at 8-2048 rows: every row count. On the AMD EPYC Zen 5, whose
+    512-bit bf16 products oneDNN runs at ~0.9 TFLOP/s, 0.67-0.97x (2026-11-26): none. On the Zen 4 EPYC (CPU
+    family 25 with AVX-512: its 512-bit products run on 256-bit units, while the int8 GEMM reads half the weight
+    bytes) 1.67x / 1.33x / 1.17x / 1.12x / 1.01x / 0.91x oneDNN's at 8 / 16 / 32 / 48 / 64 / 96 rows
+    (2026-12-03): up to 48 rows; but the bf16 panel GEMM took 0.89x / 0.91x / 0.78x / 0.80x / 0.77x the int8
+    GEMM's time at 8 / 16 / 32 / 48 / 64 rows (2026-12-04, the two runs one after the other: 9.24 / 13.28 /
+    21.28 / 30.47 / 38.22 ms against 10.36 / 14.67 / 27.30 / 38.22 / 49.43), so none where it runs."""
     if cpu_vendor() == "GenuineIntel":
         return I8_ALL_ROWS
     if amd_family() == "25":
-        return I8_ZEN4_MAX_ROWS
+        return 0 if bf16_gemm else I8_ZEN4_MAX_ROWS
     return 0
+
+
+def bf16_gemm_pays() -> bool:
+    """Whether bf16_gemm "auto" takes kvpage's bf16 panel GEMM (gemm_bf16.cpp) over oneDNN's on an AVX512_BF16 CPU
+    without AMX: on the Zen 4 EPYC (family 25), where oneDNN's bf16 GEMM reaches ~75% of `vdpbf16ps`'s peak at
+    128 rows and the panel GEMM ~85% (`python benchmarks/linear.py --bf16`: 1.1-1.7x oneDNN's at 8-256 rows,
+    2026-12-04) and the engine served 1.19x / 1.09x the tokens on chat128 / sharegpt (`benchmarks/throughput.py`
+    against `kvpage+KVPAGE_BF16_GEMM=0`). Not measured on Zen 5 or on Intel's CPUs without AMX (which take the int8
+    GEMM at every row count): oneDNN stays there."""
+    return amd_family() == "25"
 
 
 def packed_layouts() -> tuple[bool, bool, bool]:
@@ -100,8 +113,12 @@ class Kernels:
         self.packed_fp8_layout = module.has_packed_int8_layout() and chosen(fp8_pays)
         self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
         self.f32_gemm_ok = config.f32_gemm and module.f32_gemm_available()
-        # the int8 GEMM for projections of up to i8_max_rows rows (oneDNN's bf16 GEMM above)
-        wanted = {"1": I8_ALL_ROWS, "0": 0}.get(config.i8_gemm) if config.i8_gemm != "auto" else int8_gemm_rows()
+        # bf16 projections on AVX512_BF16 CPUs where the AMX tile GEMM does not take them ("auto": where measured)
+        self.bf16_gemm_ok = (module.bf16_gemm_available() and not self.amx_linear_ok
+                             and (config.bf16_gemm == "1" or (config.bf16_gemm == "auto" and bf16_gemm_pays())))
+        # the int8 GEMM for projections of up to i8_max_rows rows (the bf16 panel GEMM or oneDNN's above)
+        wanted = ({"1": I8_ALL_ROWS, "0": 0}.get(config.i8_gemm) if config.i8_gemm != "auto"
+                  else int8_gemm_rows(self.bf16_gemm_ok))
         self.i8_max_rows = wanted if module.i8_gemm_available() else 0
         self.amx_prefill_ok = config.amx_prefill and module.prefill_amx_available()
         # auto: where float32 runs the panel GEMM (AVX2 builds), the one path whose products are batch-invariant
@@ -218,6 +235,12 @@ class Kernels:
         """x . W^T with int8 activation codes per 32-block against the exact quantized weights (VNNI); stream as
         amx_linear's."""
         return self._c.i8_linear(x, codes, scales, n, gated, bias, stream)
+
+    def bf16_pack_weight(self, w: Tensor) -> Tensor:
+        return self._c.bf16_pack_weight(w)
+
+    def bf16_linear(self, x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
+        return self._c.bf16_linear(x, packed, n, bias)
 
     def f32_pack_weight(self, w: Tensor) -> Tensor:
         return self._c.f32_pack_weight(w)

@@ -86,6 +86,7 @@ class PackedLinear(nn.Module):
         # product on a pass of this model's layers at 1-2048 rows: benchmarks/linear.py --dtype float32),
         # oneDNN's packing otherwise.
         self.f32: torch.Tensor | None = None
+        self.bf16: torch.Tensor | None = None  # kvpage's bf16 panel GEMM's operand (below)
         self.n = n
         if weight.dtype == torch.float32 and ops is not None and ops.f32_gemm_ok:
             self.f32 = ops.f32_pack_weight(weight.contiguous())
@@ -93,6 +94,12 @@ class PackedLinear(nn.Module):
             # token row's outputs are the same bits whichever product its step takes
             panels = self.quant.as_panels() if self.quant is not None and ops.config.quant_panels else None
             self.quant = panels or self.quant
+        # bf16 layer projections on AVX512_BF16 CPUs without AMX: kvpage's panel GEMM above the int8 GEMM's rows
+        # (ops/csrc/linear/gemm_bf16.cpp: 1.14-1.2x oneDNN's at 64-256 rows on a Zen 4). Not lm heads
+        # (split_rows): there oneDNN's blocking writes a [rows, vocab] output faster.
+        elif (weight.dtype == torch.bfloat16 and self.amx is None and ops is not None and ops.bf16_gemm_ok
+                and self.i8_max_rows < _ALL_ROWS and split_rows is None and n % 16 == 0 and k % 2 == 0):
+            self.bf16 = ops.bf16_pack_weight(weight)
         elif ((self.amx is None and self.i8_max_rows < _ALL_ROWS)
               or (self.amx is not None and amx_max_rows is not None)):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
@@ -139,6 +146,8 @@ class PackedLinear(nn.Module):
                 return out
         elif self.f32 is not None:
             out = self.ops.f32_linear(x, self.f32, self.n, self.bias)
+        elif self.bf16 is not None:
+            out = self.ops.bf16_linear(x, self.bf16, self.n, self.bias)
         elif self.packed_parts:
             return torch.cat([part for _, part in self.forward_parts(x)], dim=1)
         else:
@@ -180,7 +189,8 @@ def gather_weights(linears: Sequence[PackedLinear]) -> int:
     streamed = []  # every operand, in order
     for lin in linears:
         q = lin.quant
-        streamed += [t for t in (lin.amx, lin.f32, *(lin.i8 or ()), *((q.qs, q.d, q.m) if q else ())) if t is not None]
+        streamed += [t for t in (lin.amx, lin.f32, lin.bf16, *(lin.i8 or ()), *((q.qs, q.d, q.m) if q else ()))
+                     if t is not None]
     unique = {id(t): t for t in streamed if t.layout == torch.strided and t.is_contiguous()}  # shared: copied once
     copies, advised = gather_on_huge_pages(list(unique.values()))
     moved = dict(zip(unique, copies, strict=True))
@@ -189,7 +199,7 @@ def gather_weights(linears: Sequence[PackedLinear]) -> int:
         return None if t is None else moved.get(id(t), t)
 
     for lin in linears:
-        lin.amx, lin.f32 = move(lin.amx), move(lin.f32)
+        lin.amx, lin.f32, lin.bf16 = move(lin.amx), move(lin.f32), move(lin.bf16)
         if lin.i8 is not None:
             lin.i8 = (move(lin.i8[0]), move(lin.i8[1]))
         if lin.quant is not None:  # in place: the fast path holds the QuantWeight too

@@ -117,6 +117,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_linear", &kvpage::gemm::f32_linear, "float32 x . W^T (+ bias) from a panel-packed weight", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
 
+  // linear/gemm_bf16.cpp
+  m.def("bf16_gemm_available", &kvpage::gemm::bf16_gemm_available, "whether bf16_linear runs in this build (AVX512_BF16)");
+  m.def("bf16_pack_weight", &kvpage::gemm::bf16_pack_weight,
+        "a bf16 [N, K] weight in 16-column panels of k pairs for bf16_linear");
+  m.def("bf16_linear", &kvpage::gemm::bf16_linear, "bf16 x . W^T (+ bias) from a panel-packed weight", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+
   // linear/gemm_i8.cpp
   m.def("i8_gemm_available", &kvpage::gemm_i8::i8_gemm_available,
         "whether i8_linear runs in this build (AVX-512 VNNI)");

@@ -110,6 +110,9 @@ namespace kvpage::gemm {
 bool f32_gemm_available();
 torch::Tensor f32_pack_weight(const torch::Tensor& w);
 torch::Tensor f32_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N, c10::optional<torch::Tensor> bias);
+bool bf16_gemm_available();
+torch::Tensor bf16_pack_weight(const torch::Tensor& w);
+torch::Tensor bf16_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N, c10::optional<torch::Tensor> bias);
 }  // namespace kvpage::gemm
 namespace kvpage::gemm_i8 {
 bool i8_gemm_available();
