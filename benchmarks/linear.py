@@ -11,7 +11,7 @@ by side in one process, alternating rounds, medians reported. gate|up runs as th
 kernel's gated epilogue against oneDNN followed by silu_mul. PackedLinear uses the kernel for every layer
 projection and for the lm head up to kvpage.model.fast_path.AMX_LOGITS_MAX_ROWS rows.
 
-    python benchmarks/linear.py [--rows 1 8 16 32 64 128 256 512 1024 2048] [--rounds 7] [--dtype float32 | --i8 | --bf16]
+    python benchmarks/linear.py [--rows 8 16 64 128 512 2048] [--rounds 7] [--dtype float32 | --i8 | --bf16]
 
 With float32, gate|up runs as the engine runs it there: either product followed by silu_mul.
 
