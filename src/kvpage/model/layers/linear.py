@@ -5,8 +5,9 @@ oneDNN's packed GEMM for 1-1024 rows, 0.97x at 2048, on the AMX Xeon: benchmarks
 the kernel configuration's amx_linear=False turns it off (side-by-side runs). On AVX-512 VNNI CPUs without
 AMX, bf16 models with the checkpoint's Q4 / Q8 blocks run their many-row products on those blocks with int8
 activation codes (csrc/linear/gemm_i8.cpp: ~2.5x oneDNN's bf16 GEMM on the Xeon without AMX), for the row counts
-where it pays: the kernel configuration's i8_gemm ("auto": every row count on Intel CPUs, up to 48 rows on the Zen 4
-EPYC, oneDNN's above; ops/kernels.py int8_gemm_rows) decides.
+where it pays: the kernel configuration's i8_gemm ("auto": every row count on Intel CPUs; ops/kernels.py
+int8_gemm_rows) decides. On AMD's Zen 4 kvpage's bf16 panel GEMM (csrc/linear/gemm_bf16.cpp, bf16_gemm) takes the
+layer projections instead, at 1.1-1.7x oneDNN's speed there.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ class PackedLinear(nn.Module):
     summation order, about twice as fast on this CPU, because the weight is laid out for the product once
     instead of at every call. Paths by row count: the checkpoint's quantized blocks (a few rows, where reading
     fewer bytes wins), then the AMX tile GEMM where the CPU has it (bf16), the int8 GEMM on the quantized blocks
-    (bf16 models on AVX-512 VNNI CPUs without AMX), kvpage's panel GEMM for float32 on AVX2 builds, oneDNN
-    otherwise (and above amx_max_rows)."""
+    (bf16 models on AVX-512 VNNI CPUs without AMX), kvpage's panel GEMMs for float32 on AVX2 builds and for bf16
+    where bf16_gemm takes them (Zen 4), oneDNN otherwise (and above amx_max_rows)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantWeight | None = None,
                  ops: Kernels | None = None, amx_max_rows: int | None = None, gated: bool = False,
