@@ -61,8 +61,8 @@ def bf16_gemm_pays() -> bool:
     """Whether bf16_gemm "auto" takes kvpage's bf16 panel GEMM (gemm_bf16.cpp) over oneDNN's on an AVX512_BF16 CPU
     without AMX: on the Zen 4 EPYC (family 25), where oneDNN's bf16 GEMM reaches ~75% of `vdpbf16ps`'s peak at
     128 rows and the panel GEMM ~85% (`python benchmarks/linear.py --bf16`: 1.1-1.7x oneDNN's at 8-256 rows,
-    2026-12-04) and the engine served 1.19x / 1.09x the tokens on chat128 / sharegpt (`benchmarks/throughput.py`
-    against `kvpage+KVPAGE_BF16_GEMM=0`). Not measured on Zen 5 or on Intel's CPUs without AMX (which take the int8
+    2026-12-04) and the engine served 1.10x / 1.17x / 1.10x the tokens on chat16 / chat128 / sharegpt
+    (`benchmarks/throughput.py` against `kvpage+KVPAGE_BF16_GEMM=0`; Gemma 3 sharegpt 1.01x). Not measured on Zen 5 or on Intel's CPUs without AMX (which take the int8
     GEMM at every row count): oneDNN stays there."""
     return amd_family() == "25"
 

@@ -96,7 +96,7 @@ class PackedLinear(nn.Module):
             panels = self.quant.as_panels() if self.quant is not None and ops.config.quant_panels else None
             self.quant = panels or self.quant
         # bf16 layer projections on AVX512_BF16 CPUs without AMX: kvpage's panel GEMM above the int8 GEMM's rows
-        # (ops/csrc/linear/gemm_bf16.cpp: 1.14-1.2x oneDNN's at 64-256 rows on a Zen 4). Not lm heads
+        # (ops/csrc/linear/gemm_bf16.cpp: 1.1-1.7x oneDNN's at 8-256 rows on a Zen 4). Not lm heads
         # (split_rows): there oneDNN's blocking writes a [rows, vocab] output faster.
         elif (weight.dtype == torch.bfloat16 and self.amx is None and ops is not None and ops.bf16_gemm_ok
                 and self.i8_max_rows < _ALL_ROWS and split_rows is None and n % 16 == 0 and k % 2 == 0):
