@@ -62,8 +62,8 @@ def bf16_gemm_pays() -> bool:
     without AMX: on the Zen 4 EPYC (family 25), where oneDNN's bf16 GEMM reaches ~75% of `vdpbf16ps`'s peak at
     128 rows and the panel GEMM ~85% (`python benchmarks/linear.py --bf16`: 1.1-1.7x oneDNN's at 8-256 rows,
     2026-12-04) and the engine served 1.10x / 1.17x / 1.10x the tokens on chat16 / chat128 / sharegpt
-    (`benchmarks/throughput.py` against `kvpage+KVPAGE_BF16_GEMM=0`; Gemma 3 sharegpt 1.01x). Not measured on Zen 5 or on Intel's CPUs without AMX (which take the int8
-    GEMM at every row count): oneDNN stays there."""
+    (`benchmarks/throughput.py` against `kvpage+KVPAGE_BF16_GEMM=0`; Gemma 3 sharegpt 1.01x). Not measured on Zen 5
+    or on Intel's CPUs without AMX (which take the int8 GEMM at every row count): oneDNN stays there."""
     return amd_family() == "25"
 
 
