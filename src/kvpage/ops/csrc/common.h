@@ -15,6 +15,15 @@
 
 namespace kvpage {
 
+// A projection's optional bias as float32 [N] (the converted copy kept alive in `held`), or null: what the
+// panel GEMMs' epilogues add.
+inline const float* float_bias(const c10::optional<at::Tensor>& bias, int64_t N, at::Tensor& held) {
+  if (!bias.has_value()) return nullptr;
+  held = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(held.dim() == 1 && held.size(0) == N, "bias must be [out_features]");
+  return held.data_ptr<float>();
+}
+
 // The keys a thread attends to after the current task: its sequence's block table and key range.
 // (The paged-attention loops prefetch on across a task's end into these.)
 struct NextKeys {

@@ -101,13 +101,8 @@ torch::Tensor bf16_linear(torch::Tensor x, const torch::Tensor& packed, int64_t 
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   TORCH_CHECK(packed.size(1) * 2 == K, "x has ", K, " features, the packed weight ", packed.size(1) * 2);
   TORCH_CHECK(N == P * kPanel, "N = ", N, " does not match ", P, " panels");
-  const float* bp = nullptr;
   torch::Tensor b;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "bias must be [out_features]");
-    bp = b.data_ptr<float>();
-  }
+  const float* bp = kvpage::float_bias(bias, N, b);
   x = x.contiguous();
   auto out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;

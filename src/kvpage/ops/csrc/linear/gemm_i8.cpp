@@ -293,10 +293,7 @@ torch::Tensor i8_linear(torch::Tensor x, const torch::Tensor& codes, const torch
   TORCH_CHECK(N > (P - 1) * kNR && N <= P * kNR, "N = ", N, " does not match ", P, " panels");
   TORCH_CHECK(!gated || (N % (2 * kNR) == 0 && !bias_in.has_value()), "gated needs N % 32 == 0 and no bias");
   torch::Tensor bias;
-  if (bias_in.has_value()) {
-    bias = bias_in->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N, "bias must be [out_features]");
-  }
+  const float* bp = kvpage::float_bias(bias_in, N, bias);
   x = x.contiguous();
   auto out = at::empty({M, gated ? N / 2 : N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -312,7 +309,6 @@ torch::Tensor i8_linear(torch::Tensor x, const torch::Tensor& codes, const torch
     quantize_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), M, K, xqp, x1, x2);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
 #define KVPAGE_I8_RUN(G_, T_) run<G_, T_>(xqp, x1, x2, M, K, cp, sp, N, P, out.data_ptr<T_>(), bp, stream)
   if (x.scalar_type() == at::kFloat) {
     if (gated) KVPAGE_I8_RUN(true, float);
