@@ -8,8 +8,8 @@ Uses the default model's real bf16 weights: for each row count M, the 120 layer 
 pass (every layer's q|k|v, o, gate|up with its SiLU gating and down, so the ~210 MB of weights stream from
 memory as in a real step), then separately the output projection (lm head, 57 MB), timed with each path side
 by side in one process, alternating rounds, medians reported. gate|up runs as the engine runs it: the AMX
-kernel's gated epilogue against oneDNN followed by silu_mul. PackedLinear uses the kernel for every layer
-projection and for the lm head up to kvpage.model.fast_path.AMX_LOGITS_MAX_ROWS rows.
+kernel's (or the bf16 panel GEMM's) gated epilogue against oneDNN followed by silu_mul. PackedLinear uses the
+kernel for every layer projection and for the lm head up to kvpage.model.fast_path.AMX_LOGITS_MAX_ROWS rows.
 
     python benchmarks/linear.py [--rows 8 16 64 128 512 2048] [--rounds 7] [--dtype float32 | --i8 | --bf16]
 
@@ -119,8 +119,8 @@ def main() -> None:
                 mine = [(ops.f32_pack_weight(w), w.shape[0]) for w in group]
             elif args.i8:
                 mine = i8_packs[: len(group)] if group is layers else i8_packs[-1:]
-            elif args.bf16:
-                mine = [(ops.bf16_pack_weight(w), w.shape[0]) for w in group]
+            elif args.bf16:  # gate|up packed for the gated epilogue, as the fast path packs it
+                mine = [(ops.bf16_pack_weight(w, f), w.shape[0]) for w, f in zip(group, flags, strict=True)]
             else:
                 mine = [ops.amx_pack_gate_up(w) if f else ops.amx_pack_weight(w)
                         for w, f in zip(group, flags, strict=True)]
@@ -136,10 +136,12 @@ def main() -> None:
             def pass_kvpage(group=group, flags=flags, mine=mine, inputs=inputs) -> float:
                 t = time.perf_counter()
                 for w, f, p in zip(group, flags, mine, strict=True):
-                    if f32 or args.bf16:
-                        y = (ops.f32_linear if f32 else ops.bf16_linear)(inputs[w.shape[1]], *p, None)
+                    if f32:
+                        y = ops.f32_linear(inputs[w.shape[1]], *p, None)
                         if f:
                             ops.silu_mul(y)
+                    elif args.bf16:  # gate|up with SiLU in the epilogue
+                        ops.bf16_linear(inputs[w.shape[1]], *p, None, ACT_SILU if f else ACT_NONE)
                     elif args.i8:  # the head's logits streamed, as the fast path writes them
                         ops.i8_linear(inputs[w.shape[1]], *p, None, group is head)
                     else:  # the head's logits streamed, as the fast path writes them

@@ -3,7 +3,7 @@
 compiled kernel call timed by the wall clock (calls, seconds and share of the run per kernel; paged attention
 split by the cache's dtype and by decode-sized (at most 1,024 rows) or larger calls).
 
-    python benchmarks/profile_step.py [--workload sharegpt|chat64|single] [--top 25]
+    python benchmarks/profile_step.py [--workload sharegpt|chat64|random256|single] [--top 25]
     python benchmarks/profile_step.py --model gemma-3-270m --kv-dtype int8 --ops
 
 ``single`` is latency.py's case: one stream decoding 256 tokens after a short chat prompt. ``--ops`` answers
@@ -30,7 +30,7 @@ from kvpage.ops.kernels import Kernels
 from kvpage.sampling_params import SamplingParams
 from throughput import build_workload
 
-DECODE_ROWS = 1024  # paged-attention calls of at most this many query rows count as decode-sized
+DECODE_ROWS = 1024  # paged-attention and linear calls of at most this many rows count as decode-sized
 
 
 def _key(name: str, args: tuple[Any, ...]) -> str:
@@ -38,6 +38,8 @@ def _key(name: str, args: tuple[Any, ...]) -> str:
         query, cache = args[1], args[2]
         size = "decode-sized" if query.shape[0] <= DECODE_ROWS else "larger"
         return f"paged_attention [{str(cache.dtype).removeprefix('torch.')} cache, {size}]"
+    if name.endswith("_linear") and len(args) >= 2 and hasattr(args[1], "shape"):
+        return f"{name} [{'decode-sized' if args[1].shape[0] <= DECODE_ROWS else 'larger'}]"
     return name
 
 
@@ -68,10 +70,12 @@ def timed_kernels(acc: dict[str, list[float]]) -> Iterator[None]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="sharegpt", choices=["sharegpt", "chat64", "single"])
+    ap.add_argument("--workload", default="sharegpt", choices=["sharegpt", "chat64", "random256", "single"])
     ap.add_argument("--model", default=None, help="kvpage's model (default: the embedded SmolLM2)")
     ap.add_argument("--kv-dtype", default="auto", help="KV cache dtype (auto, bfloat16, int8, fp8_e4m3, ...)")
     ap.add_argument("--ops", action="store_true", help="time each compiled kernel call instead of cProfile")
+    ap.add_argument("--max-num-seqs", type=int, default=256,
+                    help="sequences at once (256 as throughput.py; `kvpage serve` and `vllm serve` hold 128)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"])
     args = ap.parse_args()
@@ -79,7 +83,8 @@ def main() -> None:
     if args.workload == "single":
         reqs = [dict(reqs[0], max_tokens=256)]
     llm = LLM(model=args.model or DEFAULT_MODEL, kv_cache_memory="4GiB", max_model_len=2048,
-              max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_dtype=args.kv_dtype, kv_prefault=True)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, kv_cache_dtype=args.kv_dtype,
+              kv_prefault=True)
     llm.generate([reqs[0]["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
@@ -87,8 +92,23 @@ def main() -> None:
     steps = llm.engine.num_steps
     t = time.perf_counter()
     if args.ops:
-        with timed_kernels(acc):
-            outs = llm.generate(prompts, params, use_tqdm=False)
+        head = llm.engine.worker.runner.forward  # the lm head and its logits pass, all Python around it included
+        head_call = head.compute_logits_ex
+
+        def timed_head(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return head_call(*a, **kw)
+            finally:
+                acc["lm head (compute_logits_ex, whole)"][0] += 1
+                acc["lm head (compute_logits_ex, whole)"][1] += time.perf_counter() - t0
+
+        head.compute_logits_ex = timed_head
+        try:
+            with timed_kernels(acc):
+                outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            del head.compute_logits_ex
     else:
         prof = cProfile.Profile()
         prof.enable()

@@ -1,6 +1,7 @@
 """kvpage's bf16 panel GEMM (ops/csrc/linear/gemm_bf16.cpp), the bf16 layer projections of many-row steps on
 AVX512_BF16 CPUs without AMX: x . W^T (+ bias) as one float32 sum per output rounded once to bf16, for any row
-count; a row's bits do not depend on the rows around it or on the threads; bad operands are refused by name."""
+count; a row's bits do not depend on the rows around it or on the threads; the gated MLP product's epilogue gives
+the bits of silu_mul / gelu_mul after the plain product; bad operands are refused by name."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvpage.envs import KernelConfig
 from kvpage.model.layers.linear import PackedLinear
-from kvpage.ops import kernels, load_kernels
+from kvpage.ops import ACT_GELU_TANH, ACT_SILU, kernels, load_kernels
 from tests.helpers.kernels import have_cxx
 
 pytestmark = pytest.mark.skipif(not have_cxx(), reason="no C++ compiler: kernels cannot be built")
@@ -97,6 +98,21 @@ def test_bf16_linear_is_the_same_on_any_number_of_threads(ops):
         assert all(torch.equal(one, r) for r in runs)
 
 
+@pytest.mark.parametrize("m", [1, 4, 5, 6, 7, 12, 13, 131, 300])
+@pytest.mark.parametrize("n,k", [(3072, 576), (96, 64), (32, 40)])
+@pytest.mark.parametrize("act", [ACT_SILU, ACT_GELU_TANH])
+def test_bf16_linear_gated_is_the_product_then_its_activation(ops, m, n, k, act):
+    """A gated packing ([gate; up], panels interleaved) with act: act(gate) * up in the epilogue, [m, n / 2], to
+    the bit what the plain product followed by silu_mul / gelu_mul gives (the engine's steps may take either)."""
+    g = torch.Generator().manual_seed(m * 31 + n + act)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
+    plain = ops.bf16_linear(x, ops.bf16_pack_weight(w), n, None)
+    want = ops.silu_mul(plain) if act == ACT_SILU else ops.gelu_mul(plain)
+    got = ops.bf16_linear(x, ops.bf16_pack_weight(w, True), n, None, act)
+    assert got.shape == (m, n // 2) and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_bf16_linear_refuses_bad_operands(ops):
     w = torch.randn(32, 64).to(torch.bfloat16)
     packed = ops.bf16_pack_weight(w)
@@ -110,6 +126,15 @@ def test_bf16_linear_refuses_bad_operands(ops):
         ops.bf16_linear(torch.randn(4, 64).to(torch.bfloat16), packed, 48, None)
     with pytest.raises(RuntimeError, match="x must be bf16"):
         ops.bf16_linear(torch.randn(4, 64), packed, 32, None)
+    with pytest.raises(RuntimeError, match="out_features % 32"):
+        ops.bf16_pack_weight(torch.randn(48, 64).to(torch.bfloat16), True)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="takes no bias"):
+        ops.bf16_linear(x, ops.bf16_pack_weight(w, True), 32, torch.zeros(32), ACT_SILU)
+    with pytest.raises(RuntimeError, match="N % 32"):
+        ops.bf16_linear(x, ops.bf16_pack_weight(torch.randn(48, 64).to(torch.bfloat16)), 48, None, ACT_SILU)
+    with pytest.raises(RuntimeError, match="act must be"):
+        ops.bf16_linear(x, packed, 32, None, 3)
 
 
 def test_packed_linear_takes_it_above_the_int8_rows(ops):
@@ -125,8 +150,12 @@ def test_packed_linear_takes_it_above_the_int8_rows(ops):
     lin = PackedLinear(w, None, ops=k)
     assert lin.bf16 is not None and lin.packed is None
     assert torch.equal(lin(x), k.bf16_linear(x, lin.bf16, 192, None))
+    plain = k.bf16_linear(x, k.bf16_pack_weight(w), 192, None)
     gated = PackedLinear(w, None, ops=k, gated=True)
-    assert torch.equal(gated(x), k.silu_mul(k.bf16_linear(x, gated.bf16, 192, None)))
+    assert gated.bf16_act == ACT_SILU  # the activation in the GEMM's epilogue, the bits of silu_mul after it
+    assert torch.equal(gated(x), k.silu_mul(plain))
+    gelu = PackedLinear(w, None, ops=k, gated=True, activation="gelu_tanh")
+    assert torch.equal(gelu(x), k.gelu_mul(plain))
     off = PackedLinear(w, None, ops=kernels(KernelConfig(i8_gemm="0", bf16_gemm="0")))
     assert off.bf16 is None and off.packed is not None
     head = PackedLinear(w, None, ops=k, split_rows=64)

@@ -236,11 +236,12 @@ class Kernels:
         amx_linear's."""
         return self._c.i8_linear(x, codes, scales, n, gated, bias, stream)
 
-    def bf16_pack_weight(self, w: Tensor) -> Tensor:
-        return self._c.bf16_pack_weight(w)
+    def bf16_pack_weight(self, w: Tensor, gated: bool = False) -> Tensor:
+        return self._c.bf16_pack_weight(w, gated)
 
-    def bf16_linear(self, x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
-        return self._c.bf16_linear(x, packed, n, bias)
+    def bf16_linear(self, x: Tensor, packed: Tensor, n: int, bias: Tensor | None, act: int = 0) -> Tensor:
+        """act (ACT_SILU / ACT_GELU_TANH, a gated packing): the MLP's act(gate) * up, [rows, n / 2]."""
+        return self._c.bf16_linear(x, packed, n, bias, act)
 
     def f32_pack_weight(self, w: Tensor) -> Tensor:
         return self._c.f32_pack_weight(w)

@@ -88,6 +88,7 @@ class PackedLinear(nn.Module):
         # oneDNN's packing otherwise.
         self.f32: torch.Tensor | None = None
         self.bf16: torch.Tensor | None = None  # kvpage's bf16 panel GEMM's operand (below)
+        self.bf16_act = ACT_NONE  # its epilogue's activation (a gated packing)
         self.n = n
         if weight.dtype == torch.float32 and ops is not None and ops.f32_gemm_ok:
             self.f32 = ops.f32_pack_weight(weight.contiguous())
@@ -100,7 +101,9 @@ class PackedLinear(nn.Module):
         # (split_rows): there oneDNN's blocking writes a [rows, vocab] output faster.
         elif (weight.dtype == torch.bfloat16 and self.amx is None and ops is not None and ops.bf16_gemm_ok
                 and self.i8_max_rows < _ALL_ROWS and split_rows is None and n % 16 == 0 and k % 2 == 0):
-            self.bf16 = ops.bf16_pack_weight(weight)
+            # gated without a bias: the activation in the GEMM's epilogue (the same bits as silu_mul after it)
+            self.bf16_act = self.act if gated and bias is None and n % 32 == 0 else ACT_NONE
+            self.bf16 = ops.bf16_pack_weight(weight, self.bf16_act != ACT_NONE)
         elif ((self.amx is None and self.i8_max_rows < _ALL_ROWS)
               or (self.amx is not None and amx_max_rows is not None)):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
@@ -148,6 +151,8 @@ class PackedLinear(nn.Module):
         elif self.f32 is not None:
             out = self.ops.f32_linear(x, self.f32, self.n, self.bias)
         elif self.bf16 is not None:
+            if self.bf16_act != ACT_NONE:
+                return self.ops.bf16_linear(x, self.bf16, self.n, None, self.bf16_act)
             out = self.ops.bf16_linear(x, self.bf16, self.n, self.bias)
         elif self.packed_parts:
             return torch.cat([part for _, part in self.forward_parts(x)], dim=1)

@@ -120,9 +120,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // linear/gemm_bf16.cpp
   m.def("bf16_gemm_available", &kvpage::gemm::bf16_gemm_available, "whether bf16_linear runs in this build (AVX512_BF16)");
   m.def("bf16_pack_weight", &kvpage::gemm::bf16_pack_weight,
-        "a bf16 [N, K] weight in 16-column panels of k pairs for bf16_linear");
-  m.def("bf16_linear", &kvpage::gemm::bf16_linear, "bf16 x . W^T (+ bias) from a panel-packed weight", py::arg("x"),
-        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+        "a bf16 [N, K] weight in 16-column panels of k pairs for bf16_linear (gated: [gate; up], panels interleaved)",
+        py::arg("w"), py::arg("gated") = false);
+  m.def("bf16_linear", &kvpage::gemm::bf16_linear,
+        "bf16 x . W^T (+ bias) from a panel-packed weight; act 1 / 2 (gated packing): silu / gelu_tanh(gate) * up",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = 0,
+        py::call_guard<py::gil_scoped_release>());
 
   // linear/gemm_i8.cpp
   m.def("i8_gemm_available", &kvpage::gemm_i8::i8_gemm_available,

@@ -248,6 +248,13 @@ inline void for_each_at_least(const float* x, int64_t n, float t, F&& fn) {
 }
 
 #if KVPAGE_ISA_AVX512BF16
+// float32 lanes rounded to bf16 and back (nearest even): what a bf16 output holds, for epilogues that must give
+// the bits of a separate bf16 product followed by another kernel (the gated GEMMs' silu_mul / gelu_mul).
+inline __m512 bf16_round(__m512 v) {
+  const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
 // Values of keys 2p and 2p+1 interleaved per element, the operand layout of dpbf16: vpairs holds, per pair
 // p and 512-bit chunk c, the unpacklo and unpackhi halves (64 bf16). Rows at or past `valid` become zero
 // (they may hold anything, NaN included).

@@ -111,8 +111,12 @@ bool f32_gemm_available();
 torch::Tensor f32_pack_weight(const torch::Tensor& w);
 torch::Tensor f32_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N, c10::optional<torch::Tensor> bias);
 bool bf16_gemm_available();
-torch::Tensor bf16_pack_weight(const torch::Tensor& w);
-torch::Tensor bf16_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N, c10::optional<torch::Tensor> bias);
+// gated: w = [gate; up] with its panels interleaved (gate 16j.., up 16j..), for bf16_linear's act
+torch::Tensor bf16_pack_weight(const torch::Tensor& w, bool gated);
+// act (kvpage::amx::kActNone / kActSilu / kActGeluTanh): the plain product, or from a gated packing the MLP's
+// act(x Wg^T) * (x Wu^T), [M, N / 2], with the bits of the plain product followed by silu_mul / gelu_mul
+torch::Tensor bf16_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N, c10::optional<torch::Tensor> bias,
+                          int64_t act);
 }  // namespace kvpage::gemm
 namespace kvpage::gemm_i8 {
 bool i8_gemm_available();

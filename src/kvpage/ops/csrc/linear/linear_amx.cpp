@@ -39,12 +39,6 @@ namespace kvpage::amx {
 // Tiles (all full, amx_configure_full): 0-3 = output [2 row tiles][2 column tiles] (16 x 16 float32), 4/5 =
 // activation rows (16 x 32 bf16), 6/7 = weight (16 k pairs x 16 columns x 2).
 
-// float32 lanes rounded to bf16 and back (round to nearest even).
-inline __m512 bf16_round(__m512 v) {
-  const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
-
 // One 32-column block (weights wb) times row tiles a0 (and a1 when TWO) over K = 32 * KB; lines of the next
 // block are requested into L2, `per_kb` of them per k step, starting at pf[*pf_line]. After each k step
 // `drain(kb)` writes out part of the previous block's outputs (vector work that the tile unit's products hide).
@@ -188,7 +182,7 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
       const float* g = pend.buf + pair * 512 + r * 16;
       const int64_t row = 16 * (pend.t + pair) + r;
       if (gated) {
-        const __m512 gv = bf16_round(_mm512_load_ps(g)), uv = bf16_round(_mm512_load_ps(g + 256));
+        const __m512 gv = kvpage::bf16_round(_mm512_load_ps(g)), uv = kvpage::bf16_round(_mm512_load_ps(g + 256));
         at::BFloat16* yr = yp + row * out_cols + pend.nb * 16;
         if (act == kActSilu)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr),
