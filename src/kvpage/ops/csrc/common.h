@@ -24,6 +24,14 @@ inline const float* float_bias(const c10::optional<at::Tensor>& bias, int64_t N,
   return held.data_ptr<float>();
 }
 
+// A gated MLP's [gate; up] weight ([2 * inter, K], inter % 16 == 0) with its rows in groups of 16 interleaved: gate
+// rows 16j..16j+15, then up rows 16j..16j+15, for each j, so a packed block of 32 columns (or two 16-column
+// panels) holds matching gate and up columns and a gated epilogue writes act(gate) * up from one tile.
+inline at::Tensor interleave_gate_up(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1);
+  return w.contiguous().view({2, N / 32, 16, K}).permute({1, 0, 2, 3}).reshape({N, K});
+}
+
 // The keys a thread attends to after the current task: its sequence's block table and key range.
 // (The paged-attention loops prefetch on across a task's end into these.)
 struct NextKeys {

@@ -39,13 +39,13 @@ constexpr int64_t kTriple = 3;   // panels per task and register tile
 constexpr int64_t kRows = 8;     // rows per register tile at three panels
 constexpr int64_t kQuad = 4;     // panels per gated task and register tile: two (gate, up) pairs
 constexpr int64_t kGatedRows = 6;
-constexpr int kActNone = 0, kActSilu = 1;  // kvpage::amx's act codes (ops.h); 2 = GELU-tanh
+using kvpage::amx::kActGeluTanh, kvpage::amx::kActNone, kvpage::amx::kActSilu;  // bf16_linear's act (ops.h)
 
 #if KVPAGE_ISA_AVX512BF16
 // Rows [0, R) of a (row stride lda, bf16 bits) times NP consecutive panels (each K / 2 x 16 pairs, `pstride`
 // elements apart) into c (row stride ldc), + bias (float32, NP x 16, or null); with ACT, panels 2j and 2j + 1
 // are gate and up, and c gets act(gate) * up, NP / 2 x 16 columns.
-template <int R, int NP, int ACT>
+template <int R, int NP, int64_t ACT>
 __attribute__((always_inline)) inline void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kp,
                                                 int64_t pstride, uint16_t* c, int64_t ldc, const float* bias) {
   __m512 acc[R][NP];
@@ -88,7 +88,7 @@ __attribute__((always_inline)) inline void tile(const uint16_t* a, int64_t lda, 
 
 // `rows` rows times NP panels into c (row stride ldc): register tiles of as many rows as 24 accumulators hold,
 // then 4, then 1.
-template <int NP, int ACT = kActNone>
+template <int NP, int64_t ACT = kActNone>
 void rows_times_panels(int64_t rows, const uint16_t* a, int64_t K, const uint16_t* b, uint16_t* c, int64_t ldc,
                        const float* bias) {
   constexpr int R = 24 / NP;
@@ -100,7 +100,7 @@ void rows_times_panels(int64_t rows, const uint16_t* a, int64_t K, const uint16_
 }
 
 // The gated product: tasks of (row chunk, four panels = two gate / up pairs), the last possibly one pair.
-template <int ACT>
+template <int64_t ACT>
 void gated_product(int64_t M, const uint16_t* a, int64_t K, const uint16_t* w, int64_t P, uint16_t* c) {
   const int64_t quads = (P + kQuad - 1) / kQuad, ldc = P / 2 * kPanel;
   kvpage::for_row_chunks_and_tiles(M, 2 * K, kGatedRows, quads, [&](int64_t m0, int64_t rows, int64_t t) {
@@ -123,9 +123,8 @@ torch::Tensor bf16_pack_weight(const torch::Tensor& w, bool gated) {
   TORCH_CHECK(N % (gated ? 2 * kPanel : kPanel) == 0 && K % 2 == 0, "bf16_pack_weight needs out_features % ",
               gated ? 2 * kPanel : kPanel, " == 0", gated ? " ([gate; up], each a multiple of 16)" : "",
               " and even in_features, got [", N, ", ", K, "]");
-  torch::Tensor rows = w.contiguous();
-  // gated: rows gate 16j..16j+15 then up 16j..16j+15 for each j, so panel 2j is gate's and 2j + 1 up's
-  if (gated) rows = rows.view({2, N / (2 * kPanel), kPanel, K}).permute({1, 0, 2, 3}).reshape({N, K});
+  // gated: panel 2j holds gate's columns 16j.., panel 2j + 1 up's
+  const torch::Tensor rows = gated ? kvpage::interleave_gate_up(w) : w.contiguous();
   // [P, K/2, 16, 2]: panel p, k pair j holds (W[16p + i][2j], W[16p + i][2j + 1]) for i < 16
   return rows.view({N / kPanel, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
@@ -140,7 +139,8 @@ torch::Tensor bf16_linear(torch::Tensor x, const torch::Tensor& packed, int64_t 
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   TORCH_CHECK(packed.size(1) * 2 == K, "x has ", K, " features, the packed weight ", packed.size(1) * 2);
   TORCH_CHECK(N == P * kPanel, "N = ", N, " does not match ", P, " panels");
-  TORCH_CHECK(act >= 0 && act <= 2, "act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh), got ", act);
+  TORCH_CHECK(act == kActNone || act == kActSilu || act == kActGeluTanh,
+              "act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh), got ", act);
   const bool gated = act != kActNone;
   TORCH_CHECK(!gated || N % (2 * kPanel) == 0, "a gated product needs N % 32 == 0 (a gated packing), got ", N);
   TORCH_CHECK(!(gated && bias.has_value() && bias->defined()), "a gated product (act) takes no bias");
@@ -155,7 +155,7 @@ torch::Tensor bf16_linear(torch::Tensor x, const torch::Tensor& packed, int64_t 
   auto* c = reinterpret_cast<uint16_t*>(out.data_ptr());
   if (gated) {
     if (act == kActSilu) gated_product<kActSilu>(M, a, K, w, P, c);
-    else gated_product<2>(M, a, K, w, P, c);
+    else gated_product<kActGeluTanh>(M, a, K, w, P, c);
     return out;
   }
   const int64_t triples = (P + kTriple - 1) / kTriple;

@@ -103,8 +103,7 @@ torch::Tensor amx_pack_weight(const torch::Tensor& w) {
 // gate columns and the same 16 up columns: amx_linear(..., act) then returns act(gate) * up.
 torch::Tensor amx_pack_gate_up(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) % 32 == 0, "gate_up weight must be [2 * inter, K] with inter % 16 == 0");
-  const int64_t N = w.size(0), K = w.size(1);
-  return amx_pack_weight(w.contiguous().view({2, N / 32, 16, K}).permute({1, 0, 2, 3}).reshape({N, K}));
+  return amx_pack_weight(kvpage::interleave_gate_up(w));
 }
 
 torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
