@@ -27,12 +27,26 @@ inline int32_t pair_bits(const int16_t* w) {
   return x;
 }
 
-// x (n floats) -> int16 codes with x ~= code x scale; returns the scale (0 for a zero row).
+// x (n floats) -> int16 codes with x ~= code x scale; returns the scale (0 for a zero row). Eight lanes at a time
+// (a scalar tail), as every task quantizes its query rows with it.
 inline float quantize_i16(const float* x, int16_t* out, int64_t n) {
-  float amax = 0.f;
-  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const int64_t n8 = n - n % 8;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 top = _mm256_setzero_ps();
+  for (int64_t d = 0; d < n8; d += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(x + d), abs_mask));
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+  for (int64_t d = n8; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
   const float inv = amax > 0.f ? kI16Max / amax : 0.f;
-  for (int64_t d = 0; d < n; ++d)
+  const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(kI16Max), lo = _mm256_set1_ps(-kI16Max);
+  for (int64_t d = 0; d < n8; d += 8) {
+    const __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(x + d), vinv)));
+    const __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d),
+                     _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)));
+  }
+  for (int64_t d = n8; d < n; ++d)
     out[d] = static_cast<int16_t>(std::nearbyint(std::min(kI16Max, std::max(-kI16Max, x[d] * inv))));
   return amax / kI16Max;
 }

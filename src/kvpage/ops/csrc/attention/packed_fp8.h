@@ -95,10 +95,12 @@ inline void fp8_softmax(__m512 s, __mmask16 keep, __m512 vscale, float& m, float
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), b);
 }
 
-// acc_i <- acc_i x corr_i + factor x sum_k w_i,k v_k for RB rows over a group's first `quads` key quads.
-template <KVCode C, int RB, int64_t D>
-inline void fp8_pv(const int16_t* const* w, const float* corr, float factor, const uint8_t* vp, int64_t quads,
-                   float* const* acc) {
+// acc_i <- acc_i x corr_i + factor x sum_k w_i,k v_k for RB rows over a group's first `quads` key quads (NQ when
+// NQ > 0: a whole group, the quad loop unrolled at compile time, as int8_pv_n).
+template <KVCode C, int RB, int64_t D, int NQ = 0>
+inline void fp8_pv_n(const int16_t* const* w, const float* corr, float factor, const uint8_t* vp, int64_t quads,
+                     float* const* acc) {
+  if constexpr (NQ > 0) quads = NQ;
   constexpr int64_t CB = D / 16 < 4 ? D / 16 : 4;  // 16-dim chunks per pass: RB x CB accumulators
   const __m512 vf = _mm512_set1_ps(factor);
   for (int64_t c0 = 0; c0 < D / 16; c0 += CB) {
@@ -125,6 +127,13 @@ inline void fp8_pv(const int16_t* const* w, const float* corr, float factor, con
       }
     }
   }
+}
+
+template <KVCode C, int RB, int64_t D>
+inline void fp8_pv(const int16_t* const* w, const float* corr, float factor, const uint8_t* vp, int64_t quads,
+                   float* const* acc) {
+  if (quads == 4) fp8_pv_n<C, RB, D, 4>(w, corr, factor, vp, 4, acc);
+  else fp8_pv_n<C, RB, D>(w, corr, factor, vp, quads, acc);
 }
 
 // attend_tile for packed fp8 pages and head size D (a multiple of 32): attend_tile_int8_packed's contract.

@@ -65,24 +65,33 @@ inline __m512 load_scales16(const uint8_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
-// A query row (D floats) as hi and lo int8 codes (q ~= (256 hi + lo) x scale); returns scale, and in bias the
-// sum of 128 x code over each part, which the unsigned key codes (code + 128) add to the products.
+// A query row (D floats, D a multiple of 16) as hi and lo int8 codes (q ~= (256 hi + lo) x scale); returns
+// scale, and in bias the sum of 128 x code over each part, which the unsigned key codes (code + 128) add to the
+// products. 16 lanes at a time: every task quantizes its query rows, and scalar that was ~10% of a decode call
+// at Gemma 3's 256-wide heads (perf, Zen 4).
 inline float quantize_query_i8(const float* x, int8_t* hi, int8_t* lo, int64_t D, int32_t bias[2]) {
-  float amax = 0.f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
+  const float amax = _mm512_reduce_max_ps(top);
   const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
   const float inv_lo = amax > 0.f ? 256.f * inv : 0.f;
-  int32_t sh = 0, sl = 0;
-  for (int64_t d = 0; d < D; ++d) {
-    const float h = std::nearbyint(std::clamp(x[d] * inv, -127.f, 127.f));
-    const float r = std::nearbyint(std::clamp((x[d] - h * step) * inv_lo, -127.f, 127.f));
-    hi[d] = static_cast<int8_t>(h);
-    lo[d] = static_cast<int8_t>(r);
-    sh += 128 * static_cast<int32_t>(h);
-    sl += 128 * static_cast<int32_t>(r);
+  const __m512 vinv = _mm512_set1_ps(inv), vinv_lo = _mm512_set1_ps(inv_lo), vstep = _mm512_set1_ps(step);
+  const __m512 cmin = _mm512_set1_ps(-127.f), cmax = _mm512_set1_ps(127.f);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 v = _mm512_loadu_ps(x + d);
+    const __m512 h = _mm512_roundscale_ps(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, vinv), cmin), cmax), kNearest);
+    const __m512 r = _mm512_roundscale_ps(
+        _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_fnmadd_ps(h, vstep, v), vinv_lo), cmin), cmax), kNearest);
+    const __m512i hi32 = _mm512_cvtps_epi32(h), lo32 = _mm512_cvtps_epi32(r);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + d), _mm512_cvtepi32_epi8(hi32));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + d), _mm512_cvtepi32_epi8(lo32));
+    sh = _mm512_add_epi32(sh, hi32);
+    sl = _mm512_add_epi32(sl, lo32);
   }
-  bias[0] = sh;
-  bias[1] = sl;
+  bias[0] = 128 * _mm512_reduce_add_epi32(sh);
+  bias[1] = 128 * _mm512_reduce_add_epi32(sl);
   return step / 256.f;
 }
 
@@ -170,10 +179,12 @@ inline void int8_softmax(__m512 s, __mmask16 keep, __m512 vscale, float& m, floa
   wscale = top / 65535.f;
 }
 
-// acc_i <- acc_i x corr_i + wscale_i x sum_k w_i,k v_k for RB rows over a group's first `quads` key quads.
-template <int RB, int64_t D>
-inline void int8_pv(const uint8_t* const* w, const float* corr, const float* wscale, const uint8_t* vp, int64_t quads,
-                    float* const* acc) {
+// acc_i <- acc_i x corr_i + wscale_i x sum_k w_i,k v_k for RB rows over a group's first `quads` key quads (NQ of
+// them when NQ > 0: a whole group, the common case, with the quad loop unrolled at compile time).
+template <int RB, int64_t D, int NQ = 0>
+inline void int8_pv_n(const uint8_t* const* w, const float* corr, const float* wscale, const uint8_t* vp,
+                      int64_t quads, float* const* acc) {
+  if constexpr (NQ > 0) quads = NQ;
   constexpr int64_t CB = 2;  // 16-dim chunks per pass: 2 x RB x 2 accumulators
   for (int64_t c0 = 0; c0 < D / 16; c0 += CB) {
     __m512i vh[RB][CB], vl[RB][CB];
@@ -203,6 +214,13 @@ inline void int8_pv(const uint8_t* const* w, const float* corr, const float* wsc
       }
     }
   }
+}
+
+template <int RB, int64_t D>
+inline void int8_pv(const uint8_t* const* w, const float* corr, const float* wscale, const uint8_t* vp, int64_t quads,
+                    float* const* acc) {
+  if (quads == 4) int8_pv_n<RB, D, 4>(w, corr, wscale, vp, 4, acc);
+  else int8_pv_n<RB, D>(w, corr, wscale, vp, quads, acc);
 }
 
 // The walk of the packed quantized loops (this file's and packed_fp8.h's): each 16-key group of [k_begin, k_end)

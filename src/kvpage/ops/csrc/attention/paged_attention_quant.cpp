@@ -64,7 +64,7 @@ void run_quant(const torch::Tensor& query, const torch::Tensor& kv_cache, const 
   run_tasks(plan, query.data_ptr<Q>(), H, D, scale, out.data_ptr<Q>(),
             [&](const Task& tk, float* q, float* pa, float* pm, float* pl, const kvpage::NextKeys& next,
                 std::vector<float>& scratch) {
-      for (int64_t r = 0; r < tk.nq * H; ++r) fwht(q + r * D, D);  // the keys' basis
+      for (int64_t r = 0; r < tk.nq * H; ++r) fwht_row(q + r * D, D);  // the keys' basis
       const auto [k_begin, k_end] = tk.keys(plan.partition_size);
       const int64_t* table = tables + tk.seq * max_blocks;
       (void)next;  // builds without the AVX2 loops have no use for it
