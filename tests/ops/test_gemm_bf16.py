@@ -140,7 +140,7 @@ def test_bf16_linear_refuses_bad_operands(ops):
 def test_packed_linear_takes_it_above_the_int8_rows(ops):
     """A bf16 projection on these CPUs runs the panel GEMM for every row count above what the int8 GEMM takes
     (here: no int8 GEMM, so every row count above the quantized blocks' few), and oneDNN with the switch off;
-    a gated one applies its activation after it."""
+    a gated one applies its activation after it; an lm head takes it by vocabulary slices."""
     k = kernels(KernelConfig(i8_gemm="0", bf16_gemm="1"))
     if not k.bf16_gemm_ok:
         pytest.skip("AMX CPUs run bf16 projections on the tile GEMM")
@@ -158,5 +158,12 @@ def test_packed_linear_takes_it_above_the_int8_rows(ops):
     assert torch.equal(gelu(x), k.gelu_mul(plain))
     off = PackedLinear(w, None, ops=kernels(KernelConfig(i8_gemm="0", bf16_gemm="0")))
     assert off.bf16 is None and off.packed is not None
+    # lm heads take it by vocabulary slices of whole panels (views of the packing): the same bits as one product
     head = PackedLinear(w, None, ops=k, split_rows=64)
-    assert head.bf16 is None  # lm heads keep oneDNN's blocking
+    assert head.bf16 is not None and head.packed is None and not head.packed_parts
+    assert head.splits(x.shape[0])
+    parts = list(head.forward_parts(x))
+    assert [start for start, _ in parts] == [0, 64, 128] and all(p.shape == (x.shape[0], 64) for _, p in parts)
+    assert torch.equal(torch.cat([p for _, p in parts], dim=1), plain)
+    odd = PackedLinear(w, None, ops=k, split_rows=40)  # not whole panels: oneDNN's slices
+    assert odd.bf16 is None and odd.packed_parts

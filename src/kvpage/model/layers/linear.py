@@ -96,11 +96,12 @@ class PackedLinear(nn.Module):
             # token row's outputs are the same bits whichever product its step takes
             panels = self.quant.as_panels() if self.quant is not None and ops.config.quant_panels else None
             self.quant = panels or self.quant
-        # bf16 layer projections on AVX512_BF16 CPUs without AMX: kvpage's panel GEMM above the int8 GEMM's rows
-        # (ops/csrc/linear/gemm_bf16.cpp: 1.1-1.7x oneDNN's at 8-256 rows on a Zen 4). Not lm heads
-        # (split_rows): there oneDNN's blocking writes a [rows, vocab] output faster.
+        # bf16 products on AVX512_BF16 CPUs without AMX: kvpage's panel GEMM above the int8 GEMM's rows
+        # (ops/csrc/linear/gemm_bf16.cpp: 1.1-1.7x oneDNN's at 8-256 rows on a Zen 4), lm heads too, by vocabulary
+        # slices (1.03-1.09x oneDNN's slices at 64-256 rows of Gemma 3's head, 1.00x at 1024; BENCHMARKS.md).
         elif (weight.dtype == torch.bfloat16 and self.amx is None and ops is not None and ops.bf16_gemm_ok
-                and self.i8_max_rows < _ALL_ROWS and split_rows is None and n % 16 == 0 and k % 2 == 0):
+                and self.i8_max_rows < _ALL_ROWS and n % 16 == 0 and k % 2 == 0
+                and (split_rows is None or split_rows % 16 == 0)):
             # gated without a bias: the activation in the GEMM's epilogue (the same bits as silu_mul after it)
             self.bf16_act = self.act if gated and bias is None and n % 32 == 0 else ACT_NONE
             self.bf16 = ops.bf16_pack_weight(weight, self.bf16_act != ACT_NONE)
@@ -114,6 +115,8 @@ class PackedLinear(nn.Module):
         # The AMX operand's 32-column blocks are contiguous, so its slices are views.
         splittable = split_rows is not None and n > split_rows and bias is None and not gated
         self.amx_split = split_rows if splittable and self.amx is not None and split_rows % 32 == 0 else None
+        # the panel GEMM's operand is [n / 16, k / 2, 16, 2]: a slice of whole panels is a view
+        self.bf16_split = split_rows if splittable and self.bf16 is not None else None
         self.packed_parts: list[tuple[int, torch.Tensor]] = []  # (first output feature, packed slice)
         if self.packed is not None and splittable:
             self.packed_parts = [(i, torch.ops.mkldnn._reorder_linear_weight(weight[i : i + split_rows].contiguous(),
@@ -163,13 +166,13 @@ class PackedLinear(nn.Module):
         return self.ops.silu_mul(out) if self.act == ACT_SILU else self.ops.gelu_mul(out)
 
     def splits(self, rows: int) -> bool:
-        """Whether a call with this many rows runs slice by slice (forward_parts): the AMX tile GEMM's or
-        oneDNN's product."""
+        """Whether a call with this many rows runs slice by slice (forward_parts): the AMX tile GEMM's, the bf16
+        panel GEMM's or oneDNN's product."""
         if self._on_amx(rows):
             return self.amx_split is not None
         q = self.quant
-        return (bool(self.packed_parts) and not (q is not None and rows <= self.quant_max_tokens)
-                and rows > self.i8_max_rows)
+        return ((bool(self.packed_parts) or self.bf16_split is not None)
+                and not (q is not None and rows <= self.quant_max_tokens) and rows > self.i8_max_rows)
 
     def forward_parts(self, x: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """(first output feature, output slice) in order: the slices of split_rows where the call splits,
@@ -180,6 +183,11 @@ class PackedLinear(nn.Module):
         if self._on_amx(x.shape[0]):
             for start in range(0, self.n, self.amx_split):
                 yield start, self.ops.amx_linear(x, self.amx[start : start + self.amx_split], stream=self.stream_out)
+            return
+        if self.bf16_split is not None:
+            for start in range(0, self.n, self.bf16_split):
+                width = min(self.bf16_split, self.n - start)
+                yield start, self.ops.bf16_linear(x, self.bf16[start // 16 : (start + width) // 16], width, None)
             return
         for start, p in self.packed_parts:
             yield start, torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
