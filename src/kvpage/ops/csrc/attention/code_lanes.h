@@ -34,9 +34,7 @@ inline float quantize_i16(const float* x, int16_t* out, int64_t n) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 top = _mm256_setzero_ps();
   for (int64_t d = 0; d < n8; d += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(x + d), abs_mask));
-  __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-  float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+  float amax = kvpage::hmax8(top);
   for (int64_t d = n8; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
   const float inv = amax > 0.f ? kI16Max / amax : 0.f;
   const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(kI16Max), lo = _mm256_set1_ps(-kI16Max);
