@@ -25,6 +25,7 @@
 // keys, pages evicted from L3): no software prefetch (1.15-1.20x the time), every other line (1.2x), into L1
 // (1.01-1.05x), a span ahead (1.03x), a block's heads at once (1.18x), all heads group by group (1.28-1.52x),
 // two (span, head) units in flight so that one's softmax overlaps the other's tile products (1.02-1.04x).
+// What its time is made of (each part compiled out in turn, 2026-12-04): docs/kv.md.
 #pragma once
 
 #include "isa.h"
@@ -39,10 +40,10 @@ namespace kvpage::attn {
 constexpr int64_t kInt8Span = 128;  // keys per softmax step: eight 16-key groups, two byte products per 16 dims
 constexpr float kWeightCodes = 16777215.f;  // 2^24 - 1: a weight's three bytes against the span's largest
 
-// Tiles: 0 = query codes (2G rows x 64 bytes); 1 = K (16 dim quads x 64 bytes), then V of the span's keys
-// 64-127; 2 and 3 = a group's scores in turn (2G x 16 int32); 4 and 7 = the weights of keys 0-63 and 64-127
-// (3G x 64 bytes); 5 = V of keys 0-63 (16 key quads x 64 bytes); 6 = P.V sums (3G x 16 int32). (3G rows
-// everywhere, the query's third G zero, with the sums in tiles 6 and 7 in turn: the same speed.)
+// Tiles: 0 = query codes (2G rows x 64 bytes); 1 and 5 = a group's K in turn (16 dim quads x 64 bytes), then in
+// P.V the V of the span's keys 64-127 (1) and 0-63 (5) (16 key quads x 64 bytes); 2 and 3 = a group's scores in
+// turn (2G x 16 int32); 4 and 7 = the weights of keys 0-63 and 64-127 (3G x 64 bytes); 6 = P.V sums (3G x 16
+// int32). (3G rows everywhere, the query's third G zero, with the sums in tiles 6 and 7 in turn: the same speed.)
 inline void amx_configure_int8(int64_t G) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -115,24 +116,33 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
       far[u] = groups.ahead(tu, k_end);  // 4 groups ahead: 8, 16 and 24 were slower (64 x 8K keys)
     });
     for (int64_t h = 0; h < kv_heads; ++h) {
-      // scores of each group: 2G rows (hi codes' sums, then lo codes') x 16 keys
+      // scores of each group: 2G rows (hi codes' sums, then lo codes') x 16 keys, in tiles 2 and 3 in turn with
+      // K in tiles 1 and 5 in turn, and each group's sums stored after the next group's products are issued (a
+      // store right after its own products waited for them: the loop's largest stall with the pages in cache);
+      // at D = 64 the query tile is loaded once per head
+      auto scores = [&](int64_t u) { return sbuf.data() + u * QR * 16; };
+      const int8_t* qh = qtiles.data() + h * NQ * QR * 64;
+      if (NQ == 1) _tile_loadd(0, qh, 64);
       for (int64_t u = 0; u < ng; ++u) {
         groups.prefetch(far[u], h);
         const uint8_t* kp = kcache + base[u] + h * groups.group;
-        int32_t* s = sbuf.data() + u * QR * 16;
-#define KVPAGE_INT8_SCORES(tile)                                                  \
-  {                                                                               \
-    _tile_zero(tile);                                                             \
-    for (int64_t c = 0; c < NQ; ++c) {                                            \
-      _tile_loadd(0, qtiles.data() + (h * NQ + c) * QR * 64, 64);                 \
-      _tile_loadd(1, kp + 1024 * c, 64);                                          \
-      _tile_dpbsud(tile, 0, 1);                                                   \
-    }                                                                             \
-    _tile_stored(tile, s, 64);                                                    \
+#define KVPAGE_INT8_SCORES(tile, ktile, prev)           \
+  {                                                     \
+    _tile_zero(tile);                                   \
+    for (int64_t c = 0; c < NQ; ++c) {                  \
+      if (NQ > 1) _tile_loadd(0, qh + c * QR * 64, 64); \
+      _tile_loadd(ktile, kp + 1024 * c, 64);            \
+      _tile_dpbsud(tile, 0, ktile);                     \
+    }                                                   \
+    if (u > 0) _tile_stored(prev, scores(u - 1), 64);   \
   }
-        if (u % 2 == 0) KVPAGE_INT8_SCORES(2) else KVPAGE_INT8_SCORES(3)
+        if (u % 2 == 0) KVPAGE_INT8_SCORES(2, 1, 3) else KVPAGE_INT8_SCORES(3, 5, 2)
 #undef KVPAGE_INT8_SCORES
       }
+      if ((ng - 1) % 2 == 0)
+        _tile_stored(2, scores(ng - 1), 64);
+      else
+        _tile_stored(3, scores(ng - 1), 64);
       // the span's V staged as 32 key quads per 16 dims (groups past the keys' end keep stale codes: their
       // weights are 0)
       for (int64_t u = 0; u < ng; ++u) {
@@ -159,7 +169,7 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
             s[u] = vneg_inf;
             continue;
           }
-          const int32_t* su = sbuf.data() + u * QR * 16;
+          const int32_t* su = scores(u);
           const __m512i hi = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * g), bias_hi);
           const __m512i lo = _mm512_sub_epi32(_mm512_loadu_si512(su + 16 * (G + g)), bias_lo);
           const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo)),
