@@ -13,7 +13,7 @@ from kvpage.sampling_params import BeamSearchParams
 from tests.engine.test_engine import BLOCK_BYTES_FP32, assert_drained
 from tests.helpers.marks import slow
 from tests.helpers.reference import BEAM_LENGTH as LENGTH
-from tests.helpers.reference import BEAM_SCORE_TOL, FINISHED_PROMPTS, FIXED_PROMPTS, BeamCase, stored_beams
+from tests.helpers.reference import FINISHED_PROMPTS, FIXED_PROMPTS, BeamCase, assert_same_beams, stored_beams
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +29,6 @@ def chat_ids(prompts) -> dict[str, list[int]]:
 def ours(llm: LLM, ids: list[int], params: BeamSearchParams) -> list[tuple[list[int], float]]:
     out = llm.beam_search([{"prompt_token_ids": ids}], params)[0]
     return [(s.output_token_ids, s.cum_logprob) for s in out.sequences]
-
-
-def assert_same_beams(got, want, tol: float = BEAM_SCORE_TOL) -> None:
-    assert [t for t, _ in got] == [t for t, _ in want]
-    for (_, a), (_, b) in zip(got, want, strict=True):
-        assert abs(a - b) < tol, (a, b)
 
 
 @pytest.mark.parametrize("k", [2, slow(4), slow(8)])
