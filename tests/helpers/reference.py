@@ -21,9 +21,9 @@ STORED = Path(__file__).parents[1] / "model" / "data" / "smollm2_reference.json"
 BEAM_LENGTH = 10  # generated tokens per beam
 # How far a beam's cumulative log-probability may sit from the stored one. transformers' own float32 scores
 # move by that much from one CPU to another (oneDNN picks its kernels by instruction set): regenerated on the
-# AMX Xeon on 2026-12-04, the tokens were the stored ones and the scores moved by up to 1.1e-4 (3e-4 of the
-# score at most). Three times that leaves room for kvpage's own summation order; a wrong token or KV value
-# moves a score by orders of magnitude more.
+# AMX Xeon on 2026-12-04, the tokens were the stored ones and the scores moved by up to 1.1e-4. About three
+# times that leaves room for kvpage's own summation order; a wrong token or KV value moves a score by orders of
+# magnitude more.
 BEAM_SCORE_TOL = 3e-4
 
 

@@ -113,7 +113,7 @@ void attend_decode_int8_amx(const float* q, int64_t G, int64_t kv_heads, const u
     __mmask16 keep[NG];
     const int64_t ng = span_groups<NG>(t, k_begin, k_end, keep, [&](int64_t u, int64_t tu) {
       base[u] = groups.at(table, tu);
-      far[u] = groups.ahead(tu, k_end);  // 4 groups ahead: 2, 3 and 6 the same, 8, 16 and 24 slower (64 x 8K keys)
+      far[u] = groups.ahead(tu, k_end);  // kInt8PrefetchAhead (4) groups: 2, 3 and 6 the same, 8-24 slower (64 x 8K)
     });
     for (int64_t h = 0; h < kv_heads; ++h) {
       // scores of each group: 2G rows (hi codes' sums, then lo codes') x 16 keys, in tiles 2 and 3 in turn with
