@@ -13,7 +13,10 @@ with the float32 cache and the mean KL divergence from its next-token distributi
   place (a value's error e reaches the residual stream as W_o e, summed over the KV head's query heads);
 * keys with a scale search: each row rounded (with feedback) at eight scales, the row's scale times 2^(j/8),
   keeping the one whose error e has the smallest e^T C e (C the queries' second moment);
-* both rounded but a window's first 1, 4 or 16 positions (the attention sink) left exact.
+* both rounded but a window's first 1, 4 or 16 positions (the attention sink) left exact;
+* both rounded, then read on an int8 grid: each code's value (at most 448 row scales) rounded to the nearest of
+  127 / 448 steps of the row's scale, which is what a kernel would read if it took fp8 codes through a
+  fixed 256-entry table into int8 codes and int8 tile products (AMX has no fp8 product on these CPUs).
 
     python benchmarks/kv_fp8_split.py [--model SmolLM2-135M-Instruct] [--positions 800] [--windows 4]
                                       [--cases keys values both ...]
@@ -57,6 +60,7 @@ CASES = {
     "both, first 16 kept": ("feedback", "plain", 16),
     "both, first 4 kept": ("feedback", "plain", 4),
     "both, first 1 kept": ("feedback", "plain", 1),
+    "both, read on an int8 grid": ("feedback grid", "plain grid"),
 }
 
 
@@ -98,6 +102,13 @@ def scale_search(x: torch.Tensor, feedback: torch.Tensor, moment: torch.Tensor, 
     return best
 
 
+def int8_grid(x: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
+    """Dequantized e4m3 rows ``deq`` (of rows ``x``) with each code's value rounded to the int8 grid of the row's
+    scale (absmax / 448 rounded up to a bf16, as the pages store it): one step = 448 / 127 of that scale."""
+    step = bf16_up(x.abs().amax(-1, keepdim=True) / QMAX) * (QMAX / 127)
+    return torch.where(step > 0, (deq / step).round().clamp(-127, 127) * step, deq)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -131,7 +142,8 @@ def main() -> None:
         xr = hadamard(x)
         if how == "search":
             return hadamard(scale_search(xr, key_fb[layer], key_moment[layer]))
-        return hadamard(dequantize_rows(quantize_rows(xr, E4M3, key_fb[layer] if how == "feedback" else None)))
+        deq = dequantize_rows(quantize_rows(xr, E4M3, key_fb[layer] if how.startswith("feedback") else None))
+        return hadamard(int8_grid(xr, deq) if how.endswith("grid") else deq)
 
     ops = load_kernels()
     write, calls, setting = ops.reshape_and_cache, [0], {"k": None, "v": None, "kept": 0}
@@ -145,7 +157,8 @@ def main() -> None:
             key = keys(key.float(), setting["k"], layer).to(key.dtype)
         if setting["v"]:
             fb = value_fb[layer] if setting["v"] == "feedback" else None
-            value = dequantize_rows(quantize_rows(value.float(), E4M3, fb)).to(value.dtype)
+            deq = dequantize_rows(quantize_rows(value.float(), E4M3, fb))
+            value = (int8_grid(value.float(), deq) if setting["v"].endswith("grid") else deq).to(value.dtype)
         kept = max(0, min(len(key), setting["kept"] - written[layer]))  # a sequence's first rows left exact
         if kept:
             key, value = torch.cat([k0[:kept], key[kept:]]), torch.cat([v0[:kept], value[kept:]])
