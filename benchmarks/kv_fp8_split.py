@@ -14,8 +14,8 @@ with the float32 cache and the mean KL divergence from its next-token distributi
 * keys with a scale search: each row rounded (with feedback) at eight scales, the row's scale times 2^(j/8),
   keeping the one whose error e has the smallest e^T C e (C the queries' second moment);
 * both rounded but a window's first 1, 4 or 16 positions (the attention sink) left exact;
-* both rounded, then read on an int8 grid: each code's value (at most 448 row scales) rounded to the nearest of
-  127 / 448 steps of the row's scale, which is what a kernel would read if it took fp8 codes through a
+* both rounded, then read on an int8 grid: each code's value (at most 448 times the row's scale) rounded to the
+  nearest multiple of 448 / 127 row scales, which is what a kernel would read if it took fp8 codes through a
   fixed 256-entry table into int8 codes and int8 tile products (AMX has no fp8 product on these CPUs).
 
     python benchmarks/kv_fp8_split.py [--model SmolLM2-135M-Instruct] [--positions 800] [--windows 4]
