@@ -20,11 +20,12 @@
 // 32-key softmax steps (0.85-0.88x bf16's time against 64-key steps' 0.84-0.88x, 2026-12-05), 128-key steps
 // (1.13-1.21x the time from DRAM, 1.07-1.18x in cache), two K operand tiles in turn, the output held in four tiles
 // all task long (block-diagonal weights of every head, lazy rescale), a span's K staged before any of its products
-// (1.09x from DRAM); the rows' scales read as the rows are staged instead of gathered: 0.96-0.99x the time from
-// DRAM; D = 64 with one KV head of 4 rows 5.1 against 7.4 ms; D = 128 (2 heads of 4) 20.3 against 21.9. At D = 256
-// (Gemma 3's shape, 32-key spans so that the staged V fit L1) it took 24.2 ms against the loop's 21.6, so that head
-// size keeps the loop. Needs block_size % 16 == 0 (a 16-key group lies in one block), D of 64 or 128 and G <= 16;
-// tiles configured by amx_configure_fp8(G).
+// (1.09x from DRAM), the next group's K staged (into a second buffer) while a group's products run, before its
+// scores are stored (1.08-1.14x the time in cache, 1.01-1.02x from DRAM, 2026-12-05); the rows' scales read as the
+// rows are staged instead of gathered: 0.96-0.99x the time from DRAM; D = 64 with one KV head of 4 rows 5.1 against
+// 7.4 ms; D = 128 (2 heads of 4) 20.3 against 21.9. At D = 256 (Gemma 3's shape, 32-key spans so that the staged V
+// fit L1) it took 24.2 ms against the loop's 21.6, so that head size keeps the loop. Needs block_size % 16 == 0 (a
+// 16-key group lies in one block), D of 64 or 128 and G <= 16; tiles configured by amx_configure_fp8(G).
 #pragma once
 
 #include "isa.h"
