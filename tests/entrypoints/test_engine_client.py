@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
-from kvpage.entrypoints.openai.engine_client import AsyncEngine, EngineDeadError, ShuttingDownError
+from kvpage.entrypoints.openai.engine_client import (
+    FULL_STATS_SECONDS,
+    AsyncEngine,
+    EngineDeadError,
+    ShuttingDownError,
+)
 from kvpage.outputs import CompletionOutput, RequestOutput
 from kvpage.sampling_params import SamplingParams
 
@@ -23,8 +29,11 @@ class StandInEngine:
         self.fatal_error: str | None = None
         self.aborted: list[str] = []
 
-    def stats(self) -> dict[str, float]:
+    def live_stats(self) -> dict[str, float]:
         return {"running": len(self.requests), "waiting": 0, "swapped": 0}
+
+    def stats(self) -> dict[str, float]:
+        return {**self.live_stats(), "steps_seen": self.ran}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -54,6 +63,18 @@ class StandInEngine:
             if done:
                 del self.requests[rid]
         return outs
+
+
+class CountingEngine(StandInEngine):
+    """Counts full stats (the block tables' walk in LLMEngine) taken while a request runs."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(steps=steps)
+        self.full_while_busy = 0
+
+    def stats(self) -> dict[str, float]:
+        self.full_while_busy += bool(self.requests)
+        return super().stats()
 
 
 async def follow(q: asyncio.Queue) -> list:
@@ -129,6 +150,28 @@ def test_draining_refuses_new_work_and_abort_all_fails_open_requests():
                 break
             await asyncio.sleep(0.01)
         assert engine.aborted == ["long"] and not engine.requests
+        client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_full_stats_are_taken_at_most_twice_a_second_while_busy_and_fresh_when_idle():
+    """Steps much shorter than FULL_STATS_SECONDS publish the O(1) stats; the engine going idle publishes all."""
+    async def main():
+        eng = CountingEngine(steps=40)
+        client = AsyncEngine(eng)
+        q: asyncio.Queue = asyncio.Queue()
+        t0 = time.monotonic()
+        await client.submit("a", [1, 2], SamplingParams(), q)
+        items = await follow(q)
+        busy = time.monotonic() - t0
+        assert len(items) == 40
+        assert eng.full_while_busy <= 1 + busy / FULL_STATS_SECONDS
+        for _ in range(100):  # the idle loop's publish
+            if client.stats.get("steps_seen") == eng.ran:
+                break
+            await asyncio.sleep(0.02)
+        assert client.stats["steps_seen"] == eng.ran == 40 and client.stats["running"] == 0
         client.shutdown()
 
     asyncio.run(main())

@@ -216,15 +216,28 @@ class LLMEngine:
                 close()
 
     # ------------------------------------------------------------------ stats
-    def stats(self) -> dict[str, Any]:
-        s = self.kv.stats()
+    def live_stats(self) -> dict[str, Any]:
+        """The part of ``stats()`` that costs O(1): queue lengths, blocks in use, counts of steps, tokens and
+        preemptions. ``stats()`` also walks every block table and the prefix cache (~1 ms a call with 70-130
+        sequences running, 1.4-1.6% of a decode step on the AMX Xeon), which a server after every step need not."""
+        used = self.kv.num_blocks - self.kv.num_free_blocks
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "swapped": len(self.scheduler.swapped),
-            "kv_blocks_total": s.num_blocks,
-            "kv_blocks_used": s.used_blocks,
-            "kv_usage": s.pool_usage,
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_used": used,
+            "kv_usage": used / self.kv.num_blocks,
+            "preemptions": self.scheduler.num_preemptions,
+            "swap_preemptions": self.scheduler.num_swap_preemptions,
+            "steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        s = self.kv.stats()
+        return {
+            **self.live_stats(),
             "kv_utilization": s.utilization,
             "prefix_cache_hit_rate": s.prefix_hit_rate,
             "prefix_cache_query_tokens": s.prefix_query_tokens,
@@ -235,13 +248,9 @@ class LLMEngine:
             "kv_live_tokens": s.live_tokens,
             "kv_blocks_swapped_out": s.blocks_swapped_out,
             "kv_blocks_swapped_in": s.blocks_swapped_in,
-            "preemptions": self.scheduler.num_preemptions,
-            "swap_preemptions": self.scheduler.num_swap_preemptions,
             "cow_copies": s.cow_copies,
             "kv_blocks_shared": s.shared_blocks,
             "kv_blocks_per_request": s.used_blocks / max(1, len({seq.request.request_id
                                                                  for seq in self.scheduler.running})),
-            "steps": self.num_steps,
-            "generated_tokens": self.num_generated_tokens,
             **(tiers.stats() if (tiers := getattr(self.kv, "tiers", None)) is not None else {}),
         }
