@@ -39,8 +39,8 @@ __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "ShuttingDownErro
 
 Item = RequestOutput | BaseException
 
-# While requests run, the engine's full stats (which walk every block table: LLMEngine.live_stats) are taken
-# after a step at most this often; the O(1) ones after every step, and all of them whenever the engine is idle.
+# While requests run, the engine's full stats (they walk every block table) are taken after a step at most this
+# often and the O(1) ones (LLMEngine.live_stats) after every step; all of them whenever the engine is idle.
 FULL_STATS_SECONDS = 0.5
 
 

@@ -21,11 +21,11 @@
 // time stayed 10.7-11.5 ms in either form). Per span the int32 sums are folded into the float32 output rows
 // (a span's weights carry their own scale). Needs 3G <= 16 and D % 64 == 0; tiles configured by
 // amx_configure_int8(G).
-// From DRAM this loop streams ~17-19 GB/s against the bf16 tile pairs' ~21-23: measured no faster (64 x 8K
-// keys, pages evicted from L3): no software prefetch (1.15-1.20x the time), every other line (1.2x), only the
-// first 2, 4 or 8 of the ~17 lines of each (group, head)'s K and V, the rest left to the hardware (1.11-1.17x), into L1
-// (1.01-1.05x), a span ahead (1.03x), a block's heads at once (1.18x), all heads group by group (1.28-1.52x),
-// two (span, head) units in flight so that one's softmax overlaps the other's tile products (1.02-1.04x).
+// From DRAM this loop streams ~17-19 GB/s against the bf16 tile pairs' ~21-23: measured no faster (64 x 8K keys,
+// pages evicted from L3): no software prefetch (1.15-1.20x the time), every other line (1.2x), only the first 2, 4
+// or 8 of the ~17 lines of each (group, head)'s K and V, the rest left to the hardware (1.11-1.17x), into L1
+// (1.01-1.05x), a span ahead (1.03x), a block's heads at once (1.18x), all heads group by group (1.28-1.52x), two
+// (span, head) units in flight so that one's softmax overlaps the other's tile products (1.02-1.04x).
 // What its time is made of (each part compiled out in turn, 2026-12-04): docs/kv.md.
 #pragma once
 
