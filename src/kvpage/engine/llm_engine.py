@@ -218,9 +218,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     def live_stats(self) -> dict[str, Any]:
         """The part of ``stats()`` that costs O(1): queue lengths, blocks in use, counts of steps, tokens and
-        preemptions. ``stats()`` also walks every block table and the prefix cache (0.85 ms a call with 72
-        sequences running, 1.6% of their 53 ms decode step on the AMX Xeon), which a server need not after every
-        step."""
+        preemptions. ``stats()`` also walks every block table and the prefix cache (0.93 ms a call with 128
+        sequences running, 1.26% of their decode step on the AMX Xeon: benchmarks/dashboard.py), which a server
+        need not after every step."""
         used = self.kv.num_blocks - self.kv.num_free_blocks
         return {
             "running": len(self.scheduler.running),
