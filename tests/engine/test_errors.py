@@ -90,7 +90,7 @@ def test_the_server_maps_each_error_class_to_one_http_code():
     from kvpage.entrypoints.openai.serving import api_error
 
     cases = [
-        (PromptTooLongError(300, 256), 413, "context_length_exceeded"),
+        (PromptTooLongError(300, 256), 400, "context_length_exceeded"),
         (RequestIdInUseError("in use", "request_id"), 409, None),
         (InvalidRequestError("bad", "max_tokens"), 400, None),
         (KVCapacityError("too big", "max_tokens"), 400, None),

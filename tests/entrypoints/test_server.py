@@ -258,7 +258,7 @@ def test_64_concurrent_streams_then_disconnect_burst_frees_everything(srv, model
     ({"prompt": "hi", "max_tokens": 10**9}, 400, "max_model_len"),
     ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ({"prompt": "hi", "n": 1000}, 400, "n=1000"),
-    ({"prompt": "hi " * 3000}, 413, "max_model_len"),
+    ({"prompt": "hi " * 3000}, 400, "max_model_len"),
     ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": [10**9]}, 400, "token ids"),
     ({"max_tokens": 3}, 400, "prompt"),
@@ -268,6 +268,16 @@ def test_bad_completion_requests_get_openai_errors(srv, body, status, words):
     assert got == status, err
     assert words in err["error"]["message"]
     assert {"message", "type", "code"} <= set(err["error"])
+
+
+def test_a_prompt_that_fills_the_context_is_openais_400(srv):
+    # OpenAI and vLLM answer 400 with this code, which clients' context-overflow handling looks for
+    for path, body in (("/v1/completions", {"prompt": "hi " * 3000}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 3000}]})):
+        got, err = request(srv, "POST", path, body)
+        assert got == 400, err
+        assert err["error"]["code"] == "context_length_exceeded"
+        assert err["error"]["type"] == "invalid_request_error"
 
 
 def test_bad_chat_auth_and_routes(srv, model_id):

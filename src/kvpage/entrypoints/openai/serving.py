@@ -46,12 +46,13 @@ class Job:
 
 def api_error(e: BaseException) -> APIError:
     """The one map from the engine's errors (kvpage.errors) to HTTP: a refused request is the client's 4xx
-    (413 for a prompt that fills the context, 409 for an id in use, 429 with Retry-After for a full queue),
+    (400 with code context_length_exceeded for a prompt that fills the context, as OpenAI and vLLM answer it,
+    409 for an id in use, 429 with Retry-After for a full queue),
     an engine that cannot serve is 503, anything else is the server's 500."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, PromptTooLongError):
-        return APIError(413, str(e), param=e.param, code="context_length_exceeded")
+        return APIError(400, str(e), param=e.param, code="context_length_exceeded")
     if isinstance(e, RequestIdInUseError):
         return APIError(409, str(e), param=e.param)
     if isinstance(e, RequestRejected):
