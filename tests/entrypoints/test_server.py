@@ -280,6 +280,25 @@ def test_a_prompt_that_fills_the_context_is_openais_400(srv):
         assert err["error"]["type"] == "invalid_request_error"
 
 
+def test_openais_nullable_fields_sent_as_null_mean_their_defaults(srv):
+    # clients that serialize every field send null for the ones left unset; OpenAI and vLLM serve them as if absent
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8, "temperature": 0}
+    nulls = {"n": None, "stream": None, "logprobs": None, "top_logprobs": None, "max_completion_tokens": None,
+             "stream_options": None, "seed": None, "stop": None}
+    plain, nulled = (request(srv, "POST", "/v1/chat/completions", b) for b in (chat, chat | nulls))
+    assert plain[0] == nulled[0] == 200, nulled
+    assert len(nulled[1]["choices"]) == 1 and nulled[1]["choices"][0]["logprobs"] is None
+    assert nulled[1]["choices"][0]["message"] == plain[1]["choices"][0]["message"]
+    cmpl = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    nulls = {"n": None, "stream": None, "echo": None, "logprobs": None, "best_of": None, "suffix": None}
+    plain, nulled = (request(srv, "POST", "/v1/completions", b) for b in (cmpl, cmpl | nulls))
+    assert plain[0] == nulled[0] == 200, nulled
+    assert [c["text"] for c in nulled[1]["choices"]] == [c["text"] for c in plain[1]["choices"]]
+    # vLLM's own extras are not nullable there either: null is a 400 naming the field
+    got, err = request(srv, "POST", "/v1/completions", cmpl | {"ignore_eos": None})
+    assert got == 400 and err["error"]["param"] == "ignore_eos"
+
+
 def test_bad_chat_auth_and_routes(srv, model_id):
     assert request(srv, "POST", "/v1/chat/completions", {"messages": []})[0] == 400
     assert request(srv, "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})[0] == 400

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
@@ -82,8 +82,20 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+# OpenAI's fields that its schema lets a client send as null, meaning "the default", where kvpage's default is
+# not None (clients that serialize every field send them so; OpenAI and vLLM answer them as if left out).
+_NULL_MEANS_DEFAULT = ("n", "stream", "logprobs", "echo")
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(f, 0) is None for f in _NULL_MEANS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (k in _NULL_MEANS_DEFAULT and v is None)}
+        return data
 
     model: str | None = None
     n: int = 1
