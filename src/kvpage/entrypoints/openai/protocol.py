@@ -83,7 +83,8 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI's fields that its schema lets a client send as null, meaning "the default", where kvpage's default is
-# not None (clients that serialize every field send them so; OpenAI and vLLM answer them as if left out).
+# not None (clients that serialize every field send them so; OpenAI's schema, and vLLM 0.32 but for the
+# completions' n, read them as if left out).
 _NULL_MEANS_DEFAULT = ("n", "stream", "logprobs", "echo")
 
 
