@@ -297,6 +297,11 @@ def test_openais_nullable_fields_sent_as_null_mean_their_defaults(srv):
     # vLLM's own extras are not nullable there either: null is a 400 naming the field
     got, err = request(srv, "POST", "/v1/completions", cmpl | {"ignore_eos": None})
     assert got == 400 and err["error"]["param"] == "ignore_eos"
+    # top_logprobs 0 without logprobs is neutral (as in vLLM); asking for some without logprobs is refused
+    got, body = request(srv, "POST", "/v1/chat/completions", chat | {"top_logprobs": 0})
+    assert got == 200 and body["choices"][0]["logprobs"] is None
+    got, err = request(srv, "POST", "/v1/chat/completions", chat | {"top_logprobs": 2})
+    assert got == 400 and err["error"]["param"] == "top_logprobs"
 
 
 def test_bad_chat_auth_and_routes(srv, model_id):
