@@ -137,6 +137,26 @@ def test_sampling_extras_logprobs_n_and_stop(srv, model_id):
     assert body["usage"]["completion_tokens"] == 6
 
 
+def test_best_of_returns_the_n_samples_with_the_highest_logprob_sums(srv, model_id):
+    ask = {"model": model_id, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    status, every = request(srv, "POST", "/v1/completions", ask | {"n": 4, "logprobs": 0})
+    assert status == 200, every
+    sums = {c["text"]: sum(c["logprobs"]["token_logprobs"]) for c in every["choices"]}
+    assert len(sums) == 4  # four different samples, so the ranking means something
+    best_two = sorted(sums, key=sums.get, reverse=True)[:2]
+    for logprobs in (None, 0):
+        status, body = request(srv, "POST", "/v1/completions",
+                               ask | {"n": 2, "best_of": 4} | ({} if logprobs is None else {"logprobs": logprobs}))
+        assert status == 200, body
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert [c["text"] for c in body["choices"]] == best_two
+        assert all((c["logprobs"] is None) == (logprobs is None) for c in body["choices"])
+        assert body["usage"]["completion_tokens"] == every["usage"]["completion_tokens"]  # all four were run
+    assert request(srv, "POST", "/v1/completions", ask | {"n": 3, "best_of": 2})[0] == 400
+    assert request(srv, "POST", "/v1/completions", ask | {"best_of": 2, "stream": True})[0] == 400
+    assert request(srv, "POST", "/v1/completions", ask | {"best_of": 5})[0] == 400  # over --max-n
+
+
 def test_echo_and_prompt_logprobs_as_scoring_harnesses_send_them(srv, model_id, offline):
     """lm-eval's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1): every prompt token's logprob
     after the first, equal to the offline engine's prompt logprobs; echo with max_tokens 0 returns the prompt

@@ -39,6 +39,7 @@ from kvpage.entrypoints.openai.serving import (
     Job,
     RequestRunner,
     api_error,
+    best_samples,
     chat_logprobs,
     completion_logprobs,
     prompt_logprobs_json,
@@ -144,8 +145,9 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             raise APIError(400, f"n={req.n} exceeds this server's limit of {config.max_n}", param="n")
         if req.n < 1:
             raise APIError(400, f"n must be >= 1, got {req.n}", param="n")
-        if req.use_beam_search and req.beam_width() > config.max_n:
-            raise APIError(400, f"a beam width of {req.beam_width()} exceeds this server's limit of {config.max_n}",
+        if req.beam_width() > config.max_n:
+            what = "a beam width" if req.use_beam_search else "best_of"
+            raise APIError(400, f"{what} of {req.beam_width()} exceeds this server's limit of {config.max_n}",
                            param="best_of")
 
     def stream_usage(req: SamplingFields) -> tuple[bool, bool]:
@@ -261,9 +263,11 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             for job in jobs:
                 out = finals[job.request_id]
                 cached += out.num_cached_tokens
-                for c in out.outputs:
+                if req.ranked_samples() and not req.echo_only:  # every sample's tokens were generated
+                    n_out += sum(len(c.token_ids) for c in out.outputs)
+                for c in best_samples(out.outputs, req) if req.ranked_samples() else out.outputs:
                     choices.append(choice(job, c, 0, out.prompt_logprobs, True))
-                    n_out += 0 if req.echo_only else len(c.token_ids)
+                    n_out += 0 if req.echo_only or req.ranked_samples() else len(c.token_ids)
             choices.sort(key=lambda ch: ch["index"])
             return JSONResponse(frame(choices, usage=usage(jobs, n_out, cached)))
 

@@ -127,7 +127,12 @@ class SamplingFields(BaseModel):
     early_stopping: bool | Literal["never"] = False
 
     def beam_width(self) -> int:
+        """Sequences the engine runs: beams, or samples of which the best n are returned."""
         return self.n
+
+    def ranked_samples(self) -> bool:
+        """More samples than choices returned (best_of > n without beam search)."""
+        return not self.use_beam_search and self.beam_width() > self.n
 
     def token_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -148,9 +153,11 @@ class SamplingFields(BaseModel):
             raise APIError(400, "prompt_logprobs are not available with stream: true", param="prompt_logprobs")
         if self.use_beam_search:
             return self.beam_search_params(max_tokens, logprobs, stream)
+        if self.ranked_samples():  # their sums of logprobs rank them: the engine returns them
+            logprobs = 0 if logprobs is None else logprobs
         try:
             return SamplingParams(
-                n=self.n,
+                n=self.beam_width(),
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
@@ -214,8 +221,11 @@ class CompletionRequest(SamplingFields):
                            param="max_tokens")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
-            raise APIError(400, "best_of different from n is supported with use_beam_search only", param="best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of must be >= n, got best_of={self.best_of} and n={self.n}", param="best_of")
+        if self.ranked_samples() and self.stream:
+            raise APIError(400, "best_of > n does not stream (the best samples are known only at the end): send "
+                                "stream: false", param="stream")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
 

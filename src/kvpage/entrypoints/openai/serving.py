@@ -10,7 +10,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from kvpage.entrypoints.openai.engine_client import AsyncEngine
 from kvpage.entrypoints.openai.metrics import ServerMetrics
-from kvpage.entrypoints.openai.protocol import APIError
+from kvpage.entrypoints.openai.protocol import APIError, CompletionRequest
 from kvpage.errors import (
     EngineDeadError,
     PromptTooLongError,
@@ -194,6 +194,15 @@ def usage(jobs: list[Job], completion_tokens: int, cached: int) -> dict[str, Any
 def _lp(value: float) -> float:
     """A logprob JSON can carry (-inf, from a token of zero probability, becomes -9999 as in vLLM)."""
     return value if value > -9999.0 else -9999.0
+
+
+def best_samples(samples: list[CompletionOutput], req: CompletionRequest) -> list[CompletionOutput]:
+    """best_of > n: the n samples with the highest sum of their tokens' logprobs, as choices 0..n-1 in that
+    order (OpenAI's legacy best_of); the logprobs asked for only to rank them stay out of the response."""
+    ranked = sorted(samples, key=lambda c: (-(c.cumulative_logprob or 0.0), c.index))[: req.n]
+    keep = req.logprobs is not None
+    return [replace(c, index=i, logprobs=c.logprobs if keep else None,
+                    cumulative_logprob=c.cumulative_logprob if keep else None) for i, c in enumerate(ranked)]
 
 
 def completion_logprobs(c: CompletionOutput, top_n: int, offset: int,
