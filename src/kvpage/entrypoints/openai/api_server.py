@@ -263,11 +263,10 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             for job in jobs:
                 out = finals[job.request_id]
                 cached += out.num_cached_tokens
-                if req.ranked_samples() and not req.echo_only:  # every sample's tokens were generated
-                    n_out += sum(len(c.token_ids) for c in out.outputs)
+                # every sample's tokens were generated, those of samples best_of leaves out too
+                n_out += 0 if req.echo_only else sum(len(c.token_ids) for c in out.outputs)
                 for c in best_samples(out.outputs, req) if req.ranked_samples() else out.outputs:
                     choices.append(choice(job, c, 0, out.prompt_logprobs, True))
-                    n_out += 0 if req.echo_only or req.ranked_samples() else len(c.token_ids)
             choices.sort(key=lambda ch: ch["index"])
             return JSONResponse(frame(choices, usage=usage(jobs, n_out, cached)))
 
