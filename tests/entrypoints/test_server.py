@@ -47,7 +47,10 @@ PROMPT = ("Here is a short list of facts about the primary colors of paint, writ
 
 
 def test_models_health_metrics(srv, model_id):
+    import kvpage
+
     assert request(srv, "GET", "/health")[0] == 200
+    assert request(srv, "GET", "/version", key=None) == (200, {"version": kvpage.__version__})  # open, as /health
     _, body = request(srv, "GET", "/v1/models")
     assert body["data"][0]["max_model_len"] == 1024
     assert model_id == client(srv).models.list().data[0].id

@@ -23,6 +23,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvpage import __version__
 from kvpage.entrypoints.openai.dashboard import install as install_dashboard
 from kvpage.entrypoints.openai.engine_client import AsyncEngine
 from kvpage.entrypoints.openai.http_input import InputLimits, check_auth, parse
@@ -61,12 +62,12 @@ class ServerConfig:
     api_key: str | None = None
     max_n: int = 16
     limits: InputLimits = field(default_factory=InputLimits)
-    openapi: bool = True  # /openapi.json, behind the API key like every other route but /health and /metrics
+    openapi: bool = True  # /openapi.json, behind the API key like every route but /health, /version and /metrics
     dashboard: bool = True  # /dashboard: the live KV pool page, its snapshot and event stream (dashboard.py)
 
 
 def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
-    app = FastAPI(title="kvpage", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvpage", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     engine = client.engine
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
@@ -163,6 +164,10 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         if client.draining is not None:
             raise APIError(503, client.draining, "server_error")
         return JSONResponse({})
+
+    @app.get("/version")
+    async def version() -> Response:  # as vLLM's server answers it; open, like /health
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
