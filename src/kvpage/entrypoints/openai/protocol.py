@@ -222,7 +222,7 @@ class CompletionRequest(SamplingFields):
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of < self.n:
-            raise APIError(400, f"best_of must be >= n, got best_of={self.best_of} and n={self.n}", param="best_of")
+            raise APIError(400, f"n must be <= best_of, got n={self.n} and best_of={self.best_of}", param="best_of")
         if self.ranked_samples() and self.stream:
             raise APIError(400, "best_of > n does not stream (the best samples are known only at the end): send "
                                 "stream: false", param="stream")
