@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions (streamed or not), /v1/models, /tokenize, "
-                    "/detokenize, /health and Prometheus /metrics on the paged-KV engine.",
+                    "/detokenize, /health, /version and Prometheus /metrics on the paged-KV engine.",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
