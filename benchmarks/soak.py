@@ -117,7 +117,7 @@ class Soak:
             path = rng.choice(["/v1/completions", "/v1/chat/completions"])
             body, expect = rng.choice(BAD_BODIES), {400, 404, 413, 422}
         elif kind == "too-long":
-            body, expect = {"prompt": text(rng, self.max_len + 50), "max_tokens": 8}, {413}
+            body, expect = {"prompt": text(rng, self.max_len + 50), "max_tokens": 8}, {400}  # context_length_exceeded
         elif kind == "degenerate":
             body = {"prompt": text(rng, rng.randint(3, 40)), "max_tokens": rng.randint(4, 32),
                     **rng.choice([{"top_p": 1e-300}, {"temperature": 1e-300}, {"repetition_penalty": 1e-300},
@@ -149,9 +149,10 @@ class Soak:
                 {"allowed_token_ids": [rng.randint(0, 40000) for _ in range(rng.randint(1, 6))]},
                 {"truncate_prompt_tokens": rng.choice([-1, 1, 16])},
                 {"cache_salt": rng.choice(["a", "b"]), "n": 2, "seed": 7},
+                {"best_of": rng.randint(2, 4), "n": rng.randint(1, 2)},  # the n best of best_of samples
             ]), **sampling}
-            if rng.random() < 0.1:  # refused by name, as vLLM's V1 engine refuses them
-                refused = rng.choice([{"best_of": 3, "n": 2}, {"suffix": "."}])
+            if rng.random() < 0.1:  # refused by name
+                refused = rng.choice([{"best_of": 1, "n": 2}, {"suffix": "."}])
                 body, expect = {"prompt": prompt, **refused}, {400}
         else:
             path, body = "/tokenize", {"prompt": text(rng, rng.randint(1, 300))}
