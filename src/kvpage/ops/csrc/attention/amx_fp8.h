@@ -48,7 +48,7 @@ inline void amx_configure_fp8(int64_t G) {
     cfg.rows[t] = static_cast<uint8_t>(t == 3 || t == 4 || t == 6 ? G : 16);
     cfg.colsb[t] = static_cast<uint16_t>(t == 1 || t == 2 ? 4 * G : 64);
   }
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }

@@ -51,7 +51,7 @@ inline void amx_configure_int8(int64_t G) {
     cfg.rows[t] = static_cast<uint8_t>(t == 1 || t == 5 ? 16 : t == 0 || t == 2 || t == 3 ? 2 * G : 3 * G);
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 constexpr __mmask64 kUpper32 = 0xFFFFFFFF00000000ull;

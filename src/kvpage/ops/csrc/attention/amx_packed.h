@@ -22,7 +22,7 @@ inline void amx_configure_packed(int64_t G) {
   set(3, G, 32);
   set(4, 8, 64);
   set(5, G, 64);
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // One decode query (all H = kv_heads * G heads) over keys [k_begin, k_end) in the packed layout with AMX

@@ -40,7 +40,7 @@ inline void amx_configure_pairs(int64_t R) {
     cfg.rows[t] = static_cast<uint8_t>(t == 5 || t == 7 ? 16 : R);
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // A head-group's 2 KiB (K or V of 16 keys, one KV head) requested into L1.

@@ -59,6 +59,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// ldtilecfg with the whole 64-byte configuration as its operand. Why: GCC 12's _tile_loadconfig declares only a
+// pointer's 8 bytes as read, so the compiler may sink or drop stores to the rest of the struct (the tiles' rows
+// and widths) past the instruction; a configuration whose last fields were set under a condition loaded stale
+// shapes that way, and the next tile product raised an illegal instruction.
+inline void load_tile_config(const TileConfig& cfg) { asm volatile("ldtilecfg %0" : : "m"(cfg)); }
+
 // Tiles: 0 = K slice (16 keys x 32 dims), 1 = Q^T pairs (16 dim pairs x G rows), 2 = scores (16 keys x G).
 inline void amx_configure(int64_t G) {
   TileConfig cfg;
@@ -68,7 +74,7 @@ inline void amx_configure(int64_t G) {
   cfg.colsb[1] = static_cast<uint16_t>(4 * G);
   cfg.rows[2] = 16;
   cfg.colsb[2] = static_cast<uint16_t>(4 * G);
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 inline void amx_release() { _tile_release(); }
@@ -80,7 +86,7 @@ inline void amx_configure_full() {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // One P.V product step over 64 dims: the P tile (bf16 weights of 32 keys per row, row stride p_stride bytes)
