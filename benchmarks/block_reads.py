@@ -1,0 +1,221 @@
+"""How fast this machine reads KV blocks scattered over a pool, against reading memory in order: the floor under
+paged decode attention's time, and so under the time int8 pages can save against bf16 ones.
+
+    python benchmarks/block_reads.py [--rounds 7] [--threads 2]
+
+A small C program, compiled here with gcc for this CPU (-march=native, OpenMP), allocates a pool as the engine's
+prefaulted one is (2 MiB pages where Linux grants them) and times, medians of --rounds passes with a 1 GiB
+write between passes so that every pass starts from DRAM:
+  sequential     one pass over 1 GiB in address order (the hardware prefetchers' best case);
+  bf16-blocks / int8-blocks   64 sequences x 8,192 tokens of SmolLM2's KV (3 KV heads of 64) on 16-token
+                 blocks in a random order, each block's K and V read whole in address order, each line read asking
+                 for the same line two blocks on (a steady stream of prefetches): 12,288 bytes a block for bf16,
+                 6,336 for int8 rows or packed int8 (bf16 scales included);
+  int8-order     the same int8 pool read as kvpage's AMX int8 decode reads it (spans of eight 16-key groups, KV
+                 head by KV head, K groups then V groups, each group's lines prefetched four groups ahead);
+  int8-order+work   the same with a fixed run of vector arithmetic after each (span, KV head), its length set
+                 (--work) so that with the pool in cache it adds about what the kernel's own arithmetic takes.
+The last two say how much of the arithmetic's time the reads hide: if none, the kernel's time is the reads' plus
+the arithmetic's (kvpage's int8 tiles hide about half of theirs: docs/kv.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_model
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+static uint8_t* pool_alloc(size_t bytes) {
+  size_t huge = (size_t)2 << 20, n = (bytes + huge - 1) / huge * huge;
+  uint8_t* p = aligned_alloc(huge, n);
+  madvise(p, n, 14);  /* MADV_HUGEPAGE */
+  memset(p, 1, n);
+  return p;
+}
+static __m512i read_run(const uint8_t* p, int64_t n, __m512i acc) {
+  for (int64_t i = 0; i < n; i += 64) acc = _mm512_add_epi32(acc, _mm512_loadu_si512(p + i));
+  return acc;
+}
+static void prefetch_run(const uint8_t* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char*)p + i, _MM_HINT_T1);
+}
+static __m512i work(__m512i acc, int n) {
+  __m512 x0 = _mm512_castsi512_ps(acc), x1 = x0, x2 = x0, x3 = x0;
+  const __m512 c = _mm512_set1_ps(0.999f);
+  for (int i = 0; i < n; ++i) {
+    x0 = _mm512_fmadd_ps(x0, c, c);
+    x1 = _mm512_fmadd_ps(x1, c, c);
+    x2 = _mm512_fmadd_ps(x2, c, c);
+    x3 = _mm512_fmadd_ps(x3, c, c);
+  }
+  return _mm512_add_epi32(acc, _mm512_castps_si512(_mm512_add_ps(_mm512_add_ps(x0, x1), _mm512_add_ps(x2, x3))));
+}
+
+enum { SEQS = 64, PER = 512, HEADS = 3, GROUP = 16 * 66 };
+
+/* mode 0: whole blocks of `bb` bytes in table order; 1: the int8 tiles' order, `spin` work per (span, head) */
+static double pass(const uint8_t* pool, const int64_t* tab, int64_t bb, int mode, int spin) {
+  double t0 = now();
+  long long sink = 0;
+#pragma omp parallel reduction(+ : sink)
+  {
+    __m512i acc = _mm512_setzero_si512();
+#pragma omp for schedule(static)
+    for (int64_t s = 0; s < SEQS; ++s) {
+      const int64_t* t = tab + s * PER;
+      if (mode == 0) {
+        for (int64_t b = 0; b < PER; ++b) {  /* each line read asks for the same line two blocks on */
+          const uint8_t *p = pool + t[b] * bb, *f = pool + t[b + 2 < PER ? b + 2 : b] * bb;
+          for (int64_t i = 0; i < bb; i += 64) {
+            _mm_prefetch((const char*)f + i, _MM_HINT_T1);
+            acc = _mm512_add_epi32(acc, _mm512_loadu_si512(p + i));
+          }
+        }
+        continue;
+      }
+      for (int64_t b0 = 0; b0 < PER; b0 += 8)
+        for (int64_t h = 0; h < HEADS; ++h) {
+          for (int64_t u = 0; u < 8; ++u) {
+            if (b0 + u + 4 < PER) {
+              const uint8_t* q = pool + t[b0 + u + 4] * bb + h * GROUP;
+              prefetch_run(q, GROUP);
+              prefetch_run(q + HEADS * GROUP, GROUP);
+            }
+            acc = read_run(pool + t[b0 + u] * bb + h * GROUP, GROUP, acc);
+          }
+          for (int64_t u = 0; u < 8; ++u) acc = read_run(pool + t[b0 + u] * bb + (HEADS + h) * GROUP, GROUP, acc);
+          if (spin) acc = work(acc, spin);
+        }
+    }
+    sink += _mm512_reduce_add_epi32(acc);
+  }
+  if (sink == 42) puts("");
+  return now() - t0;
+}
+
+static int cmp(const void* a, const void* b) {
+  double x = *(const double*)a, y = *(const double*)b;
+  return (x > y) - (x < y);
+}
+
+int main(int argc, char** argv) {
+  int rounds = atoi(argv[1]), spin = atoi(argv[2]);
+  size_t evict_bytes = (size_t)1 << 30;
+  uint8_t* evict = pool_alloc(evict_bytes);
+  double ts[64];
+  /* sequential */
+  for (int r = 0; r < rounds; ++r) {
+    memset(evict, r, evict_bytes);
+    double t0 = now();
+    long long sink = 0;
+#pragma omp parallel reduction(+ : sink)
+    {
+      __m512i acc = _mm512_setzero_si512();
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < (int64_t)(evict_bytes / 65536); ++i) acc = read_run(evict + i * 65536, 65536, acc);
+      sink += _mm512_reduce_add_epi32(acc);
+    }
+    if (sink == 42) puts("");
+    ts[r] = now() - t0;
+  }
+  qsort(ts, rounds, sizeof(double), cmp);
+  printf("sequential %zu %.6f\n", evict_bytes, ts[rounds / 2]);
+  int64_t nb = (int64_t)SEQS * PER, sizes[2] = {16 * HEADS * 64 * 2 * 2, 2 * HEADS * GROUP};
+  int64_t* tab = malloc(nb * sizeof(int64_t));
+  for (int64_t i = 0; i < nb; ++i) tab[i] = i;
+  srand(0);
+  for (int64_t i = nb - 1; i > 0; --i) {
+    int64_t j = rand() % (i + 1), x = tab[i];
+    tab[i] = tab[j];
+    tab[j] = x;
+  }
+  for (int k = 0; k < 2; ++k) {
+    int64_t bb = sizes[k];
+    uint8_t* pool = pool_alloc(nb * bb);
+    int cases = k == 0 ? 1 : 3;
+    for (int c = 0; c < cases; ++c) {
+      for (int r = 0; r < rounds; ++r) {
+        memset(evict, r, evict_bytes);
+        ts[r] = pass(pool, tab, bb, c == 0 ? 0 : 1, c == 2 ? spin : 0);
+      }
+      qsort(ts, rounds, sizeof(double), cmp);
+      const char* name = c == 0 ? (k == 0 ? "bf16-blocks" : "int8-blocks") : c == 1 ? "int8-order" : "int8-order+work";
+      printf("%s %lld %.6f\n", name, (long long)(nb * bb), ts[rounds / 2]);
+    }
+    /* the same passes with every block id folded into the first 48 (in cache): what the work alone adds */
+    if (k == 1) {
+      int64_t* folded = malloc(nb * sizeof(int64_t));
+      for (int64_t i = 0; i < nb; ++i) folded[i] = tab[i] % 48;
+      for (int c = 1; c < 3; ++c) {
+        for (int r = 0; r < rounds; ++r) ts[r] = pass(pool, folded, bb, 1, c == 2 ? spin : 0);
+        qsort(ts, rounds, sizeof(double), cmp);
+        printf("%s-in-cache %lld %.6f\n", c == 1 ? "int8-order" : "int8-order+work", (long long)(nb * bb),
+               ts[rounds / 2]);
+      }
+      free(folded);
+    }
+    free(pool);
+  }
+  return 0;
+}
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--work", type=int, default=400,
+                    help="iterations of four FMA chains after each (span, KV head): 400 adds ~3.5 ms in cache on "
+                         "the AMX Xeon at 2 threads, near the int8 tiles' own arithmetic (3.9-4.6 ms)")
+    args = ap.parse_args()
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise SystemExit("block_reads.py needs gcc")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "block_reads.c", Path(tmp) / "block_reads"
+        src.write_text(SOURCE)
+        subprocess.run([gcc, "-O2", "-march=native", "-fopenmp", "-o", str(exe), str(src)], check=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        out = subprocess.run([str(exe), str(args.rounds), str(args.work)], check=True, capture_output=True,
+                             text=True, env=env).stdout
+    rows = [line.split() for line in out.splitlines() if line.strip()]
+    res = {name: (int(size), float(sec)) for name, size, sec in rows}
+    print(f"machine: {cpu_model()}; {args.threads} threads, medians of {args.rounds} passes")
+    print("| read | bytes | ms | GB/s |")
+    print("|---|---:|---:|---:|")
+    for name, (size, sec) in res.items():
+        print(f"| {name} | {size:,} | {sec * 1e3:.2f} | {size / sec / 1e9:.1f} |")
+    bf16 = res["bf16-blocks"][1]
+    floor = res["int8-order"][1] / bf16
+    add = (res["int8-order+work"][1] - res["int8-order"][1]) * 1e3
+    cache_add = (res["int8-order+work-in-cache"][1] - res["int8-order-in-cache"][1]) * 1e3
+    print(f"int8 pages read in the tiles' order take {floor:.2f}x the bf16 blocks' read (the floor of the int8/bf16 "
+          f"decode ratio on this machine); the work adds {add:.2f} ms from DRAM against {cache_add:.2f} ms in cache "
+          f"({add / cache_add:.0%} of it unhidden)")
+
+
+if __name__ == "__main__":
+    main()
