@@ -70,6 +70,22 @@ def cpu_model() -> str:
     return f"{name} (family {family}; {' '.join(isa) or 'no AVX2'})" if family else name
 
 
+def run_c(source: str, name: str, args: list[str], flags: tuple[str, ...] = (), env: dict | None = None) -> str:
+    """Compile a small C program with gcc for this CPU (-march=native) in a scratch directory, run it with args and
+    return its standard output (the microbenchmarks that time instructions or memory, not kvpage's kernels)."""
+    import shutil
+
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise SystemExit(f"{name} needs gcc")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, name)
+        with open(src, "w") as f:
+            f.write(source)
+        subprocess.run(["gcc", "-O2", "-march=native", *flags, "-o", exe, src], check=True)
+        return subprocess.run([exe, *args], check=True, capture_output=True, text=True, env=env).stdout
+
+
 def engine_gemm_tflops(dtype: str, rows: int = 256) -> float:
     """TFLOP/s of the engine's own projection GEMM for ``dtype`` (``PackedLinear``: AMX tiles for bf16 where
     the CPU has them, kvpage's panel GEMM for float32 on AVX2 builds, oneDNN otherwise) on SmolLM2's gate

@@ -14,7 +14,7 @@ write between passes so that every pass starts from DRAM:
   int8-order     the same int8 pool read as kvpage's AMX int8 decode reads it (spans of eight 16-key groups, KV
                  head by KV head, K groups then V groups, each group's lines prefetched four groups ahead);
   int8-order+work   the same with a fixed run of vector arithmetic after each (span, KV head), its length set
-                 (--work) so that with the pool in cache it adds about what the kernel's own arithmetic takes.
+                 (--work) so that with the pool in cache the pass takes about what the int8 tiles take there.
 The last two say how much of the arithmetic's time the reads hide: if none, the kernel's time is the reads' plus
 the arithmetic's (kvpage's int8 tiles hide about half of theirs: docs/kv.md).
 """
@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_model
+from _common import cpu_model, run_c
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -188,19 +185,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--work", type=int, default=400,
-                    help="iterations of four FMA chains after each (span, KV head): 400 adds ~3.5 ms in cache on "
-                         "the AMX Xeon at 2 threads, near the int8 tiles' own arithmetic (3.9-4.6 ms)")
+                    help="iterations of four FMA chains after each (span, KV head): 400 add ~2.7 ms in cache on "
+                         "the AMX Xeon at 2 threads, so that the pass in cache takes about the int8 tiles' 3.9-4.6 ms")
     args = ap.parse_args()
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise SystemExit("block_reads.py needs gcc")
-    with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "block_reads.c", Path(tmp) / "block_reads"
-        src.write_text(SOURCE)
-        subprocess.run([gcc, "-O2", "-march=native", "-fopenmp", "-o", str(exe), str(src)], check=True)
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-        out = subprocess.run([str(exe), str(args.rounds), str(args.work)], check=True, capture_output=True,
-                             text=True, env=env).stdout
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    out = run_c(SOURCE, "block_reads", [str(args.rounds), str(args.work)], ("-fopenmp",), env)
     rows = [line.split() for line in out.splitlines() if line.strip()]
     res = {name: (int(size), float(sec)) for name, size, sec in rows}
     print(f"machine: {cpu_model()}; {args.threads} threads, medians of {args.rounds} passes")

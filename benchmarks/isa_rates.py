@@ -16,15 +16,12 @@ One thread; medians over --rounds runs. Where a byte kernel needs two codes per 
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_model
+from _common import cpu_model, run_c
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -85,21 +82,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise SystemExit("isa_rates.py needs gcc")
-    with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "rates.c", Path(tmp) / "rates"
-        src.write_text(SOURCE)
-        subprocess.run([gcc, "-O2", "-march=native", "-o", str(exe), str(src)], check=True)
-        runs: dict[str, list[float]] = {}
-        products: dict[str, int] = {}
-        for _ in range(args.rounds):
-            out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
-            for line in out.splitlines():
-                name, prod, ns, _ = line.split()
-                runs.setdefault(name, []).append(float(ns))
-                products[name] = int(prod)
+    runs: dict[str, list[float]] = {}
+    products: dict[str, int] = {}
+    for _ in range(args.rounds):
+        for line in run_c(SOURCE, "isa_rates", []).splitlines():
+            name, prod, ns, _ = line.split()
+            runs.setdefault(name, []).append(float(ns))
+            products[name] = int(prod)
     print(f"machine: {cpu_model()}; one thread, medians of {args.rounds} runs")
     print("| instruction | products each | ns each | products per ns | vs 256-bit fma |")
     print("|---|---:|---:|---:|---:|")
