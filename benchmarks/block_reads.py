@@ -3,7 +3,8 @@ paged decode attention's time, and so under the time int8 pages can save against
 
     python benchmarks/block_reads.py [--rounds 7] [--threads 2]
 
-A small C program, compiled here with gcc for this CPU (-march=native, OpenMP), allocates a pool as the engine's
+A small C program, compiled here with gcc for this CPU (-march=native, OpenMP; 512-bit loads on AVX-512 builds,
+256-bit ones on AVX2 builds), allocates a pool as the engine's
 prefaulted one is (2 MiB pages where Linux grants them) and times, medians of --rounds passes with a 1 GiB
 write between passes so that every pass starts from DRAM:
   sequential     one pass over 1 GiB in address order (the hardware prefetchers' best case);
@@ -51,23 +52,57 @@ static uint8_t* pool_alloc(size_t bytes) {
   memset(p, 1, n);
   return p;
 }
-static __m512i read_run(const uint8_t* p, int64_t n, __m512i acc) {
-  for (int64_t i = 0; i < n; i += 64) acc = _mm512_add_epi32(acc, _mm512_loadu_si512(p + i));
+/* 512-bit lanes where the build has AVX-512, else two 256-bit loads a line (AVX2) */
+#if defined(__AVX512F__)
+typedef __m512i vi;
+typedef __m512 vf;
+#define V_ZERO() _mm512_setzero_si512()
+#define V_LINE(acc, p) _mm512_add_epi32((acc), _mm512_loadu_si512(p))
+#define V_SUM(acc) _mm512_reduce_add_epi32(acc)
+#define V_ADD _mm512_add_epi32
+#define V_TOF _mm512_castsi512_ps
+#define VF_TOI _mm512_castps_si512
+#define VF_SET1 _mm512_set1_ps
+#define VF_FMA _mm512_fmadd_ps
+#define VF_ADD _mm512_add_ps
+#else
+typedef __m256i vi;
+typedef __m256 vf;
+#define V_ZERO() _mm256_setzero_si256()
+#define V_LINE(acc, p)                                                            \
+  _mm256_add_epi32(_mm256_add_epi32((acc), _mm256_loadu_si256((const __m256i*)(p))), \
+                   _mm256_loadu_si256((const __m256i*)((p) + 32)))
+static int V_SUM(__m256i a) {
+  int32_t t[8], s = 0;
+  _mm256_storeu_si256((__m256i*)t, a);
+  for (int i = 0; i < 8; ++i) s += t[i];
+  return s;
+}
+#define V_ADD _mm256_add_epi32
+#define V_TOF _mm256_castsi256_ps
+#define VF_TOI _mm256_castps_si256
+#define VF_SET1 _mm256_set1_ps
+#define VF_FMA _mm256_fmadd_ps
+#define VF_ADD _mm256_add_ps
+#endif
+
+static vi read_run(const uint8_t* p, int64_t n, vi acc) {
+  for (int64_t i = 0; i < n; i += 64) acc = V_LINE(acc, p + i);
   return acc;
 }
 static void prefetch_run(const uint8_t* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char*)p + i, _MM_HINT_T1);
 }
-static __m512i work(__m512i acc, int n) {
-  __m512 x0 = _mm512_castsi512_ps(acc), x1 = x0, x2 = x0, x3 = x0;
-  const __m512 c = _mm512_set1_ps(0.999f);
+static vi work(vi acc, int n) {
+  vf x0 = V_TOF(acc), x1 = x0, x2 = x0, x3 = x0;
+  const vf c = VF_SET1(0.999f);
   for (int i = 0; i < n; ++i) {
-    x0 = _mm512_fmadd_ps(x0, c, c);
-    x1 = _mm512_fmadd_ps(x1, c, c);
-    x2 = _mm512_fmadd_ps(x2, c, c);
-    x3 = _mm512_fmadd_ps(x3, c, c);
+    x0 = VF_FMA(x0, c, c);
+    x1 = VF_FMA(x1, c, c);
+    x2 = VF_FMA(x2, c, c);
+    x3 = VF_FMA(x3, c, c);
   }
-  return _mm512_add_epi32(acc, _mm512_castps_si512(_mm512_add_ps(_mm512_add_ps(x0, x1), _mm512_add_ps(x2, x3))));
+  return V_ADD(acc, VF_TOI(VF_ADD(VF_ADD(x0, x1), VF_ADD(x2, x3))));
 }
 
 enum { SEQS = 64, PER = 512, HEADS = 3, GROUP = 16 * 66 };
@@ -78,7 +113,7 @@ static double pass(const uint8_t* pool, const int64_t* tab, int64_t bb, int mode
   long long sink = 0;
 #pragma omp parallel reduction(+ : sink)
   {
-    __m512i acc = _mm512_setzero_si512();
+    vi acc = V_ZERO();
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < SEQS; ++s) {
       const int64_t* t = tab + s * PER;
@@ -87,7 +122,7 @@ static double pass(const uint8_t* pool, const int64_t* tab, int64_t bb, int mode
           const uint8_t *p = pool + t[b] * bb, *f = pool + t[b + 2 < PER ? b + 2 : b] * bb;
           for (int64_t i = 0; i < bb; i += 64) {
             _mm_prefetch((const char*)f + i, _MM_HINT_T1);
-            acc = _mm512_add_epi32(acc, _mm512_loadu_si512(p + i));
+            acc = V_LINE(acc, p + i);
           }
         }
         continue;
@@ -106,7 +141,7 @@ static double pass(const uint8_t* pool, const int64_t* tab, int64_t bb, int mode
           if (spin) acc = work(acc, spin);
         }
     }
-    sink += _mm512_reduce_add_epi32(acc);
+    sink += V_SUM(acc);
   }
   if (sink == 42) puts("");
   return now() - t0;
@@ -129,10 +164,10 @@ int main(int argc, char** argv) {
     long long sink = 0;
 #pragma omp parallel reduction(+ : sink)
     {
-      __m512i acc = _mm512_setzero_si512();
+      vi acc = V_ZERO();
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < (int64_t)(evict_bytes / 65536); ++i) acc = read_run(evict + i * 65536, 65536, acc);
-      sink += _mm512_reduce_add_epi32(acc);
+      sink += V_SUM(acc);
     }
     if (sink == 42) puts("");
     ts[r] = now() - t0;
