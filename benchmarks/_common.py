@@ -70,9 +70,11 @@ def cpu_model() -> str:
     return f"{name} (family {family}; {' '.join(isa) or 'no AVX2'})" if family else name
 
 
-def run_c(source: str, name: str, args: list[str], flags: tuple[str, ...] = (), env: dict | None = None) -> str:
-    """Compile a small C program with gcc for this CPU (-march=native) in a scratch directory, run it with args and
-    return its standard output (the microbenchmarks that time instructions or memory, not kvpage's kernels)."""
+def run_c(source: str, name: str, args: list[str], flags: tuple[str, ...] = (), env: dict | None = None,
+          runs: int = 1) -> list[str]:
+    """Compile a small C program once with gcc for this CPU (-march=native) in a scratch directory, run it `runs`
+    times with args and return each run's standard output (the microbenchmarks that time instructions or memory,
+    not kvpage's kernels)."""
     import shutil
 
     gcc = shutil.which("gcc")
@@ -82,8 +84,9 @@ def run_c(source: str, name: str, args: list[str], flags: tuple[str, ...] = (), 
         src, exe = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, name)
         with open(src, "w") as f:
             f.write(source)
-        subprocess.run(["gcc", "-O2", "-march=native", *flags, "-o", exe, src], check=True)
-        return subprocess.run([exe, *args], check=True, capture_output=True, text=True, env=env).stdout
+        subprocess.run([gcc, "-O2", "-march=native", *flags, "-o", exe, src], check=True)
+        return [subprocess.run([exe, *args], check=True, capture_output=True, text=True, env=env).stdout
+                for _ in range(runs)]
 
 
 def engine_gemm_tflops(dtype: str, rows: int = 256) -> float:

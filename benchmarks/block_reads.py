@@ -224,7 +224,7 @@ def main() -> None:
                          "the AMX Xeon at 2 threads, so that the pass in cache takes about the int8 tiles' 3.9-4.6 ms")
     args = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    out = run_c(SOURCE, "block_reads", [str(args.rounds), str(args.work)], ("-fopenmp",), env)
+    out = run_c(SOURCE, "block_reads", [str(args.rounds), str(args.work)], ("-fopenmp",), env)[0]
     rows = [line.split() for line in out.splitlines() if line.strip()]
     res = {name: (int(size), float(sec)) for name, size, sec in rows}
     print(f"machine: {cpu_model()}; {args.threads} threads, medians of {args.rounds} passes")

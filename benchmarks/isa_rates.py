@@ -84,8 +84,8 @@ def main() -> None:
     args = ap.parse_args()
     runs: dict[str, list[float]] = {}
     products: dict[str, int] = {}
-    for _ in range(args.rounds):
-        for line in run_c(SOURCE, "isa_rates", []).splitlines():
+    for out in run_c(SOURCE, "isa_rates", [], runs=args.rounds):
+        for line in out.splitlines():
             name, prod, ns, _ = line.split()
             runs.setdefault(name, []).append(float(ns))
             products[name] = int(prod)

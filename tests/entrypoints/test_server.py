@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import kvpage
 from tests.helpers.server_util import KEY, metric, request, server, stream_raw, wait_idle
 
 pytest.importorskip("fastapi")
@@ -47,8 +48,6 @@ PROMPT = ("Here is a short list of facts about the primary colors of paint, writ
 
 
 def test_models_health_metrics(srv, model_id):
-    import kvpage
-
     assert request(srv, "GET", "/health")[0] == 200
     assert request(srv, "GET", "/version", key=None) == (200, {"version": kvpage.__version__})  # open, as /health
     _, body = request(srv, "GET", "/v1/models")
