@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -75,8 +76,6 @@ def run_c(source: str, name: str, args: list[str], flags: tuple[str, ...] = (), 
     """Compile a small C program once with gcc for this CPU (-march=native) in a scratch directory, run it `runs`
     times with args and return each run's standard output (the microbenchmarks that time instructions or memory,
     not kvpage's kernels)."""
-    import shutil
-
     gcc = shutil.which("gcc")
     if gcc is None:
         raise SystemExit(f"{name} needs gcc")
