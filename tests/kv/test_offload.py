@@ -235,6 +235,15 @@ def test_disk_bound_is_never_exceeded(tmp_path):
     m.tiers.close()
 
 
+def test_a_path_that_cannot_be_a_directory_is_refused_by_name(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        DiskTier(afile, IDENT, 1 << 20)
+    with pytest.raises(ValueError, match="cannot be created"):
+        DiskTier(afile / "below", IDENT, 1 << 20)  # a directory under a file
+
+
 def test_a_second_engine_on_one_directory_runs_without_it(tmp_path):
     first = DiskTier(tmp_path / "t", IDENT, 1 << 20)
     second = DiskTier(tmp_path / "t", IDENT, 1 << 20)

@@ -12,7 +12,8 @@ whose checksum fails at load time is a miss (the file is removed). Writes go thr
 recently used files to keep the tier under its bound.
 
 A lock file keeps two engines from sharing a directory: the second one runs without the disk tier and says so.
-A read-only directory is served from but never written. Full disks and I/O errors are logged and counted.
+A read-only directory is served from but never written; a path that cannot be made a directory is refused at
+start. Full disks and I/O errors are logged and counted.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ class DiskTier:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            self._disable(f"cannot create the KV offload directory {self.directory}: {e.strerror}")
-            return
+            # a path that cannot be a directory is the caller's mistake, not a state to run around: refuse it
+            # at start (a directory that exists but is read-only or in use still runs, as below)
+            what = "is a file, not a directory" if self.directory.is_file() else f"cannot be created: {e.strerror}"
+            raise ValueError(f"KV offload directory {self.directory} {what}") from None
         lock = self.directory / LOCK_NAME
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
