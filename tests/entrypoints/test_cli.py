@@ -91,6 +91,17 @@ def test_plan_default_model(capsys):
     assert "SmolLM2-135M-Instruct" in out and "22.5 KiB" in out and "2,912 blocks" in out
 
 
+def test_plan_and_simulate_take_the_servers_flag_names(capsys):
+    """--kv-cache-memory / --kv-cache-dtype, as serve and generate spell them, mean the same to plan and simulate."""
+    a = run(capsys, "plan", "--kv-memory", "1GiB", "--dtype", "int8", "--json")
+    b = run(capsys, "plan", "--kv-cache-memory", "1GiB", "--kv-cache-dtype", "int8", "--json")
+    assert a[0] == b[0] == 0 and json.loads(a[1]) == json.loads(b[1])
+    sim = ["simulate", "--num-requests", "8", "--json"]
+    a = run(capsys, *sim, "--kv-memory", "64MiB")
+    b = run(capsys, *sim, "--kv-cache-memory", "64MiB")
+    assert a[0] == b[0] == 0 and json.loads(a[1]) == json.loads(b[1])
+
+
 def test_plan_seed_example_json(capsys):
     code, out, _ = run(capsys, "plan", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--dtype", "fp16",
                        "--context-len", "8192", "--tensor-parallel-size", "2", "--kv-memory", "8GiB",

@@ -29,10 +29,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-heads", type=int, help="KV heads per layer (== query heads for MHA)")
     p.add_argument("--head-dim", type=int, help="width of one K (and V) head")
     p.add_argument("--dtype", "--kv-cache-dtype", dest="dtype", default=None,
-                   help="KV cache dtype: float32, float16/fp16, bfloat16/bf16, fp8 (default: the model's dtype)")
+                   help="KV cache dtype: float32, float16/fp16, bfloat16/bf16, fp8 (fp8_e4m3), fp8_e5m2, int8 "
+                        "(default: the model's dtype)")
     p.add_argument("--int8-keys", choices=("rows", "channel"), default=None,
                    help="int8 pages' keys, as the engine's KVPAGE_INT8_KEYS (default: that variable's value)")
-    p.add_argument("--kv-memory", default="4GiB", help="KV budget per rank, with units (default: 4GiB)")
+    p.add_argument("--kv-memory", "--kv-cache-memory", dest="kv_memory", default="4GiB",
+                   help="KV budget per rank, with units (default: 4GiB); serve's and generate's name works too")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"tokens per block (default: {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--context-len", type=int, help="tokens per request (default: max model length)")

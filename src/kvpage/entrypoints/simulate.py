@@ -80,7 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--static-reserve", default=_D.kv.static_reserve, choices=RESERVE_POLICIES,
                    help="static: reserve max_model_len, the next power of two of prompt+output, or exactly it")
     k.add_argument("--block-size", type=int, default=_D.block_size)
-    k.add_argument("--kv-memory", default="1GiB", help="KV pool size with units (default 1GiB)")
+    k.add_argument("--kv-memory", "--kv-cache-memory", dest="kv_memory", default="1GiB",
+                   help="KV pool size with units (default 1GiB); serve's and generate's name works too")
     k.add_argument("--num-blocks", type=int, help="pool size in blocks (overrides --kv-memory)")
     k.add_argument("--max-model-len", type=int, default=_D.max_model_len)
     k.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
