@@ -238,3 +238,27 @@ def test_sliding_window_trace_shows_blocks_leaving(capsys):
     for rec in runner.run():
         for table in rec.block_tables.values():
             assert sum(1 for b in table if b >= 0) <= -(-(6 - 1) // 4) + 1
+
+
+# ----------------------------------------------------------------- generate
+def test_generate_renders_chats_with_a_given_template(capsys, tmp_path):
+    path = tmp_path / "chat.jinja"
+    path.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>")
+    code, out, _ = run(capsys, "generate", "Name a color.", "--chat", "--chat-template", str(path), "--max-tokens",
+                       "2", "--json", "--kv-cache-memory", "64MiB", "--max-model-len", "256")
+    assert code == 0
+    ids = json.loads(out)[0]["prompt_token_ids"]
+    from kvpage.model.tokenizer import KVTokenizer
+
+    text = KVTokenizer.from_gguf(default_model_path()).decode(ids, skip_special_tokens=False)
+    assert text == "<user>Name a color.\n<assistant>"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--chat-template", "{{ x }}"], "applies to --chat prompts"),
+    (["--chat", "--chat-template", "chatml"], "neither a file nor a Jinja template"),
+    (["--chat", "--chat-template", "{% if %}"], "does not compile"),
+])
+def test_generate_refuses_a_bad_chat_template_by_name(capsys, argv, message):
+    code, _, err = run(capsys, "generate", "hi", *argv)
+    assert code == 2 and message in err

@@ -331,6 +331,9 @@ def test_bad_chat_auth_and_routes(srv, model_id):
     assert request(srv, "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})[0] == 400
     assert request(srv, "POST", "/v1/chat/completions",
                    {"messages": [{"role": "user", "content": "x"}], "temperature": -1})[0] == 400
+    status, err = request(srv, "POST", "/v1/chat/completions",  # a client's own template needs the server's trust
+                          {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 'x' }}"})
+    assert status == 400 and "--trust-request-chat-template" in err["error"]["message"]
     status, err = request(srv, "GET", "/v1/models", key=None)
     assert status == 401 and "missing API key" in err["error"]["message"]
     status, err = request(srv, "POST", "/v1/completions", {"prompt": "hi"}, key="nope")

@@ -70,8 +70,10 @@ def test_chat_template_errors_are_clear(tok):
         tok.apply_chat_template([{"content": "no role"}])
     with pytest.raises(ValueError, match="refused the messages: nope"):
         render_chat_template("{{ raise_exception('nope') }}", [], True)
-    with pytest.raises(ValueError, match="chat template failed"):
+    with pytest.raises(ValueError, match="does not compile"):
         render_chat_template("{% for %}", [], True)
+    with pytest.raises(ValueError, match="chat template failed"):
+        render_chat_template("{{ messages[5].content }}", [], True)
 
 
 def test_incremental_detokenization_emits_whole_characters(tok):
@@ -90,3 +92,29 @@ def test_incremental_detokenization_property(tok, text):
     d = IncrementalDetokenizer(tok, prompt_ids=tok.encode("Prompt: "), skip_special_tokens=False)
     out = "".join(d.add(i) for i in ids) + d.flush()
     assert out == tok.decode(ids, skip_special_tokens=False)
+
+
+# ------------------------------------------------------------ chat templates
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."},
+                {"role": "assistant", "content": "The color I pick is"}]
+
+
+def test_continue_final_message_matches_transformers(tok, hf_tok):
+    ours = tok.apply_chat_template(CONVERSATION, add_generation_prompt=False, continue_final_message=True)
+    ref = hf_tok.apply_chat_template(CONVERSATION, tokenize=False, continue_final_message=True)
+    assert ours == ref and ours.endswith("<|im_start|>assistant\nThe color I pick is")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ValueError, match="last message with text"):
+        tok.apply_chat_template([*CONVERSATION[:2], {"role": "assistant", "content": ""}],
+                                add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="does not reproduce"):  # a template that drops the last message
+        tok.apply_chat_template(CONVERSATION, add_generation_prompt=False, continue_final_message=True,
+                                chat_template="{{ messages[0].content }}")
+
+
+def test_a_given_template_replaces_the_models(tok):
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    ours = tok.apply_chat_template(CONVERSATION[:2], chat_template=template)
+    assert ours == "<system>Be brief.\n<user>Name a color.\n"
+    assert tok.apply_chat_template(CONVERSATION[:2]).startswith("<|im_start|>system")  # the model's, untouched

@@ -21,6 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompts", nargs="+", help="prompt text (several prompts run as one batch)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--chat-template", help="a Jinja chat template for --chat, as a file or inline (default: the "
+                                           "model's own)")
     p.add_argument("-n", type=int, default=1, help="completions per prompt (the prompt is computed once)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0, as vLLM)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -62,6 +64,13 @@ def run(args: argparse.Namespace) -> int:
             stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs, seed=args.sample_seed,
             output_kind="delta" if args.stream else "cumulative",
         )
+    template = None
+    if args.chat_template is not None:
+        if not args.chat:
+            raise ValueError("--chat-template applies to --chat prompts: add --chat")
+        from kvpage.model.chat_template import resolve_chat_template
+
+        template = resolve_chat_template(args.chat_template)
     if args.stream and (len(args.prompts) != 1 or args.n != 1 or args.json):
         raise ValueError("--stream prints a single completion: give one prompt, -n 1 and no --json")
     from kvpage.engine.llm import LLM
@@ -79,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": text}]
-            rendered = tk.apply_chat_template(messages)
+            rendered = tk.apply_chat_template(messages, chat_template=template)
             prompts.append({"prompt": text, "prompt_token_ids": tk.encode(rendered, add_special_tokens=False)})
         else:
             prompts.append(text)

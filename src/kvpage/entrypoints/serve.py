@@ -39,6 +39,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, help="answer 429 once this many requests wait to be scheduled")
     p.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    p.add_argument("--chat-template", help="a Jinja chat template for /v1/chat/completions and /tokenize, as a "
+                                           "file or inline (default: the model's own)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="serve a request's own chat_template field (refused by default)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)
@@ -80,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     key = api_key(args)
+    from kvpage.model.chat_template import resolve_chat_template
+
+    template = None if args.chat_template is None else resolve_chat_template(args.chat_template)
     try:
         import uvicorn  # noqa: F401
 
@@ -97,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         return run_node(parallel, engine_args.model_config(), engine_args.cache_config())
     config = ServerConfig(args.served_model_name or "", key, args.max_n,
                           InputLimits(args.max_body_bytes, args.http_timeout), openapi=not args.no_openapi,
-                          dashboard=not args.no_dashboard)
+                          dashboard=not args.no_dashboard, chat_template=template,
+                          trust_request_chat_template=args.trust_request_chat_template)
     return serve_engine(lambda: LLMEngine(engine_args), config, args.host, args.port, max_queue=args.max_queue,
                         shutdown_timeout=args.shutdown_timeout, http_timeout=args.http_timeout,
                         log_level=args.uvicorn_log_level)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from kvpage.model.chat_template import render_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +120,14 @@ class KVTokenizer:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, continue_final_message: bool = False,
                             **extra: Any) -> str:
-        if not self.chat_template:
-            raise ValueError("this model has no chat template: send a plain prompt instead of messages")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+        """The conversation as prompt text, through ``chat_template`` if given, else the model's own."""
+        template = chat_template or self.chat_template
+        if not template:
+            raise ValueError("this model has no chat template: send a plain prompt instead of messages, or give "
+                             "one (--chat-template)")
+        return render_chat_template(template, messages, add_generation_prompt, continue_final_message,
                                     bos_token=self._text_or_empty(self.bos_token_id),
                                     eos_token=self._text_or_empty(self.eos_token_id), **extra)
 
@@ -212,28 +217,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON ({e})") from e
-
-
-def render_chat_template(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                         **variables: Any) -> str:
-    """Render a Hugging Face style Jinja chat template in a sandbox."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
-
-    def raise_exception(message: str) -> None:
-        raise ValueError(f"chat template refused the messages: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **variables)
-    except TemplateError as e:
-        raise ValueError(f"chat template failed: {e}") from e
 
 
 class IncrementalDetokenizer:

@@ -31,10 +31,12 @@ from kvpage.entrypoints.openai.metrics import ServerMetrics
 from kvpage.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatTemplateFields,
     CompletionRequest,
     DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
+    conversation,
 )
 from kvpage.entrypoints.openai.serving import (
     Job,
@@ -48,6 +50,7 @@ from kvpage.entrypoints.openai.serving import (
     usage,
 )
 from kvpage.errors import RequestRejected
+from kvpage.model.chat_template import compile_chat_template
 from kvpage.outputs import CompletionOutput
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,8 @@ class ServerConfig:
     api_key: str | None = None
     max_n: int = 16
     limits: InputLimits = field(default_factory=InputLimits)
+    chat_template: str | None = None  # --chat-template's text; None: the model's own
+    trust_request_chat_template: bool = False  # serve a request's own chat_template (vLLM's flag of that name)
     openapi: bool = True  # /openapi.json, behind the API key like every route but /health, /version and /metrics
     dashboard: bool = True  # /dashboard: the live KV pool page, its snapshot and event stream (dashboard.py)
 
@@ -118,13 +123,30 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         except Exception as e:
             raise APIError(400, f"{param}: the text could not be tokenized: {e}", param=param) from None
 
-    def render_chat(conversation: list[dict[str, str]], add_generation_prompt: bool,
-                    extra: dict[str, Any] | None) -> str:
-        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(extra or {})
+    def render_chat(conversation: list[dict[str, str]], req: ChatTemplateFields) -> str:
+        req.check_template_fields()
+        extra = dict(req.chat_template_kwargs or {})
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "chat_template",
+                    "continue_final_message", "documents"} & set(extra)
         if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
+            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)} (those that are request "
+                                "fields go there)", param="chat_template_kwargs")
+        template = config.chat_template
+        if req.chat_template is not None:
+            if not config.trust_request_chat_template:
+                raise APIError(400, "chat_template in a request is refused: this server runs its own template "
+                                    "(start it with --trust-request-chat-template to take the client's)",
+                               param="chat_template")
+            try:
+                compile_chat_template(req.chat_template)
+            except ValueError as e:
+                raise APIError(400, str(e), param="chat_template") from None
+            template = req.chat_template
+        if req.documents is not None:
+            extra["documents"] = req.documents
         try:
-            return tokenizer.apply_chat_template(conversation, add_generation_prompt, **(extra or {}))
+            return tokenizer.apply_chat_template(conversation, req.add_generation_prompt, chat_template=template,
+                                                 continue_final_message=req.continue_final_message, **extra)
         except APIError:
             raise
         except Exception as e:  # the template itself refused the conversation (e.g. roles out of order)
@@ -201,9 +223,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            conv = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = await encode(render_chat(conv, req.add_generation_prompt, None), "messages",
-                               add_special_tokens=False)
+            ids = await encode(render_chat(conversation(req.messages), req), "messages", add_special_tokens=False)
         else:
             ids = await encode(req.prompt or "", "prompt", add_special_tokens=req.add_special_tokens)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
@@ -298,13 +318,14 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         req = await body(request, ChatCompletionRequest)
         common_checks(req)
         req.check()
-        text = render_chat(req.conversation(), req.add_generation_prompt, req.chat_template_kwargs)
+        text = render_chat(req.conversation(), req)
         ids = truncate(await encode(text, "messages", add_special_tokens=False), req.truncate_prompt_tokens)
         max_tokens = engine.check_request(len(ids), req.requested_max_tokens(), fit_context=True)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [Job(0, f"{base}-0", ids)]
         params = [req.sampling_params(max_tokens, req.requested_logprobs(), req.stream)]
         top_n = req.top_logprobs or 0
+        echoed = req.echoed()
         include_usage, every_chunk = stream_usage(req)
         model = config.model_name
 
@@ -317,7 +338,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         if not req.stream:
             finals = await runner.collect(request, jobs, outputs)
             out = finals[jobs[0].request_id]
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": echoed + c.text},
                         "logprobs": chat_logprobs(c, top_n), "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason} for c in out.outputs]
             n_out = sum(len(c.token_ids) for c in out.outputs)
@@ -331,6 +352,8 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             for i in range(req.n):
                 yield frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
+                if echoed:
+                    yield frame([{"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}])
             async with aclosing(runner.changes(request, jobs, outputs)) as it:
                 async for _, out, c in it:
                     cached = out.num_cached_tokens

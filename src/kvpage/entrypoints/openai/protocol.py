@@ -275,16 +275,39 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """How messages become the prompt's text; chat completions and /tokenize share them, so /tokenize counts
+    the tokens a chat completion would run."""
+    model_config = ConfigDict(extra="ignore")
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last message open for the model to continue (vLLM's)
+    chat_template: str | None = None  # vLLM's: a template for this request, with --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # handed to the template as it is, as vLLM does
+
+    def check_template_fields(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: send "
+                                "add_generation_prompt: false to continue the last message",
+                           param="continue_final_message")
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the template takes them: text content, and a developer message as a system one."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's: the reply starts with the last message's text when that is the assistant's
 
     def check(self) -> None:
+        self.check_template_fields()
         if self.top_logprobs and not self.logprobs:  # 0 without logprobs is the neutral value (vLLM takes it too)
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
@@ -298,17 +321,19 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return conversation(self.messages)
+
+    def echoed(self) -> str:
+        """What echo puts before the reply: the last message's text if the assistant wrote it, else nothing."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(BaseModel):
