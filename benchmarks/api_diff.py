@@ -37,11 +37,16 @@ VALUES: dict[str, list] = {
     "include_stop_str_in_output": [True, False], "truncate_prompt_tokens": [1, 5, -1, 0, 10**6, None],
     "prompt_logprobs": [0, 1, 5, -1, 21, None], "max_completion_tokens": [1, 4, 0, None],
     "response_format": [{"type": "text"}, None], "stream_options": [None, {"include_usage": True}],
+    "chat_echo": [True, False, None], "add_generation_prompt": [True, False, None],
+    "continue_final_message": [True, False, None], "chat_template": ["{{ messages[0].content }}", "{% if %}", None],
+    "chat_template_kwargs": [{"x": 1}, {}, None, {"chat_template": "{{ 1 }}"}],
+    "documents": [[{"title": "t", "text": "d"}], [], None],
 }
 COMMON = ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "seed", "n", "stop", "stop_token_ids", "logit_bias", "min_tokens", "ignore_eos", "user",
           "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs", "stream"]
-CHAT = [*COMMON, "max_tokens", "top_logprobs", "logprobs", "max_completion_tokens", "response_format"]
+CHAT = [*COMMON, "max_tokens", "top_logprobs", "logprobs", "max_completion_tokens", "response_format", "chat_echo",
+        "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents"]
 COMPLETION = [*COMMON, "max_tokens", "best_of", "echo", "completion_logprobs"]
 MESSAGES = [[{"role": "user", "content": "Name a color."}], [{"role": "user", "content": ""}],
             [{"role": "system", "content": "x"}], [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
@@ -66,6 +71,8 @@ def random_request(rng: random.Random, model: str) -> tuple[str, dict]:
     body = {k: rng.choice(VALUES[k]) for k in (CHAT if chat else COMPLETION) if rng.random() < 0.25}
     if "completion_logprobs" in body:
         body["logprobs"] = body.pop("completion_logprobs")
+    if "chat_echo" in body:
+        body["echo"] = body.pop("chat_echo")
     if chat:
         body["messages"] = rng.choice(MESSAGES)
     else:
