@@ -38,7 +38,7 @@ class StandInEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request_id, prompt, params, cache_salt=None) -> None:
+    def add_request(self, request_id, prompt, params, priority=0, cache_salt=None) -> None:
         if not prompt["prompt_token_ids"]:
             raise ValueError("the prompt is empty")
         self.requests[request_id] = 0

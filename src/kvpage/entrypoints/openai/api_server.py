@@ -164,6 +164,11 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
 
     def common_checks(req: SamplingFields) -> None:
         check_model(req.model)
+        if req.priority != 0 and engine.scheduler.config.policy != "priority":
+            raise APIError(400, f"priority {req.priority} needs a server started with --scheduling-policy priority "
+                                "(this one serves first come, first served)", param="priority")
+        if abs(req.priority) >= 2**63:
+            raise APIError(400, f"priority must fit in 64 bits, got {req.priority}", param="priority")
         if req.n > config.max_n:
             raise APIError(400, f"n={req.n} exceeds this server's limit of {config.max_n}", param="n")
         if req.n < 1:
@@ -281,7 +286,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                     "choices": choices, **extra}
 
         outputs: asyncio.Queue = asyncio.Queue()
-        await runner.start(jobs, params, req.cache_salt, outputs)
+        await runner.start(jobs, params, req.cache_salt, outputs, req.priority)
         if not req.stream:
             finals = await runner.collect(request, jobs, outputs)
             choices, n_out, cached = [], 0, 0
@@ -334,7 +339,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                     **extra}
 
         outputs: asyncio.Queue = asyncio.Queue()
-        await runner.start(jobs, params, req.cache_salt, outputs)
+        await runner.start(jobs, params, req.cache_salt, outputs, req.priority)
         if not req.stream:
             finals = await runner.collect(request, jobs, outputs)
             out = finals[jobs[0].request_id]

@@ -52,6 +52,7 @@ class _Add:
     cache_salt: str | None
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
+    priority: int = 0
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -118,12 +119,12 @@ class AsyncEngine:
                 self._submitted - self._applied_at_publish
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     outputs: asyncio.Queue, cache_salt: str | None = None) -> None:
+                     outputs: asyncio.Queue, cache_salt: str | None = None, priority: int = 0) -> None:
         """Hand a request to the engine; returns once the engine accepted it (or raises why it did not:
         QueueFullError, ShuttingDownError, EngineDeadError, ValueError). Its RequestOutputs, and an
         EngineDeadError if the engine dies, then arrive on ``outputs``, which several requests may share.
         The caller aborts what it leaves."""
-        cmd = _Add(request_id, prompt_ids, params, cache_salt, asyncio.get_running_loop(), outputs)
+        cmd = _Add(request_id, prompt_ids, params, cache_salt, asyncio.get_running_loop(), outputs, priority)
         with self._lock:  # the engine thread fails queued commands under the same lock when it dies
             if self.error is not None or not self._thread.is_alive():
                 raise EngineDeadError(self.error or "the engine thread is not running")
@@ -192,7 +193,7 @@ class AsyncEngine:
         self._applied += 1
         try:
             eng.add_request(cmd.request_id, {"prompt_token_ids": cmd.prompt_ids}, cmd.params,
-                            cache_salt=cmd.cache_salt)
+                            priority=cmd.priority, cache_salt=cmd.cache_salt)
         except Exception as e:  # refused: nothing was allocated
             cmd.done.set_exception(e)
             return

@@ -115,6 +115,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: lower runs first, on a server started with --scheduling-policy priority
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

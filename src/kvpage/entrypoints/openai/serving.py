@@ -74,12 +74,12 @@ class RequestRunner:
         self.metrics = metrics
 
     async def start(self, jobs: list[Job], params: list[SamplingParams], cache_salt: str | None,
-                    outputs: asyncio.Queue) -> None:
+                    outputs: asyncio.Queue, priority: int = 0) -> None:
         """Submit every job; on any refusal abort those already accepted and raise the matching APIError."""
         accepted: list[str] = []
         try:
             for job, p in zip(jobs, params, strict=True):
-                await self.client.submit(job.request_id, job.prompt_ids, p, outputs, cache_salt)
+                await self.client.submit(job.request_id, job.prompt_ids, p, outputs, cache_salt, priority)
                 accepted.append(job.request_id)
         except BaseException as e:
             for rid in accepted:
