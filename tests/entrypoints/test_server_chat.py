@@ -1,6 +1,7 @@
-"""Chat requests beyond the plain turn, as vLLM's server takes them: a server-wide template (--chat-template), a
+"""Requests beyond the plain turn, as vLLM's server takes them: a server-wide chat template (--chat-template), a
 request's own (with --trust-request-chat-template), the last message continued (continue_final_message), echo,
-and /tokenize rendering messages exactly as a chat completion does."""
+/tokenize rendering messages exactly as a chat completion does, and the response's token ids and id
+(return_token_ids, request_id)."""
 
 from __future__ import annotations
 
@@ -83,4 +84,49 @@ def test_echo_puts_the_assistants_last_message_first(srv):
               if line.startswith("data: {")]
     assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "The color I pick is"}
     assert "".join(d.get("content", "") for d in deltas) == echoed  # greedy: the same reply, streamed
+    wait_idle(srv)
+
+
+def test_return_token_ids_and_request_id_as_vllm_returns_them(srv):
+    body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "n": 2, "return_token_ids": True,
+            "request_id": "client-7"}
+    status, out = request(srv, "POST", "/v1/completions", body)
+    prompt = request(srv, "POST", "/tokenize", {"prompt": body["prompt"]})[1]["tokens"]
+    assert status == 200 and out["id"] == "cmpl-client-7"
+    detok = request(srv, "POST", "/detokenize", {"tokens": out["choices"][0]["token_ids"]})[1]["prompt"]
+    assert detok == out["choices"][0]["text"] and all(c["prompt_token_ids"] == prompt for c in out["choices"])
+    status, again = request(srv, "POST", "/v1/completions", body)  # the same request_id again: served as well
+    assert status == 200 and again["choices"] == out["choices"]
+    sock, got = stream_raw(srv, "/v1/completions", {**body, "stream": True})
+    while b"data: [DONE]" not in got:
+        chunk = sock.recv(65536)
+        assert chunk
+        got += chunk
+    sock.close()
+    chunks = [json.loads(line[6:])["choices"][0] for line in got.decode().splitlines() if line.startswith("data: {")]
+    for i in range(2):
+        mine = [c for c in chunks if c["index"] == i]
+        assert mine[0]["prompt_token_ids"] == prompt and all(c["prompt_token_ids"] is None for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == out["choices"][i]["token_ids"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "return_token_ids": True}
+    status, out = request(srv, "POST", "/v1/chat/completions", chat)
+    assert status == 200 and out["prompt_token_ids"] == request(srv, "POST", "/tokenize", chat)[1]["tokens"]
+    assert len(out["choices"][0]["token_ids"]) == out["usage"]["completion_tokens"]
+    status, plain = request(srv, "POST", "/v1/chat/completions", {**chat, "return_token_ids": False})
+    assert status == 200 and "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    wait_idle(srv)
+
+
+def test_truncation_side_and_fields_kvpage_cannot_honour(srv):
+    prompt = "one two three four five six"
+    ids = request(srv, "POST", "/tokenize", {"prompt": prompt})[1]["tokens"]
+    body = {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 2, "return_token_ids": True}
+    for side, kept in ((None, ids[-2:]), ("left", ids[-2:]), ("right", ids[:2])):
+        status, out = request(srv, "POST", "/v1/completions", {**body, "truncation_side": side})
+        assert status == 200 and out["choices"][0]["prompt_token_ids"] == kept, side
+    assert request(srv, "POST", "/v1/completions", {**body, "truncation_side": "middle"})[0] == 400
+    for field, value in (("vllm_xargs", {"a": 1}), ("logprob_token_ids", [5]), ("kv_transfer_params", {"x": 1})):
+        status, err = request(srv, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, field: value})
+        assert status == 400 and err["error"]["param"] == field, field
+        assert request(srv, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, field: None})[0] == 200
     wait_idle(srv)

@@ -152,7 +152,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         except Exception as e:  # the template itself refused the conversation (e.g. roles out of order)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
-    def truncate(ids: list[int], keep: int | None) -> list[int]:
+    def truncate(ids: list[int], keep: int | None, side: str | None = None) -> list[int]:
         if keep is None:
             return ids
         if keep == -1:
@@ -160,7 +160,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         if keep < 1:
             raise APIError(400, f"truncate_prompt_tokens must be -1 or >= 1, got {keep}",
                            param="truncate_prompt_tokens")
-        return ids[-keep:]
+        return ids[:keep] if side == "right" else ids[-keep:]
 
     def common_checks(req: SamplingFields) -> None:
         check_model(req.model)
@@ -228,7 +228,8 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            ids = await encode(render_chat(conversation(req.messages), req), "messages", add_special_tokens=False)
+            bos = "add_special_tokens" in req.model_fields_set and req.add_special_tokens  # a chat's default: none
+            ids = await encode(render_chat(conversation(req.messages), req), "messages", add_special_tokens=bos)
         else:
             ids = await encode(req.prompt or "", "prompt", add_special_tokens=req.add_special_tokens)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
@@ -245,19 +246,20 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         req = await body(request, CompletionRequest)
         common_checks(req)
         req.check()
-        base = f"cmpl-{uuid.uuid4().hex}"
+        rid = uuid.uuid4().hex  # the engine's ids stay unique whatever request_id clients send
+        base = f"cmpl-{req.request_id or rid}"
         jobs, params, texts = [], [], {}
         for i, prompt in enumerate(req.prompts()):
             if isinstance(prompt, str):
-                ids = await encode(prompt, "prompt")
+                ids = await encode(prompt, "prompt", add_special_tokens=req.add_special_tokens)
             elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 ids = engine.check_token_ids(prompt)
             else:
                 raise APIError(400, "prompt must be a string, a list of token ids, or a list of either",
                                param="prompt")
-            ids = truncate(ids, req.truncate_prompt_tokens)
+            ids = truncate(ids, req.truncate_prompt_tokens, req.truncation_side)
             max_tokens = engine.check_request(len(ids), 1 if req.echo_only else req.max_tokens, fit_context=True)
-            jobs.append(Job(i, f"{base}-{i}", ids))
+            jobs.append(Job(i, f"cmpl-{rid}-{i}", ids))
             params.append(req.sampling_params(max_tokens, req.logprobs, req.stream))
             if req.echo:  # the prompt as the client sent it, or (token ids, a truncated prompt) its tokens' text
                 texts[i] = prompt if isinstance(prompt, str) and req.truncate_prompt_tokens is None else \
@@ -279,6 +281,9 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                    "stop_reason": c.stop_reason}
             if req.prompt_logprobs is not None:
                 out["prompt_logprobs"] = prompt_logprobs_json(pl)
+            if req.return_token_ids:  # the prompt's with a choice's first chunk (or whole body), as vLLM
+                out["prompt_token_ids"] = list(ids) if first else None
+                out["token_ids"] = list(c.token_ids)
             return out
 
         def frame(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -324,10 +329,14 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         common_checks(req)
         req.check()
         text = render_chat(req.conversation(), req)
-        ids = truncate(await encode(text, "messages", add_special_tokens=False), req.truncate_prompt_tokens)
+        ids = truncate(await encode(text, "messages", add_special_tokens=req.add_special_tokens),
+                       req.truncate_prompt_tokens, req.truncation_side)
         max_tokens = engine.check_request(len(ids), req.requested_max_tokens(), fit_context=True)
-        base = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = [Job(0, f"{base}-0", ids)]
+        rid = uuid.uuid4().hex
+        base = f"chatcmpl-{req.request_id or rid}"
+        jobs = [Job(0, f"chatcmpl-{rid}-0", ids)]
+        prompt_ids = {"prompt_token_ids": ids} if req.return_token_ids else {}
+        token_ids = (lambda c: {"token_ids": list(c.token_ids)}) if req.return_token_ids else (lambda c: {})
         params = [req.sampling_params(max_tokens, req.requested_logprobs(), req.stream)]
         top_n = req.top_logprobs or 0
         echoed = req.echoed()
@@ -345,18 +354,18 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             out = finals[jobs[0].request_id]
             choices = [{"index": c.index, "message": {"role": "assistant", "content": echoed + c.text},
                         "logprobs": chat_logprobs(c, top_n), "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason} for c in out.outputs]
+                        "stop_reason": c.stop_reason, **token_ids(c)} for c in out.outputs]
             n_out = sum(len(c.token_ids) for c in out.outputs)
             pl = out.prompt_logprobs
             extra = {} if req.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(pl)}
             return JSONResponse(frame(choices, "chat.completion", usage=usage(jobs, n_out, out.num_cached_tokens),
-                                      **extra))
+                                      **extra, **prompt_ids))
 
         async def events() -> AsyncIterator[dict[str, Any]]:
             n_out, cached = 0, 0
             for i in range(req.n):
                 yield frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
+                              "finish_reason": None}], **(prompt_ids if i == 0 else {}))
                 if echoed:
                     yield frame([{"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}])
             async with aclosing(runner.changes(request, jobs, outputs)) as it:
@@ -366,7 +375,8 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                     delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                     extra = {"usage": usage(jobs, n_out, cached)} if every_chunk else {}
                     yield frame([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top_n),
-                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], **extra)
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, **token_ids(c)}],
+                                **extra)
             if include_usage:
                 yield frame([], usage=usage(jobs, n_out, cached))
 

@@ -66,6 +66,18 @@ _UNSUPPORTED: dict[str, Any] = {
     "web_search_options": _set,
     "return_tokens_as_token_ids": _set,
     "logits_processors": _set,
+    "logprob_token_ids": _set,
+    "prompt_embeds": _set,
+    "watermarking": _set,
+    "repetition_detection": _set,
+    "thinking_token_budget": _set,
+    "mm_processor_kwargs": _set,
+    "media_io_kwargs": _set,
+    "mm_payload": _set,
+    "return_mm_kwargs": _set,
+    "kv_transfer_params": _set,
+    "ec_transfer_params": _set,
+    "vllm_xargs": _set,
 }
 
 
@@ -116,6 +128,10 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: lower runs first, on a server started with --scheduling-policy priority
+    truncation_side: Literal["left", "right"] | None = None  # truncate_prompt_tokens keeps the last (left, the
+    # default) or the first (right) tokens
+    request_id: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: the response's id carries it
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -211,6 +227,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
     best_of: int | None = None
     suffix: str | None = None
 
@@ -306,6 +323,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     echo: bool = False  # vLLM's: the reply starts with the last message's text when that is the assistant's
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered chat (templates add theirs)
 
     def check(self) -> None:
         self.check_template_fields()
