@@ -41,10 +41,13 @@ VALUES: dict[str, list] = {
     "continue_final_message": [True, False, None], "chat_template": ["{{ messages[0].content }}", "{% if %}", None],
     "chat_template_kwargs": [{"x": 1}, {}, None, {"chat_template": "{{ 1 }}"}],
     "documents": [[{"title": "t", "text": "d"}], [], None],
+    "request_id": ["r-1", "", None], "return_token_ids": [True, False, None], "add_special_tokens": [True, False],
+    "truncation_side": ["left", "right", "middle", None], "priority": [0, 1, None],
 }
 COMMON = ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "seed", "n", "stop", "stop_token_ids", "logit_bias", "min_tokens", "ignore_eos", "user",
-          "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs", "stream"]
+          "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs", "stream",
+          "request_id", "return_token_ids", "add_special_tokens", "truncation_side", "priority"]
 CHAT = [*COMMON, "max_tokens", "top_logprobs", "logprobs", "max_completion_tokens", "response_format", "chat_echo",
         "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents"]
 COMPLETION = [*COMMON, "max_tokens", "best_of", "echo", "completion_logprobs"]

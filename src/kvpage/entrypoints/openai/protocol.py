@@ -130,8 +130,8 @@ class SamplingFields(BaseModel):
     priority: int = 0  # vLLM's: lower runs first, on a server started with --scheduling-policy priority
     truncation_side: Literal["left", "right"] | None = None  # truncate_prompt_tokens keeps the last (left, the
     # default) or the first (right) tokens
-    request_id: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: the response's id carries it
-    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
+    request_id: str | None = Field(None, max_length=256)  # vLLM's: the response's id carries it ("": none)
+    return_token_ids: bool | None = False  # vLLM's: the prompt's and each choice's token ids (null: false)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
