@@ -129,8 +129,8 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "chat_template",
                     "continue_final_message", "documents"} & set(extra)
         if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)} (those that are request "
-                                "fields go there)", param="chat_template_kwargs")
+            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)} (the request sets them, or "
+                                "its fields of those names do)", param="chat_template_kwargs")
         template = config.chat_template
         if req.chat_template is not None:
             if not config.trust_request_chat_template:
