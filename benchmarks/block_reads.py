@@ -1,7 +1,7 @@
 """How fast this machine reads KV blocks scattered over a pool, against reading memory in order: the floor under
 paged decode attention's time, and so under the time int8 pages can save against bf16 ones.
 
-    python benchmarks/block_reads.py [--rounds 7] [--threads 2]
+    python benchmarks/block_reads.py [--rounds 7] [--threads 2] [--block-tokens 32 64]
 
 A small C program, compiled here with gcc for this CPU (-march=native, OpenMP; 512-bit loads on AVX-512 builds,
 256-bit ones on AVX2 builds), allocates a pool as the engine's
@@ -18,6 +18,8 @@ write between passes so that every pass starts from DRAM:
                  (--work) so that with the pool in cache the pass takes about what the int8 tiles take there.
 The last two say how much of the arithmetic's time the reads hide: if none, the kernel's time is the reads' plus
 the arithmetic's (kvpage's int8 tiles hide about half of theirs: docs/kv.md).
+  bf16-blocks-T / int8-blocks-T   the same whole-block reads on T-token blocks (--block-tokens): the same bytes in
+                 fewer, longer runs, which DRAM delivers faster per byte.
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ static vi work(vi acc, int n) {
   return V_ADD(acc, VF_TOI(VF_ADD(VF_ADD(x0, x1), VF_ADD(x2, x3))));
 }
 
-enum { SEQS = 64, PER = 512, HEADS = 3, GROUP = 16 * 66 };
+enum { SEQS = 64, HEADS = 3, GROUP = 16 * 66 };
+static int64_t PER = 512; /* blocks per sequence: 8,192 tokens of 16-token blocks */
 
 /* mode 0: whole blocks of `bb` bytes in table order; 1: the int8 tiles' order, `spin` work per (span, head) */
 static double pass(const uint8_t* pool, const int64_t* tab, int64_t bb, int mode, int spin) {
@@ -210,6 +213,30 @@ int main(int argc, char** argv) {
     }
     free(pool);
   }
+  /* larger blocks (argv[3...]: tokens per block), whole blocks in a random order: bf16 then int8 */
+  for (int a = 3; a < argc; ++a) {
+    int64_t tokens = atoi(argv[a]);
+    PER = 8192 / tokens;
+    int64_t nbt = (int64_t)SEQS * PER;
+    for (int64_t i = 0; i < nbt; ++i) tab[i] = i;
+    for (int64_t i = nbt - 1; i > 0; --i) {
+      int64_t j = rand() % (i + 1), x = tab[i];
+      tab[i] = tab[j];
+      tab[j] = x;
+    }
+    for (int k = 0; k < 2; ++k) {
+      int64_t bb = tokens * (k == 0 ? HEADS * 64 * 2 * 2 : HEADS * 66 * 2);
+      uint8_t* pool = pool_alloc(nbt * bb);
+      for (int r = 0; r < rounds; ++r) {
+        memset(evict, r, evict_bytes);
+        ts[r] = pass(pool, tab, bb, 0, 0);
+      }
+      qsort(ts, rounds, sizeof(double), cmp);
+      printf("%s-blocks-%lld %lld %.6f\n", k == 0 ? "bf16" : "int8", (long long)tokens, (long long)(nbt * bb),
+             ts[rounds / 2]);
+      free(pool);
+    }
+  }
   return 0;
 }
 """
@@ -219,12 +246,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--block-tokens", type=int, nargs="*", default=[32, 64],
+                    help="also read whole bf16 and int8 blocks of these many tokens (the pool's bytes are the same; "
+                         "longer runs of contiguous bytes read faster, int8's 6 KiB blocks of 16 tokens most of all)")
     ap.add_argument("--work", type=int, default=400,
                     help="iterations of four FMA chains after each (span, KV head): 400 add ~2.7 ms in cache on "
                          "the AMX Xeon at 2 threads, so that the pass in cache takes about the int8 tiles' 3.9-4.6 ms")
     args = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    out = run_c(SOURCE, "block_reads", [str(args.rounds), str(args.work)], ("-fopenmp",), env)[0]
+    if any(t < 16 or t > 8192 or 8192 % t for t in args.block_tokens):
+        ap.error(f"--block-tokens must divide 8192 and be at least 16, got {args.block_tokens}")
+    extra = [str(t) for t in args.block_tokens]
+    out = run_c(SOURCE, "block_reads", [str(args.rounds), str(args.work), *extra], ("-fopenmp",), env)[0]
     rows = [line.split() for line in out.splitlines() if line.strip()]
     res = {name: (int(size), float(sec)) for name, size, sec in rows}
     print(f"machine: {cpu_model()}; {args.threads} threads, medians of {args.rounds} passes")
@@ -239,6 +272,10 @@ def main() -> None:
     print(f"int8 pages read in the tiles' order take {floor:.2f}x the bf16 blocks' read (the floor of the int8/bf16 "
           f"decode ratio on this machine); the work adds {add:.2f} ms from DRAM against {cache_add:.2f} ms in cache "
           f"({add / cache_add:.0%} of it unhidden)")
+    for t in args.block_tokens:
+        i8, b16 = res[f"int8-blocks-{t}"][1], res[f"bf16-blocks-{t}"][1]
+        print(f"{t}-token blocks: int8 {i8 / b16:.2f}x bf16's read at the same block size, {i8 / bf16:.2f}x bf16's "
+              f"16-token blocks")
 
 
 if __name__ == "__main__":
