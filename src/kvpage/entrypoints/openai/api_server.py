@@ -123,7 +123,14 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         except Exception as e:
             raise APIError(400, f"{param}: the text could not be tokenized: {e}", param=param) from None
 
-    def render_chat(conversation: list[dict[str, str]], req: ChatTemplateFields) -> str:
+    async def render_chat(conversation: list[dict[str, str]], req: ChatTemplateFields) -> str:
+        """The prompt text; a client's own template renders on a worker thread, so one that loops for long holds
+        up its own request, not every stream the event loop serves."""
+        if req.chat_template is None:
+            return render_sync(conversation, req)
+        return await asyncio.to_thread(render_sync, conversation, req)
+
+    def render_sync(conversation: list[dict[str, str]], req: ChatTemplateFields) -> str:
         req.check_template_fields()
         extra = dict(req.chat_template_kwargs or {})
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "chat_template",
@@ -229,7 +236,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
             bos = "add_special_tokens" in req.model_fields_set and req.add_special_tokens  # a chat's default: none
-            ids = await encode(render_chat(conversation(req.messages), req), "messages", add_special_tokens=bos)
+            ids = await encode(await render_chat(conversation(req.messages), req), "messages", add_special_tokens=bos)
         else:
             ids = await encode(req.prompt or "", "prompt", add_special_tokens=req.add_special_tokens)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
@@ -328,7 +335,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         req = await body(request, ChatCompletionRequest)
         common_checks(req)
         req.check()
-        text = render_chat(req.conversation(), req)
+        text = await render_chat(req.conversation(), req)
         ids = truncate(await encode(text, "messages", add_special_tokens=req.add_special_tokens),
                        req.truncate_prompt_tokens, req.truncation_side)
         max_tokens = engine.check_request(len(ids), req.requested_max_tokens(), fit_context=True)
