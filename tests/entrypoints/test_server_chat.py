@@ -27,6 +27,17 @@ def srv(tmp_path_factory) -> Iterator[int]:
         yield port
 
 
+def streamed(port: int, path: str, body: dict) -> list[dict]:
+    """Every event of a streamed request, up to [DONE]."""
+    sock, got = stream_raw(port, path, body)
+    while b"data: [DONE]" not in got:
+        chunk = sock.recv(65536)
+        assert chunk, "the stream ended before [DONE]"
+        got += chunk
+    sock.close()
+    return [json.loads(line[6:]) for line in got.decode().splitlines() if line.startswith("data: {")]
+
+
 def prompt_text(port: int, body: dict) -> str:
     status, tok = request(port, "POST", "/tokenize", body)
     assert status == 200, tok
@@ -74,14 +85,7 @@ def test_echo_puts_the_assistants_last_message_first(srv):
     status, out = request(srv, "POST", "/v1/chat/completions", {**body, "messages": CONTINUED[:1]})  # a user's: none
     alone = request(srv, "POST", "/v1/chat/completions", {**body, "messages": CONTINUED[:1], "echo": False})[1]
     assert status == 200 and out["choices"][0]["message"] == alone["choices"][0]["message"]
-    sock, got = stream_raw(srv, "/v1/chat/completions", {**body, "stream": True})
-    while b"data: [DONE]" not in got:
-        chunk = sock.recv(65536)
-        assert chunk
-        got += chunk
-    sock.close()
-    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in got.decode().splitlines()
-              if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in streamed(srv, "/v1/chat/completions", {**body, "stream": True})]
     assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "The color I pick is"}
     assert "".join(d.get("content", "") for d in deltas) == echoed  # greedy: the same reply, streamed
     wait_idle(srv)
@@ -97,13 +101,7 @@ def test_return_token_ids_and_request_id_as_vllm_returns_them(srv):
     assert detok == out["choices"][0]["text"] and all(c["prompt_token_ids"] == prompt for c in out["choices"])
     status, again = request(srv, "POST", "/v1/completions", body)  # the same request_id again: served as well
     assert status == 200 and again["choices"] == out["choices"]
-    sock, got = stream_raw(srv, "/v1/completions", {**body, "stream": True})
-    while b"data: [DONE]" not in got:
-        chunk = sock.recv(65536)
-        assert chunk
-        got += chunk
-    sock.close()
-    chunks = [json.loads(line[6:])["choices"][0] for line in got.decode().splitlines() if line.startswith("data: {")]
+    chunks = [e["choices"][0] for e in streamed(srv, "/v1/completions", {**body, "stream": True})]
     for i in range(2):
         mine = [c for c in chunks if c["index"] == i]
         assert mine[0]["prompt_token_ids"] == prompt and all(c["prompt_token_ids"] is None for c in mine[1:])
