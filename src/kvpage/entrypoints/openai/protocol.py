@@ -128,8 +128,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: lower runs first, on a server started with --scheduling-policy priority
-    truncation_side: Literal["left", "right"] | None = None  # truncate_prompt_tokens keeps the last (left, the
-    # default) or the first (right) tokens
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: truncation keeps the last (left) or first
     request_id: str | None = Field(None, max_length=256)  # vLLM's: the response's id carries it ("": none)
     return_token_ids: bool | None = False  # vLLM's: the prompt's and each choice's token ids (null: false)
     stream: bool = False
