@@ -151,6 +151,9 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             template = req.chat_template
         if req.documents is not None:
             extra["documents"] = req.documents
+        if not (template or tokenizer.chat_template):
+            raise APIError(400, "this model has no chat template: send a plain prompt to /v1/completions, or start "
+                                "the server with --chat-template", param="messages")
         try:
             return tokenizer.apply_chat_template(conversation, req.add_generation_prompt, chat_template=template,
                                                  continue_final_message=req.continue_final_message, **extra)
