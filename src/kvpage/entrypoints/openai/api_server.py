@@ -124,8 +124,8 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             raise APIError(400, f"{param}: the text could not be tokenized: {e}", param=param) from None
 
     async def render_chat(conversation: list[dict[str, str]], req: ChatTemplateFields) -> str:
-        """The prompt text; a client's own template renders on a worker thread, so one that loops for long holds
-        up its own request, not every stream the event loop serves."""
+        """The prompt text; a client's own template renders on a worker thread, so one that loops for long does
+        not stop the event loop (it still shares the interpreter with it)."""
         if req.chat_template is None:
             return render_sync(conversation, req)
         return await asyncio.to_thread(render_sync, conversation, req)
