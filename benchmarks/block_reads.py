@@ -150,6 +150,16 @@ static double pass(const uint8_t* pool, const int64_t* tab, int64_t bb, int mode
   return now() - t0;
 }
 
+/* block ids 0..n-1 in a random order: blocks placed as a long-running pool scatters them */
+static void random_table(int64_t* tab, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) tab[i] = i;
+  for (int64_t i = n - 1; i > 0; --i) {
+    int64_t j = rand() % (i + 1), x = tab[i];
+    tab[i] = tab[j];
+    tab[j] = x;
+  }
+}
+
 static int cmp(const void* a, const void* b) {
   double x = *(const double*)a, y = *(const double*)b;
   return (x > y) - (x < y);
@@ -179,13 +189,8 @@ int main(int argc, char** argv) {
   printf("sequential %zu %.6f\n", evict_bytes, ts[rounds / 2]);
   int64_t nb = (int64_t)SEQS * PER, sizes[2] = {16 * HEADS * 64 * 2 * 2, 2 * HEADS * GROUP};
   int64_t* tab = malloc(nb * sizeof(int64_t));
-  for (int64_t i = 0; i < nb; ++i) tab[i] = i;
   srand(0);
-  for (int64_t i = nb - 1; i > 0; --i) {
-    int64_t j = rand() % (i + 1), x = tab[i];
-    tab[i] = tab[j];
-    tab[j] = x;
-  }
+  random_table(tab, nb);
   for (int k = 0; k < 2; ++k) {
     int64_t bb = sizes[k];
     uint8_t* pool = pool_alloc(nb * bb);
@@ -218,12 +223,7 @@ int main(int argc, char** argv) {
     int64_t tokens = atoi(argv[a]);
     PER = 8192 / tokens;
     int64_t nbt = (int64_t)SEQS * PER;
-    for (int64_t i = 0; i < nbt; ++i) tab[i] = i;
-    for (int64_t i = nbt - 1; i > 0; --i) {
-      int64_t j = rand() % (i + 1), x = tab[i];
-      tab[i] = tab[j];
-      tab[j] = x;
-    }
+    random_table(tab, nbt);
     for (int k = 0; k < 2; ++k) {
       int64_t bb = tokens * (k == 0 ? HEADS * 64 * 2 * 2 : HEADS * 66 * 2);
       uint8_t* pool = pool_alloc(nbt * bb);

@@ -188,6 +188,12 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             raise APIError(400, f"{what} of {req.beam_width()} exceeds this server's limit of {config.max_n}",
                            param="best_of")
 
+    def request_ids(prefix: str, req: SamplingFields) -> tuple[str, str]:
+        """(the response's id, its jobs' prefix): the client's request_id names the response, while the engine's
+        ids stay unique however clients reuse theirs."""
+        rid = uuid.uuid4().hex
+        return f"{prefix}-{req.request_id or rid}", f"{prefix}-{rid}"
+
     def stream_usage(req: SamplingFields) -> tuple[bool, bool]:
         """(usage in a final chunk, usage in every chunk)."""
         so = req.stream_options
@@ -256,8 +262,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         req = await body(request, CompletionRequest)
         common_checks(req)
         req.check()
-        rid = uuid.uuid4().hex  # the engine's ids stay unique whatever request_id clients send
-        base = f"cmpl-{req.request_id or rid}"
+        base, job_base = request_ids("cmpl", req)
         jobs, params, texts = [], [], {}
         for i, prompt in enumerate(req.prompts()):
             if isinstance(prompt, str):
@@ -269,7 +274,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                                param="prompt")
             ids = truncate(ids, req.truncate_prompt_tokens, req.truncation_side)
             max_tokens = engine.check_request(len(ids), 1 if req.echo_only else req.max_tokens, fit_context=True)
-            jobs.append(Job(i, f"cmpl-{rid}-{i}", ids))
+            jobs.append(Job(i, f"{job_base}-{i}", ids))
             params.append(req.sampling_params(max_tokens, req.logprobs, req.stream))
             if req.echo:  # the prompt as the client sent it, or (token ids, a truncated prompt) its tokens' text
                 texts[i] = prompt if isinstance(prompt, str) and req.truncate_prompt_tokens is None else \
@@ -342,11 +347,12 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         ids = truncate(await encode(text, "messages", add_special_tokens=req.add_special_tokens),
                        req.truncate_prompt_tokens, req.truncation_side)
         max_tokens = engine.check_request(len(ids), req.requested_max_tokens(), fit_context=True)
-        rid = uuid.uuid4().hex
-        base = f"chatcmpl-{req.request_id or rid}"
-        jobs = [Job(0, f"chatcmpl-{rid}-0", ids)]
+        base, job_base = request_ids("chatcmpl", req)
+        jobs = [Job(0, f"{job_base}-0", ids)]
         prompt_ids = {"prompt_token_ids": ids} if req.return_token_ids else {}
-        token_ids = (lambda c: {"token_ids": list(c.token_ids)}) if req.return_token_ids else (lambda c: {})
+
+        def token_ids(c: CompletionOutput) -> dict[str, Any]:
+            return {"token_ids": list(c.token_ids)} if req.return_token_ids else {}
         params = [req.sampling_params(max_tokens, req.requested_logprobs(), req.stream)]
         top_n = req.top_logprobs or 0
         echoed = req.echoed()

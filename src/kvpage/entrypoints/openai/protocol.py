@@ -324,8 +324,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     echo: bool = False  # vLLM's: the reply starts with the last message's text when that is the assistant's
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered chat (templates add theirs)
 
-    def check(self) -> None:
-        self.check_template_fields()
+    def check(self) -> None:  # the template fields are checked where the messages are rendered
         if self.top_logprobs and not self.logprobs:  # 0 without logprobs is the neutral value (vLLM takes it too)
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
