@@ -13,6 +13,8 @@ a float32 cache, as on AVX2-only machines, kvpage's 2 GiB default holds 121 of t
 Both servers stay up for the whole run (each idles while the other is measured); the engines alternate
 within each round, and medians over the rounds are reported with their ratio. The client runs in vLLM's
 Python (../shared/peers/vllm_cli.py wraps its CLI); a peer that is not installed is skipped, never estimated.
+Each kvpage measurement also reports where its server's CPU went (per thread, from /proc): the event loop that
+serves HTTP against the engine's threads.
 """
 
 from __future__ import annotations
@@ -79,6 +81,29 @@ def start_servers(args: argparse.Namespace, logdir: Path) -> dict[str, tuple[int
     return servers
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) each thread of a process has used so far, by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def cpu_split(pid: int, before: dict[int, float], wall: float) -> str:
+    """Where kvpage's server spent the run's CPU: its main thread (the event loop: HTTP, SSE, the output queues)
+    against its other threads (the engine thread and its OpenMP workers)."""
+    used = {t: c - before.get(t, 0.0) for t, c in thread_cpu(pid).items()}
+    loop = used.get(pid, 0.0)
+    others = sorted((c for t, c in used.items() if t != pid and c > 0.05), reverse=True)
+    return (f"server CPU over {wall:.1f} s: event loop {loop:.2f} s, other threads "
+            + ", ".join(f"{c:.2f}" for c in others) + " s")
+
+
 def bench(args: argparse.Namespace, port: int, rate: str, mode: str, out: Path, seed: int) -> dict:
     cmd = [args.vllm_python or sys.executable, str(VLLM_CLI), "bench", "serve", "--backend", "openai",
            "--base-url", f"http://127.0.0.1:{port}", "--model", NAME, "--tokenizer", args.vllm_model,
@@ -123,10 +148,13 @@ def main() -> None:
                 for mode in args.modes:
                     seed += 1  # new prompts for every measurement (no prefix-cache hits from an earlier one) ...
                     for eng in (list(servers) if r % 2 == 0 else list(reversed(servers))):  # ... the same for both
+                        pid = servers[eng][1].pid
+                        before, t0 = (thread_cpu(pid), time.time()) if eng == "kvpage" else ({}, 0.0)
                         res = bench(args, servers[eng][0], rate, mode, logdir / f"{eng}-{rate}-{mode}-{r}.json", seed)
                         results.setdefault((eng, rate, mode), []).append(res)
+                        split = f"; {cpu_split(pid, before, time.time() - t0)}" if eng == "kvpage" else ""
                         print(f"round {r + 1} {eng:<7} rate {rate:>4} {mode:<8} " + ", ".join(
-                            f"{label} {res[key]:.1f}" for key, label in METRICS.items()), flush=True)
+                            f"{label} {res[key]:.1f}" for key, label in METRICS.items()) + split, flush=True)
     finally:
         for _, proc in servers.values():
             proc.terminate()
