@@ -6,12 +6,12 @@
 Without --url it starts its own server (default model, --kv-cache-memory 256MiB, --max-model-len 1024). The
 traffic: streamed and plain completions and chats, sampled and greedy, n > 1, clients that disconnect
 mid-stream, malformed and hostile bodies, prompts over the context length, degenerate sampling settings,
-scoring requests (echo, logprobs, prompt_logprobs), beam search, stop strings and ids, allowed tokens, prompt
-truncation and cache salts, and /tokenize calls, as Poisson arrivals (chats are expected to be refused by
-name when the model has no chat template). It reports requests by kind and outcome (a 5xx, a timeout or a
-broken stream is a failure), the KV blocks still in use once the server is idle (must be 0), and the server's
-memory growth (resident set size after warm-up vs at the end). --serve-args "--model gemma-3-270m" soaks
-another model.
+scoring requests (echo, logprobs, prompt_logprobs), beam search, stop strings and ids, allowed tokens, bad
+words, structured outputs (JSON, choices, regexes), prompt truncation and cache salts, and /tokenize calls, as
+Poisson arrivals (chats are expected to be refused by name when the model has no chat template). It reports
+requests by kind and outcome (a 5xx, a timeout or a broken stream is a failure), the KV blocks still in use once
+the server is idle (must be 0), and the server's memory growth (resident set size after warm-up vs at the end).
+--serve-args "--model gemma-3-270m" soaks another model.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ BAD_BODIES = [
     '{"prompt": "hi", "top_p": Infinity}',
     '{"prompt": "\\ud800 lone surrogate"}',
     '{"messages": [{"role": "user", "content": "\\udfff"}]}',
-    '{"prompt": "hi", "response_format": {"type": "json_object"}}',
+    '{"prompt": "hi", "response_format": {"type": "json_schema"}}',
+    '{"prompt": "hi", "guided_regex": "(("}',
     '{"prompt": "hi", "tools": [{"type": "function"}]}',
     '{"prompt": "hi", "max_tokens": "many"}',
     '{"prompt": [1, 2, -5]}',
@@ -150,6 +151,11 @@ class Soak:
                 {"truncate_prompt_tokens": rng.choice([-1, 1, 16])},
                 {"cache_salt": rng.choice(["a", "b"]), "n": 2, "seed": 7},
                 {"best_of": rng.randint(2, 4), "n": rng.randint(1, 2)},  # the n best of best_of samples
+                {"bad_words": rng.sample(WORDS, 2), "stream": rng.random() < 0.5},
+                rng.choice([{"response_format": {"type": "json_object"}}, {"guided_choice": rng.sample(WORDS, 3)},
+                            {"guided_regex": "[a-z]{1,8}( [a-z]{1,8}){2,6}", "n": 2, "stream": True},
+                            {"guided_json": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                             "required": ["n"]}}]),  # structured outputs
             ]), **sampling}
             if rng.random() < 0.1:  # refused by name
                 refused = rng.choice([{"best_of": 1, "n": 2}, {"suffix": "."}])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -13,6 +14,48 @@ SAMPLING_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 MAX_BEAM_WIDTH = 64  # each beam step ranks beam_width x 2 beam_width candidates in Python
 MAX_LENGTH_PENALTY = 10.0  # a score is divided by length ** length_penalty: keep that a finite float
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names; exactly one): a JSON schema (``json``, a dict or its text), any
+    JSON object (``json_object``), a regular expression, one of a list of strings (``choice``), or a grammar
+    (Lark, as llguidance reads it, or GBNF as llama.cpp writes it). Each step masks every token the match cannot
+    take; the sequence ends when the match is complete and can take nothing more."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            choice = [self.choice] if isinstance(self.choice, str) else list(self.choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError(f"structured_outputs choice must be a non-empty list of non-empty strings, got "
+                                 f"{self.choice!r}")
+            object.__setattr__(self, "choice", tuple(choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string, got {value!r}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(f"structured_outputs json must be a JSON schema (an object or its text), got "
+                             f"{type(self.json).__name__}")
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar and json_object, "
+                             f"got {kinds or 'none'}")
+
+    @property
+    def key(self) -> str:
+        """A text that identifies the constraint (compiled grammars are cached under it)."""
+        import json
+
+        return json.dumps({"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                           "json_object": self.json_object}, sort_keys=True)
 
 
 @dataclass
@@ -41,7 +84,12 @@ class SamplingParams:
     output_kind: OutputKind = "cumulative"
     logit_bias: dict[int, float] | None = None  # added to the token's logit before any filter
     allowed_token_ids: list[int] | None = None  # only these may be drawn
+    # words the output must not contain: each word's last token is masked wherever the output so far ends with
+    # the rest of the word's tokens (the engine tokenizes them when the request is added: bad_words_token_ids)
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # output constrained to a schema / regex / grammar
     stop_list: list[str] = field(init=False, repr=False)
+    bad_words_token_ids: list[list[int]] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -94,6 +142,36 @@ class SamplingParams:
             need(bool(allowed) and all(isinstance(t, int) and t >= 0 for t in allowed),
                  f"allowed_token_ids must be a non-empty list of token ids >= 0, got {allowed[:5]!r}")
             self.allowed_token_ids = allowed
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            need(all(isinstance(w, str) and w.strip() for w in words),
+                 f"bad_words must be a list of words with something besides spaces, got {self.bad_words!r}")
+            self.bad_words = list(dict.fromkeys(words)) or None
+        need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+
+    def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> None:
+        """Each bad word's token ids, as it would appear at the output's start and after a space (both, when they
+        differ): what ``banned_ids`` matches against the output."""
+        seqs: list[list[int]] = []
+        for word in self.bad_words or ():
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(encode(text))
+                if not ids:
+                    raise ValueError(f"bad_words entry {word!r} tokenizes to nothing")
+                if ids not in seqs:
+                    seqs.append(ids)
+        self.bad_words_token_ids = seqs
+
+    def banned_ids(self, token_ids: list[int], num_output: int) -> list[int]:
+        """The tokens that would complete a bad word now, given a sequence's ``token_ids`` of which the last
+        ``num_output`` are output (a bad word's earlier tokens are matched within the output only)."""
+        out = []
+        for ids in self.bad_words_token_ids:
+            head = len(ids) - 1
+            if head <= num_output and (head == 0 or token_ids[len(token_ids) - head :] == ids[:head]):
+                out.append(ids[-1])
+        return out
 
     @property
     def greedy(self) -> bool:
@@ -108,7 +186,8 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Anything besides temperature and the filters that changes the logits before a draw."""
-        return self.uses_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+        return (self.uses_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or self.structured_outputs is not None)
 
     @property
     def uses_penalties(self) -> bool:

@@ -97,6 +97,25 @@ def test_stop_token_ids_max_tokens(llm, baseline):
     assert out.token_ids == ids[:5] and out.finish_reason == "length"
 
 
+def test_bad_words_are_never_completed(llm, baseline):
+    tok = llm.get_tokenizer()
+    ids = baseline[0]
+    # a word of the greedy output that is one token after a space: banning it changes the output right there
+    at = next(i for i, t in enumerate(ids) if (w := tok.decode([t])).startswith(" ") and w[1:].isalpha()
+              and tok.encode(w, add_special_tokens=False) == [t])
+    word = tok.decode([ids[at]]).strip()
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=[word, "of the"])
+    out = llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0].token_ids
+    assert [ids[at]] in p.bad_words_token_ids
+    assert out[:at] == ids[:at] and out[at] != ids[at]
+    sampled = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=24, n=3, seed=1, bad_words=[word, "of the"]),
+                           use_tqdm=False)
+    for o in [out] + [c.token_ids for r in sampled for c in r.outputs]:
+        for banned in p.bad_words_token_ids:
+            assert not any(o[i : i + len(banned)] == banned for i in range(len(o)))
+    assert_drained(llm)
+
+
 def test_eos_min_tokens_and_ignore_eos(llm):
     chat = [{"role": "user", "content": "Reply with exactly one word: yes."}]
     natural = llm.chat(chat, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]

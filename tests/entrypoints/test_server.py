@@ -137,6 +137,10 @@ def test_sampling_extras_logprobs_n_and_stop(srv, model_id):
         "ignore_eos": True, "cache_salt": "tenant-a"})
     assert status == 200 and len(body["choices"]) == 2
     assert body["usage"]["completion_tokens"] == 6
+    greedy = {"model": model_id, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    first = request(srv, "POST", "/v1/completions", greedy)[1]["choices"][0]["text"].split()[0]
+    status, body = request(srv, "POST", "/v1/completions", {**greedy, "bad_words": [first]})
+    assert status == 200 and body["choices"][0]["text"].split()[0] != first
 
 
 def test_best_of_returns_the_n_samples_with_the_highest_logprob_sums(srv, model_id):
@@ -284,6 +288,7 @@ def test_64_concurrent_streams_then_disconnect_burst_frees_everything(srv, model
     ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": [10**9]}, 400, "token ids"),
     ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "hi", "bad_words": ["ok", ""]}, 400, "bad_words"),
 ])
 def test_bad_completion_requests_get_openai_errors(srv, body, status, words):
     got, err = request(srv, "POST", "/v1/completions", body)

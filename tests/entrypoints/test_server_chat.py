@@ -1,7 +1,7 @@
 """Requests beyond the plain turn, as vLLM's server takes them: a server-wide chat template (--chat-template), a
 request's own (with --trust-request-chat-template), the last message continued (continue_final_message), echo,
-/tokenize rendering messages exactly as a chat completion does, and the response's token ids and id
-(return_token_ids, request_id)."""
+/tokenize rendering messages exactly as a chat completion does, the response's token ids and id
+(return_token_ids, request_id), and structured outputs in OpenAI's and vLLM's spellings."""
 
 from __future__ import annotations
 
@@ -127,4 +127,37 @@ def test_truncation_side_and_fields_kvpage_cannot_honour(srv):
         status, err = request(srv, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, field: value})
         assert status == 400 and err["error"]["param"] == field, field
         assert request(srv, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, field: None})[0] == 200
+    wait_idle(srv)
+
+
+def test_structured_outputs_in_each_spelling(srv):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"],
+              "additionalProperties": False}
+    chat = {"messages": [{"role": "user", "content": "Name a city, as JSON."}], "max_tokens": 32, "temperature": 0}
+    status, out = request(srv, "POST", "/v1/chat/completions", {
+        **chat, "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}})
+    assert status == 200, out
+    assert set(json.loads(out["choices"][0]["message"]["content"])) == {"city"}
+    events = streamed(srv, "/v1/chat/completions", {**chat, "stream": True, "structured_outputs": {"json": schema}})
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert set(json.loads(text)) == {"city"}
+    status, out = request(srv, "POST", "/v1/completions", {
+        "prompt": "Give a JSON object with a name and an age:", "max_tokens": 96, "temperature": 0,
+        "response_format": {"type": "json_object"}})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "stop", out
+    assert isinstance(json.loads(out["choices"][0]["text"]), dict)
+    body = {"prompt": "Is water wet? Answer:", "max_tokens": 8, "n": 3, "seed": 2}
+    for fields in ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}}):
+        status, out = request(srv, "POST", "/v1/completions", {**body, **fields})
+        assert status == 200 and {c["text"] for c in out["choices"]} <= {"yes", "no"}, out
+    status, out = request(srv, "POST", "/v1/completions", {**body, "guided_regex": r"[0-9]{4}"})
+    assert status == 200 and all(len(c["text"]) == 4 and c["text"].isdigit() for c in out["choices"])
+    for fields, param in (({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+                          ({"guided_regex": "(("}, "structured_outputs"),
+                          ({"response_format": {"type": "json_schema"}}, "response_format"),
+                          ({"response_format": {"type": "yaml"}}, "response_format"),
+                          ({"structured_outputs": {"regex": "a", "whitespace_pattern": " +"}}, "structured_outputs"),
+                          ({"guided_choice": ["a"], "use_beam_search": True, "n": 2}, "use_beam_search")):
+        status, err = request(srv, "POST", "/v1/completions", {**body, **fields})
+        assert status == 400 and err["error"]["param"] == param, (fields, err)
     wait_idle(srv)

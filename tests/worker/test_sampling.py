@@ -128,6 +128,25 @@ def test_logit_bias_and_allowed_ids():
         SamplingParams(top_p=float("nan"))
 
 
+def test_bad_words_mask_the_token_that_would_complete_them():
+    vocab = {"ab": [1, 2], " ab": [3, 2], "c": [4], " c": [4], "x": [5, 6, 7], " x": [5, 6, 7]}
+    p = SamplingParams(bad_words=["ab", " c", "ab", "x"])
+    assert p.bad_words == ["ab", " c", "x"]  # duplicates dropped
+    p.tokenize_bad_words(vocab.__getitem__)
+    assert p.bad_words_token_ids == [[1, 2], [3, 2], [4], [5, 6, 7]]  # each spelling once
+    prompt = [9, 1]  # a word's earlier tokens count in the output only
+    assert p.banned_ids(prompt, 0) == [4]
+    assert p.banned_ids([*prompt, 1], 1) == [2, 4]
+    assert p.banned_ids([*prompt, 8, 3], 2) == [2, 4]
+    assert p.banned_ids([*prompt, 5, 6], 2) == [4, 7]
+    assert p.banned_ids([*prompt, 6], 1) == [4]
+    for bad in ([""], ["  "], [3]):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(bad_words=bad)
+    with pytest.raises(ValueError, match="tokenizes to nothing"):
+        SamplingParams(bad_words=["zz"]).tokenize_bad_words(lambda text: [])
+
+
 def test_one_bad_request_fails_alone_and_seeds_ignore_the_batch():
     import copy
 

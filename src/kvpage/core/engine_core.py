@@ -82,13 +82,14 @@ class OutputProcessor(Protocol):
 
 
 def blocked_ids(seq: Sequence, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
-    """Token ids that must not be drawn yet: stop ids and EOS while min_tokens is not reached."""
+    """Token ids that must not be drawn now: stop ids and EOS while min_tokens is not reached, and the last token
+    of any bad word the output would complete."""
     p = seq.request.params
-    if seq.num_output_tokens >= p.min_tokens:
-        return ()
-    ids = list(p.stop_token_ids or [])
-    if not p.ignore_eos:
-        ids.extend(eos_ids)
+    ids = p.banned_ids(seq.token_ids, seq.num_output_tokens) if p.bad_words_token_ids else []
+    if seq.num_output_tokens < p.min_tokens:
+        ids.extend(p.stop_token_ids or [])
+        if not p.ignore_eos:
+            ids.extend(eos_ids)
     return tuple(ids)
 
 

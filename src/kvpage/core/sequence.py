@@ -39,6 +39,9 @@ class Sequence:
     # the worker's random state for this sample (a seeded generator; None until its first draw, and for
     # unseeded requests); opaque to the scheduler
     rng: Any = None
+    # structured outputs: the matcher that says which tokens may come next (engine/structured.py Guide); the
+    # output processor feeds it each token, the worker reads its mask; opaque to the scheduler
+    guide: Any = None
 
     @property
     def cache_salt(self) -> str | None:

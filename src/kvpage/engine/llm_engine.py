@@ -16,6 +16,7 @@ from kvpage.core.step import StepFeatures, step_log_entry
 from kvpage.engine.arg_utils import EngineArgs
 from kvpage.engine.kv_events import KVEventCallback, ZmqEventPublisher, publish
 from kvpage.engine.output_processor import TextOutputProcessor, make_request_output
+from kvpage.engine.structured import GrammarCompiler
 from kvpage.errors import EngineDeadError, InvalidRequestError, RequestIdInUseError
 from kvpage.kv.events import DevicePoolEvents, KVEventSink
 from kvpage.kv.snapshot import pool_snapshot
@@ -51,8 +52,10 @@ class LLMEngine:
             self._open_events(args)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv)
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.to_json,
+                                        max(self.model_config.vocab_size, self.tokenizer.vocab_size), self.eos_ids)
         self.core = EngineCore(self.scheduler, self.worker,
-                               TextOutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len),
+                               TextOutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len, self.grammars),
                                eos_ids=self.eos_ids)
         # When a list: one entry per step (its scheduled shape and wall seconds), for calibrating the simulator.
         self.step_log: list[dict[str, float]] | None = None
@@ -163,6 +166,16 @@ class LLMEngine:
             bad = sorted({t for t in getattr(params, name, None) or () if t >= vocab})
             if bad:
                 raise InvalidRequestError(f"{name} outside the vocabulary (size {vocab}): {bad[:5]}", name)
+        if getattr(params, "structured_outputs", None) is not None:
+            try:
+                self.grammars.compile(params.structured_outputs)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), "structured_outputs") from None
+        if getattr(params, "bad_words", None):
+            try:
+                params.tokenize_bad_words(lambda word: self.tokenizer.encode(word, add_special_tokens=False))
+            except ValueError as e:
+                raise InvalidRequestError(str(e), "bad_words") from None
         self.core.add_request(request_id, text, ids, params, arrival_time, priority, cache_salt)
 
     def abort_request(self, request_id: str | Seq[str]) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvpage.core.engine_core import Finish, Sample, length_stop, token_stop
 from kvpage.core.sequence import Request, Sequence
+from kvpage.engine.structured import GrammarCompiler
 from kvpage.model.tokenizer import IncrementalDetokenizer, KVTokenizer
 from kvpage.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -24,18 +25,27 @@ class SeqOutputState:
 class TextOutputProcessor:
     """The engine's ``OutputProcessor``: incremental text, stop strings and logprobs per sequence."""
 
-    def __init__(self, tokenizer: KVTokenizer, eos_ids: tuple[int, ...], max_model_len: int) -> None:
+    def __init__(self, tokenizer: KVTokenizer, eos_ids: tuple[int, ...], max_model_len: int,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
+        self.grammars = grammars
 
     def init_seq(self, seq: Sequence) -> None:
         p = seq.request.params
         detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.prompt_len], p.skip_special_tokens)
         seq.state = SeqOutputState(detok, logprobs=[] if p.logprobs is not None else None)
+        if getattr(p, "structured_outputs", None) is not None and self.grammars is not None:
+            seq.guide = self.grammars.guide(p.structured_outputs)
 
     def append(self, seq: Sequence, sample: Sample) -> Finish | None:
-        return append_sample(seq, sample, self.tokenizer, self.eos_ids, self.max_model_len)
+        complete = seq.guide is not None and seq.guide.advance(sample.token_id)
+        done = append_sample(seq, sample, self.tokenizer, self.eos_ids, self.max_model_len)
+        if done is None and complete:  # the constraint is met and takes nothing more
+            seq.state.text += seq.state.detok.flush()
+            return "stop", None
+        return done
 
 
 def append_sample(seq: Sequence, sample: Sample, tokenizer: KVTokenizer, eos_ids: tuple[int, ...],

@@ -34,6 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--min-tokens", type=int, default=0)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--bad-word", action="append", dest="bad_words",
+                   help="a word the output must not complete (repeatable; vLLM's bad_words)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, help="also report the top-N logprobs of each token (with --json)")
     p.add_argument("--sample-seed", type=int, help="per-request seed: the same seed reproduces the output")
@@ -49,8 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     params: SamplingParams | BeamSearchParams
     if args.beam_width is not None:
-        if args.stream or args.logprobs is not None or args.stop:
-            raise ValueError("--beam-width does not stream and takes no --logprobs or --stop")
+        if args.stream or args.logprobs is not None or args.stop or args.bad_words:
+            raise ValueError("--beam-width does not stream and takes no --logprobs, --stop or --bad-word")
         params = BeamSearchParams(beam_width=args.beam_width, n=args.n, max_tokens=args.max_tokens,
                                   min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
                                   temperature=args.temperature,
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
             stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs, seed=args.sample_seed,
-            output_kind="delta" if args.stream else "cumulative",
+            bad_words=args.bad_words, output_kind="delta" if args.stream else "cumulative",
         )
     template = None
     if args.chat_template is not None:

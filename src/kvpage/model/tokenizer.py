@@ -116,6 +116,10 @@ class KVTokenizer:
             ids = [bos, *ids]
         return ids
 
+    def to_json(self) -> str:
+        """The tokenizer in Hugging Face's tokenizer.json form (what structured outputs read the vocabulary from)."""
+        return self._tk.to_str()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

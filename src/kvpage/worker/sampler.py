@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvpage.core.engine_core import Sample
@@ -42,7 +43,8 @@ class SampleRequest:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     generators: Sequence[torch.Generator | None]  # one per sample (independent draws for n > 1 forks)
-    blocked_ids: Sequence[int] = ()  # EOS / stop ids masked while min_tokens is not reached
+    blocked_ids: Sequence[int] = ()  # masked this step: EOS / stop ids before min_tokens, bad words' last tokens
+    guide: Any = None  # structured outputs: the sequence's matcher (its next_mask() says what may come next)
     _uniforms: list[float] | None = None
 
     def uniforms(self) -> list[float]:
@@ -241,12 +243,24 @@ def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest], ops: Kerne
             keep = torch.zeros(vocab, dtype=torch.bool)
             keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)] = True
             x[i].masked_fill_(~keep, _NEG_INF)
+        if req.guide is not None:
+            x[i].masked_fill_(~guide_mask(req.guide.next_mask(), vocab), _NEG_INF)
     # A penalty may have pushed values past float32's range (or made inf - inf): clamp, NaN never survives.
     torch.nan_to_num_(x, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
     for i, req in enumerate(requests):
         if req.blocked_ids:
             blocked = torch.tensor(list(req.blocked_ids), dtype=torch.long)
             x[i, blocked[blocked < vocab]] = _NEG_INF
+
+
+def guide_mask(words: np.ndarray, vocab: int) -> torch.Tensor:
+    """[vocab] bool from a matcher's int32 bit words (bit j of word i: token 32 i + j); ids past the words are
+    not allowed."""
+    bits = torch.from_numpy(words.view(np.uint8).copy())
+    allowed = ((bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1).bool()
+    if allowed.numel() >= vocab:
+        return allowed[:vocab]
+    return torch.cat([allowed, torch.zeros(vocab - allowed.numel(), dtype=torch.bool)])
 
 
 def _filter_rows(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:

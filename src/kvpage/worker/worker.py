@@ -272,7 +272,8 @@ class Worker:
                 if s.rng is None:
                     s.rng = seeded_generator(params.seed, s.index)
             gens = [s.rng for s in targets]
-        return SampleRequest(params, seq.request.prompt_token_ids, seq.output_token_ids, gens, self._blocked_for(seq))
+        return SampleRequest(params, seq.request.prompt_token_ids, seq.output_token_ids, gens, self._blocked_for(seq),
+                             seq.guide)
 
     def follow(self, plan: StepPlan) -> None:
         """A tensor-parallel follower runs rank 0's plan on its own shard and KV tensors."""

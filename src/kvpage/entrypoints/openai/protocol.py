@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as the OpenAI clients send some this server has no use for; known fields with the
 wrong type or an impossible value become a 400 naming the field, and so do the API's fields that kvpage
-cannot honour (tools, JSON mode, ...), unless they carry their neutral value. ``use_beam_search`` (with ``n``,
+cannot honour (tools, audio, ...), unless they carry their neutral value. ``use_beam_search`` (with ``n``,
 ``best_of``, ``length_penalty``, ``early_stopping``, as vLLM's server takes them) runs beam search; it does not
 stream, and refuses the sampling fields that have no meaning for it.
 """
@@ -13,13 +13,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+from kvpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 # Sampling fields beam search has no use for, with their neutral values (anything else is a 400 naming it).
 _NOT_FOR_BEAMS: dict[str, Any] = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0),
                                   "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
                                   "repetition_penalty": (None, 1.0), "stop": (None, "", []), "logit_bias": (None, {}),
-                                  "allowed_token_ids": (None,)}
+                                  "allowed_token_ids": (None,), "bad_words": (None, [])}
 
 
 class APIError(Exception):
@@ -52,14 +52,7 @@ _UNSUPPORTED: dict[str, Any] = {
     "tool_choice": lambda v: v not in (None, "none", "auto"),
     "functions": _set,
     "function_call": lambda v: v not in (None, "none", "auto"),
-    "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
-    "guided_json": _set,
-    "guided_regex": _set,
-    "guided_choice": _set,
-    "guided_grammar": _set,
     "guided_whitespace_pattern": _set,
-    "structured_outputs": _set,
-    "bad_words": _set,
     "audio": _set,
     "modalities": lambda v: v is not None and v != ["text"],
     "prediction": _set,
@@ -85,7 +78,7 @@ def refuse_unsupported(data: dict[str, Any]) -> None:
     """400 naming the first field whose value kvpage would otherwise have to ignore."""
     for name, unsupported in _UNSUPPORTED.items():
         if name in data and unsupported(data[name]):
-            raise APIError(400, f"{name} is not supported by this server (kvpage generates free text only); "
+            raise APIError(400, f"{name} is not supported by this server; "
                                 f"remove it or send its neutral value", param=name, code="unsupported_parameter")
 
 
@@ -136,6 +129,14 @@ class SamplingFields(BaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # vLLM's: words the output never completes
+    # the output's form (structured.py reads them): OpenAI's, vLLM's object and vLLM's older guided_* fields
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: up to max_model_len)
     prompt_logprobs: int | None = None  # vLLM's extra: top-k logprobs per prompt token (not with stream)
     use_beam_search: bool = False
@@ -162,6 +163,11 @@ class SamplingFields(BaseModel):
 
     def requested_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
+
+    def structured(self) -> StructuredOutputsParams | None:
+        from kvpage.entrypoints.openai.structured import structured_params  # (it raises this module's APIError)
+
+        return structured_params(self)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         stream: bool) -> SamplingParams | BeamSearchParams:
@@ -193,6 +199,8 @@ class SamplingFields(BaseModel):
                 output_kind="delta" if stream else "final_only",
                 logit_bias=self.token_bias(),
                 allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
+                structured_outputs=self.structured(),
                 prompt_logprobs=self.requested_prompt_logprobs(),
             )
         except ValueError as e:
@@ -207,6 +215,8 @@ class SamplingFields(BaseModel):
             raise APIError(400, "logprobs are not returned with use_beam_search", param="logprobs")
         if self.requested_prompt_logprobs() is not None:
             raise APIError(400, "prompt_logprobs are not returned with use_beam_search", param="prompt_logprobs")
+        if self.structured() is not None:
+            raise APIError(400, "structured outputs do not run with use_beam_search", param="use_beam_search")
         for name, neutral in _NOT_FOR_BEAMS.items():
             if getattr(self, name) not in neutral:
                 raise APIError(400, f"{name} has no meaning with use_beam_search: remove it", param=name)

@@ -1,0 +1,102 @@
+"""Structured outputs on the embedded model: every output matches its JSON schema, regex, choice list or grammar,
+greedy or sampled, n > 1 and under preemption; bad constraints are refused by name and leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kvpage.engine.llm import LLM
+from kvpage.errors import InvalidRequestError
+from kvpage.sampling_params import SamplingParams
+from kvpage.sampling_params import StructuredOutputsParams as SO
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+CHAT = [{"role": "user", "content": "Describe a person called Ada who is 36, as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(kv_cache_memory="128MiB", max_model_len=512, dtype="float32")
+
+
+def drained(llm: LLM) -> bool:
+    kv = llm.engine.kv
+    kv.check_invariants()
+    return kv.num_free_blocks == kv.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+def test_json_schema_greedy_and_sampled(llm):
+    greedy = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=48, structured_outputs=SO(json=PERSON)),
+                      use_tqdm=False)[0].outputs[0]
+    person = json.loads(greedy.text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int) and len(person["name"]) <= 12
+    assert greedy.finish_reason == "stop"
+    sampled = llm.chat(CHAT, SamplingParams(max_tokens=48, n=4, seed=3, structured_outputs=SO(json=json.dumps(PERSON))),
+                       use_tqdm=False)[0].outputs
+    for out in sampled:
+        assert out.finish_reason == "stop", out.text
+        assert set(json.loads(out.text)) == {"name", "age"}
+    free = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0].outputs[0]
+    assert free.text != greedy.text  # the constraint did change what the model wrote
+    assert drained(llm)
+
+
+def test_json_object_regex_choice_and_grammar(llm):
+    prompts = ["Answer yes or no: is the sky blue?", "Call me at", "Give a JSON object with a name and an age:",
+               "Code:"]
+    forms = [SO(choice=["yes", "no", "maybe"]), SO(regex=r"\(\d{3}\) \d{3}-\d{4}"), SO(json_object=True),
+             SO(grammar='root ::= "KV-" [0-9] [0-9] [0-9]')]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=40, seed=i, structured_outputs=f,
+                                                 temperature=0 if f.json_object else 1)  # (a sampled object rambles)
+                                  for i, f in enumerate(forms)], use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    assert texts[0] in ("yes", "no", "maybe")
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", texts[1])
+    assert isinstance(json.loads(texts[2]), dict)
+    assert re.fullmatch(r"KV-\d{3}", texts[3])
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+    # the free-text requests of the same batch are untouched
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(prompts[1], plain, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate([prompts[1], prompts[0]], [plain, SamplingParams(temperature=0, max_tokens=4,
+                                                                         structured_outputs=forms[0])],
+                         use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+    assert drained(llm)
+
+
+def test_constraints_survive_preemption():
+    tight = LLM(kv_cache_memory=16 * 30 * 8 * 3 * 128 * 4, block_size=8, max_model_len=96, dtype="float32",
+                preemption_mode="recompute")
+    form = r"([a-z]{2,6} ){11}[a-z]{2,6}\."
+    params = SamplingParams(max_tokens=80, seed=1, structured_outputs=SO(regex=form))
+    outs = tight.generate([f"Say twelve words about item {i}:" for i in range(8)], params, use_tqdm=False)
+    assert tight.engine.stats()["preemptions"] > 0
+    for o in outs:
+        assert re.fullmatch(form, o.outputs[0].text), o.outputs[0].text
+    assert drained(tight)
+
+
+@pytest.mark.parametrize(("form", "words"), [
+    (dict(regex="(unclosed"), "structured_outputs"),
+    (dict(json='{"type": "object", '), "structured_outputs"),
+    (dict(grammar="start: undefined_rule"), "structured_outputs"),
+])
+def test_bad_constraints_are_refused_by_name(llm, form, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        llm.engine.add_request("bad", "hi", SamplingParams(structured_outputs=SO(**form)))
+    assert drained(llm)
+
+
+def test_params_take_exactly_one_form():
+    with pytest.raises(ValueError, match="exactly one"):
+        SO(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one"):
+        SO()
+    with pytest.raises(ValueError, match="choice"):
+        SO(choice=[])
