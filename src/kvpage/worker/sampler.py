@@ -44,7 +44,7 @@ class SampleRequest:
     output_ids: Sequence[int]
     generators: Sequence[torch.Generator | None]  # one per sample (independent draws for n > 1 forks)
     blocked_ids: Sequence[int] = ()  # masked this step: EOS / stop ids before min_tokens, bad words' last tokens
-    guide: Any = None  # structured outputs: the sequence's matcher (its next_mask() says what may come next)
+    guide: Any = None  # structured outputs: the sequence's matcher (next_masks(guides): what may come next)
     _uniforms: list[float] | None = None
 
     def uniforms(self) -> list[float]:
@@ -243,8 +243,11 @@ def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest], ops: Kerne
             keep = torch.zeros(vocab, dtype=torch.bool)
             keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)] = True
             x[i].masked_fill_(~keep, _NEG_INF)
-        if req.guide is not None:
-            x[i].masked_fill_(~guide_mask(req.guide.next_mask(), vocab), _NEG_INF)
+    guided = [i for i, r in enumerate(requests) if r.guide is not None]
+    if guided:  # structured outputs: what each sequence's constraint cannot take next
+        words = requests[guided[0]].guide.next_masks([requests[i].guide for i in guided])
+        idx = torch.tensor(guided, dtype=torch.long)
+        x.index_copy_(0, idx, x.index_select(0, idx).add_(guide_bias(words, vocab)))
     # A penalty may have pushed values past float32's range (or made inf - inf): clamp, NaN never survives.
     torch.nan_to_num_(x, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
     for i, req in enumerate(requests):
@@ -253,14 +256,14 @@ def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest], ops: Kerne
             x[i, blocked[blocked < vocab]] = _NEG_INF
 
 
-def guide_mask(words: np.ndarray, vocab: int) -> torch.Tensor:
-    """[vocab] bool from a matcher's int32 bit words (bit j of word i: token 32 i + j); ids past the words are
-    not allowed."""
-    bits = torch.from_numpy(words.view(np.uint8).copy())
-    allowed = ((bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1).bool()
-    if allowed.numel() >= vocab:
-        return allowed[:vocab]
-    return torch.cat([allowed, torch.zeros(vocab - allowed.numel(), dtype=torch.bool)])
+def guide_bias(words: np.ndarray, vocab: int) -> torch.Tensor:
+    """[rows, vocab] float32 from matchers' int32 bit words (bit j of word i: token 32 i + j may come next): 0
+    where a token may come, -inf where not (ids past the words too). Added to the logits, not masked in: a
+    masked fill over a patchy mask branches on every value (~5x the time at 64 x 49k)."""
+    keep = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    if keep.shape[1] < vocab:
+        keep = np.pad(keep, ((0, 0), (0, vocab - keep.shape[1])))
+    return torch.from_numpy(keep).to(torch.float32).sub_(1.0).mul_(3.0e38).mul_(10.0)  # -1 overflows to -inf
 
 
 def _filter_rows(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
