@@ -4,10 +4,11 @@ vLLM's CPU build (its own structured-output backend) when it is given.
 
     python benchmarks/structured.py [--vllm-python PY --vllm-model DIR] [--rounds 1] [--max-tokens 128]
 
-Every form runs the same 64 requests with min_tokens = max_tokens, so EOS cannot end a sequence early; the
-regex admits any run of lower-case words and the JSON schema an object holding one string of at least 2,000
-characters: neither can complete within the tokens asked for, so every form generates the same count. Throughput counts the tokens each engine generated.
-Each engine runs all forms in one process (startup outside the timed region), forms in the same order.
+Every form runs the same 64 requests with min_tokens = max_tokens, so EOS cannot end a sequence early; the regex
+admits any run of lower-case words and the JSON schema an object holding one string of at least 2,000 characters:
+neither can complete within the tokens asked for, so every form generates the same count. Throughput counts the
+tokens each engine generated. Each engine runs all forms in one process (startup outside the timed region), forms
+in the same order.
 """
 
 from __future__ import annotations
