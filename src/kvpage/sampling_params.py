@@ -14,6 +14,7 @@ SAMPLING_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 MAX_BEAM_WIDTH = 64  # each beam step ranks beam_width x 2 beam_width candidates in Python
 MAX_LENGTH_PENALTY = 10.0  # a score is divided by length ** length_penalty: keep that a finite float
+MAX_BAD_WORDS = 256  # each is tokenized when the request is added and matched at every step
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,8 @@ class SamplingParams:
             need(all(isinstance(w, str) and w.strip() for w in words),
                  f"bad_words must be a list of words with something besides spaces, got {self.bad_words!r}")
             self.bad_words = list(dict.fromkeys(words)) or None
+            need(len(self.bad_words or ()) <= MAX_BAD_WORDS,
+                 f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(self.bad_words or ())}")
         need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 

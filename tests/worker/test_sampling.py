@@ -140,7 +140,7 @@ def test_bad_words_mask_the_token_that_would_complete_them():
     assert p.banned_ids([*prompt, 8, 3], 2) == [2, 4]
     assert p.banned_ids([*prompt, 5, 6], 2) == [4, 7]
     assert p.banned_ids([*prompt, 6], 1) == [4]
-    for bad in ([""], ["  "], [3]):
+    for bad in ([""], ["  "], [3], [f"w{i}" for i in range(257)]):
         with pytest.raises(ValueError, match="bad_words"):
             SamplingParams(bad_words=bad)
     with pytest.raises(ValueError, match="tokenizes to nothing"):
