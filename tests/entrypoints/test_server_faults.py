@@ -111,13 +111,16 @@ DEEP = '{"prompt": ' + "[" * 5000 + "]" * 5000 + "}"
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
      "tools is not supported"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
-                             '"response_format": {"type": "json_object"}}', "response_format is not supported"),
+                             '"response_format": {"type": "yaml"}}', "response_format type 'yaml' is not supported"),
     ("/v1/completions", '{"prompt": "x", "use_beam_search": true, "stream": true}', "does not stream"),
     ("/v1/completions", '{"prompt": "x", "use_beam_search": true, "top_p": 0.5}', "top_p has no meaning"),
     ("/v1/completions", '{"prompt": "x", "use_beam_search": true, "n": 2, "best_of": 1}', "n must"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "use_beam_search": true, '
                              '"early_stopping": "soon"}', "early_stopping"),
-    ("/v1/completions", '{"prompt": "x", "guided_json": {"type": "object"}}', "guided_json is not supported"),
+    ("/v1/completions", '{"prompt": "x", "guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}',
+     "guided_whitespace_pattern is not supported"),
+    ("/v1/completions", '{"prompt": "x", "guided_json": {"type": "nothing"}}', "structured_outputs"),
+    ("/v1/completions", '{"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}', "one output form"),
     ("/v1/completions", '{"prompt": "x", "logit_bias": {"x1": 3}}', "logit_bias keys"),
     ("/v1/completions", '{"prompt": "x", "logit_bias": {"1": 300}}', "logit_bias values"),
     ("/v1/completions", '{"prompt": "x", "logit_bias": {"99999999": 1}}', "outside the vocabulary"),
