@@ -245,9 +245,12 @@ def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest], ops: Kerne
             x[i].masked_fill_(~keep, _NEG_INF)
     guided = [i for i, r in enumerate(requests) if r.guide is not None]
     if guided:  # structured outputs: what each sequence's constraint cannot take next
-        words = requests[guided[0]].guide.next_masks([requests[i].guide for i in guided])
-        idx = torch.tensor(guided, dtype=torch.long)
-        x.index_copy_(0, idx, x.index_select(0, idx).add_(guide_bias(words, vocab)))
+        bias = guide_bias(requests[guided[0]].guide.next_masks([requests[i].guide for i in guided]), vocab)
+        if len(guided) == x.shape[0]:
+            x.add_(bias)  # (every row guided, the usual case: no gather and scatter of the rows)
+        else:
+            idx = torch.tensor(guided, dtype=torch.long)
+            x.index_copy_(0, idx, x.index_select(0, idx).add_(bias))
     # A penalty may have pushed values past float32's range (or made inf - inf): clamp, NaN never survives.
     torch.nan_to_num_(x, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
     for i, req in enumerate(requests):
