@@ -43,8 +43,7 @@ for name, form in job["forms"]:
     so = StructuredOutputsParams(**form) if form else None
     if so is not None:
         llm.engine.grammars.compile(so)  # as the server does before it submits (tokenizer view built once)
-    params = SamplingParams(max_tokens=job["max_tokens"], min_tokens=job["max_tokens"], seed=None,
-                            structured_outputs=so)
+    params = SamplingParams(max_tokens=job["max_tokens"], min_tokens=job["max_tokens"], structured_outputs=so)
     t = time.perf_counter()
     outs = llm.generate(job["reqs"], params, use_tqdm=False)
     dt = time.perf_counter() - t

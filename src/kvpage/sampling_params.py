@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 OutputKind = Literal["cumulative", "delta", "final_only"]
@@ -50,11 +52,10 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar and json_object, "
                              f"got {kinds or 'none'}")
 
-    @property
+    @cached_property
     def key(self) -> str:
-        """A text that identifies the constraint (compiled grammars are cached under it)."""
-        import json
-
+        """A text that identifies the constraint (compiled grammars are cached under it; asked for by the server,
+        the engine and every sequence's matcher, so written once)."""
         return json.dumps({"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
                            "json_object": self.json_object}, sort_keys=True)
 

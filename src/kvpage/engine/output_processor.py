@@ -26,7 +26,7 @@ class TextOutputProcessor:
     """The engine's ``OutputProcessor``: incremental text, stop strings and logprobs per sequence."""
 
     def __init__(self, tokenizer: KVTokenizer, eos_ids: tuple[int, ...], max_model_len: int,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
@@ -36,7 +36,7 @@ class TextOutputProcessor:
         p = seq.request.params
         detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.prompt_len], p.skip_special_tokens)
         seq.state = SeqOutputState(detok, logprobs=[] if p.logprobs is not None else None)
-        if getattr(p, "structured_outputs", None) is not None and self.grammars is not None:
+        if p.structured_outputs is not None:
             seq.guide = self.grammars.guide(p.structured_outputs)
 
     def append(self, seq: Sequence, sample: Sample) -> Finish | None:
