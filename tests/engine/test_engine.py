@@ -283,8 +283,8 @@ def test_tokens_drawn_in_the_logits_pass_equal_draws_from_the_logits(monkeypatch
     fused = []
     plan = worker_mod.logits_pass_draws
 
-    def counting(reqs):
-        out = plan(reqs)
+    def counting(reqs, vocab):
+        out = plan(reqs, vocab)
         fused.append(out is not None)
         return out
 
@@ -294,7 +294,7 @@ def test_tokens_drawn_in_the_logits_pass_equal_draws_from_the_logits(monkeypatch
     fused.clear()
     with_logprobs = llm.generate(PROMPTS, params({"logprobs": 1}), use_tqdm=False)
     assert fused and not any(fused)
-    monkeypatch.setattr(worker_mod, "logits_pass_draws", lambda reqs: None)
+    monkeypatch.setattr(worker_mod, "logits_pass_draws", lambda reqs, vocab: None)
     from_logits = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)]
     assert in_pass == from_logits
     assert [o.outputs[0].token_ids for o in with_logprobs] == from_logits  # logprobs change no draw

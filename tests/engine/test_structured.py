@@ -100,3 +100,38 @@ def test_params_take_exactly_one_form():
         SO()
     with pytest.raises(ValueError, match="choice"):
         SO(choice=[])
+
+
+def test_masked_rows_draw_in_the_logits_pass_as_from_the_logits(llm, monkeypatch):
+    """Rows that only limit which tokens may come (structured outputs, allowed ids, min_tokens, bad words) draw
+    inside the logits pass with a bit mask, and give the same tokens, seed for seed, as drawn from the step's
+    logits; penalties still take the logits."""
+    import kvpage.worker.worker as worker_mod
+
+    prompts = ["Give a JSON object with a name and an age:", "Call me at", "Pick a colour:", "Once upon a time",
+               "The number is", "Write a word:"]
+    params = [SamplingParams(max_tokens=24, seed=1, structured_outputs=SO(json=PERSON)),
+              SamplingParams(max_tokens=16, temperature=0, structured_outputs=SO(regex=r"\(\d{3}\) \d{3}-\d{4}")),
+              SamplingParams(max_tokens=6, seed=2, top_p=0.9, structured_outputs=SO(choice=["red", "green", "blue"])),
+              SamplingParams(max_tokens=12, seed=3, min_tokens=10, bad_words=["the", "a"]),
+              SamplingParams(max_tokens=8, seed=4, top_k=20, allowed_token_ids=[*range(28, 40), 2]),
+              SamplingParams(max_tokens=10, seed=5)]
+    plan, fused = worker_mod.logits_pass_draws, []
+
+    def counting(reqs, vocab):
+        out = plan(reqs, vocab)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(worker_mod, "logits_pass_draws", counting)
+    in_pass = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fused and all(fused)
+    fused.clear()
+    penalized = SamplingParams(max_tokens=4, presence_penalty=0.5, ignore_eos=True)
+    llm.generate(prompts[:2], [params[0], penalized], use_tqdm=False)
+    assert fused and not any(fused[:2])  # a penalty changes values: the step takes the logits
+    monkeypatch.setattr(worker_mod, "logits_pass_draws", lambda reqs, vocab: None)
+    from_logits = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert in_pass == from_logits
+    assert all(28 <= t < 40 or t == 2 for t in in_pass[4])
+    assert drained(llm)

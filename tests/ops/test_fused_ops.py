@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -306,3 +307,55 @@ def test_logits_draw_is_the_logits_pass_then_sample_rows(dtype):
         ops.logits_draw(parts, h, weight, temps[:-1], top_k, top_p, min_p, u)
     with pytest.raises(RuntimeError, match="temperature must be >= 0"):
         ops.logits_draw(parts, h, weight, -temps, top_k, top_p, min_p, u)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logits_draw_with_masks_is_the_masked_logits_then_sample_rows(dtype):
+    """A row with an allowed-token mask draws as the sampler does from its logits with every other entry at
+    -inf (a greedy row: the first allowed maximum; no token allowed: the model's argmax); rows without one
+    draw as before; a mask shorter than the vocabulary allows nothing past its words."""
+    g = torch.Generator().manual_seed(13)
+    ops = load_kernels()
+    vocab, hidden, rows = 3001, 64, 8
+    weight = (torch.randn(vocab, hidden, generator=g) * 0.3).to(dtype)
+    h = torch.randn(rows, hidden, generator=g)
+    parts = [(h.to(dtype) @ weight.T).to(dtype).contiguous()]
+    temps = torch.tensor([1.0, 0.0, 0.8, 1.0, 0.0, 1.2, 1.0, 0.0])
+    top_k = torch.tensor([0, 0, 40, 0, 0, 0, 0, 0])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.95, 1.0, 1.0, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0])
+    u = torch.rand(rows, 1, generator=g, dtype=torch.float64)
+    words = (vocab + 31) // 32
+    keep = torch.rand(4, words * 32, generator=g) < torch.tensor([0.5, 0.02, 0.9, 0.0])[:, None]
+    keep[1, 3] = True  # a sparse mask with at least one token
+    masks = torch.from_numpy(np.packbits(keep.numpy(), axis=1, bitorder="little").view(np.int32).copy())
+    short = masks[:, : words - 20].contiguous()  # tokens past 32 * (words - 20) never allowed
+    mask_of = torch.tensor([0, 0, 2, -1, 1, 1, 3, 3])
+    logits, ref_amax, _ = ops.logits_postprocess(parts, h, weight)
+    for m, width in ((masks, words * 32), (short, (words - 20) * 32)):
+        tokens, amax = ops.logits_draw(parts, h, weight, temps, top_k, top_p, min_p, u, mask_of, m)
+        assert torch.equal(amax, ref_amax)
+        for b in range(rows):
+            x = logits[b].clone()
+            if mask_of[b] >= 0:
+                allowed = keep[mask_of[b], :vocab].clone()
+                allowed[width:] = False
+                x[~allowed] = float("-inf")
+            if x.max() == float("-inf"):
+                want = int(ref_amax[b])  # nothing allowed: the model's argmax
+            elif temps[b] == 0:
+                want = int(x.argmax())
+            else:
+                want = int(ops.sample_rows(x[None].contiguous(), torch.tensor([0]), temps[b : b + 1], top_k[b : b + 1],
+                                           top_p[b : b + 1], min_p[b : b + 1], u[b : b + 1])[0, 0])
+            assert int(tokens[b, 0]) == want, b
+            if mask_of[b] >= 0 and x.max() > float("-inf"):
+                assert bool(keep[mask_of[b], want])
+    plain, _ = ops.logits_draw(parts, h, weight, temps, top_k, top_p, min_p, u)
+    unmasked = mask_of < 0
+    assert torch.equal(plain[unmasked], ops.logits_draw(parts, h, weight, temps, top_k, top_p, min_p, u,
+                                                        mask_of, masks)[0][unmasked])
+    with pytest.raises(RuntimeError, match="come together"):
+        ops.logits_draw(parts, h, weight, temps, top_k, top_p, min_p, u, mask_of, None)
+    with pytest.raises(RuntimeError, match="not there"):
+        ops.logits_draw(parts, h, weight, temps, top_k, top_p, min_p, u, torch.full((rows,), 4), masks)

@@ -31,6 +31,8 @@ class RowDraws:
     top_p: torch.Tensor  # [rows] float32
     min_p: torch.Tensor  # [rows] float32
     uniforms: torch.Tensor  # [rows, draws] float64 in [0, 1)
+    mask_of: torch.Tensor | None = None  # [rows] int64: the row's allowed-token mask in ``masks``, -1 = none
+    masks: torch.Tensor | None = None  # [masks, words] int32 bit words (bit j of word i: token 32 i + j allowed)
 
     def run(self, ops: Kernels, parts: list[torch.Tensor], hidden: torch.Tensor,
             weight: torch.Tensor) -> LogitsResult | None:
@@ -38,7 +40,7 @@ class RowDraws:
         the sampler's own per-request path reports which request fails (a draw never fails the whole step)."""
         try:
             tokens, argmax = ops.logits_draw(parts, hidden, weight, self.temperature, self.top_k, self.top_p,
-                                             self.min_p, self.uniforms)
+                                             self.min_p, self.uniforms, self.mask_of, self.masks)
         except RuntimeError:
             return None
         return LogitsResult(None, argmax, None, tokens)

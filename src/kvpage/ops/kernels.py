@@ -289,10 +289,13 @@ class Kernels:
         return self._c.logits_postprocess(parts, hidden, weight, with_logits, out)
 
     def logits_draw(self, parts: Sequence[Tensor], hidden: Tensor, weight: Tensor, temperature: Tensor,
-                    top_k: Tensor, top_p: Tensor, min_p: Tensor, uniforms: Tensor) -> list[Tensor]:
+                    top_k: Tensor, top_p: Tensor, min_p: Tensor, uniforms: Tensor, mask_of: Tensor | None = None,
+                    masks: Tensor | None = None) -> list[Tensor]:
         """logits_postprocess's pass with each row's draws made in it (sample_rows' settings; temperature 0: the
-        argmax), no logits kept: (tokens [rows, draws], argmax [rows])."""
-        return self._c.logits_draw(list(parts), hidden, weight, temperature, top_k, top_p, min_p, uniforms)
+        argmax), no logits kept: (tokens [rows, draws], argmax [rows]). Row b with ``mask_of[b] >= 0`` draws
+        only among the tokens whose bits are set in int32 words ``masks[mask_of[b]]`` (none set: its argmax)."""
+        return self._c.logits_draw(list(parts), hidden, weight, temperature, top_k, top_p, min_p, uniforms,
+                                   mask_of, masks)
 
     def logits_scan(self, part: Tensor, start: int, vocab: int, hidden: Tensor, weight: Tensor, row_max: Tensor,
                     best_value: Tensor, best_index: Tensor, out: Tensor | None) -> None:

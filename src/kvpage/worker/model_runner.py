@@ -14,7 +14,7 @@ from kvpage.distributed.kv_shards import BlockShards
 from kvpage.model.llama import LlamaForCausalLM
 from kvpage.model.logits import LogitsBuffer, RowDraws
 from kvpage.worker.kv_cache import KVCache
-from kvpage.worker.sampler import DrawSetting
+from kvpage.worker.pass_draws import DrawSetting, row_draws_tensors
 
 
 def _no_disk_tier(entry: Any, payload: bytes) -> None:
@@ -257,11 +257,7 @@ class ModelRunner:
         row_draws = None
         if draws is not None and not all_rows and not argmax_only and draws.keys() == prepared.logits_slices.keys():
             by_row = sorted((sl.stop - 1, draws[s]) for s, sl in prepared.logits_slices.items())
-            row_draws = RowDraws(torch.tensor([d.temperature for _, d in by_row], dtype=torch.float32),
-                                 torch.tensor([d.top_k for _, d in by_row], dtype=torch.long),
-                                 torch.tensor([d.top_p for _, d in by_row], dtype=torch.float32),
-                                 torch.tensor([d.min_p for _, d in by_row], dtype=torch.float32),
-                                 torch.tensor([d.uniforms for _, d in by_row], dtype=torch.float64))
+            row_draws = RowDraws(**row_draws_tensors([d for _, d in by_row]))
         res = self.forward.compute_logits_ex(hidden[prepared.logits_rows], argmax_only and not all_rows,
                                              None if all_rows else logits_buffer, draws=row_draws)
         return StepLogits(res.logits, res.argmax, res.lse, prepared.logits_slices, all_rows, res.tokens, scores)

@@ -46,6 +46,7 @@ class SampleRequest:
     blocked_ids: Sequence[int] = ()  # masked this step: EOS / stop ids before min_tokens, bad words' last tokens
     guide: Any = None  # structured outputs: the sequence's matcher (next_masks(guides): what may come next)
     _uniforms: list[float] | None = None
+    _guide_words: np.ndarray | None = None  # this step's mask from ``guide`` (guide_words), computed once
 
     def uniforms(self) -> list[float]:
         """This step's uniform per sample, drawn once: a retry after a failed batch draws the same tokens."""
@@ -54,49 +55,6 @@ class SampleRequest:
             self._uniforms = [float(torch.rand(1, generator=g, dtype=torch.float64)) if g is not None
                               else float(shared[j]) for j, g in enumerate(self.generators)]
         return self._uniforms
-
-
-@dataclass(frozen=True)
-class DrawSetting:
-    """One row's draw for the logits pass to make itself (model/logits.py RowDraws): temperature 0 takes the
-    argmax."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    uniforms: tuple[float, ...]
-
-
-def logits_pass_draws(requests: Sequence[SampleRequest]) -> list[DrawSetting] | None:
-    """Each request's draw for the logits pass, when none of the step's requests needs its row of logits: one
-    sample each, plain greedy (the argmax) or a plain draw (temperature, top-k, top-p, min-p; nothing that
-    reshapes or masks the logits), no logprobs; None otherwise. The uniforms are drawn here as ``sample`` draws
-    them (and kept on the requests, so a head that returns logits instead draws the same tokens from them)."""
-    greedy = [plain_greedy(r.params, r.blocked_ids) for r in requests]
-    plain = []
-    for r, g in zip(requests, greedy, strict=True):
-        p = r.params
-        if p.logprobs is not None or len(r.generators) != 1:
-            return None
-        if g:
-            continue
-        if p.greedy or p.shapes_logits or r.blocked_ids:
-            return None
-        plain.append(r)
-    if not plain:
-        return None
-    us = iter(_uniforms(plain, 1)[:, 0].tolist())
-    return [DrawSetting(0.0, 0, 1.0, 0.0, (0.0,)) if g else
-            DrawSetting(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p, (next(us),))
-            for r, g in zip(requests, greedy, strict=True)]
-
-
-def drawn_samples(tokens: torch.Tensor, requests: Sequence[SampleRequest], rows: Sequence[int]) -> list[list[Sample]]:
-    """The samples of a step whose logits pass drew the tokens (logits_pass_draws): no logprobs were asked."""
-    toks = tokens[:, 0].tolist()
-    return [[Sample(toks[row], float("nan"), 1 if plain_greedy(r.params, r.blocked_ids) else 0, None)]
-            for r, row in zip(requests, rows, strict=True)]
 
 
 def seeded_generator(seed: int | None, index: int) -> torch.Generator | None:
@@ -245,7 +203,7 @@ def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest], ops: Kerne
             x[i].masked_fill_(~keep, _NEG_INF)
     guided = [i for i, r in enumerate(requests) if r.guide is not None]
     if guided:  # structured outputs: what each sequence's constraint cannot take next
-        bias = guide_bias(requests[guided[0]].guide.next_masks([requests[i].guide for i in guided]), vocab)
+        bias = guide_bias(guide_words([requests[i] for i in guided]), vocab)
         if len(guided) == x.shape[0]:
             x.add_(bias)  # (every row guided, the usual case: no gather and scatter of the rows)
         else:
@@ -257,6 +215,17 @@ def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest], ops: Kerne
         if req.blocked_ids:
             blocked = torch.tensor(list(req.blocked_ids), dtype=torch.long)
             x[i, blocked[blocked < vocab]] = _NEG_INF
+
+
+def guide_words(requests: Sequence[SampleRequest]) -> np.ndarray:
+    """[rows, words] int32: each guided request's mask of what may come next, the masks still missing computed
+    in one batch and kept on the requests (a step whose logits pass could not draw masks its logits with
+    the same words)."""
+    todo = [r for r in requests if r._guide_words is None]
+    if todo:
+        for r, words in zip(todo, todo[0].guide.next_masks([r.guide for r in todo]), strict=True):
+            r._guide_words = words
+    return np.stack([r._guide_words for r in requests])
 
 
 def guide_bias(words: np.ndarray, vocab: int) -> torch.Tensor:
@@ -301,7 +270,7 @@ def _filter_rows(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
         x.index_copy_(0, idx, sub.masked_fill(cut, _NEG_INF))
 
 
-def _uniforms(requests: Sequence[SampleRequest], width: int) -> torch.Tensor:
+def step_uniforms(requests: Sequence[SampleRequest], width: int) -> torch.Tensor:
     """[rows, width] float64 uniforms in [0, 1): a seeded sample draws from its own generator, one value per
     step, so its tokens do not depend on the rest of the batch; unseeded samples from the global generator,
     in one draw for the whole batch."""
@@ -318,7 +287,7 @@ def _draw(source: torch.Tensor, idx: list[int], requests: Sequence[SampleRequest
           ops: Kernels | None) -> torch.Tensor:
     """[len(idx), width] draws from rows ``idx`` of ``source`` (temperature > 0 on each)."""
     params = [r.params for r in requests]
-    u = _uniforms(requests, width)
+    u = step_uniforms(requests, width)
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     if ops is not None and source.dtype == torch.float32 and source.is_contiguous():
         vocab = source.shape[1]

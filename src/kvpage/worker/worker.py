@@ -33,13 +33,11 @@ from kvpage.units import format_bytes
 from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, kv_dtype_name, kv_torch_dtype, model_layout
 from kvpage.worker.kv_calibration import calibrate_kv_transforms
 from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq, StepLogits
+from kvpage.worker.pass_draws import DrawSetting, drawn_samples, logits_pass_draws
 from kvpage.worker.sampler import (
-    DrawSetting,
     SampleRequest,
     argmax_suffices,
     beam_candidates,
-    drawn_samples,
-    logits_pass_draws,
     sample_isolated,
     seeded_generator,
 )
@@ -251,12 +249,12 @@ class Worker:
     def _plan_draws(self, out: SchedulerOutput) -> dict[str, DrawSetting] | None:
         """The step's draws for the logits pass to make itself, when no request needs its logits (greedy or
         plain sampling, one sample from each row, no logprobs): 128 sampled rows of SmolLM2 then skip writing
-        and reading back 25 MB of float32 logits (sampler.logits_pass_draws)."""
+        and reading back 25 MB of float32 logits; rows that only mask tokens draw there too (pass_draws)."""
         seqs = [w.seq for w in out.work if w.completes_prompt]
         if any(s.request.beam is not None or (s.request.params.n > 1 and not s.request.forked) for s in seqs):
             return None
         reqs = [self._sample_request(s, [s]) for s in seqs]
-        settings = logits_pass_draws(reqs)
+        settings = logits_pass_draws(reqs, self.runner.vocab_size)
         if settings is None:
             return None
         self._requests = {s.seq_id: r for s, r in zip(seqs, reqs, strict=True)}

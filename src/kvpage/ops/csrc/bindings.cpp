@@ -27,7 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("parts"), py::arg("hidden"), py::arg("weight"), py::arg("with_logits") = true,
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("logits_draw", &logits_draw, "the logits pass with each row's token drawn in it (sample_rows' draw, or the argmax)",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("parts"), py::arg("hidden"), py::arg("weight"), py::arg("temperature"), py::arg("top_k"),
+        py::arg("top_p"), py::arg("min_p"), py::arg("uniforms"), py::arg("mask_of") = py::none(),
+        py::arg("masks") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("logits_scan", &logits_scan, "one vocabulary slice of the logits pass (widen into out, or the running argmax)",
         py::call_guard<py::gil_scoped_release>());
   m.def("logits_finish", &logits_finish, "end of the logits pass over out: exact near-max entries, argmax, logsumexp",

@@ -264,7 +264,8 @@ LogitParts logit_parts(const std::vector<torch::Tensor>& parts, const char* op) 
 template <typename L>
 void widen_draw_rows(const LogitsPass& ps, const std::vector<torch::Tensor>& parts, int64_t B, int64_t V,
                      const float* temp, const int64_t* top_k, const float* top_p, const float* min_p,
-                     const double* u, int64_t W, int64_t* tokens, int64_t* argmax) {
+                     const double* u, int64_t W, int64_t* tokens, int64_t* argmax, const int64_t* mask_of,
+                     const int32_t* masks, int64_t words) {
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     thread_local std::vector<float> row;
     thread_local kvpage::sampling::Scratch scratch;
@@ -274,6 +275,14 @@ void widen_draw_rows(const LogitsPass& ps, const std::vector<torch::Tensor>& par
     for (int64_t b = b0; b < b1; ++b) {
       // no log-sum-exp: no logprobs are asked for
       finish_row(ps, o, b, V, widen_row<L>(parts, b, o), argmax + b, nullptr);
+      if (mask_of != nullptr && mask_of[b] >= 0) {
+        // only the allowed tokens stay; none allowed: the model's argmax (as the sampler does with logits)
+        const int64_t best = kvpage::sampling::mask_row(o, V, masks + mask_of[b] * words, words);
+        if (best < 0 || !(temp[b] > 0.f)) {
+          std::fill(tokens + b * W, tokens + (b + 1) * W, best < 0 ? argmax[b] : best);
+          continue;
+        }
+      }
       if (temp[b] > 0.f)
         kvpage::sampling::sample_row(o, V, temp[b], top_k[b], top_p[b], min_p[b], u + b * W, W, tokens + b * W,
                                      scratch);
@@ -285,7 +294,8 @@ void widen_draw_rows(const LogitsPass& ps, const std::vector<torch::Tensor>& par
 
 std::vector<torch::Tensor> logits_draw(std::vector<torch::Tensor> parts, torch::Tensor hidden, torch::Tensor weight,
                                        torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
-                                       torch::Tensor min_p, torch::Tensor uniforms) {
+                                       torch::Tensor min_p, torch::Tensor uniforms,
+                                       c10::optional<torch::Tensor> mask_of, c10::optional<torch::Tensor> masks) {
   const LogitParts lp = logit_parts(parts, "logits_draw");
   const at::ScalarType dt = lp.dt;
   const int64_t B = lp.rows, V = lp.vocab;
@@ -301,6 +311,20 @@ std::vector<torch::Tensor> logits_draw(std::vector<torch::Tensor> parts, torch::
              uc = uniforms.contiguous();
   const int64_t W = uc.size(1);
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(tc.data_ptr<float>()[b] >= 0.f, "temperature must be >= 0");
+  const bool masked = mask_of.has_value() && mask_of->defined();
+  TORCH_CHECK(masked == (masks.has_value() && masks->defined()), "mask_of and masks come together");
+  torch::Tensor mo, mk;
+  if (masked) {
+    mo = mask_of->contiguous();
+    mk = masks->contiguous();
+    TORCH_CHECK(mo.scalar_type() == at::kLong && mo.numel() == B, "mask_of must be int64, one entry per row");
+    TORCH_CHECK(mk.scalar_type() == at::kInt && mk.dim() == 2, "masks must be [masks, words] int32");
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(mo.data_ptr<int64_t>()[b] < mk.size(0), "mask_of names a mask that is not there");
+  }
+  const int64_t* mop = masked ? mo.data_ptr<int64_t>() : nullptr;
+  const int32_t* mkp = masked ? mk.data_ptr<int32_t>() : nullptr;
+  const int64_t words = masked ? mk.size(1) : 0;
   auto opts = parts[0].options();
   auto tokens = at::empty({B, W}, opts.dtype(at::kLong));
   auto amax = at::empty({B}, opts.dtype(at::kLong));
@@ -308,11 +332,11 @@ std::vector<torch::Tensor> logits_draw(std::vector<torch::Tensor> parts, torch::
   if (dt == at::kBFloat16)
     widen_draw_rows<at::BFloat16>(ps, cparts, B, V, tc.data_ptr<float>(), kc.data_ptr<int64_t>(), pc.data_ptr<float>(),
                                   mc.data_ptr<float>(), uc.data_ptr<double>(), W, tokens.data_ptr<int64_t>(),
-                                  amax.data_ptr<int64_t>());
+                                  amax.data_ptr<int64_t>(), mop, mkp, words);
   else
     widen_draw_rows<float>(ps, cparts, B, V, tc.data_ptr<float>(), kc.data_ptr<int64_t>(), pc.data_ptr<float>(),
                            mc.data_ptr<float>(), uc.data_ptr<double>(), W, tokens.data_ptr<int64_t>(),
-                           amax.data_ptr<int64_t>());
+                           amax.data_ptr<int64_t>(), mop, mkp, words);
   return {tokens, amax};
 }
 

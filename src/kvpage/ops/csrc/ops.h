@@ -25,10 +25,12 @@ std::vector<torch::Tensor> qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weigh
 std::vector<torch::Tensor> logits_postprocess(std::vector<torch::Tensor> parts, torch::Tensor hidden,
                                               torch::Tensor weight, bool with_logits,
                                               c10::optional<torch::Tensor> out_buf);
-// The logits pass drawing each row's token as it goes (temperature 0: the argmax): (tokens [rows, draws], argmax).
+// The logits pass drawing each row's token as it goes (temperature 0: the argmax), row b limited to the tokens
+// its mask masks[mask_of[b]] allows when mask_of[b] >= 0: (tokens [rows, draws], argmax).
 std::vector<torch::Tensor> logits_draw(std::vector<torch::Tensor> parts, torch::Tensor hidden, torch::Tensor weight,
                                        torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
-                                       torch::Tensor min_p, torch::Tensor uniforms);
+                                       torch::Tensor min_p, torch::Tensor uniforms,
+                                       c10::optional<torch::Tensor> mask_of, c10::optional<torch::Tensor> masks);
 void logits_scan(torch::Tensor part, int64_t start, int64_t vocab, torch::Tensor hidden, torch::Tensor weight,
                  torch::Tensor row_max, torch::Tensor best_value, torch::Tensor best_index,
                  c10::optional<torch::Tensor> out);
