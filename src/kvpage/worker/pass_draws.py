@@ -42,7 +42,8 @@ def mask_only(params: SamplingParams) -> bool:
 def allowed_words(requests: Sequence[SampleRequest], vocab: int) -> list[np.ndarray | None]:
     """Per request, [ceil(vocab / 32)] int32 words of the tokens it may draw this step (bit j of word i: token
     32 i + j), or None when it may draw any: its guide's mask (computed for all guided rows at once), narrowed
-    to ``allowed_token_ids``, without its blocked ids. Ids at or past ``vocab`` are never allowed."""
+    to ``allowed_token_ids``, without its blocked ids. Ids at or past ``vocab`` are never allowed. Word by word
+    (a row unpacked to one flag per token and packed again cost ~27 us, 1.7 ms a step at 64 guided rows)."""
     n = (vocab + 31) // 32
     guided = [r for r in requests if r.guide is not None]
     if guided:
@@ -53,19 +54,24 @@ def allowed_words(requests: Sequence[SampleRequest], vocab: int) -> list[np.ndar
         if r.guide is None and allowed is None and not r.blocked_ids:
             out.append(None)
             continue
-        keep = np.ones(n * 32, dtype=bool)
-        keep[vocab:] = False
-        if r.guide is not None:
-            g = np.unpackbits(r._guide_words.view(np.uint8), bitorder="little").astype(bool)[: n * 32]
-            keep[: g.size] &= g
-            keep[g.size :] = False
+        words = np.zeros(n, dtype=np.uint32)
+        if r.guide is None:
+            words[:] = 0xFFFFFFFF
+        else:
+            g = r._guide_words.view(np.uint32)[:n]
+            words[: g.size] = g
+        if vocab % 32:
+            words[-1] &= np.uint32((1 << (vocab % 32)) - 1)
         if allowed is not None:
-            only = np.zeros_like(keep)
-            only[[t for t in allowed if t < vocab]] = True
-            keep &= only
-        if r.blocked_ids:
-            keep[[t for t in r.blocked_ids if 0 <= t < vocab]] = False
-        out.append(np.packbits(keep, bitorder="little").view(np.int32))
+            only = np.zeros(n, dtype=np.uint32)
+            at = np.asarray(allowed, dtype=np.int64)
+            at = at[at < vocab]
+            np.bitwise_or.at(only, at >> 5, np.left_shift(np.uint32(1), (at & 31).astype(np.uint32)))
+            words &= only
+        for t in r.blocked_ids:  # a few ids (stop ids before min_tokens, bad words' last tokens)
+            if 0 <= t < vocab:
+                words[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+        out.append(words.view(np.int32))
     return out
 
 
