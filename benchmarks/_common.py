@@ -25,6 +25,17 @@ def median_seconds(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+def memory_read_gbps(gib: int = 1, reps: int = 5) -> float:
+    """This hour's memory read rate: a float32 sum over ``gib`` GiB on every core, median of ``reps`` passes. The
+    machines share memory with their neighbours, and a run's figures move with it (20.9-31.0 GB/s on the AMX
+    Xeon between hours), so the online and structured runs print it beside their results."""
+    import torch
+
+    x = torch.ones((gib << 30) // 4)
+    seconds = median_seconds(lambda: x.sum(), reps)
+    return (gib << 30) / seconds / 1e9
+
+
 def alternating_medians(a: Callable[[], float], b: Callable[[], float], rounds: int,
                         warmup: int = 1) -> tuple[float, float]:
     """Median seconds of two passes that time themselves, run alternately (after ``warmup`` untimed rounds) so

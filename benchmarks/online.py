@@ -14,7 +14,8 @@ Both servers stay up for the whole run (each idles while the other is measured);
 within each round, and medians over the rounds are reported with their ratio. The client runs in vLLM's
 Python (../shared/peers/vllm_cli.py wraps its CLI); a peer that is not installed is skipped, never estimated.
 Each kvpage measurement also reports where its server's CPU went (per thread, from /proc): the event loop that
-serves HTTP against the engine's threads.
+serves HTTP against the engine's threads. The summary gives the machine's memory read rate before the servers
+start and after they stop: both engines' figures move with it from one hour to the next.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_model
+from _common import cpu_model, memory_read_gbps
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_CLI = ROOT.parent / "shared" / "peers" / "vllm_cli.py"
@@ -139,6 +140,7 @@ def main() -> None:
     if not args.vllm_python or not args.vllm_model:
         raise SystemExit("the client is vLLM's: give --vllm-python and --vllm-model (see ../shared/PEERS.md)")
     logdir = Path(tempfile.mkdtemp(prefix="kvpage-online-"))
+    memory = [memory_read_gbps()]  # before the servers start and after they stop: the hour's memory speed
     servers = start_servers(args, logdir)
     results: dict[tuple[str, str, str], list[dict]] = {}
     try:
@@ -163,9 +165,11 @@ def main() -> None:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    memory.append(memory_read_gbps())
     limit = f", at most {args.max_concurrency} in flight" if args.max_concurrency else ""
     print(f"\nmachine: {cpu_model()}, {os.cpu_count()} cores; {NAME}; vllm bench serve, random 256/128, "
-          f"{args.num_prompts} prompts, ignore_eos{limit}; medians of {args.rounds} rounds")
+          f"{args.num_prompts} prompts, ignore_eos{limit}; medians of {args.rounds} rounds; memory read "
+          f"{memory[0]:.1f} GB/s before, {memory[1]:.1f} after (a float32 sum over 1 GiB)")
     print("| rate | requests | engine | " + " | ".join(METRICS.values()) + " |")
     print("|---" * (3 + len(METRICS)) + "|")
     table = {}
@@ -181,8 +185,9 @@ def main() -> None:
                 print(f"| {rate} | {mode} | kvpage / vLLM | {a['output_throughput'] / b['output_throughput']:.2f}x | "
                       f"{a['mean_tpot_ms'] / b['mean_tpot_ms']:.2f}x | | |")
     if args.json_out:
-        args.json_out.write_text(json.dumps({"machine": cpu_model(), "medians": table, "runs": {
-            " ".join(k): [{m: x[m] for m in METRICS} for x in v] for k, v in results.items()}}, indent=1))
+        runs = {" ".join(k): [{m: x[m] for m in METRICS} for x in v] for k, v in results.items()}
+        args.json_out.write_text(json.dumps({"machine": cpu_model(), "memory_read_gbps": memory, "medians": table,
+                                             "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

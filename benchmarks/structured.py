@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_model, run_python
+from _common import cpu_model, memory_read_gbps, run_python
 from throughput import build_workload
 
 FORMS = {
@@ -83,6 +83,7 @@ def main() -> None:
     reqs = [r["prompt_token_ids"] for r in build_workload("chat64")]
     job = {"reqs": reqs, "forms": list(FORMS.items()), "max_tokens": a.max_tokens}
     runs: dict[str, list[dict]] = {"kvpage": [], "vllm": []}
+    memory = memory_read_gbps()  # this hour's memory speed, which moves every figure below
     for _ in range(a.rounds):
         runs["kvpage"].append(run_python(sys.executable, KVPAGE, job)["forms"])
         if a.vllm_python and a.vllm_model:
@@ -90,7 +91,7 @@ def main() -> None:
                 "KVPAGE_VLLM_MODEL": a.vllm_model, "VLLM_CPU_KVCACHE_SPACE": "4",
                 "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"})["forms"])
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores; chat64, sampled (temperature 1.0), {a.max_tokens} tokens "
-          f"each; medians of {a.rounds} round(s)")
+          f"each; medians of {a.rounds} round(s); memory read {memory:.1f} GB/s before the runs (float32 sum, 1 GiB)")
     print("| form | kvpage tok/s | kvpage vs free | vLLM tok/s | vLLM vs free | kvpage / vLLM |")
     print("|---|---|---|---|---|---|")
     rate = {eng: {f: statistics.median(r[f]["tokens"] / r[f]["seconds"] for r in rs) for f in FORMS}
