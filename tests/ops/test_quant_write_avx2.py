@@ -108,3 +108,28 @@ def test_avx2_feedback_write_equals_the_torch_oracle_byte_for_byte(avx2_write, d
             assert torch.equal(ours, ref), (dim, src)
             one = avx2_write.quantize_feedback(xs[5:6].contiguous(), dtype, fb[0].contiguous())  # a lone row's path
             assert torch.equal(one, ref[5:6]), (dim, src)
+
+
+def test_avx2_allowed_token_mask(avx2_write):
+    """row_mask.h's 8-lane path: the disallowed entries at -inf, and the first index of the largest allowed one,
+    over vocabularies that end inside a vector and inside a word, masks shorter than the row, ties across lanes."""
+    import numpy as np
+
+    if isinstance(avx2_write, NativeWrite):
+        pytest.skip("this machine's own build is the AVX2 one: tests/ops/test_fused_ops.py runs its mask")
+    g = torch.Generator().manual_seed(5)
+    for vocab in (7, 8, 31, 32, 100, 3001):
+        for density in (0.0, 0.03, 0.5, 1.0):
+            for short in (False, True):
+                words = (vocab + 31) // 32 - (1 if short and vocab > 32 else 0)
+                keep = torch.rand(words * 32, generator=g) < density
+                bits = torch.from_numpy(np.packbits(keep.numpy(), bitorder="little").view(np.int32).copy())
+                x = torch.round(torch.randn(vocab, generator=g) * 2)  # many ties
+                ours = x.clone()
+                at = avx2_write.mask_row(ours, bits)
+                allowed = torch.zeros(vocab, dtype=torch.bool)
+                allowed[: min(vocab, words * 32)] = keep[: min(vocab, words * 32)]
+                ref = torch.where(allowed, x, torch.tensor(float("-inf")))
+                assert torch.equal(ours, ref), (vocab, density, short)
+                want = -1 if not bool(allowed.any()) else int(ref.argmax())
+                assert at == want, (vocab, density, short)

@@ -1,11 +1,13 @@
 // The quantizing row write (attention/quant_codes.h) as an AVX2-only build compiles it, for a test that runs
 // on machines with AVX-512 too (tests/ops/test_quant_write_avx2.py builds this file with -mno-avx512f, and
-// attention/kv_affine.cpp beside it: the key/value transform's 8-lane rows, tests/ops/test_kv_affine.py).
+// attention/kv_affine.cpp beside it: the key/value transform's 8-lane rows, tests/ops/test_kv_affine.py), and the
+// logits pass's allowed-token mask (row_mask.h, tests/ops/test_fused_ops.py).
 #include <torch/extension.h>
 
 #include "attention/key_feedback.h"
 #include "attention/quant_rows.h"
 #include "ops.h"  // kv_affine_rows
+#include "row_mask.h"
 
 using namespace kvpage::attn;
 static_assert(KVPAGE_ISA_AVX2_ONLY, "built without AVX-512: the AVX2 write is what runs");
@@ -60,7 +62,13 @@ torch::Tensor quantize_feedback(const torch::Tensor& x, at::ScalarType code, con
   return out;
 }
 
+// x [V] float32 masked in place by int32 words; returns the first index of the largest allowed entry (-1: none)
+int64_t mask_row(torch::Tensor x, const torch::Tensor& words) {
+  return kvpage::sampling::mask_row(x.data_ptr<float>(), x.numel(), words.data_ptr<int32_t>(), words.numel());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mask_row", &mask_row);
   m.def("quantize", &quantize);
   m.def("quantize_feedback", &quantize_feedback);
   m.def("kv_affine_rows", &kv_affine_rows);

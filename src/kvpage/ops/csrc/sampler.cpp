@@ -294,34 +294,6 @@ void sample_row(const float* x, int64_t V, float T, int64_t k, float top_p, floa
   }
 }
 
-int64_t mask_row(float* x, int64_t V, const int32_t* allowed, int64_t words) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int64_t covered = std::min(V, words * 32);
-  float best = kNegInf;
-  int64_t at = -1;
-  int64_t v = 0;
-#if KVPAGE_ISA_AVX512
-  const __m512 ninf = _mm512_set1_ps(kNegInf);
-  for (; v + 16 <= covered; v += 16) {
-    const __mmask16 keep = static_cast<__mmask16>(static_cast<uint32_t>(allowed[v >> 5]) >> (v & 31));
-    const __m512 m = _mm512_mask_mov_ps(ninf, keep, _mm512_loadu_ps(x + v));
-    _mm512_storeu_ps(x + v, m);
-    const float mx = _mm512_reduce_max_ps(m);
-    if (mx > best) {  // the first index of a new maximum: a rare scalar look
-      best = mx;
-      for (int64_t j = v; j < v + 16; ++j)
-        if (x[j] == mx) { at = j; break; }
-    }
-  }
-#endif
-  for (; v < covered; ++v) {
-    if (!((static_cast<uint32_t>(allowed[v >> 5]) >> (v & 31)) & 1u)) x[v] = kNegInf;
-    else if (x[v] > best) best = x[v], at = v;
-  }
-  for (; v < V; ++v) x[v] = kNegInf;
-  return best == kNegInf ? -1 : at;
-}
-
 void Scratch::reserve(int64_t V) {
   e.resize(V);
   block_sum.resize((V + kBlock - 1) / kBlock);

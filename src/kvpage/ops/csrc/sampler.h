@@ -25,9 +25,6 @@ struct Scratch {
 void sample_row(const float* x, int64_t V, float T, int64_t k, float top_p, float min_p, const double* u,
                 int64_t W, int64_t* out, Scratch& s);
 
-// Entries of x[V] whose bit in `allowed` is clear set to -inf (bit j of word i: token 32 i + j may come next;
-// tokens at or past 32 * words are never allowed), as structured outputs, allowed ids and blocked ids ask.
-// Returns the first index of the largest allowed entry, -1 when nothing is allowed.
-int64_t mask_row(float* x, int64_t V, const int32_t* allowed, int64_t words);
-
 }  // namespace kvpage::sampling
+
+#include "row_mask.h"  // mask_row: a row limited to its allowed tokens
