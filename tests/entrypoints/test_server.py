@@ -143,6 +143,38 @@ def test_sampling_extras_logprobs_n_and_stop(srv, model_id):
     assert status == 200 and body["choices"][0]["text"].split()[0] != first
 
 
+def test_logprobs_name_tokens_by_id_when_asked(srv, model_id):
+    """vLLM's return_tokens_as_token_ids: every token of the logprobs is "token_id:{id}" (completions, chat,
+    streamed chat), the same ids the response's token ids list; text_offset still counts the text."""
+    base = {"model": model_id, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "return_token_ids": True}
+    plain = request(srv, "POST", "/v1/completions", base)[1]["choices"][0]
+    status, body = request(srv, "POST", "/v1/completions", {**base, "return_tokens_as_token_ids": True})
+    assert status == 200, body
+    ch = body["choices"][0]
+    lp = ch["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ch["token_ids"]]
+    assert lp["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    assert lp["text_offset"] == plain["logprobs"]["text_offset"]
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in lp["top_logprobs"] for k in top)
+    chat = {"model": model_id, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True,
+            "return_token_ids": True}
+    status, body = request(srv, "POST", "/v1/chat/completions", chat)
+    assert status == 200, body
+    ch = body["choices"][0]
+    content = ch["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in ch["token_ids"]]
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+    assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
+    stream = client(srv).chat.completions.create(
+        model=model_id, messages=chat["messages"], max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+        stream=True, extra_body={"return_tokens_as_token_ids": True})
+    streamed = [c.token for chunk in stream for x in chunk.choices if x.logprobs and x.logprobs.content
+                for c in x.logprobs.content]
+    assert streamed == [c["token"] for c in content]
+
+
 def test_best_of_returns_the_n_samples_with_the_highest_logprob_sums(srv, model_id):
     ask = {"model": model_id, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 11}
     status, every = request(srv, "POST", "/v1/completions", ask | {"n": 4, "logprobs": 0})

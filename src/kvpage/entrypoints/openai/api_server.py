@@ -279,7 +279,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             if req.echo:  # the prompt as the client sent it, or (token ids, a truncated prompt) its tokens' text
                 texts[i] = prompt if isinstance(prompt, str) and req.truncate_prompt_tokens is None else \
                     tokenizer.decode(ids, skip_special_tokens=False)
-        top_n = req.logprobs or 0
+        top_n, as_ids = req.logprobs or 0, bool(req.return_tokens_as_token_ids)
         include_usage, every_chunk = stream_usage(req)
         model = config.model_name
 
@@ -292,7 +292,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             ids = job.prompt_ids
             echoed = (ids, pl, tokenizer.decode(ids[:1], skip_special_tokens=False)) if echo and pl else None
             out = {"index": job.index * req.n + c.index, "text": (texts[job.index] if echo else "") + c.text,
-                   "logprobs": completion_logprobs(c, top_n, offset, echoed), "finish_reason": c.finish_reason,
+                   "logprobs": completion_logprobs(c, top_n, offset, echoed, as_ids), "finish_reason": c.finish_reason,
                    "stop_reason": c.stop_reason}
             if req.prompt_logprobs is not None:
                 out["prompt_logprobs"] = prompt_logprobs_json(pl)
@@ -354,7 +354,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         def token_ids(c: CompletionOutput) -> dict[str, Any]:
             return {"token_ids": list(c.token_ids)} if req.return_token_ids else {}
         params = [req.sampling_params(max_tokens, req.requested_logprobs(), req.stream)]
-        top_n = req.top_logprobs or 0
+        top_n, as_ids = req.top_logprobs or 0, bool(req.return_tokens_as_token_ids)
         echoed = req.echoed()
         include_usage, every_chunk = stream_usage(req)
         model = config.model_name
@@ -369,7 +369,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             finals = await runner.collect(request, jobs, outputs)
             out = finals[jobs[0].request_id]
             choices = [{"index": c.index, "message": {"role": "assistant", "content": echoed + c.text},
-                        "logprobs": chat_logprobs(c, top_n), "finish_reason": c.finish_reason,
+                        "logprobs": chat_logprobs(c, top_n, as_ids), "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason, **token_ids(c)} for c in out.outputs]
             n_out = sum(len(c.token_ids) for c in out.outputs)
             pl = out.prompt_logprobs
@@ -390,7 +390,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                     n_out += len(c.token_ids)
                     delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                     extra = {"usage": usage(jobs, n_out, cached)} if every_chunk else {}
-                    yield frame([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top_n),
+                    yield frame([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top_n, as_ids),
                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, **token_ids(c)}],
                                 **extra)
             if include_usage:

@@ -57,7 +57,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "modalities": lambda v: v is not None and v != ["text"],
     "prediction": _set,
     "web_search_options": _set,
-    "return_tokens_as_token_ids": _set,
     "logits_processors": _set,
     "logprob_token_ids": _set,
     "prompt_embeds": _set,
@@ -124,6 +123,7 @@ class SamplingFields(BaseModel):
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: truncation keeps the last (left) or first
     request_id: str | None = Field(None, max_length=256)  # vLLM's: the response's id carries it ("": none)
     return_token_ids: bool | None = False  # vLLM's: the prompt's and each choice's token ids (null: false)
+    return_tokens_as_token_ids: bool | None = False  # vLLM's: logprobs name tokens "token_id:{id}" (null: false)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

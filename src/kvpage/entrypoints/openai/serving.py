@@ -213,10 +213,12 @@ def best_samples(samples: list[CompletionOutput], req: CompletionRequest) -> lis
 
 
 def completion_logprobs(c: CompletionOutput, top_n: int, offset: int,
-                        echoed: tuple[list[int], list, str] | None = None) -> dict[str, Any] | None:
+                        echoed: tuple[list[int], list, str] | None = None, as_ids: bool = False,
+                        ) -> dict[str, Any] | None:
     """The legacy completions' logprobs object; ``echoed`` = (prompt ids, their RequestOutput.prompt_logprobs,
     the first token's text) puts the prompt's tokens first (``echo``: the first token has no logprob, as in
-    OpenAI's and vLLM's API)."""
+    OpenAI's and vLLM's API). ``as_ids`` (vLLM's return_tokens_as_token_ids) names each token "token_id:{id}";
+    text_offset still counts the text's characters."""
     if c.logprobs is None:
         return None
     pairs = list(zip(c.token_ids, c.logprobs, strict=False))
@@ -227,22 +229,28 @@ def completion_logprobs(c: CompletionOutput, top_n: int, offset: int,
     tokens, token_lps, tops, offsets = [], [], [], []
     for tok, entry in pairs:
         if entry is None:  # the echoed prompt's first token: text, no logprob
-            tokens.append(first)
+            text = first
             token_lps.append(None)
             tops.append(None)
         else:
             chosen = entry[tok]
-            tokens.append(chosen.decoded_token or "")
+            text = chosen.decoded_token or ""
             token_lps.append(_lp(chosen.logprob))
-            tops.append(_tops(entry, top_n) if top_n else None)
+            tops.append(_tops(entry, top_n, as_ids) if top_n else None)
+        tokens.append(f"token_id:{tok}" if as_ids else text)
         offsets.append(offset)
-        offset += len(tokens[-1])
+        offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _tops(entry: dict, top_n: int) -> dict[str, float]:
-    return {(lp.decoded_token or ""): _lp(lp.logprob)
-            for _, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if lp.rank <= top_n}
+def _name(tok: int, lp: Any, as_ids: bool) -> str:
+    """A logprob entry's token as the response names it: its text, or "token_id:{id}"."""
+    return f"token_id:{tok}" if as_ids else (lp.decoded_token or "")
+
+
+def _tops(entry: dict, top_n: int, as_ids: bool = False) -> dict[str, float]:
+    return {_name(t, lp, as_ids): _lp(lp.logprob)
+            for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if lp.rank <= top_n}
 
 
 def prompt_logprobs_json(pl: list | None) -> list | None:
@@ -255,16 +263,16 @@ def prompt_logprobs_json(pl: list | None) -> list | None:
             for e in pl]
 
 
-def chat_logprobs(c: CompletionOutput, top_n: int) -> dict[str, Any] | None:
+def chat_logprobs(c: CompletionOutput, top_n: int, as_ids: bool = False) -> dict[str, Any] | None:
+    """The chat logprobs object; ``as_ids`` names each token "token_id:{id}" (its bytes are that name's)."""
     if c.logprobs is None:
         return None
     content = []
     for tok, entry in zip(c.token_ids, c.logprobs, strict=False):
-        chosen = entry[tok]
-        text = chosen.decoded_token or ""
-        top = [{"token": lp.decoded_token or "", "logprob": _lp(lp.logprob),
-                "bytes": list((lp.decoded_token or "").encode("utf-8", "replace"))}
-               for _, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if lp.rank <= top_n]
-        content.append({"token": text, "logprob": _lp(chosen.logprob), "bytes": list(text.encode("utf-8", "replace")),
-                        "top_logprobs": top})
+        text = _name(tok, entry[tok], as_ids)
+        top = [{"token": (name := _name(t, lp, as_ids)), "logprob": _lp(lp.logprob),
+                "bytes": list(name.encode("utf-8", "replace"))}
+               for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if lp.rank <= top_n]
+        content.append({"token": text, "logprob": _lp(entry[tok].logprob),
+                        "bytes": list(text.encode("utf-8", "replace")), "top_logprobs": top})
     return {"content": content}
