@@ -58,7 +58,7 @@ def allowed_words(requests: Sequence[SampleRequest], vocab: int) -> list[np.ndar
         if r.guide is None:
             words[:] = 0xFFFFFFFF
         else:
-            g = r._guide_words.view(np.uint32)[:n]
+            g = r.guide_mask.view(np.uint32)[:n]
             words[: g.size] = g
         if vocab % 32:
             words[-1] &= np.uint32((1 << (vocab % 32)) - 1)

@@ -46,7 +46,7 @@ class SampleRequest:
     blocked_ids: Sequence[int] = ()  # masked this step: EOS / stop ids before min_tokens, bad words' last tokens
     guide: Any = None  # structured outputs: the sequence's matcher (next_masks(guides): what may come next)
     _uniforms: list[float] | None = None
-    _guide_words: np.ndarray | None = None  # this step's mask from ``guide`` (guide_words), computed once
+    guide_mask: np.ndarray | None = None  # this step's mask from ``guide`` (guide_words), computed once
 
     def uniforms(self) -> list[float]:
         """This step's uniform per sample, drawn once: a retry after a failed batch draws the same tokens."""
@@ -221,11 +221,11 @@ def guide_words(requests: Sequence[SampleRequest]) -> np.ndarray:
     """[rows, words] int32: each guided request's mask of what may come next, the masks still missing computed
     in one batch and kept on the requests (a step whose logits pass could not draw masks its logits with
     the same words)."""
-    todo = [r for r in requests if r._guide_words is None]
+    todo = [r for r in requests if r.guide_mask is None]
     if todo:
         for r, words in zip(todo, todo[0].guide.next_masks([r.guide for r in todo]), strict=True):
-            r._guide_words = words
-    return np.stack([r._guide_words for r in requests])
+            r.guide_mask = words
+    return np.stack([r.guide_mask for r in requests])
 
 
 def guide_bias(words: np.ndarray, vocab: int) -> torch.Tensor:
