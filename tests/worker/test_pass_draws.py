@@ -7,8 +7,9 @@ import numpy as np
 import torch
 
 from kvpage.sampling_params import SamplingParams
-from kvpage.worker.pass_draws import allowed_words, logits_pass_draws, row_draws_tensors
-from kvpage.worker.sampler import SampleRequest, guide_bias
+from kvpage.worker.pass_draws import logits_pass_draws, row_draws_tensors
+from kvpage.worker.sampler import SampleRequest
+from kvpage.worker.token_masks import allowed_words, words_bias
 
 VOCAB = 200  # not a multiple of 32: the last word's high bits are past the vocabulary
 
@@ -49,7 +50,7 @@ def test_allowed_words_combine_guide_allowed_ids_and_blocked_ids():
     allowed_words(reqs, VOCAB)
     assert g.calls == 1
     # the same tokens as the bias the sampler adds to a row of logits
-    bias = guide_bias(np.stack([words[2]]), VOCAB)[0]
+    bias = words_bias(np.stack([words[2]]), VOCAB)[0]
     assert set(torch.nonzero(bias == 0).flatten().tolist()) == bits(words[2])
 
 

@@ -10,6 +10,7 @@ tokens. Penalties and ``logit_bias`` change values, and logprobs need the row: t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,7 +19,8 @@ import torch
 
 from kvpage.core.engine_core import Sample
 from kvpage.sampling_params import SamplingParams
-from kvpage.worker.sampler import SampleRequest, guide_words, plain_greedy, step_uniforms
+from kvpage.worker.sampler import SampleRequest, plain_greedy, step_uniforms
+from kvpage.worker.token_masks import allowed_words
 
 
 @dataclass(frozen=True)
@@ -37,42 +39,6 @@ class DrawSetting:
 def mask_only(params: SamplingParams) -> bool:
     """Nothing changes the row's values: at most which tokens may come next does."""
     return not (params.uses_penalties or params.logit_bias)
-
-
-def allowed_words(requests: Sequence[SampleRequest], vocab: int) -> list[np.ndarray | None]:
-    """Per request, [ceil(vocab / 32)] int32 words of the tokens it may draw this step (bit j of word i: token
-    32 i + j), or None when it may draw any: its guide's mask (computed for all guided rows at once), narrowed
-    to ``allowed_token_ids``, without its blocked ids. Ids at or past ``vocab`` are never allowed. Word by word
-    (a row unpacked to one flag per token and packed again cost ~27 us, 1.7 ms a step at 64 guided rows)."""
-    n = (vocab + 31) // 32
-    guided = [r for r in requests if r.guide is not None]
-    if guided:
-        guide_words(guided)
-    out: list[np.ndarray | None] = []
-    for r in requests:
-        allowed = r.params.allowed_token_ids
-        if r.guide is None and allowed is None and not r.blocked_ids:
-            out.append(None)
-            continue
-        words = np.zeros(n, dtype=np.uint32)
-        if r.guide is None:
-            words[:] = 0xFFFFFFFF
-        else:
-            g = r.guide_mask.view(np.uint32)[:n]
-            words[: g.size] = g
-        if vocab % 32:
-            words[-1] &= np.uint32((1 << (vocab % 32)) - 1)
-        if allowed is not None:
-            only = np.zeros(n, dtype=np.uint32)
-            at = np.asarray(allowed, dtype=np.int64)
-            at = at[at < vocab]
-            np.bitwise_or.at(only, at >> 5, np.left_shift(np.uint32(1), (at & 31).astype(np.uint32)))
-            words &= only
-        for t in r.blocked_ids:  # a few ids (stop ids before min_tokens, bad words' last tokens)
-            if 0 <= t < vocab:
-                words[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
-        out.append(words.view(np.int32))
-    return out
 
 
 def logits_pass_draws(requests: Sequence[SampleRequest], vocab: int) -> list[DrawSetting] | None:
@@ -101,7 +67,7 @@ def row_draws_tensors(settings: Sequence[DrawSetting]) -> dict[str, torch.Tensor
     masked = [s.mask for s in settings if s.mask is not None]
     mask_of = None
     if masked:
-        at = iter(range(len(masked)))
+        at = itertools.count()
         mask_of = torch.tensor([next(at) if s.mask is not None else -1 for s in settings], dtype=torch.long)
     return {"temperature": torch.tensor([s.temperature for s in settings], dtype=torch.float32),
             "top_k": torch.tensor([s.top_k for s in settings], dtype=torch.long),

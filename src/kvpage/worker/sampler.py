@@ -20,6 +20,7 @@ import torch
 
 from kvpage.core.engine_core import Sample
 from kvpage.sampling_params import SAMPLING_EPS, SamplingParams
+from kvpage.worker.token_masks import allowed_words, words_bias
 
 if TYPE_CHECKING:
     from kvpage.ops import Kernels
@@ -46,7 +47,7 @@ class SampleRequest:
     blocked_ids: Sequence[int] = ()  # masked this step: EOS / stop ids before min_tokens, bad words' last tokens
     guide: Any = None  # structured outputs: the sequence's matcher (next_masks(guides): what may come next)
     _uniforms: list[float] | None = None
-    guide_mask: np.ndarray | None = None  # this step's mask from ``guide`` (guide_words), computed once
+    guide_mask: np.ndarray | None = None  # this step's mask from ``guide`` (token_masks.guide_words), once
 
     def uniforms(self) -> list[float]:
         """This step's uniform per sample, drawn once: a retry after a failed batch draws the same tokens."""
@@ -197,17 +198,14 @@ def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest], ops: Kerne
         if p.logit_bias:
             ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
             x[i].index_add_(0, ids, torch.tensor([p.logit_bias[t] for t in ids.tolist()], dtype=x.dtype))
-        if p.allowed_token_ids is not None:
-            keep = torch.zeros(vocab, dtype=torch.bool)
-            keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)] = True
-            x[i].masked_fill_(~keep, _NEG_INF)
-    guided = [i for i, r in enumerate(requests) if r.guide is not None]
-    if guided:  # structured outputs: what each sequence's constraint cannot take next
-        bias = guide_bias(guide_words([requests[i] for i in guided]), vocab)
-        if len(guided) == x.shape[0]:
-            x.add_(bias)  # (every row guided, the usual case: no gather and scatter of the rows)
+    # structured outputs and allowed ids: the tokens each row may draw, as the logits pass takes them
+    masked = [i for i, r in enumerate(requests) if r.guide is not None or r.params.allowed_token_ids is not None]
+    if masked:
+        bias = words_bias(np.stack(allowed_words([requests[i] for i in masked], vocab)), vocab)
+        if len(masked) == x.shape[0]:
+            x.add_(bias)  # (every row masked, the usual case with structured outputs: no gather and scatter)
         else:
-            idx = torch.tensor(guided, dtype=torch.long)
+            idx = torch.tensor(masked, dtype=torch.long)
             x.index_copy_(0, idx, x.index_select(0, idx).add_(bias))
     # A penalty may have pushed values past float32's range (or made inf - inf): clamp, NaN never survives.
     torch.nan_to_num_(x, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
@@ -215,27 +213,6 @@ def _shape_logits(x: torch.Tensor, requests: Sequence[SampleRequest], ops: Kerne
         if req.blocked_ids:
             blocked = torch.tensor(list(req.blocked_ids), dtype=torch.long)
             x[i, blocked[blocked < vocab]] = _NEG_INF
-
-
-def guide_words(requests: Sequence[SampleRequest]) -> np.ndarray:
-    """[rows, words] int32: each guided request's mask of what may come next, the masks still missing computed
-    in one batch and kept on the requests (a step whose logits pass could not draw masks its logits with
-    the same words)."""
-    todo = [r for r in requests if r.guide_mask is None]
-    if todo:
-        for r, words in zip(todo, todo[0].guide.next_masks([r.guide for r in todo]), strict=True):
-            r.guide_mask = words
-    return np.stack([r.guide_mask for r in requests])
-
-
-def guide_bias(words: np.ndarray, vocab: int) -> torch.Tensor:
-    """[rows, vocab] float32 from matchers' int32 bit words (bit j of word i: token 32 i + j may come next): 0
-    where a token may come, -inf where not (ids past the words too). Added to the logits, not masked in: a
-    masked fill over a patchy mask branches on every value (~5x the time at 64 x 49k)."""
-    keep = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    if keep.shape[1] < vocab:
-        keep = np.pad(keep, ((0, 0), (0, vocab - keep.shape[1])))
-    return torch.from_numpy(keep).to(torch.float32).sub_(1.0).mul_(3.0e38).mul_(10.0)  # -1 overflows to -inf
 
 
 def _filter_rows(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
