@@ -135,3 +135,13 @@ def test_masked_rows_draw_in_the_logits_pass_as_from_the_logits(llm, monkeypatch
     assert in_pass == from_logits
     assert all(28 <= t < 40 or t == 2 for t in in_pass[4])
     assert drained(llm)
+
+
+def test_chat_hands_tools_to_the_template(llm):
+    template = "{% for t in tools %}{{ t.function.name }}: {{ t | tojson }}\n{% endfor %}{{ messages[0].content }}"
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    out = llm.chat(CHAT, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=[tool])[0]
+    # keys in the given order, as transformers' tojson writes them (Jinja's own would sort them)
+    assert out.prompt == ('weather: {"type": "function", "function": {"name": "weather", "parameters": '
+                          '{"type": "object"}}}\n' + CHAT[0]["content"])
+    assert drained(llm)

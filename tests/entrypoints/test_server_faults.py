@@ -109,7 +109,13 @@ DEEP = '{"prompt": ' + "[" * 5000 + "]" * 5000 + "}"
     ("/v1/completions", '[1, 2]', "must be an object"),
     ("/v1/completions", '{"prompt": "hi", "stop": "\\ud800"}', "surrogate"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
-     "tools is not supported"),
+     "tools[0].function needs a name"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
+     "needs tools"),
+    ("/v1/completions", '{"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}',
+     "for chat completions"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}',
+     "functions is not supported"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
                              '"response_format": {"type": "yaml"}}', "response_format type 'yaml' is not supported"),
     ("/v1/completions", '{"prompt": "x", "use_beam_search": true, "stream": true}', "does not stream"),
@@ -135,7 +141,7 @@ def test_malformed_input_is_a_4xx_that_names_it(port, path, raw, words):
 
 def test_neutral_values_of_unsupported_fields_are_served(port):
     status, body = request(port, "POST", "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [], "tool_choice": "none",
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": None, "tool_choice": "none",
         "response_format": {"type": "text"}, "logit_bias": {}, "prompt_logprobs": None})
     assert status == 200, body
 

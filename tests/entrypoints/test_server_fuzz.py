@@ -33,6 +33,10 @@ token_id = st.integers(0, 49151)
 some_ids = st.lists(token_id, min_size=1, max_size=5)
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}, {"function": {"name": "g"}}]
+
+
 def field(valid: st.SearchStrategy, extreme: list | None = None) -> st.SearchStrategy:
     """Mostly valid values (7 in 10), then the range's extremes (2 in 10), then anything at all."""
     edge = st.sampled_from(extreme) if extreme else valid
@@ -67,7 +71,9 @@ SAMPLING = {
     "allowed_token_ids": field(some_ids, [[2], [], [49152]]),
     "truncate_prompt_tokens": field(st.integers(1, MAX_LEN), [-1, 0, 2**63]),
     "response_format": field(st.sampled_from([{"type": "text"}, None]), [{"type": "json_object"}]),
-    "tools": field(st.sampled_from([[], None]), [[{"type": "function", "function": {"name": "f"}}]]),
+    "tools": field(st.sampled_from([None, TOOLS]), [[], [{"type": "function"}], [{"function": {"parameters": 1}}],
+                                                    [{"type": "function", "function": {"name": "f", "parameters": {
+                                                        "type": "nothing"}}}]]),
     "use_beam_search": field(st.booleans()),
     "length_penalty": field(st.floats(-2, 2), [1e300, -1e300]),
     "early_stopping": field(st.sampled_from([True, False, "never"]), ["soon", 2]),
@@ -85,9 +91,14 @@ def body(required: dict[str, st.SearchStrategy], extra: dict[str, st.SearchStrat
 
 prompt = field(st.one_of(text, st.lists(token_id, min_size=1, max_size=30), st.lists(text, min_size=1, max_size=3)),
                [[], [[]], [-1], [10**6], "x" * 2000, [[1, 2], "mixed"]])
-message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer", "user"]),
+call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer", "user", "tool"]),
                                  "content": field(text, [None, [{"type": "text", "text": "hi"}],
-                                                         [{"type": "image_url", "image_url": {"url": "x"}}]])})
+                                                         [{"type": "image_url", "image_url": {"url": "x"}}]])},
+                                optional={"tool_calls": field(st.just([call]), [[{"function": {"name": "f",
+                                                                                               "arguments": "{"}}],
+                                                                                 "x", [1]]),
+                                          "tool_call_id": field(text)})
 messages = field(st.lists(message, min_size=1, max_size=3), [[], [{"role": "wizard", "content": "x"}]])
 completion = body({"prompt": prompt}, {**SAMPLING, "logprobs": field(st.integers(0, 20), [21, -1]),
                                        "echo": field(st.booleans()),
@@ -97,7 +108,10 @@ chat = body({"messages": messages}, {
     **SAMPLING, "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 20), [21]),
     "max_completion_tokens": field(st.integers(1, 12), [0, 10**6]),
     "prompt_logprobs": field(st.integers(0, 3), [21]),
-    "add_generation_prompt": field(st.booleans()), "chat_template_kwargs": field(st.dictionaries(text, text))})
+    "add_generation_prompt": field(st.booleans()), "chat_template_kwargs": field(st.dictionaries(text, text)),
+    "tool_choice": field(st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+                         [{"function": {"name": "nope"}}, {"type": "function"}, "sometimes"]),
+    "parallel_tool_calls": field(st.booleans())})
 tokenize = st.one_of(body({"prompt": text}, {"add_special_tokens": field(st.booleans())}),
                      body({"messages": messages}, {"add_generation_prompt": field(st.booleans())}))
 detokenize = body({"tokens": field(st.lists(token_id, max_size=20), [[-1], [10**6], []])}, {})

@@ -91,16 +91,18 @@ class LLM:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply a chat template (``chat_template``'s text, else the model's) to each conversation, then
-        generate; ``continue_final_message`` leaves the last message open for the model to continue."""
+        generate; ``continue_final_message`` leaves the last message open for the model to continue; ``tools``
+        (OpenAI's function tools) become the template's ``tools`` variable, as vLLM's LLM.chat hands them over."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
         tk = self.engine.tokenizer
         prompts: list[PromptInput] = []
         for conv in convs:
             text = tk.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
                                           chat_template=chat_template, continue_final_message=continue_final_message,
-                                          **(chat_template_kwargs or {}))
+                                          **{**({"tools": tools} if tools else {}), **(chat_template_kwargs or {})})
             prompts.append({"prompt": text, "prompt_token_ids": tk.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

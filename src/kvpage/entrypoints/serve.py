@@ -11,6 +11,9 @@ from pathlib import Path
 from kvpage import envs
 from kvpage.engine.arg_utils import EngineArgs
 
+# --tool-call-parser's choices: the forms openai/tools.py reads (not imported here: it needs the serve extras)
+TOOL_CALL_PARSERS = ("hermes",)
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,6 +46,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                            "file or inline (default: the model's own)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="serve a request's own chat_template field (refused by default)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="read tool calls out of replies to chats with tools and tool_choice 'auto' (needs "
+                        "--tool-call-parser); without it such replies come back as text")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                   help="the form the model writes tool calls in: hermes = <tool_call>{\"name\": ..., "
+                        "\"arguments\": {...}}</tool_call> (Hermes, Qwen 2.5 / 3 templates)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)
@@ -83,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of: "
+                         f"{', '.join(TOOL_CALL_PARSERS)})")
     key = api_key(args)
     from kvpage.model.chat_template import resolve_chat_template
 
@@ -105,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(args.served_model_name or "", key, args.max_n,
                           InputLimits(args.max_body_bytes, args.http_timeout), openapi=not args.no_openapi,
                           dashboard=not args.no_dashboard, chat_template=template,
-                          trust_request_chat_template=args.trust_request_chat_template)
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     return serve_engine(lambda: LLMEngine(engine_args), config, args.host, args.port, max_queue=args.max_queue,
                         shutdown_timeout=args.shutdown_timeout, http_timeout=args.http_timeout,
                         log_level=args.uvicorn_log_level)

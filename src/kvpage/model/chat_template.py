@@ -10,6 +10,7 @@ with is left out).
 from __future__ import annotations
 
 import functools
+import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,13 @@ def _raise_exception(message: str) -> None:
     raise ValueError(f"chat template refused the messages: {message}")
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """tojson as transformers renders templates (tool schemas, call arguments): keys in their given order and no
+    HTML escaping, where Jinja's own filter sorts keys and escapes '<', '>', '&' and quotes."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @functools.lru_cache(maxsize=16)
 def compile_chat_template(template: str) -> Any:
     """The compiled template (a jinja2 Template); ValueError naming the syntax error. Compiling costs
@@ -32,6 +40,7 @@ def compile_chat_template(template: str) -> Any:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
     try:
         return env.from_string(template)
     except TemplateError as e:

@@ -49,6 +49,7 @@ from kvpage.entrypoints.openai.serving import (
     sse_response,
     usage,
 )
+from kvpage.entrypoints.openai.tools import ToolReply, parse_tools
 from kvpage.errors import RequestRejected
 from kvpage.model.chat_template import compile_chat_template
 from kvpage.outputs import CompletionOutput
@@ -69,6 +70,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # serve a request's own chat_template (vLLM's flag of that name)
     openapi: bool = True  # /openapi.json, behind the API key like every route but /health, /version and /metrics
     dashboard: bool = True  # /dashboard: the live KV pool page, its snapshot and event stream (dashboard.py)
+    tool_parser: str | None = None  # reads tool calls out of "auto" replies (--enable-auto-tool-choice; tools.py)
 
 
 def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -134,7 +136,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         req.check_template_fields()
         extra = dict(req.chat_template_kwargs or {})
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "chat_template",
-                    "continue_final_message", "documents"} & set(extra)
+                    "continue_final_message", "documents", *(["tools"] if req.tools else [])} & set(extra)
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)} (the request sets them, or "
                                 "its fields of those names do)", param="chat_template_kwargs")
@@ -151,6 +153,8 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             template = req.chat_template
         if req.documents is not None:
             extra["documents"] = req.documents
+        if req.tools:
+            extra["tools"] = parse_tools(req.tools)
         if not (template or tokenizer.chat_template):
             raise APIError(400, "this model has no chat template: send a plain prompt to /v1/completions, or start "
                                 "the server with --chat-template", param="messages")
@@ -343,6 +347,9 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         req = await body(request, ChatCompletionRequest)
         common_checks(req)
         req.check()
+        plan = req.tool_plan()
+        if plan.kind == "auto" and config.tool_parser:  # its markers may be special tokens
+            req.skip_special_tokens = False
         text = await render_chat(req.conversation(), req)
         ids = truncate(await encode(text, "messages", add_special_tokens=req.add_special_tokens),
                        req.truncate_prompt_tokens, req.truncation_side)
@@ -356,6 +363,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         params = [req.sampling_params(max_tokens, req.requested_logprobs(), req.stream)]
         top_n, as_ids = req.top_logprobs or 0, bool(req.return_tokens_as_token_ids)
         echoed = req.echoed()
+        replies = [ToolReply(plan, config.tool_parser) for _ in range(req.n)]  # each choice's text as a message
         include_usage, every_chunk = stream_usage(req)
         model = config.model_name
 
@@ -364,13 +372,17 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                     **extra}
 
         outputs: asyncio.Queue = asyncio.Queue()
-        await runner.start(jobs, params, req.cache_salt, outputs, req.priority)
+        await runner.start(jobs, params, req.cache_salt, outputs, req.priority,
+                           "tools" if plan.constraint() is not None else "structured_outputs")
         if not req.stream:
             finals = await runner.collect(request, jobs, outputs)
             out = finals[jobs[0].request_id]
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": echoed + c.text},
-                        "logprobs": chat_logprobs(c, top_n, as_ids), "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason, **token_ids(c)} for c in out.outputs]
+            choices = []
+            for c in out.outputs:
+                msg, reason = replies[c.index].message(echoed + c.text, c.finish_reason)
+                choices.append({"index": c.index, "message": {"role": "assistant", **msg}, "finish_reason": reason,
+                                "logprobs": chat_logprobs(c, top_n, as_ids), "stop_reason": c.stop_reason,
+                                **token_ids(c)})
             n_out = sum(len(c.token_ids) for c in out.outputs)
             pl = out.prompt_logprobs
             extra = {} if req.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(pl)}
@@ -388,10 +400,10 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
                 async for _, out, c in it:
                     cached = out.num_cached_tokens
                     n_out += len(c.token_ids)
-                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                    delta, reason = replies[c.index].delta(c.text, c.finish_reason)
                     extra = {"usage": usage(jobs, n_out, cached)} if every_chunk else {}
                     yield frame([{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top_n, as_ids),
-                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, **token_ids(c)}],
+                                  "finish_reason": reason, "stop_reason": c.stop_reason, **token_ids(c)}],
                                 **extra)
             if include_usage:
                 yield frame([], usage=usage(jobs, n_out, cached))

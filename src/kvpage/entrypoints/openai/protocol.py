@@ -2,7 +2,8 @@
 
 Unknown fields are ignored, as the OpenAI clients send some this server has no use for; known fields with the
 wrong type or an impossible value become a 400 naming the field, and so do the API's fields that kvpage
-cannot honour (tools, audio, ...), unless they carry their neutral value. ``use_beam_search`` (with ``n``,
+cannot honour (audio, legacy functions, ...), unless they carry their neutral value. Chat completions take tools
+(tools.py). ``use_beam_search`` (with ``n``,
 ``best_of``, ``length_penalty``, ``early_stopping``, as vLLM's server takes them) runs beam search; it does not
 stream, and refuses the sampling fields that have no meaning for it.
 """
@@ -48,8 +49,6 @@ def _set(value: Any) -> bool:
 
 # Field -> is the value one kvpage cannot honour? (A client sending the neutral value is served as usual.)
 _UNSUPPORTED: dict[str, Any] = {
-    "tools": _set,
-    "tool_choice": lambda v: v not in (None, "none", "auto"),
     "functions": _set,
     "function_call": lambda v: v not in (None, "none", "auto"),
     "guided_whitespace_pattern": _set,
@@ -239,8 +238,14 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
     best_of: int | None = None
     suffix: str | None = None
+    tools: Any = None  # chat completions' only
+    tool_choice: Any = None
 
     def check(self) -> None:
+        for name in ("tools", "tool_choice"):
+            if getattr(self, name) not in (None, "none", []):
+                raise APIError(400, f"{name} is for chat completions (/v1/chat/completions)", param=name,
+                               code="unsupported_parameter")
         if self.echo and self.use_beam_search:
             raise APIError(400, "echo is not supported with use_beam_search", param="echo")
         if self.max_tokens == 0 and not self.echo:
@@ -287,6 +292,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (tools.py)
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -312,6 +319,7 @@ class ChatTemplateFields(BaseModel):
     chat_template: str | None = None  # vLLM's: a template for this request, with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # handed to the template as it is, as vLLM does
+    tools: Any = None  # function tools, handed to the template (tools.py checks them)
 
     def check_template_fields(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
@@ -320,9 +328,19 @@ class ChatTemplateFields(BaseModel):
                            param="continue_final_message")
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the template takes them: text content, and a developer message as a system one."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the template takes them: text content, a developer message as a system one, and an
+    assistant's tool calls with their arguments as objects (tools.py)."""
+    from kvpage.entrypoints.openai.tools import template_message  # (it raises this module's APIError)
+
+    out = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        out.append(template_message(msg, i))
+    return out
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
@@ -333,6 +351,22 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     top_logprobs: int | None = None
     echo: bool = False  # vLLM's: the reply starts with the last message's text when that is the assistant's
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered chat (templates add theirs)
+    tool_choice: Any = None  # "none", "auto", "required" or a named function (tools.py)
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> Any:
+        from kvpage.entrypoints.openai.tools import tool_plan
+
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """A named or required tool choice constrains the output itself, so it takes no other output form."""
+        forced = self.tool_plan().constraint()
+        asked = super().structured()
+        if forced is not None and asked is not None:
+            raise APIError(400, "a named or required tool_choice constrains the output already: send either it or "
+                                "a structured output form", param="tool_choice")
+        return forced or asked
 
     def check(self) -> None:  # the template fields are checked where the messages are rendered
         if self.top_logprobs and not self.logprobs:  # 0 without logprobs is the neutral value (vLLM takes it too)

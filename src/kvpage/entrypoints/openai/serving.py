@@ -74,15 +74,16 @@ class RequestRunner:
         self.metrics = metrics
 
     async def start(self, jobs: list[Job], params: list[SamplingParams], cache_salt: str | None,
-                    outputs: asyncio.Queue, priority: int = 0) -> None:
-        """Submit every job; on any refusal abort those already accepted and raise the matching APIError."""
+                    outputs: asyncio.Queue, priority: int = 0, form_param: str = "structured_outputs") -> None:
+        """Submit every job; on any refusal abort those already accepted and raise the matching APIError
+        (``form_param``: the field an output form that does not compile came from)."""
         forms = {p.structured_outputs.key: p.structured_outputs for p in params
                  if getattr(p, "structured_outputs", None) is not None}
         for form in forms.values():  # compiled here, off the engine's thread (which then finds them compiled)
             try:
                 await asyncio.to_thread(self.client.engine.grammars.compile, form)
             except ValueError as e:
-                raise APIError(400, str(e), param="structured_outputs") from None
+                raise APIError(400, str(e), param=form_param) from None
         accepted: list[str] = []
         try:
             for job, p in zip(jobs, params, strict=True):

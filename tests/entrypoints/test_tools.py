@@ -1,0 +1,182 @@
+"""Tool calling's request checks, the output forms a tool choice imposes, and how replies become tool calls, whole
+and streamed (openai/tools.py), without a server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("pydantic")
+
+from kvpage.entrypoints.openai import tools as tools_module
+from kvpage.entrypoints.openai.protocol import APIError, ChatCompletionRequest, conversation
+from kvpage.entrypoints.openai.tools import ToolPlan, ToolReply, hermes_calls, tool_plan
+from kvpage.entrypoints.serve import TOOL_CALL_PARSERS
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "time"}}  # no parameters
+
+
+def refused(param: str, words: str, fn, *args) -> None:
+    with pytest.raises(APIError) as e:
+        fn(*args)
+    assert e.value.status == 400 and e.value.param == param and words in e.value.message, e.value.message
+
+
+def test_the_cli_offers_the_parsers_the_module_reads():
+    assert TOOL_CALL_PARSERS == tools_module.TOOL_CALL_PARSERS
+
+
+def test_tool_choice_resolves_as_openai_defines_it():
+    assert tool_plan(None, None, None).kind == "none"
+    assert tool_plan([WEATHER], None, None).kind == "auto"  # tools alone: the model decides
+    assert tool_plan([WEATHER], "none", None).kind == "none"
+    assert tool_plan([WEATHER], "required", False).parallel is False
+    named = tool_plan([WEATHER, TIME], {"type": "function", "function": {"name": "time"}}, None)
+    assert (named.kind, named.name) == ("named", "time")
+
+
+@pytest.mark.parametrize("tools, choice, param, words", [
+    ([], None, "tools", "non-empty"),
+    ("weather", None, "tools", "non-empty"),
+    ([{"type": "code_interpreter"}], None, "tools", "only function tools"),
+    ([{"type": "function", "function": {}}], None, "tools", "tools[0].function needs a name"),
+    ([{"function": {"name": "f", "parameters": "{}"}}], None, "tools", "JSON schema object"),
+    ([WEATHER, WEATHER], None, "tools", "used twice"),
+    (None, "required", "tool_choice", "needs tools"),
+    (None, {"type": "function", "function": {"name": "weather"}}, "tool_choice", "needs tools"),
+    ([WEATHER], "sometimes", "tool_choice", "must be 'none', 'auto', 'required'"),
+    ([WEATHER], {"type": "function"}, "tool_choice", "must be"),
+    ([WEATHER], {"type": "function", "function": {"name": "time"}}, "tool_choice", "not among the tools"),
+])
+def test_bad_tools_and_choices_are_refused_by_name(tools, choice, param, words):
+    refused(param, words, tool_plan, tools, choice, None)
+
+
+def test_named_and_required_choices_constrain_the_output():
+    named = tool_plan([WEATHER, TIME], {"type": "function", "function": {"name": "weather"}}, None).constraint()
+    assert named.json == WEATHER["function"]["parameters"]
+    no_params = tool_plan([TIME], {"type": "function", "function": {"name": "time"}}, None).constraint()
+    assert no_params.json == {"type": "object", "properties": {}, "additionalProperties": False}
+    schema = tool_plan([WEATHER, TIME], "required", None).constraint().json
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [s["properties"]["name"]["enum"] for s in schema["items"]["anyOf"]]
+    assert names == [["weather"], ["time"]]
+    assert tool_plan([WEATHER], "required", False).constraint().json["maxItems"] == 1
+    assert tool_plan([WEATHER], "auto", None).constraint() is None
+    assert tool_plan([WEATHER], "none", None).constraint() is None
+
+
+def test_a_forced_call_takes_no_other_output_form():
+    base = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    req = ChatCompletionRequest(**base, tool_choice="required", response_format={"type": "json_object"})
+    refused("tool_choice", "constrains the output already", req.structured)
+    auto = ChatCompletionRequest(**base, response_format={"type": "json_object"})
+    assert auto.structured().json_object  # auto leaves the output free, so the client's form applies
+
+
+def test_assistant_calls_reach_the_template_with_object_arguments():
+    req = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}])
+    conv = conversation(req.messages)
+    assert conv[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert conv[2] == {"role": "tool", "content": "18 C", "tool_call_id": "c1"}
+    bad = ChatCompletionRequest(messages=[{"role": "assistant", "tool_calls": [
+        {"function": {"name": "weather", "arguments": "{city"}}]}])
+    refused("messages", "arguments is not JSON", conversation, bad.messages)
+
+
+def test_hermes_output_becomes_calls_and_anything_else_stays_text():
+    names = {"weather", "time"}
+    text = ('Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "time", "arguments": {}}')  # the last one left open at the end
+    content, calls = hermes_calls(text, names)
+    assert content == "Let me look.\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"city": "Paris"}), ("time", {})]
+    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    assert hermes_calls("no calls here", names) == ("no calls here", [])
+    broken = '<tool_call>{"name": "weather", "arguments": {"city": </tool_call>'
+    assert hermes_calls(broken, names) == (broken, [])
+    unknown = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert hermes_calls(unknown, names) == (unknown, [])
+
+
+def whole(plan: ToolPlan, text: str, reason: str = "stop", parser: str | None = "hermes"):
+    return ToolReply(plan, parser).message(text, reason)
+
+
+def streamed(plan: ToolPlan, pieces: list[str], reason: str = "stop", parser: str | None = "hermes"):
+    reply, deltas = ToolReply(plan, parser), []
+    for i, piece in enumerate(pieces):
+        deltas.append(reply.delta(piece, reason if i == len(pieces) - 1 else None))
+    return deltas
+
+
+def test_each_choice_shapes_the_whole_message():
+    plans = {k: tool_plan([WEATHER, TIME], k, None) for k in ("none", "auto", "required")}
+    call_text = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    assert whole(plans["none"], call_text) == ({"content": call_text}, "stop")
+    assert whole(plans["auto"], call_text, parser=None) == ({"content": call_text}, "stop")  # no parser: text
+    msg, reason = whole(plans["auto"], call_text)
+    assert reason == "tool_calls" and msg["content"] is None
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert whole(plans["auto"], "Just text.") == ({"content": "Just text."}, "stop")
+    two = call_text + '<tool_call>{"name": "time", "arguments": {}}</tool_call>'
+    single = tool_plan([WEATHER, TIME], "auto", False)
+    assert len(whole(plans["auto"], two)[0]["tool_calls"]) == 2 and len(whole(single, two)[0]["tool_calls"]) == 1
+    msg, reason = whole(plans["required"], '[{"name": "time", "parameters": {}}]')
+    assert reason == "tool_calls" and msg["tool_calls"][0]["function"] == {"name": "time", "arguments": "{}"}
+    cut = '[{"name": "weather", "parameters": {"ci'
+    assert whole(plans["required"], cut, "length") == ({"content": cut}, "length")  # cut short: no calls
+    named = tool_plan([WEATHER], {"type": "function", "function": {"name": "weather"}}, None)
+    msg, reason = whole(named, '{"city": "Rome"}')
+    assert reason == "stop"  # as OpenAI answers a forced call
+    assert msg["content"] is None and msg["tool_calls"][0]["function"] == {"name": "weather",
+                                                                           "arguments": '{"city": "Rome"}'}
+
+
+def test_a_named_call_streams_its_arguments():
+    named = tool_plan([WEATHER], {"type": "function", "function": {"name": "weather"}}, None)
+    deltas = streamed(named, ['{"ci', '', 'ty": "Rome"}', ''])
+    first = deltas[0][0]["tool_calls"][0]
+    assert first["function"]["name"] == "weather" and first["id"].startswith("chatcmpl-tool-")
+    assert deltas[1] == ({}, None) and deltas[-1] == ({}, "stop")
+    args = "".join(d["tool_calls"][0]["function"]["arguments"] for d, _ in deltas if d)
+    assert json.loads(args) == {"city": "Rome"}
+    assert all("id" not in d["tool_calls"][0] for d, _ in deltas[1:] if d)
+
+
+def test_auto_streams_text_and_holds_back_what_may_start_a_call():
+    auto = tool_plan([WEATHER], "auto", None)
+    deltas = streamed(auto, ["Sure. <tool", "_call>{\"name\": \"weather\", ", '"arguments": {"city": "Oslo"}}',
+                             "</tool_call>"])
+    assert deltas[0] == ({"content": "Sure. "}, None)  # "<tool" held: it may open a call
+    assert deltas[1] == ({}, None) and deltas[2] == ({}, None)
+    last, reason = deltas[3]
+    assert reason == "tool_calls" and last["tool_calls"][0]["index"] == 0
+    assert json.loads(last["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    # a held piece that turns out not to open a call goes out as text
+    deltas = streamed(auto, ["a <tool", "s list", ""])
+    assert "".join(d.get("content", "") for d, _ in deltas) == "a <tools list" and deltas[-1][1] == "stop"
+    # an unparsable call at the end: everything comes back as text
+    deltas = streamed(auto, ["x<tool_call>{bad", "", ""])
+    assert "".join(d.get("content", "") for d, _ in deltas) == "x<tool_call>{bad"
+    assert deltas[-1][1] == "stop"
+
+
+def test_required_streams_the_calls_once_the_array_is_complete():
+    required = tool_plan([WEATHER, TIME], "required", None)
+    deltas = streamed(required, ['[{"name": "time", ', '"parameters": {}}, {"name": "weather", "parameters": ',
+                                 '{"city": "Lima"}}]'])
+    assert deltas[0] == ({}, None) and deltas[1] == ({}, None)
+    calls, reason = deltas[2]
+    assert reason == "tool_calls" and [c["index"] for c in calls["tool_calls"]] == [0, 1]
+    assert [c["function"]["name"] for c in calls["tool_calls"]] == ["time", "weather"]
