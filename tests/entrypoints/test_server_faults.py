@@ -112,6 +112,9 @@ DEEP = '{"prompt": ' + "[" * 5000 + "]" * 5000 + "}"
      "tools[0].function needs a name"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
      "needs tools"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], '
+                             '"tools": [{"type": "function", "function": {"name": "f"}}]}',  # auto, and no parser
+     "needs a server started with --enable-auto-tool-choice"),
     ("/v1/completions", '{"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}',
      "for chat completions"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}',

@@ -124,7 +124,10 @@ def test_each_choice_shapes_the_whole_message():
     plans = {k: tool_plan([WEATHER, TIME], k, None) for k in ("none", "auto", "required")}
     call_text = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
     assert whole(plans["none"], call_text) == ({"content": call_text}, "stop")
-    assert whole(plans["auto"], call_text, parser=None) == ({"content": call_text}, "stop")  # no parser: text
+    refused("tool_choice", "--enable-auto-tool-choice", plans["auto"].check_served, None)  # no parser, no auto
+    plans["auto"].check_served("hermes")
+    plans["none"].check_served(None)
+    plans["required"].check_served(None)  # forced calls need no parser: the output's form is known
     msg, reason = whole(plans["auto"], call_text)
     assert reason == "tool_calls" and msg["content"] is None
     assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}

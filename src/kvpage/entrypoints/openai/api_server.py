@@ -348,7 +348,8 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         common_checks(req)
         req.check()
         plan = req.tool_plan()
-        if plan.kind == "auto" and config.tool_parser:  # its markers may be special tokens
+        plan.check_served(config.tool_parser)
+        if plan.kind == "auto":  # the parser's markers may be special tokens
             req.skip_special_tokens = False
         text = await render_chat(req.conversation(), req)
         ids = truncate(await encode(text, "messages", add_special_tokens=req.add_special_tokens),

@@ -2,9 +2,9 @@
 
 A request's ``tools`` reach the chat template (as transformers hands them over), and ``tool_choice`` decides what
 the reply may be:
-  - "none": text; "auto" (the default when tools are given): text, or tool calls when the server was started with
-    a tool-call parser (``--enable-auto-tool-choice --tool-call-parser hermes``) and the model wrote calls in that
-    parser's form; without one the reply is text, as vLLM's server answers;
+  - "none": text; "auto" (the default when tools are given): text, or tool calls where the model wrote calls in the
+    form of the server's tool-call parser (``--enable-auto-tool-choice --tool-call-parser hermes``); a server without
+    one refuses "auto" (a 400 naming tool_choice, as vLLM's server answers), since calls would come back as text;
   - a named function ({"type": "function", "function": {"name": ...}}): the output is constrained to a JSON object
     of that function's parameters (structured outputs) and comes back as one call, finish reason as generated
     ("stop", as OpenAI answers a forced call);
@@ -19,15 +19,14 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.entrypoints.openai.protocol import APIError
 from kvpage.sampling_params import StructuredOutputsParams
 
-TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser's choices
-
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_OPEN = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -76,6 +75,13 @@ class ToolPlan:
 
     def functions(self) -> dict[str, dict[str, Any]]:
         return {t["function"]["name"]: t["function"] for t in self.tools or []}
+
+    def check_served(self, parser: str | None) -> None:
+        """400 for "auto" on a server that cannot read calls out of a reply."""
+        if self.kind == "auto" and parser is None:
+            raise APIError(400, "tool_choice 'auto' (the default with tools) needs a server started with "
+                                "--enable-auto-tool-choice --tool-call-parser: send tool_choice 'none', 'required' or "
+                                "a named function", param="tool_choice")
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The structured output a named or required choice runs under (None for none / auto)."""
@@ -161,6 +167,19 @@ def hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[dict[str,
     return (content if content.strip() else None), calls
 
 
+@dataclass(frozen=True)
+class CallForm:
+    """How a tool-call parser finds calls in a reply: the text that opens one (held back while streaming, until
+    the reply shows whether a call starts there) and the reader of (content, calls)."""
+
+    opens: str
+    read: Callable[[str, set[str]], tuple[str | None, list[dict[str, Any]]]]
+
+
+PARSERS = {"hermes": CallForm(_HERMES_OPEN, hermes_calls)}
+TOOL_CALL_PARSERS = tuple(PARSERS)  # --tool-call-parser's choices
+
+
 def _required_calls(text: str) -> list[dict[str, Any]]:
     try:
         items = json.loads(text)
@@ -177,14 +196,11 @@ class ToolReply:
     """One choice's text as a chat message under a ToolPlan: whole (``message``) or streamed (``delta``)."""
 
     plan: ToolPlan
-    parser: str | None = None  # the server's auto tool-call parser
+    parser: str | None = None  # the server's tool-call parser ("auto" plans have one: ToolPlan.check_served)
     _sent: str = ""  # text streamed so far (content, or a named call's arguments)
     _text: str = ""  # all text so far
     _named_open: bool = False
     _calls: list[dict[str, Any]] = field(default_factory=list)
-
-    def _auto(self) -> bool:
-        return self.plan.kind == "auto" and self.parser is not None
 
     def _parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         kind = self.plan.kind
@@ -192,8 +208,8 @@ class ToolReply:
             return None, [_call(self.plan.name or "", text)]
         if kind == "required":
             return None, _required_calls(text)
-        if self._auto():
-            content, calls = hermes_calls(text, set(self.plan.functions()))
+        if kind == "auto":
+            content, calls = PARSERS[self.parser or ""].read(text, set(self.plan.functions()))
             return content, calls if self.plan.parallel else calls[:1]
         return text, []
 
@@ -204,7 +220,7 @@ class ToolReply:
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """(the message's content / tool_calls, the choice's finish reason)."""
-        if self.plan.kind == "none" or (self.plan.kind == "auto" and not self._auto()):
+        if self.plan.kind == "none":
             return {"content": text}, finish_reason
         content, calls = self._parse(text)
         if not calls:
@@ -214,7 +230,7 @@ class ToolReply:
     def delta(self, text: str, finished: str | None) -> tuple[dict[str, Any], str | None]:
         """The stream's delta for this piece of text (``finished``: the choice's finish reason once it ends)."""
         kind = self.plan.kind
-        if kind == "none" or (kind == "auto" and not self._auto()):
+        if kind == "none":
             return ({"content": text} if text or finished is None else {}), finished
         self._text += text
         if kind == "named":  # the arguments stream as they come, the call's id and name first
@@ -227,9 +243,10 @@ class ToolReply:
                         "function": {"name": self.plan.name, "arguments": text}}
             return {"tool_calls": [call]}, finished
         if kind == "auto":  # text streams up to a possible start of a call; calls go out when the choice ends
-            held = self._text.find(_HERMES_OPEN)
+            opens = PARSERS[self.parser or ""].opens
+            held = self._text.find(opens)
             if held < 0:
-                held = _partial_marker(self._text)
+                held = _partial_marker(self._text, opens)
             out = self._text[len(self._sent):held]
             self._sent += out
             if finished is None:
@@ -250,10 +267,10 @@ class ToolReply:
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, self._reason(finished, calls)
 
 
-def _partial_marker(text: str) -> int:
-    """Where a trailing prefix of the call marker begins (len(text) if none), so that it is not sent as text
-    before the next piece says whether a call starts there."""
-    for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(_HERMES_OPEN[:k]):
+def _partial_marker(text: str, opens: str) -> int:
+    """Where a trailing prefix of the text that opens a call begins (len(text) if none), so that it is not sent as
+    text before the next piece says whether a call starts there."""
+    for k in range(min(len(opens) - 1, len(text)), 0, -1):
+        if text.endswith(opens[:k]):
             return len(text) - k
     return len(text)
