@@ -9,9 +9,10 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from kvpage.entrypoints.openai import tools as tools_module
+from kvpage.entrypoints.openai import tool_parsers
 from kvpage.entrypoints.openai.protocol import APIError, ChatCompletionRequest, conversation
-from kvpage.entrypoints.openai.tools import ToolPlan, ToolReply, hermes_calls, tool_plan
+from kvpage.entrypoints.openai.tool_parsers import PARSERS, hermes_calls, llama3_json_calls, pythonic_calls
+from kvpage.entrypoints.openai.tools import ToolPlan, ToolReply, tool_plan
 from kvpage.entrypoints.serve import TOOL_CALL_PARSERS
 
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
@@ -27,7 +28,7 @@ def refused(param: str, words: str, fn, *args) -> None:
 
 
 def test_the_cli_offers_the_parsers_the_module_reads():
-    assert TOOL_CALL_PARSERS == tools_module.TOOL_CALL_PARSERS
+    assert TOOL_CALL_PARSERS == tool_parsers.TOOL_CALL_PARSERS
 
 
 def test_tool_choice_resolves_as_openai_defines_it():
@@ -107,6 +108,45 @@ def test_hermes_output_becomes_calls_and_anything_else_stays_text():
     assert hermes_calls(broken, names) == (broken, [])
     unknown = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
     assert hermes_calls(unknown, names) == (unknown, [])
+
+
+def test_llama3_json_and_pythonic_replies_are_the_calls():
+    names = {"weather", "time"}
+    content, calls = llama3_json_calls('<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo"}}; '
+                                       '{"name": "time", "arguments": {}}', names)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"city": "Oslo"}), ("time", {})]
+    for text in ('The answer is {"name": "weather"}', '{"name": "rm", "parameters": {}}',
+                 '{"name": "weather", "parameters": "Oslo"}', '{"name": "weather", "parameters": {"city": "Os'):
+        assert llama3_json_calls(text, names) == (text, []), text
+    content, calls = pythonic_calls(' [weather(city="Oslo", days=[1, 2]), time()]\n', names)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"city": "Oslo", "days": [1, 2]}), ("time", {})]
+    for text in ("[weather(city=city_name)]", "[weather('Oslo')]", "[os.system(cmd='ls')]", "[rm()]",
+                 "[weather(city='Oslo')", "Sure: [time()]", "[1, 2]", "[weather(**kw)]"):
+        assert pythonic_calls(text, names) == (text, []), text
+
+
+def test_what_a_streamed_reply_may_send_before_it_shows_a_call():
+    hermes, llama, pythonic = PARSERS["hermes"], PARSERS["llama3_json"], PARSERS["pythonic"]
+    assert hermes.sendable("Sure. <tool") == len("Sure. ") and hermes.sendable("a <tool_call>{") == 2
+    assert hermes.sendable("plain text") == len("plain text") and hermes.sendable("x <") == 2
+    for form, call in ((llama, '{"name"'), (llama, "<|python"), (pythonic, "[weather(")):
+        assert form.sendable("") == 0 and form.sendable("  ") == 0 and form.sendable(call) == 0, call
+    assert llama.sendable("The weather {") == len("The weather {")  # calls only at the start
+    assert pythonic.sendable("Sure [x]") == len("Sure [x]")
+
+
+def test_calls_at_the_start_stream_as_text_once_the_reply_shows_none():
+    auto = tool_plan([WEATHER], "auto", None)
+    deltas = streamed(auto, ["  ", "[weather(city=", "'Oslo')]"], parser="pythonic")
+    assert deltas[0] == ({}, None) and deltas[1] == ({}, None)
+    (call,), reason = deltas[2][0]["tool_calls"], deltas[2][1]
+    assert reason == "tool_calls" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    deltas = streamed(auto, ["", "It is", " sunny."], parser="llama3_json")
+    assert [d for d, _ in deltas] == [{}, {"content": "It is"}, {"content": " sunny."}]
+    deltas = streamed(auto, ["[not a call", "]"], parser="pythonic")  # held, then text after all
+    assert deltas == [({}, None), ({"content": "[not a call]"}, "stop")]
 
 
 def whole(plan: ToolPlan, text: str, reason: str = "stop", parser: str | None = "hermes"):

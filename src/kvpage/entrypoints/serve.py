@@ -12,7 +12,7 @@ from kvpage import envs
 from kvpage.engine.arg_utils import EngineArgs
 
 # --tool-call-parser's choices: the forms openai/tools.py reads (not imported here: it needs the serve extras)
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "--tool-call-parser); without it such replies come back as text")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                    help="the form the model writes tool calls in: hermes = <tool_call>{\"name\": ..., "
-                        "\"arguments\": {...}}</tool_call> (Hermes, Qwen 2.5 / 3 templates)")
+                        "\"arguments\": {...}}</tool_call> (Hermes, Qwen 2.5 / 3 templates); llama3_json = the reply "
+                        "is {\"name\": ..., \"parameters\": {...}} objects (Llama 3.1 / 3.2 JSON templates); "
+                        "pythonic = the reply is [f(a=1), g()] (Llama 3.2 / 4 pythonic templates)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)

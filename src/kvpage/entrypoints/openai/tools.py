@@ -3,8 +3,9 @@
 A request's ``tools`` reach the chat template (as transformers hands them over), and ``tool_choice`` decides what
 the reply may be:
   - "none": text; "auto" (the default when tools are given): text, or tool calls where the model wrote calls in the
-    form of the server's tool-call parser (``--enable-auto-tool-choice --tool-call-parser hermes``); a server without
-    one refuses "auto" (a 400 naming tool_choice, as vLLM's server answers), since calls would come back as text;
+    form of the server's tool-call parser (``--enable-auto-tool-choice --tool-call-parser NAME``: tool_parsers.py);
+    a server without one refuses "auto" (a 400 naming tool_choice, as vLLM's server answers), since calls would
+    come back as text;
   - a named function ({"type": "function", "function": {"name": ...}}): the output is constrained to a JSON object
     of that function's parameters (structured outputs) and comes back as one call, finish reason as generated
     ("stop", as OpenAI answers a forced call);
@@ -17,21 +18,12 @@ print them with tojson), tool messages with their ``tool_call_id``.
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.entrypoints.openai.protocol import APIError
+from kvpage.entrypoints.openai.tool_parsers import PARSERS, call_id, make_call
 from kvpage.sampling_params import StructuredOutputsParams
-
-_HERMES_OPEN = "<tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-
-def _call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
 
 
 def _object_schema(params: dict[str, Any] | None) -> dict[str, Any]:
@@ -142,44 +134,6 @@ def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     return {**message, "tool_calls": out}
 
 
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": _call_id(), "type": "function", "function": {"name": name, "arguments": text}}
-
-
-def hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content before the calls, calls) from Hermes-style output: <tool_call>{"name": ..., "arguments": {...}}
-    </tool_call> blocks (the last may be left open at the end). Output whose blocks do not all parse as calls of
-    known functions stays text, with no calls."""
-    at = text.find(_HERMES_OPEN)
-    if at < 0:
-        return text, []
-    calls = []
-    for body in _HERMES_CALL.findall(text[at:]):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            return text, []
-        if not isinstance(obj, dict) or obj.get("name") not in names:
-            return text, []
-        calls.append(_call(obj["name"], obj.get("arguments", {})))
-    content = text[:at]
-    return (content if content.strip() else None), calls
-
-
-@dataclass(frozen=True)
-class CallForm:
-    """How a tool-call parser finds calls in a reply: the text that opens one (held back while streaming, until
-    the reply shows whether a call starts there) and the reader of (content, calls)."""
-
-    opens: str
-    read: Callable[[str, set[str]], tuple[str | None, list[dict[str, Any]]]]
-
-
-PARSERS = {"hermes": CallForm(_HERMES_OPEN, hermes_calls)}
-TOOL_CALL_PARSERS = tuple(PARSERS)  # --tool-call-parser's choices
-
-
 def _required_calls(text: str) -> list[dict[str, Any]]:
     try:
         items = json.loads(text)
@@ -187,7 +141,7 @@ def _required_calls(text: str) -> list[dict[str, Any]]:
         return []
     if not isinstance(items, list):
         return []
-    return [_call(it["name"], it.get("parameters", {})) for it in items
+    return [make_call(it["name"], it.get("parameters", {})) for it in items
             if isinstance(it, dict) and isinstance(it.get("name"), str)]
 
 
@@ -205,7 +159,7 @@ class ToolReply:
     def _parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         kind = self.plan.kind
         if kind == "named":
-            return None, [_call(self.plan.name or "", text)]
+            return None, [make_call(self.plan.name or "", text)]
         if kind == "required":
             return None, _required_calls(text)
         if kind == "auto":
@@ -239,14 +193,11 @@ class ToolReply:
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if not self._named_open:
                 self._named_open = True
-                call = {"index": 0, "id": _call_id(), "type": "function",
+                call = {"index": 0, "id": call_id(), "type": "function",
                         "function": {"name": self.plan.name, "arguments": text}}
             return {"tool_calls": [call]}, finished
         if kind == "auto":  # text streams up to a possible start of a call; calls go out when the choice ends
-            opens = PARSERS[self.parser or ""].opens
-            held = self._text.find(opens)
-            if held < 0:
-                held = _partial_marker(self._text, opens)
+            held = PARSERS[self.parser or ""].sendable(self._text)
             out = self._text[len(self._sent):held]
             self._sent += out
             if finished is None:
@@ -265,12 +216,3 @@ class ToolReply:
         if not calls:
             return ({"content": self._text} if self._text else {}), finished
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, self._reason(finished, calls)
-
-
-def _partial_marker(text: str, opens: str) -> int:
-    """Where a trailing prefix of the text that opens a call begins (len(text) if none), so that it is not sent as
-    text before the next piece says whether a call starts there."""
-    for k in range(min(len(opens) - 1, len(text)), 0, -1):
-        if text.endswith(opens[:k]):
-            return len(text) - k
-    return len(text)
