@@ -7,10 +7,11 @@ Without --url it starts its own server (default model, --kv-cache-memory 256MiB,
 traffic: streamed and plain completions and chats, sampled and greedy, n > 1, clients that disconnect
 mid-stream, malformed and hostile bodies, prompts over the context length, degenerate sampling settings,
 scoring requests (echo, logprobs, prompt_logprobs), beam search, stop strings and ids, allowed tokens, bad
-words, structured outputs (JSON, choices, regexes), prompt truncation and cache salts, and /tokenize calls, as
-Poisson arrivals (chats are expected to be refused by name when the model has no chat template). It reports
-requests by kind and outcome (a 5xx, a timeout or a broken stream is a failure), the KV blocks still in use once
-the server is idle (must be 0), and the server's memory growth (resident set size after warm-up vs at the end).
+words, structured outputs (JSON, choices, regexes), forced tool calls, prompt truncation and cache salts, and
+/tokenize calls, as Poisson arrivals (chats are expected to be refused by name when the model has no chat
+template). It reports requests by kind and outcome (a 5xx, a timeout or a broken stream is a failure), the KV
+blocks still in use once the server is idle (must be 0), and the server's memory growth (resident set size after
+warm-up vs at the end).
 --serve-args "--model gemma-3-270m" soaks another model.
 """
 
@@ -35,6 +36,11 @@ TIMEOUT = 120.0
 WORDS = ["paged", "memory", "block", "table", "cache", "prefix", "request", "token", "decode", "schedule", "pool",
          "share", "fork", "copy", "write", "river", "mountain", "story", "lighthouse", "winter", "market", "garden",
          "kernel", "vector"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string", "maxLength": 20}}, "required": ["q"]}}},
+         {"type": "function", "function": {"name": "now"}}]
 
 
 def text(rng: random.Random, n: int) -> str:
@@ -107,6 +113,9 @@ class Soak:
             path = "/v1/chat/completions"
             body = {"messages": [{"role": "user", "content": text(rng, rng.randint(3, 60))}],
                     "max_tokens": rng.randint(8, 96), "stream": rng.random() < 0.5, **sampling}
+            if rng.random() < 0.3:  # tool calls: forced ones, held to the tools' schemas ("auto" needs a parser)
+                body.update(tools=TOOLS, parallel_tool_calls=rng.random() < 0.5, tool_choice=rng.choice(
+                    [{"type": "function", "function": {"name": "lookup"}}, "required", "none"]))
         elif kind == "n>1":
             body = {"prompt": text(rng, rng.randint(5, 80)), "max_tokens": rng.randint(8, 48), "stream": True,
                     "n": rng.randint(2, 4), "seed": rng.randint(0, 1000)}
