@@ -1,7 +1,8 @@
 """Requests beyond the plain turn, as vLLM's server takes them: a server-wide chat template (--chat-template), a
 request's own (with --trust-request-chat-template), the last message continued (continue_final_message), echo,
 /tokenize rendering messages exactly as a chat completion does, the response's token ids and id
-(return_token_ids, request_id), and structured outputs in OpenAI's and vLLM's spellings."""
+(return_token_ids, request_id), structured outputs in OpenAI's and vLLM's spellings, and CORS limited to named
+origins (--allowed-origins)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.server_util import KEY, request, server, stream_raw, wait_idle
+from tests.helpers.server_util import KEY, raw_call, request, server, stream_raw, wait_idle
 
 pytest.importorskip("fastapi")
 
@@ -23,7 +24,8 @@ CONTINUED = [{"role": "user", "content": "Name a color."}, {"role": "assistant",
 def srv(tmp_path_factory) -> Iterator[int]:
     path = tmp_path_factory.mktemp("chat") / "chat.jinja"
     path.write_text(TEMPLATE)
-    with server("--api-key", KEY, "--chat-template", str(path), "--trust-request-chat-template") as port:
+    with server("--api-key", KEY, "--chat-template", str(path), "--trust-request-chat-template",
+                "--allowed-origins", '["https://ui.example"]') as port:
         yield port
 
 
@@ -161,3 +163,16 @@ def test_structured_outputs_in_each_spelling(srv):
         status, err = request(srv, "POST", "/v1/completions", {**body, **fields})
         assert status == 400 and err["error"]["param"] == param, (fields, err)
     wait_idle(srv)
+
+
+def test_cors_answers_only_the_named_origins(srv):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    status, h = raw_call(srv, "OPTIONS", "/v1/completions", {"Origin": "https://ui.example", **preflight})
+    assert status == 200 and h["access-control-allow-origin"] == "https://ui.example", h
+    status, h = raw_call(srv, "OPTIONS", "/v1/completions", {"Origin": "https://elsewhere.example", **preflight})
+    assert status == 400 and "access-control-allow-origin" not in h, h
+    status, h = raw_call(srv, "POST", "/v1/completions", {"Origin": "https://elsewhere.example",
+                                                          "Authorization": f"Bearer {KEY}",
+                                                          "Content-Type": "application/json"},
+                         json.dumps({"prompt": "hi", "max_tokens": 1}))
+    assert status == 200 and "access-control-allow-origin" not in h, h  # served; a browser keeps it from the page

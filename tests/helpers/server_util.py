@@ -137,3 +137,14 @@ def wait_idle(port: int, timeout: float = 20.0) -> None:
                          f"running {metric(port, 'kvpage:num_requests_running')}")
 
 
+
+
+def raw_call(port: int, method: str, path: str, headers: dict[str, str],
+             body: str | None = None) -> tuple[int, dict[str, str]]:
+    """(status, response headers with lower-case names) of one request sent with exactly ``headers``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request(method, path, body=body, headers=headers)
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from kvpage import envs
@@ -54,6 +56,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "\"arguments\": {...}}</tool_call> (Hermes, Qwen 2.5 / 3 templates); llama3_json = the reply "
                         "is {\"name\": ..., \"parameters\": {...}} objects (Llama 3.1 / 3.2 JSON templates); "
                         "pythonic = the reply is [f(a=1), g()] (Llama 3.2 / 4 pythonic templates)")
+    for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        p.add_argument(f"--allowed-{flag}", type=json_list(f"--allowed-{flag}"), default=["*"],
+                       help=f"CORS: the {what} browsers may call the API from, a JSON list (default [\"*\"]: any, "
+                            "as vLLM's server; --allowed-origins '[]' sends no CORS headers)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: let browsers send cookies and credentials (not with --allowed-origins '[\"*\"]')")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)
@@ -62,6 +70,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # more tokens per second), and the KV pages are faulted in at startup rather than during the first
     # requests (first touch of 2 GiB took ~4 s on that VM).
     p.set_defaults(func=run, max_num_seqs=128, kv_prefault=True)
+
+
+def json_list(flag: str) -> Callable[[str], list[str]]:
+    """A flag's value as a JSON list of strings (vLLM's spelling: --allowed-origins '["https://ui.example"]')."""
+    def parse(value: str) -> list[str]:
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError:
+            items = None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]', got {value!r}")
+        return items
+    return parse
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -94,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    if args.allow_credentials and "*" in args.allowed_origins:
+        raise ValueError("--allow-credentials needs --allowed-origins to name the origins (browsers refuse "
+                         "credentials with a '*' origin)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of: "
                          f"{', '.join(TOOL_CALL_PARSERS)})")
@@ -120,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
                           InputLimits(args.max_body_bytes, args.http_timeout), openapi=not args.no_openapi,
                           dashboard=not args.no_dashboard, chat_template=template,
                           trust_request_chat_template=args.trust_request_chat_template,
-                          tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                          tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                          allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     return serve_engine(lambda: LLMEngine(engine_args), config, args.host, args.port, max_queue=args.max_queue,
                         shutdown_timeout=args.shutdown_timeout, http_timeout=args.http_timeout,
                         log_level=args.uvicorn_log_level)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -71,6 +72,12 @@ class ServerConfig:
     openapi: bool = True  # /openapi.json, behind the API key like every route but /health, /version and /metrics
     dashboard: bool = True  # /dashboard: the live KV pool page, its snapshot and event stream (dashboard.py)
     tool_parser: str | None = None  # reads tool calls out of "auto" replies (--enable-auto-tool-choice; tools.py)
+    # CORS, as vLLM's server defaults it (every origin, method and header; no credentials): browser clients on
+    # other origins can call the API (the key still guards it); no origins: no CORS headers at all
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -86,6 +93,9 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
     created = int(time.time())
     if config.dashboard:
         install_dashboard(app, client, config.model_name, config.api_key)
+    if config.allowed_origins:  # answers preflights before any route (and so before the key check)
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
+                           allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(APIError)
