@@ -94,6 +94,12 @@ def test_a_named_choice_returns_one_call_of_that_function(client):
     assert all(c.index == 0 and c.id is None for c in calls[1:])
     assert json.loads("".join(c.function.arguments for c in calls)) == json.loads(call.function.arguments)
     assert [p.choices[0].finish_reason for p in pieces if p.choices][-1] == "stop"
+    out = chat(client, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "weather"}}, n=3,
+               temperature=1.0, seed=5)  # sampled choices, each its own call
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    ids = {c.message.tool_calls[0].id for c in out.choices}
+    assert len(ids) == 3 and all(set(json.loads(c.message.tool_calls[0].function.arguments)) == {"city"}
+                                 for c in out.choices)
 
 
 def test_a_required_choice_returns_calls_of_the_tools(client):
