@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -39,7 +38,9 @@ from kvpage.entrypoints.openai.protocol import (
     TokenizeRequest,
     conversation,
 )
+from kvpage.entrypoints.openai.responses import install as install_responses
 from kvpage.entrypoints.openai.serving import (
+    ChatRun,
     Job,
     RequestRunner,
     api_error,
@@ -47,7 +48,9 @@ from kvpage.entrypoints.openai.serving import (
     chat_logprobs,
     completion_logprobs,
     prompt_logprobs_json,
+    request_ids,
     sse_response,
+    stream_usage,
     usage,
 )
 from kvpage.entrypoints.openai.tools import ToolReply, parse_tools
@@ -202,16 +205,25 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             raise APIError(400, f"{what} of {req.beam_width()} exceeds this server's limit of {config.max_n}",
                            param="best_of")
 
-    def request_ids(prefix: str, req: SamplingFields) -> tuple[str, str]:
-        """(the response's id, its jobs' prefix): the client's request_id names the response, while the engine's
-        ids stay unique however clients reuse theirs."""
-        rid = uuid.uuid4().hex
-        return f"{prefix}-{req.request_id or rid}", f"{prefix}-{rid}"
-
-    def stream_usage(req: SamplingFields) -> tuple[bool, bool]:
-        """(usage in a final chunk, usage in every chunk)."""
-        so = req.stream_options
-        return bool(so and so.include_usage), bool(so and so.continuous_usage_stats)
+    async def start_chat(request: Request, req: ChatCompletionRequest, prefix: str = "chatcmpl") -> ChatRun:
+        """Check, render, tokenize and submit a chat (chat completions and /v1/responses)."""
+        common_checks(req)
+        req.check()
+        plan = req.tool_plan()
+        plan.check_served(config.tool_parser)
+        if plan.kind == "auto":  # the parser's markers may be special tokens
+            req.skip_special_tokens = False
+        text = await render_chat(req.conversation(), req)
+        ids = truncate(await encode(text, "messages", add_special_tokens=req.add_special_tokens),
+                       req.truncate_prompt_tokens, req.truncation_side)
+        max_tokens = engine.check_request(len(ids), req.requested_max_tokens(), fit_context=True)
+        base, job_base = request_ids(prefix, req)
+        run = ChatRun(base, [Job(0, f"{job_base}-0", ids)], asyncio.Queue(),
+                      [ToolReply(plan, config.tool_parser) for _ in range(req.n)])
+        params = [req.sampling_params(max_tokens, req.requested_logprobs(), req.stream)]
+        await runner.start(run.jobs, params, req.cache_salt, run.outputs, req.priority,
+                           "tools" if plan.constraint() is not None else "structured_outputs")
+        return run
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
@@ -355,26 +367,14 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await body(request, ChatCompletionRequest)
-        common_checks(req)
-        req.check()
-        plan = req.tool_plan()
-        plan.check_served(config.tool_parser)
-        if plan.kind == "auto":  # the parser's markers may be special tokens
-            req.skip_special_tokens = False
-        text = await render_chat(req.conversation(), req)
-        ids = truncate(await encode(text, "messages", add_special_tokens=req.add_special_tokens),
-                       req.truncate_prompt_tokens, req.truncation_side)
-        max_tokens = engine.check_request(len(ids), req.requested_max_tokens(), fit_context=True)
-        base, job_base = request_ids("chatcmpl", req)
-        jobs = [Job(0, f"{job_base}-0", ids)]
-        prompt_ids = {"prompt_token_ids": ids} if req.return_token_ids else {}
+        run = await start_chat(request, req)
+        base, jobs, outputs, replies = run.id, run.jobs, run.outputs, run.replies
+        prompt_ids = {"prompt_token_ids": jobs[0].prompt_ids} if req.return_token_ids else {}
 
         def token_ids(c: CompletionOutput) -> dict[str, Any]:
             return {"token_ids": list(c.token_ids)} if req.return_token_ids else {}
-        params = [req.sampling_params(max_tokens, req.requested_logprobs(), req.stream)]
         top_n, as_ids = req.top_logprobs or 0, bool(req.return_tokens_as_token_ids)
         echoed = req.echoed()
-        replies = [ToolReply(plan, config.tool_parser) for _ in range(req.n)]  # each choice's text as a message
         include_usage, every_chunk = stream_usage(req)
         model = config.model_name
 
@@ -382,9 +382,6 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             return {"id": base, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
                     **extra}
 
-        outputs: asyncio.Queue = asyncio.Queue()
-        await runner.start(jobs, params, req.cache_salt, outputs, req.priority,
-                           "tools" if plan.constraint() is not None else "structured_outputs")
         if not req.stream:
             finals = await runner.collect(request, jobs, outputs)
             out = finals[jobs[0].request_id]
@@ -421,4 +418,5 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
 
         return sse_response(events())
 
+    install_responses(app, body, start_chat, runner, config.model_name)
     return app

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -42,6 +43,30 @@ class Job:
     index: int
     request_id: str
     prompt_ids: list[int]
+
+
+@dataclass
+class ChatRun:
+    """A submitted chat: the response's id, its one job, the queue its outputs arrive in, and each choice's
+    ToolReply (which turns the choice's text into a message)."""
+
+    id: str
+    jobs: list[Job]
+    outputs: asyncio.Queue
+    replies: list[Any]
+
+
+def request_ids(prefix: str, req: Any) -> tuple[str, str]:
+    """(the response's id, its jobs' prefix): the client's request_id names the response, while the engine's
+    ids stay unique however clients reuse theirs."""
+    rid = uuid.uuid4().hex
+    return f"{prefix}-{req.request_id or rid}", f"{prefix}-{rid}"
+
+
+def stream_usage(req: Any) -> tuple[bool, bool]:
+    """(usage in a final chunk, usage in every chunk)."""
+    so = req.stream_options
+    return bool(so and so.include_usage), bool(so and so.continuous_usage_stats)
 
 
 def api_error(e: BaseException) -> APIError:
