@@ -115,7 +115,24 @@ chat = body({"messages": messages}, {
 tokenize = st.one_of(body({"prompt": text}, {"add_special_tokens": field(st.booleans())}),
                      body({"messages": messages}, {"add_generation_prompt": field(st.booleans())}))
 detokenize = body({"tokens": field(st.lists(token_id, max_size=20), [[-1], [10**6], []])}, {})
+item = st.one_of(message, st.fixed_dictionaries({"type": st.just("function_call"), "call_id": text, "name": text,
+                                                 "arguments": field(st.just('{"x": 1}'), ["{", "[]"])}),
+                 st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": text,
+                                        "output": field(text, [[{"type": "input_text", "text": "x"}], 5])}),
+                 st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "input_image", "message"])}))
+flat_tools = [{"type": "function", "name": "f", "parameters": TOOLS[0]["function"]["parameters"]}]
+responses = body({"input": field(st.one_of(text, st.lists(item, min_size=1, max_size=3)), [[], "", [[]]])}, {
+    **{k: SAMPLING[k] for k in ("temperature", "top_p", "top_k", "seed", "stream", "stop", "model")},
+    "instructions": field(text), "max_output_tokens": field(st.integers(1, 12), [0, -1, 10**6]),
+    "tools": field(st.just(flat_tools), [[{"type": "web_search"}], [{"type": "function"}], "x"]),
+    "tool_choice": field(st.sampled_from(["none", "required", {"type": "function", "name": "f"}]),
+                         [{"type": "function", "name": "nope"}, "auto"]),
+    "text": field(st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+                  [{"format": {"type": "json_schema"}}, {"format": "x"}, {"format": {"type": "yaml"}}]),
+    "previous_response_id": field(st.none(), ["resp_1"]), "truncation": field(st.just("disabled"), ["auto", "x"]),
+    "metadata": field(st.dictionaries(text, text, max_size=2))})
 calls = st.one_of(st.tuples(st.just("/v1/completions"), completion), st.tuples(st.just("/v1/chat/completions"), chat),
+                  st.tuples(st.just("/v1/responses"), responses),
                   st.tuples(st.just("/tokenize"), tokenize), st.tuples(st.just("/detokenize"), detokenize))
 
 
