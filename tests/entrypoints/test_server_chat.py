@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.server_util import KEY, raw_call, request, server, stream_raw, wait_idle
+from tests.helpers.server_util import KEY, raw_call, request, stream_raw, template_server, wait_idle
 
 pytest.importorskip("fastapi")
 
@@ -22,10 +22,8 @@ CONTINUED = [{"role": "user", "content": "Name a color."}, {"role": "assistant",
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory) -> Iterator[int]:
-    path = tmp_path_factory.mktemp("chat") / "chat.jinja"
-    path.write_text(TEMPLATE)
-    with server("--api-key", KEY, "--chat-template", str(path), "--trust-request-chat-template",
-                "--allowed-origins", '["https://ui.example"]') as port:
+    with template_server(tmp_path_factory.mktemp("chat"), TEMPLATE, "--trust-request-chat-template",
+                         "--allowed-origins", '["https://ui.example"]') as port:
         yield port
 
 

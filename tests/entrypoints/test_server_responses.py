@@ -15,7 +15,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from kvpage.entrypoints.openai.protocol import APIError  # noqa: E402
-from kvpage.entrypoints.openai.responses import ResponsesRequest, messages  # noqa: E402
+from kvpage.entrypoints.openai.responses import ResponseShape, ResponsesRequest, messages  # noqa: E402
+from kvpage.entrypoints.openai.serving import ChatRun, Job  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "weather", "description": "Current weather in a city",
@@ -48,6 +49,19 @@ def test_input_items_become_the_chat():
     assert conv[3] == {"role": "tool", "tool_call_id": "c1", "content": "4 C"}
     assert conv[4] == {"role": "assistant", "content": "It is 4 C."}
     assert messages(None, "hi") == [{"role": "user", "content": "hi"}]
+
+
+def test_an_empty_reply_is_an_empty_message_whole_and_streamed():
+    req = ResponsesRequest(input="x")
+    run = ChatRun("resp-1", [Job(0, "j", [1, 2])], None, [])
+    whole = ResponseShape(req, req.chat(), run, "m")
+    whole.whole({"content": ""}, "stop")
+    assert [(i["type"], i["content"][0]["text"]) for i in whole.items] == [("message", "")]
+    streamed = ResponseShape(req, req.chat(), run, "m")
+    kinds = [e["type"] for e in streamed.step({}) + streamed.finish()]
+    assert kinds == ["response.output_item.added", "response.content_part.added", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done"]
+    assert streamed.items[0]["status"] == "completed" and streamed.items[0]["content"][0]["text"] == ""
 
 
 @pytest.mark.parametrize("body, param", [

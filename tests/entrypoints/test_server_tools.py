@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.server_util import KEY, free_port, request, serve_cmd, server, wait_idle
+from tests.helpers.server_util import KEY, free_port, request, serve_cmd, template_server, wait_idle
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -40,10 +40,8 @@ CALL_REGEX = r'<tool_call>\{"name": "weather", "arguments": \{"city": "Paris"\}\
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory) -> Iterator[int]:
-    path = tmp_path_factory.mktemp("tools") / "tools.jinja"
-    path.write_text(TEMPLATE)
-    with server("--api-key", KEY, "--chat-template", str(path), "--enable-auto-tool-choice",
-                "--tool-call-parser", "hermes") as port:
+    with template_server(tmp_path_factory.mktemp("tools"), TEMPLATE, "--enable-auto-tool-choice",
+                         "--tool-call-parser", "hermes") as port:
         yield port
 
 

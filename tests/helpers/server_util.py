@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 KEY = "test-key"
 
@@ -65,6 +66,16 @@ def wait_up(proc: subprocess.Popen, port: int, key: str | None = None) -> None:
 @contextmanager
 def server(*extra: str, env: dict[str, str] | None = None) -> Iterator[int]:
     with server_proc(serve_cmd, *extra, env=env) as (port, _):
+        yield port
+
+
+@contextmanager
+def template_server(directory: Path, template: str, *extra: str) -> Iterator[int]:
+    """A server (with the test key) whose chat template is ``template``, written to a file in ``directory`` as
+    --chat-template takes it."""
+    path = directory / "chat.jinja"
+    path.write_text(template)
+    with server("--api-key", KEY, "--chat-template", str(path), *extra) as port:
         yield port
 
 

@@ -205,7 +205,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
             raise APIError(400, f"{what} of {req.beam_width()} exceeds this server's limit of {config.max_n}",
                            param="best_of")
 
-    async def start_chat(request: Request, req: ChatCompletionRequest, prefix: str = "chatcmpl") -> ChatRun:
+    async def start_chat(req: ChatCompletionRequest, prefix: str = "chatcmpl") -> ChatRun:
         """Check, render, tokenize and submit a chat (chat completions and /v1/responses)."""
         common_checks(req)
         req.check()
@@ -367,7 +367,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await body(request, ChatCompletionRequest)
-        run = await start_chat(request, req)
+        run = await start_chat(req)
         base, jobs, outputs, replies = run.id, run.jobs, run.outputs, run.replies
         prompt_ids = {"prompt_token_ids": jobs[0].prompt_ids} if req.return_token_ids else {}
 

@@ -121,7 +121,9 @@ def messages(instructions: str | None, items: str | list[dict[str, Any]]) -> lis
         raise APIError(400, "input is empty", param="input")
     for i, item in enumerate(items):
         where, kind = f"input[{i}]", item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message" and isinstance(item, dict) and "role" in item:
+        if kind == "message":
+            if "role" not in item:
+                raise APIError(400, f"{where}: a message needs a role", param="input")
             out.append({"role": item["role"], "content": _text(item.get("content"), where)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
@@ -171,9 +173,10 @@ class ResponseShape:
 
     def whole(self, message: dict[str, Any], finish: str | None) -> None:
         status = "incomplete" if finish == "length" else "completed"
-        if message.get("content"):
+        if message.get("content") or not message.get("tool_calls"):  # an empty reply is an empty message
             self.items.append({"type": "message", "id": _hex("msg"), "status": status, "role": "assistant",
-                               "content": [{"type": "output_text", "text": message["content"], "annotations": [],
+                               "content": [{"type": "output_text", "text": message.get("content") or "",
+                                            "annotations": [],
                                             "logprobs": []}]})
         for call in message.get("tool_calls") or []:
             self.items.append({"type": "function_call", "id": _hex("fc"), "call_id": call["id"],
@@ -195,21 +198,23 @@ class ResponseShape:
                 self.event("response.content_part.done", **ids, content_index=0, part=part),
                 self.event("response.output_item.done", output_index=at, item=item)]
 
+    def _open_text(self) -> list[dict[str, Any]]:
+        self.text_item = {"type": "message", "id": _hex("msg"), "status": "in_progress", "role": "assistant",
+                          "content": []}
+        self.items.append(self.text_item)
+        at = len(self.items) - 1
+        events = [self.event("response.output_item.added", output_index=at, item={**self.text_item, "content": []})]
+        self.text_item["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        events.append(self.event("response.content_part.added", item_id=self.text_item["id"], output_index=at,
+                                 content_index=0, part=dict(self.text_item["content"][0])))
+        return events
+
     def step(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         """Events for one chat delta: text to the message item, call pieces to their function_call items."""
         events = []
         if delta.get("content"):
             if self.text_item is None:
-                self.text_item = {"type": "message", "id": _hex("msg"), "status": "in_progress", "role": "assistant",
-                                  "content": []}
-                self.items.append(self.text_item)
-                at = len(self.items) - 1
-                events.append(self.event("response.output_item.added", output_index=at,
-                                         item={**self.text_item, "content": []}))
-                self.text_item["content"].append({"type": "output_text", "text": "", "annotations": [],
-                                                  "logprobs": []})
-                events.append(self.event("response.content_part.added", item_id=self.text_item["id"],
-                                         output_index=at, content_index=0, part=dict(self.text_item["content"][0])))
+                events += self._open_text()
             self.text_item["content"][0]["text"] += delta["content"]
             events.append(self.event("response.output_text.delta", item_id=self.text_item["id"],
                                      output_index=self.items.index(self.text_item), content_index=0,
@@ -232,7 +237,8 @@ class ResponseShape:
         return events
 
     def finish(self) -> list[dict[str, Any]]:
-        events = self._close_text()
+        events = self._open_text() if not self.items else []  # an empty reply is an empty message
+        events += self._close_text()
         for item in self.calls.values():
             item["status"] = "completed"
             at = self.items.index(item)
@@ -249,13 +255,13 @@ def _usage(run: ChatRun, n_out: int, cached: int) -> dict[str, Any]:
 
 
 def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
-            start_chat: Callable[[Request, ChatCompletionRequest, str], Awaitable[ChatRun]],
+            start_chat: Callable[[ChatCompletionRequest, str], Awaitable[ChatRun]],
             runner: RequestRunner, model_name: str) -> None:
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         req: ResponsesRequest = await parse(request, ResponsesRequest)
         chat = req.chat()
-        run = await start_chat(request, chat, "resp")
+        run = await start_chat(chat, "resp")
         shape = ResponseShape(req, chat, run, model_name)
         if not req.stream:
             out = (await runner.collect(request, run.jobs, run.outputs))[run.jobs[0].request_id]

@@ -18,7 +18,7 @@ print them with tojson), tool messages with their ``tool_call_id``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvpage.entrypoints.openai.protocol import APIError
@@ -151,10 +151,9 @@ class ToolReply:
 
     plan: ToolPlan
     parser: str | None = None  # the server's tool-call parser ("auto" plans have one: ToolPlan.check_served)
-    _sent: str = ""  # text streamed so far (content, or a named call's arguments)
+    _sent: str = ""  # content streamed so far ("auto": the text before any call)
     _text: str = ""  # all text so far
-    _named_open: bool = False
-    _calls: list[dict[str, Any]] = field(default_factory=list)
+    _named_open: bool = False  # the named call's id and name went out
 
     def _parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         kind = self.plan.kind
