@@ -13,7 +13,7 @@ from pathlib import Path
 from kvpage import envs
 from kvpage.engine.arg_utils import EngineArgs
 
-# --tool-call-parser's choices: the forms openai/tools.py reads (not imported here: it needs the serve extras)
+# --tool-call-parser's choices: the forms openai/tool_parsers.py reads (not imported: it needs the serve extras)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve a request's own chat_template field (refused by default)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="read tool calls out of replies to chats with tools and tool_choice 'auto' (needs "
-                        "--tool-call-parser); without it such replies come back as text")
+                        "--tool-call-parser); without it 'auto', the default with tools, is refused with a 400")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                    help="the form the model writes tool calls in: hermes = <tool_call>{\"name\": ..., "
                         "\"arguments\": {...}}</tool_call> (Hermes, Qwen 2.5 / 3 templates); llama3_json = the reply "
