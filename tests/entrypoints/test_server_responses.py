@@ -58,7 +58,7 @@ def test_an_empty_reply_is_an_empty_message_whole_and_streamed():
     whole.whole({"content": ""}, "stop")
     assert [(i["type"], i["content"][0]["text"]) for i in whole.items] == [("message", "")]
     streamed = ResponseShape(req, req.chat(), run, "m")
-    kinds = [e["type"] for e in streamed.step({}) + streamed.finish()]
+    kinds = [e["type"] for e in streamed.step({}) + streamed.finish("stop")]
     assert kinds == ["response.output_item.added", "response.content_part.added", "response.output_text.done",
                      "response.content_part.done", "response.output_item.done"]
     assert streamed.items[0]["status"] == "completed" and streamed.items[0]["content"][0]["text"] == ""
@@ -100,6 +100,10 @@ def test_a_text_reply_whole_and_streamed(client):
     assert text == r.output_text == events[-1].response.output_text  # greedy: the same reply both ways
     cut = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=4)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.output[0].status == "incomplete"
+    events = list(client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=4,
+                                          stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].status == "incomplete"
 
 
 def test_forced_calls_and_a_json_format(client):

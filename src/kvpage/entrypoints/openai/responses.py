@@ -176,8 +176,7 @@ class ResponseShape:
         if message.get("content") or not message.get("tool_calls"):  # an empty reply is an empty message
             self.items.append({"type": "message", "id": _hex("msg"), "status": status, "role": "assistant",
                                "content": [{"type": "output_text", "text": message.get("content") or "",
-                                            "annotations": [],
-                                            "logprobs": []}]})
+                                            "annotations": [], "logprobs": []}]})
         for call in message.get("tool_calls") or []:
             self.items.append({"type": "function_call", "id": _hex("fc"), "call_id": call["id"],
                                "name": call["function"]["name"], "arguments": call["function"]["arguments"],
@@ -187,12 +186,12 @@ class ResponseShape:
         self.seq += 1
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
-    def _close_text(self) -> list[dict[str, Any]]:
+    def _close_text(self, status: str = "completed") -> list[dict[str, Any]]:
         item, self.text_item = self.text_item, None
         if item is None:
             return []
         part, at = item["content"][0], self.items.index(item)
-        item["status"] = "completed"
+        item["status"] = status
         ids = {"item_id": item["id"], "output_index": at}
         return [self.event("response.output_text.done", **ids, content_index=0, text=part["text"], logprobs=[]),
                 self.event("response.content_part.done", **ids, content_index=0, part=part),
@@ -236,9 +235,9 @@ class ResponseShape:
                                          output_index=self.items.index(item), delta=args))
         return events
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self, reason: str | None) -> list[dict[str, Any]]:
         events = self._open_text() if not self.items else []  # an empty reply is an empty message
-        events += self._close_text()
+        events += self._close_text("incomplete" if reason == "length" else "completed")
         for item in self.calls.values():
             item["status"] = "completed"
             at = self.items.index(item)
@@ -283,7 +282,7 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
                     finish = c.finish_reason or finish
                     for event in shape.step(delta):
                         yield event
-            for event in shape.finish():
+            for event in shape.finish(finish):
                 yield event
             status = "incomplete" if finish == "length" else "completed"
             yield shape.event(f"response.{status}", response=shape.body(status, _usage(run, n_out, cached), finish))
