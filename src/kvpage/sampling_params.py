@@ -22,15 +22,18 @@ MAX_BAD_WORDS = 256  # each is tokenized when the request is added and matched a
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """What the output must match (vLLM's names; exactly one): a JSON schema (``json``, a dict or its text), any
-    JSON object (``json_object``), a regular expression, one of a list of strings (``choice``), or a grammar
-    (Lark, as llguidance reads it, or GBNF as llama.cpp writes it). Each step masks every token the match cannot
-    take; the sequence ends when the match is complete and can take nothing more."""
+    JSON object (``json_object``), a regular expression, one of a list of strings (``choice``), a grammar
+    (Lark, as llguidance reads it, or GBNF as llama.cpp writes it), or a structural tag (free text in which each
+    trigger opens a tagged segment held to its JSON schema: {"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}, a dict or its text, vLLM's). Each step masks every token the match cannot take; the
+    sequence ends when the match is complete and can take nothing more."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -46,18 +49,21 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, str | dict):
             raise ValueError(f"structured_outputs json must be a JSON schema (an object or its text), got "
                              f"{type(self.json).__name__}")
-        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.structural_tag is not None and not isinstance(self.structural_tag, str | dict):
+            raise ValueError(f"structured_outputs structural_tag must be an object (or its text), got "
+                             f"{type(self.structural_tag).__name__}")
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
-            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar and json_object, "
-                             f"got {kinds or 'none'}")
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, structural_tag "
+                             f"and json_object, got {kinds or 'none'}")
 
     @cached_property
     def key(self) -> str:
         """A text that identifies the constraint (compiled grammars are cached under it; asked for by the server,
         the engine and every sequence's matcher, so written once)."""
         return json.dumps({"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                           "json_object": self.json_object}, sort_keys=True)
+                           "json_object": self.json_object, "structural_tag": self.structural_tag}, sort_keys=True)
 
 
 @dataclass

@@ -145,3 +145,33 @@ def test_chat_hands_tools_to_the_template(llm):
     assert out.prompt == ('weather: {"type": "function", "function": {"name": "weather", "parameters": '
                           '{"type": "object"}}}\n' + CHAT[0]["content"])
     assert drained(llm)
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}
+TAG = {"structures": [{"begin": "<function=weather>", "schema": CITY, "end": "</function>"}],
+       "triggers": ["<function="]}
+
+
+def test_a_structural_tag_holds_what_follows_its_trigger(llm):
+    tk = llm.engine.tokenizer
+
+    def takes(text: str) -> bool:
+        matcher = llm.engine.grammars.compile(SO(structural_tag=TAG)).deep_copy()
+        ids = tk.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids)
+
+    assert takes('Let me check. <function=weather>{"city":"Oslo"}</function> Done.')
+    assert takes("No call at all, just text.")
+    assert not takes('<function=weather>{"town":"Oslo"}')  # the schema holds once the trigger is written
+    assert not takes("<function=rain>{}")  # no structure begins so
+    # the text form (as vLLM's structured_outputs.structural_tag sends it) is the same constraint
+    out = llm.generate("The weather tool is called like this: <function=weather>",
+                       SamplingParams(temperature=0, max_tokens=24, structured_outputs=SO(structural_tag=json.dumps(
+                           TAG))), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids and drained(llm)
+    for bad, words in (({"structures": TAG["structures"], "triggers": ["<tool="]}, "none of the triggers"),
+                       ({"structures": [], "triggers": ["<f"]}, "non-empty list"),
+                       ({"format": {"type": "triggered_tags"}}, "'format' form")):
+        with pytest.raises(ValueError, match=words):
+            llm.engine.grammars.compile(SO(structural_tag=bad))

@@ -174,3 +174,20 @@ def test_cors_answers_only_the_named_origins(srv):
                                                           "Content-Type": "application/json"},
                          json.dumps({"prompt": "hi", "max_tokens": 1}))
     assert status == 200 and "access-control-allow-origin" not in h, h  # served; a browser keeps it from the page
+
+
+def test_structural_tags_in_both_spellings(srv):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    tag = {"structures": [{"begin": "<function=weather>", "schema": schema, "end": "</function>"}],
+           "triggers": ["<function="]}
+    body = {"prompt": "Call the weather tool for Oslo: <function=weather>", "max_tokens": 16, "temperature": 0}
+    for fields in ({"response_format": {"type": "structural_tag", **tag}},
+                   {"structured_outputs": {"structural_tag": json.dumps(tag)}},
+                   {"structured_outputs": {"structural_tag": ""}}):  # "": none, as before
+        status, out = request(srv, "POST", "/v1/completions", {**body, **fields})
+        assert status == 200, (fields, out)
+    status, err = request(srv, "POST", "/v1/completions", {**body, "response_format": {
+        "type": "structural_tag", "structures": tag["structures"], "triggers": ["<tool="]}})
+    assert status == 400 and "none of the triggers" in err["error"]["message"], err
+    wait_idle(srv)

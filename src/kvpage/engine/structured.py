@@ -28,6 +28,33 @@ def _choice_grammar(choices: Sequence[str]) -> str:
     return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices) + "\n"
 
 
+def structural_tag_grammar(spec: str | dict) -> str:
+    """A Lark grammar for a structural tag (vLLM's form: {"structures": [{"begin", "schema", "end"}], "triggers"}):
+    free text until a trigger, then one of the structures whose begin starts with it, its JSON, its end, and free
+    text again (llguidance's lazy lexemes)."""
+    from llguidance import StructTag
+
+    tag = json.loads(spec) if isinstance(spec, str) else spec
+    if not isinstance(tag, dict) or "format" in tag:
+        raise ValueError("structural_tag must be {'structures': [{'begin', 'schema', 'end'}], 'triggers': [...]} "
+                         "(the 'format' form is not supported)")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structural_tag triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structural_tag structures must be a non-empty list")
+    tags = []
+    for i, st in enumerate(structures):
+        begin, end, schema = (st.get(k) for k in ("begin", "end", "schema")) if isinstance(st, dict) else (None,) * 3
+        if not isinstance(begin, str) or not isinstance(end, str) or not isinstance(schema, dict | None):
+            raise ValueError(f"structural_tag structures[{i}] needs begin and end strings and a schema object")
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structural_tag structures[{i}]: begin {begin!r} starts with none of the triggers")
+        tags.append(StructTag(trigger=trigger, begin=begin, grammar=schema or {"type": "object"}, end=end))
+    return StructTag.to_grammar(tags, assume_special=False)
+
+
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """llguidance's grammar for one constraint (not yet checked: compiling it does that)."""
     from llguidance import LLMatcher
@@ -42,6 +69,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:
         return LLMatcher.grammar_from_lark(_choice_grammar(spec.choice))
+    if spec.structural_tag is not None:
+        return LLMatcher.grammar_from_lark(structural_tag_grammar(spec.structural_tag))
     return LLMatcher.grammar_from_lark(any_to_lark(spec.grammar or ""))
 
 

@@ -10,23 +10,26 @@ from kvpage.entrypoints.openai.protocol import APIError
 from kvpage.sampling_params import StructuredOutputsParams
 
 # vLLM's structured_outputs keys that kvpage takes, and those it accepts only at their neutral values
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _NEUTRAL = {"disable_fallback": (None, False), "disable_any_whitespace": (None, False, True),
             "disable_additional_properties": (None, False), "whitespace_pattern": (None, ""),
-            "structural_tag": (None, ""), "_backend": (None,), "_backend_was_auto": (None, False, True)}
+            "_backend": (None,), "_backend_was_auto": (None, False, True)}
 
 
 def _from_response_format(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise APIError(400, "response_format must be an object with a type: text, json_object or json_schema",
+        raise APIError(400, "response_format must be an object with a type: text, json_object, json_schema or "
+                            "structural_tag",
                        param="response_format")
     kind = value["type"]
     if kind == "text":
         return None
     if kind == "json_object":
         return {"json_object": True}
+    if kind == "structural_tag":  # vLLM's: {"type": "structural_tag", "structures": [...], "triggers": [...]}
+        return {"structural_tag": {k: v for k, v in value.items() if k != "type"}}
     if kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
@@ -34,7 +37,8 @@ def _from_response_format(value: Any) -> dict[str, Any] | None:
             raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
                            param="response_format")
         return {"json": schema}
-    raise APIError(400, f"response_format type {kind!r} is not supported: text, json_object or json_schema",
+    raise APIError(400, f"response_format type {kind!r} is not supported: text, json_object, json_schema or "
+                        "structural_tag",
                    param="response_format", code="unsupported_parameter")
 
 
@@ -42,12 +46,13 @@ def _from_structured_outputs(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise APIError(400, "structured_outputs must be an object (json, regex, choice, grammar or json_object)",
+        raise APIError(400, "structured_outputs must be an object (json, regex, choice, grammar, json_object or "
+                            "structural_tag)",
                        param="structured_outputs")
     out = {}
     for key, item in value.items():
         if key in _KINDS:
-            if item is not None and item is not False:
+            if item is not None and item is not False and not (key == "structural_tag" and item == ""):
                 out[key] = item
         elif key not in _NEUTRAL or item not in _NEUTRAL[key]:
             raise APIError(400, f"structured_outputs.{key} is not supported by this server",
