@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from kvpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -354,10 +354,16 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: Any = None  # "none", "auto", "required" or a named function (tools.py)
     parallel_tool_calls: bool | None = None
 
-    def tool_plan(self) -> Any:
-        from kvpage.entrypoints.openai.tools import tool_plan
+    _plan: Any = PrivateAttr(None)
 
-        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+    def tool_plan(self) -> Any:
+        """The tools and tool_choice checked and resolved, once per request (the route, its sampling params and a
+        response's every event body ask for it)."""
+        if self._plan is None:
+            from kvpage.entrypoints.openai.tools import tool_plan
+
+            self._plan = tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return self._plan
 
     def structured(self) -> StructuredOutputsParams | None:
         """A named or required tool choice constrains the output itself, so it takes no other output form."""

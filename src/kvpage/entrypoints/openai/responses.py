@@ -28,6 +28,12 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty
              "repetition_penalty", "stop", "user", "priority", "cache_salt", "request_id")
 
 
+# fields this server refuses unless they carry their neutral value; those that need stored responses
+_NOT_KEPT = {"previous_response_id": (None, ""), "background": (None, False), "conversation": (None,),
+             "include": (None, []), "prompt": (None,), "top_logprobs": (None, 0)}
+_NEED_STORE = ("previous_response_id", "background", "conversation")
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -46,13 +52,11 @@ class ResponsesRequest(BaseModel):
 
     def check(self) -> None:
         extra = self.model_extra or {}
-        for name, neutral in (("previous_response_id", (None, "")), ("background", (None, False)),
-                              ("include", (None, [])), ("prompt", (None,)), ("top_logprobs", (None, 0)),
-                              ("conversation", (None,))):
+        for name, neutral in _NOT_KEPT.items():
             if extra.get(name) not in neutral:
-                raise APIError(400, f"{name} is not supported by this server (responses are not stored)" if name in
-                               ("previous_response_id", "background", "conversation") else
-                               f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+                why = " (responses are not stored)" if name in _NEED_STORE else ""
+                raise APIError(400, f"{name} is not supported by this server{why}", param=name,
+                               code="unsupported_parameter")
         reasoning = extra.get("reasoning")
         if isinstance(reasoning, dict) and any(v is not None for v in reasoning.values()):
             raise APIError(400, "reasoning settings are not supported: this model does not reason apart",

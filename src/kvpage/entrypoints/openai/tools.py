@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from kvpage.entrypoints.openai.protocol import APIError
@@ -75,8 +76,16 @@ class ToolPlan:
                                 "--enable-auto-tool-choice --tool-call-parser: send tool_choice 'none', 'required' or "
                                 "a named function", param="tool_choice")
 
+    @cached_property
+    def _constraint(self) -> StructuredOutputsParams | None:
+        return self._build_constraint()
+
     def constraint(self) -> StructuredOutputsParams | None:
-        """The structured output a named or required choice runs under (None for none / auto)."""
+        """The structured output a named or required choice runs under (None for none / auto); built once, so the
+        compiled grammar's key is computed once too."""
+        return self._constraint
+
+    def _build_constraint(self) -> StructuredOutputsParams | None:
         if self.kind == "named":
             return StructuredOutputsParams(json=_object_schema(self.functions()[self.name].get("parameters")))
         if self.kind != "required":
