@@ -74,6 +74,7 @@ class Soak:
         self.failures: list[str] = []
         self.rss: list[tuple[float, float | None]] = []  # (seconds into the run, server RSS in MiB)
         self.chats = True  # False: the model has no chat template, and the server refuses chats by name
+        self.responses: collections.deque[str] = collections.deque(maxlen=32)  # stored ids a next turn may continue
 
     async def http(self, path: str, body: str | bytes, read_limit: int | None = None,
                    progress: list[float] | None = None) -> tuple[int, bytes]:
@@ -102,7 +103,7 @@ class Soak:
     async def one(self) -> None:
         rng = self.rng
         kind = rng.choices(["stream", "chat", "n>1", "disconnect", "bad", "too-long", "degenerate", "tokenize",
-                            "scoring", "shaped"], [25, 20, 10, 10, 15, 5, 10, 5, 10, 10])[0]
+                            "scoring", "shaped", "responses"], [25, 20, 10, 10, 15, 5, 10, 5, 10, 10, 8])[0]
         sampled = rng.random() < 0.7
         sampling = {} if sampled else {"temperature": 0}
         path, body, expect, limit = "/v1/completions", None, {200}, None
@@ -116,6 +117,12 @@ class Soak:
             if rng.random() < 0.3:  # tool calls: forced ones, held to the tools' schemas ("auto" needs a parser)
                 body.update(tools=TOOLS, parallel_tool_calls=rng.random() < 0.5, tool_choice=rng.choice(
                     [{"type": "function", "function": {"name": "lookup"}}, "required", "none"]))
+        elif kind == "responses":  # OpenAI's Responses API: turns that continue stored ones, background runs
+            path = "/v1/responses"
+            body = {"input": text(rng, rng.randint(3, 60)), "max_output_tokens": rng.randint(8, 64),
+                    "stream": rng.random() < 0.4, "background": rng.random() < 0.2, **sampling}
+            if self.responses and rng.random() < 0.5:
+                body["previous_response_id"] = rng.choice(self.responses)
         elif kind == "n>1":
             body = {"prompt": text(rng, rng.randint(5, 80)), "max_tokens": rng.randint(8, 48), "stream": True,
                     "n": rng.randint(2, 4), "seed": rng.randint(0, 1000)}
@@ -194,6 +201,15 @@ class Soak:
         problem = None
         if status >= 500 or status not in expect:
             problem = f"{kind}: {status} for {raw[:120]}: {got[-300:].decode('utf-8', 'replace')}"
+        elif status == 200 and path == "/v1/responses":
+            if b"text/event-stream" in got[:400]:
+                last = got.rstrip().rsplit(b"event: ", 1)[-1]
+                if not last.startswith((b"response.completed", b"response.incomplete")):
+                    outcome, problem = "stream not completed", f"{kind}: {got[-300:]!r}"
+            else:
+                doc = json.loads(got.split(b"\r\n\r\n", 1)[1])
+                if doc.get("status") == "completed" and not doc.get("background"):  # a turn to continue
+                    self.responses.append(doc["id"])
         elif status == 200 and b"text/event-stream" in got[:400]:
             if b"data: [DONE]" not in got:
                 outcome, problem = "stream without [DONE]", f"{kind}: {got[-300:]!r}"

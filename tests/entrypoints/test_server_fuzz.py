@@ -129,7 +129,8 @@ responses = body({"input": field(st.one_of(text, st.lists(item, min_size=1, max_
                          [{"type": "function", "name": "nope"}, "auto"]),
     "text": field(st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
                   [{"format": {"type": "json_schema"}}, {"format": "x"}, {"format": {"type": "yaml"}}]),
-    "previous_response_id": field(st.none(), ["resp_1"]), "truncation": field(st.just("disabled"), ["auto", "x"]),
+    "previous_response_id": field(st.none(), ["resp_1"]), "store": field(st.booleans()),
+    "background": field(st.just(False), [True]), "truncation": field(st.just("disabled"), ["auto", "x"]),
     "metadata": field(st.dictionaries(text, text, max_size=2))})
 calls = st.one_of(st.tuples(st.just("/v1/completions"), completion), st.tuples(st.just("/v1/chat/completions"), chat),
                   st.tuples(st.just("/v1/responses"), responses),
@@ -150,6 +151,9 @@ def test_no_body_gets_a_5xx_or_hangs(port, call):
     assert resp.status < 500, (resp.status, raw[:500], body)
     if resp.status != 200:
         assert "error" in json.loads(raw), raw
+    elif resp.getheader("content-type", "").startswith("text/event-stream") and path == "/v1/responses":
+        last = raw.rstrip().rsplit("event: ", 1)[-1]  # typed events: the last one ends the response
+        assert last.startswith(("response.completed", "response.incomplete")), raw[-300:]
     elif resp.getheader("content-type", "").startswith("text/event-stream"):
         assert raw.endswith("data: [DONE]\n\n"), raw[-300:]
         assert '"error"' not in raw, raw[-300:]

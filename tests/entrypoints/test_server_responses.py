@@ -65,8 +65,8 @@ def test_an_empty_reply_is_an_empty_message_whole_and_streamed():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
@@ -133,7 +133,7 @@ def test_forced_calls_and_a_json_format(client):
 
 
 def test_refusals_reach_the_client_and_leave_nothing_behind(srv, client):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_1")
     assert e.value.body["param"] == "previous_response_id"
     status, err = request(srv, "POST", "/v1/responses", {"input": "x", "tools": [WEATHER],

@@ -62,6 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                             "as vLLM's server; --allowed-origins '[]' sends no CORS headers)")
     p.add_argument("--allow-credentials", action="store_true",
                    help="CORS: let browsers send cookies and credentials (not with --allowed-origins '[\"*\"]')")
+    p.add_argument("--responses-store-size", type=int, default=1024,
+                   help="/v1/responses kept in memory for previous_response_id, background runs and GET "
+                        "/v1/responses/{id}, the oldest finished dropped first (default 1024; 0 keeps none)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)
@@ -113,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("shutdown_timeout", "http_timeout"):
         if not getattr(args, flag) >= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
+    if args.responses_store_size < 0:
+        raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.allow_credentials and "*" in args.allowed_origins:
@@ -146,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
                           trust_request_chat_template=args.trust_request_chat_template,
                           tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                          responses_store_size=args.responses_store_size)
     return serve_engine(lambda: LLMEngine(engine_args), config, args.host, args.port, max_queue=args.max_queue,
                         shutdown_timeout=args.shutdown_timeout, http_timeout=args.http_timeout,
                         log_level=args.uvicorn_log_level)

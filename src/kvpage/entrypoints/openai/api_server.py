@@ -81,6 +81,7 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id, background runs, GET (0: none)
 
 
 def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -418,5 +419,5 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
 
         return sse_response(events())
 
-    install_responses(app, body, start_chat, runner, config.model_name)
+    install_responses(app, body, start_chat, runner, config)
     return app

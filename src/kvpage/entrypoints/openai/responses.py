@@ -3,13 +3,16 @@ become a chat conversation (text messages, earlier function calls and their outp
 sampling, output form (``text.format``) and tools, and the chat's reply comes back as output items (a message
 with its output_text, function calls), whole or as the API's typed stream events.
 
-Not kept: responses are not stored, so ``previous_response_id`` and ``background`` are refused by name, as are
-reasoning settings, ``include``, ``truncation: "auto"``, prompt templates and input other than text.
+Responses are stored (response_store.py) unless the request says ``store: false`` or the server keeps none: a
+later request continues one with ``previous_response_id``, and ``background: true`` runs one apart from the
+client's connection. Refused by name: conversations, reasoning settings, ``include``, ``truncation: "auto"``,
+prompt templates and input other than text.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,17 +24,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpage.entrypoints.openai.protocol import APIError, ChatCompletionRequest
-from kvpage.entrypoints.openai.serving import ChatRun, RequestRunner
+from kvpage.entrypoints.openai.response_store import RUNNING, ResponseStore, StoredResponse, frame, input_items
+from kvpage.entrypoints.openai.response_store import install as install_retrieval
+from kvpage.entrypoints.openai.serving import ChatRun, RequestRunner, stop
 
 # sampling fields a Responses request may carry (OpenAI's and vLLM's extras), handed to the chat as they are
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "stop", "user", "priority", "cache_salt", "request_id")
+             "repetition_penalty", "stop", "user", "priority", "cache_salt", "request_id", "ignore_eos", "min_tokens")
 
 
-# fields this server refuses unless they carry their neutral value; those that need stored responses
-_NOT_KEPT = {"previous_response_id": (None, ""), "background": (None, False), "conversation": (None,),
-             "include": (None, []), "prompt": (None,), "top_logprobs": (None, 0)}
-_NEED_STORE = ("previous_response_id", "background", "conversation")
+# fields this server refuses unless they carry their neutral value
+_NOT_KEPT = {"conversation": (None,), "include": (None, []), "prompt": (None,), "top_logprobs": (None, 0)}
 
 
 class ResponsesRequest(BaseModel):
@@ -48,15 +51,23 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    background: bool | None = None
+    previous_response_id: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
 
-    def check(self) -> None:
+    def check(self, storing: bool = True) -> None:
+        """Refuse what this server cannot honour (``storing``: whether this response will be stored)."""
         extra = self.model_extra or {}
         for name, neutral in _NOT_KEPT.items():
             if extra.get(name) not in neutral:
-                why = " (responses are not stored)" if name in _NEED_STORE else ""
+                why = " (conversations are not kept; continue a response with previous_response_id)" \
+                    if name == "conversation" else ""
                 raise APIError(400, f"{name} is not supported by this server{why}", param=name,
                                code="unsupported_parameter")
+        if self.background and (not storing or self.store is False):
+            why = "the request says store false" if self.store is False else \
+                "this server keeps none (started with --responses-store-size 0)"
+            raise APIError(400, f"a background response must be stored, and {why}", param="background")
         reasoning = extra.get("reasoning")
         if isinstance(reasoning, dict) and any(v is not None for v in reasoning.values()):
             raise APIError(400, "reasoning settings are not supported: this model does not reason apart",
@@ -65,10 +76,13 @@ class ResponsesRequest(BaseModel):
             raise APIError(400, "truncation 'auto' is not supported: send 'disabled' (an input that does not fit is "
                                 "a 400)", param="truncation", code="unsupported_parameter")
 
-    def chat(self) -> ChatCompletionRequest:
-        """The chat request this asks for."""
-        self.check()
-        body: dict[str, Any] = {"messages": messages(self.instructions, self.input), "stream": self.stream,
+    def chat(self, conversation: list[dict[str, Any]] | None = None, storing: bool = True) -> ChatCompletionRequest:
+        """The chat request this asks for: the instructions, then ``conversation`` (earlier turns and this input;
+        by default this input alone)."""
+        self.check(storing)
+        turns = messages(None, self.input) if conversation is None else conversation
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        body: dict[str, Any] = {"messages": system + turns, "stream": self.stream or bool(self.background),
                                 "max_tokens": self.max_output_tokens, "model": self.model}
         body.update({k: v for k, v in (self.model_extra or {}).items() if k in _SAMPLING})
         if self.tools is not None:
@@ -154,26 +168,48 @@ class ResponseShape:
     """One response's output items, built whole or from a stream of chat deltas (ToolReply's), with the stream's
     typed events."""
 
-    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, run: ChatRun, model: str) -> None:
-        self.req, self.chat, self.run, self.model = req, chat, run, model
+    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, run: ChatRun, model: str,
+                 stored: bool = False) -> None:
+        # the run's id only: a stored response outlives its run, whose prompt token ids it need not hold
+        self.req, self.chat, self.id, self.model, self.stored = req, chat, run.id, model, stored
         self.created = time.time()
         self.items: list[dict[str, Any]] = []
         self.seq = 0
         self.text_item: dict[str, Any] | None = None  # the message being streamed
         self.calls: dict[int, dict[str, Any]] = {}  # streamed call index -> its item
+        self.status = "queued" if req.background else "in_progress"
+        self.usage: dict[str, Any] | None = None
+        self.reason: str | None = None  # the chat's finish reason
+        self.error: dict[str, Any] | None = None
 
-    def body(self, status: str, usage: dict[str, Any] | None = None, reason: str | None = None) -> dict[str, Any]:
-        plan = self.chat.tool_plan()
-        return {"id": self.run.id, "object": "response", "created_at": int(self.created), "status": status,
-                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
-                "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
+    def settle(self, reason: str | None, usage: dict[str, Any]) -> None:
+        self.status = "incomplete" if reason == "length" else "completed"
+        self.reason, self.usage = reason, usage
+
+    def fail(self, e: BaseException) -> None:
+        """A run that ended without its reply: cancelled (by the client, or its connection gone) or failed."""
+        if self.status not in RUNNING:  # it had ended; what came after (a closed stream) changes nothing
+            return
+        if isinstance(e, APIError) and e.status != 499:
+            self.status, self.error = "failed", {"code": str(e.code or e.status), "message": e.message}
+        elif isinstance(e, APIError | asyncio.CancelledError | GeneratorExit):
+            self.status = "cancelled"
+        else:
+            self.status, self.error = "failed", {"code": "server_error", "message": f"internal error: {e!r}"}
+
+    def body(self) -> dict[str, Any]:
+        plan, req = self.chat.tool_plan(), self.req
+        return {"id": self.id, "object": "response", "created_at": int(self.created), "status": self.status,
+                "background": bool(req.background), "error": self.error,
+                "incomplete_details": {"reason": "max_output_tokens"} if self.reason == "length" else None,
+                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "model": self.model, "output": self.items, "parallel_tool_calls": plan.parallel,
-                "previous_response_id": None, "reasoning": None, "store": False,
+                "previous_response_id": req.previous_response_id, "reasoning": None, "store": self.stored,
                 "temperature": 1.0 if self.chat.temperature is None else self.chat.temperature,
-                "text": self.req.text or {"format": {"type": "text"}},
-                "tool_choice": self.req.tool_choice if self.req.tool_choice is not None else plan.kind,
-                "tools": self.req.tools or [], "top_p": 1.0 if self.chat.top_p is None else self.chat.top_p,
-                "truncation": "disabled", "usage": usage, "user": self.chat.user, "metadata": self.req.metadata or {}}
+                "text": req.text or {"format": {"type": "text"}},
+                "tool_choice": req.tool_choice if req.tool_choice is not None else plan.kind,
+                "tools": req.tools or [], "top_p": 1.0 if self.chat.top_p is None else self.chat.top_p,
+                "truncation": "disabled", "usage": self.usage, "user": self.chat.user, "metadata": req.metadata or {}}
 
     def whole(self, message: dict[str, Any], finish: str | None) -> None:
         status = "incomplete" if finish == "length" else "completed"
@@ -259,51 +295,104 @@ def _usage(run: ChatRun, n_out: int, cached: int) -> dict[str, Any]:
 
 def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
             start_chat: Callable[[ChatCompletionRequest, str], Awaitable[ChatRun]],
-            runner: RequestRunner, model_name: str) -> None:
+            runner: RequestRunner, config: Any) -> ResponseStore:
+    """POST /v1/responses and the stored responses' routes; the store, for the caller to look into."""
+    store = ResponseStore(config.responses_store_size)
+    install_retrieval(app, store, config.api_key)
+
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         req: ResponsesRequest = await parse(request, ResponsesRequest)
-        chat = req.chat()
+        storing = store.enabled and req.store is not False
+        req.check(storing)
+        before = store.earlier(req.previous_response_id)
+        turn = messages(None, req.input)
+        chat = req.chat(before + turn, storing)
+        if storing:
+            store.room(f"resp-{chat.request_id}" if chat.request_id else None, bool(req.background))
         run = await start_chat(chat, "resp")
-        shape = ResponseShape(req, chat, run, model_name)
-        if not req.stream:
+        shape = ResponseShape(req, chat, run, config.model_name, storing)
+        record = None
+        if storing:
+            record = StoredResponse(run.id, shape, before, input_items(req.input), bool(req.background))
+            store.put(record)
+
+        def settled(reason: str | None, n_out: int, cached: int) -> None:
+            shape.settle(reason, _usage(run, n_out, cached))
+            if record is not None:
+                record.conversation = before + turn + messages(None, shape.items)
+
+        async def events(client: Request | None) -> AsyncIterator[dict[str, Any]]:
+            """The typed events of the run (``client``: the connection whose loss aborts it; None: none)."""
+            try:
+                shape.status = "in_progress"
+                yield shape.event("response.created", response=shape.body())
+                yield shape.event("response.in_progress", response=shape.body())
+                n_out, cached, finish = 0, 0, None
+                async with aclosing(runner.changes(client, run.jobs, run.outputs)) as it:
+                    async for _, out, c in it:
+                        n_out, cached = n_out + len(c.token_ids), out.num_cached_tokens
+                        delta, _ = run.replies[0].delta(c.text, c.finish_reason)
+                        finish = c.finish_reason or finish
+                        for event in shape.step(delta):
+                            yield event
+                for event in shape.finish(finish):
+                    yield event
+                settled(finish, n_out, cached)
+                yield shape.event(f"response.{shape.status}", response=shape.body())
+            except BaseException as e:
+                shape.fail(e)
+                raise
+
+        if req.background:
+            record.stop = functools.partial(stop, run.outputs)
+            record.task = asyncio.create_task(_background(record, shape, events(None)))
+            if not req.stream:
+                return JSONResponse(shape.body())
+            return StreamingResponse(record.follow(-1), media_type="text/event-stream")
+        if req.stream:
+            return StreamingResponse(_sse(events(request), shape), media_type="text/event-stream")
+        try:
             out = (await runner.collect(request, run.jobs, run.outputs))[run.jobs[0].request_id]
-            c = out.outputs[0]
-            message, _ = run.replies[0].message(c.text, c.finish_reason)
-            shape.whole(message, c.finish_reason)
-            status = "incomplete" if c.finish_reason == "length" else "completed"
-            return JSONResponse(shape.body(status, _usage(run, len(c.token_ids), out.num_cached_tokens),
-                                           c.finish_reason))
+        except BaseException as e:
+            shape.fail(e)
+            raise
+        c = out.outputs[0]
+        message, _ = run.replies[0].message(c.text, c.finish_reason)
+        shape.whole(message, c.finish_reason)
+        settled(c.finish_reason, len(c.token_ids), out.num_cached_tokens)
+        return JSONResponse(shape.body())
 
-        async def events() -> AsyncIterator[dict[str, Any]]:
-            yield shape.event("response.created", response=shape.body("in_progress"))
-            yield shape.event("response.in_progress", response=shape.body("in_progress"))
-            n_out, cached, finish = 0, 0, None
-            async with aclosing(runner.changes(request, run.jobs, run.outputs)) as it:
-                async for _, out, c in it:
-                    n_out, cached = n_out + len(c.token_ids), out.num_cached_tokens
-                    delta, _ = run.replies[0].delta(c.text, c.finish_reason)
-                    finish = c.finish_reason or finish
-                    for event in shape.step(delta):
-                        yield event
-            for event in shape.finish(finish):
-                yield event
-            status = "incomplete" if finish == "length" else "completed"
-            yield shape.event(f"response.{status}", response=shape.body(status, _usage(run, n_out, cached), finish))
+    return store
 
-        return StreamingResponse(_sse(events(), shape), media_type="text/event-stream")
+
+async def _background(record: StoredResponse, shape: ResponseShape, events: AsyncIterator[dict[str, Any]]) -> None:
+    """Run a background response to its end, keeping its stream's events for whoever follows it; a cancel
+    (POST .../cancel, DELETE: record.stop) ends it as a disconnect would, its engine request aborted."""
+    try:
+        async with aclosing(events) as it:
+            async for event in it:
+                await record.publish(frame(event))
+    except Exception as e:
+        shape.fail(e)
+        if shape.status == "failed":  # a cancel (stop(): a 499) ends the stream without an event
+            error = shape.event("error", code=shape.error["code"], message=shape.error["message"], param=None)
+            await record.publish(frame(error))
+            await record.publish(frame(shape.event("response.failed", response=shape.body())))
+    finally:
+        shape.fail(asyncio.CancelledError())  # a no-op unless it ended without settling (the loop cancelled it)
+        await record.end()
 
 
 async def _sse(events: AsyncIterator[dict[str, Any]], shape: ResponseShape) -> AsyncIterator[str]:
-    """Typed server-sent events (event: TYPE, then its JSON); a failure mid-stream ends it with an error event."""
+    """Typed server-sent events; a failure mid-stream ends it with an error event."""
     try:
         async with aclosing(events) as it:
             async for obj in it:
-                yield f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
+                yield frame(obj)
     except APIError as e:
         if e.status != 499:
-            err = shape.event("error", code=str(e.code or e.status), message=e.message, param=e.param)
-            yield f"event: error\ndata: {json.dumps(err, ensure_ascii=False)}\n\n"
+            yield frame(shape.event("error", code=str(e.code or e.status), message=e.message, param=e.param))
     except Exception as e:  # a bug while rendering: this stream ends with an error, the server goes on
-        err = shape.event("error", code="server_error", message=f"internal error: {type(e).__name__}", param=None)
-        yield f"event: error\ndata: {json.dumps(err, ensure_ascii=False)}\n\n"
+        yield frame(shape.event("error", code="server_error", message=f"internal error: {type(e).__name__}",
+                                param=None))

@@ -123,9 +123,10 @@ class RequestRunner:
         for job in jobs:
             self.metrics.add_prompt_tokens(len(job.prompt_ids))
 
-    async def outputs(self, request: Request, jobs: list[Job],
+    async def outputs(self, request: Request | None, jobs: list[Job],
                       queue: asyncio.Queue) -> AsyncIterator[tuple[Job, RequestOutput]]:
-        """(job, output) until every job finished. A client disconnect, or the consumer stopping early, aborts
+        """(job, output) until every job finished (``request``: the connection to watch; None for a run no
+        connection owns). A client disconnect, or the consumer stopping early, aborts
         the unfinished jobs at once (the engine frees their blocks at its next iteration). A job that failed in
         the engine raises its APIError."""
         by_id = {j.request_id: j for j in jobs}
@@ -133,7 +134,7 @@ class RequestRunner:
         # The disconnect watcher posts a marker into the same queue, so each output costs one plain await on
         # the queue (a task and an asyncio.wait over two futures per streamed token cost the event loop more
         # than rendering the token did).
-        gone = asyncio.ensure_future(_until_disconnect(request))
+        gone = asyncio.ensure_future(_until_disconnect(request) if request is not None else asyncio.Event().wait())
         gone.add_done_callback(_post_disconnect(queue))
         try:
             while open_ids:
@@ -164,7 +165,7 @@ class RequestRunner:
                     final[job.request_id] = out
         return final
 
-    async def changes(self, request: Request, jobs: list[Job],
+    async def changes(self, request: Request | None, jobs: list[Job],
                       queue: asyncio.Queue) -> AsyncIterator[tuple[Job, RequestOutput, CompletionOutput]]:
         """Each completion that has something new (text, tokens or its finish) in a delta output."""
         async with aclosing(self.outputs(request, jobs, queue)) as it:
@@ -175,6 +176,12 @@ class RequestRunner:
 
 
 _DISCONNECTED = object()  # the marker _until_disconnect's end puts into a request's output queue
+
+
+def stop(queue: asyncio.Queue) -> None:
+    """End a run that no connection owns as a disconnect would: its outputs() raises a 499 and aborts its jobs
+    (at once if it is waiting, or as soon as it starts reading)."""
+    queue.put_nowait(_DISCONNECTED)
 
 
 def _post_disconnect(queue: asyncio.Queue) -> Callable[[asyncio.Future], None]:

@@ -1,0 +1,232 @@
+"""Stored responses for /v1/responses: what ``previous_response_id``, ``background`` and the retrieval routes
+(GET / DELETE /v1/responses/{id}, POST .../cancel, GET .../input_items) need.
+
+A stored response keeps its conversation (earlier turns, this input and this reply, without the instructions,
+which OpenAI's API does not carry over to the next turn) so that a later request can continue it. The store
+holds at most ``capacity`` responses in memory, dropping the oldest finished one first: a server that runs for
+months keeps a bounded amount (``kvpage serve --responses-store-size``; 0 keeps none). A background response
+runs as a task that no client connection owns; its stream's events are kept, already serialized, so that a
+client can follow it from any point (GET ?stream=true&starting_after=N) and a disconnect loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvpage.entrypoints.openai.http_input import check_auth
+from kvpage.entrypoints.openai.protocol import APIError
+
+RUNNING = ("queued", "in_progress")
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's input as the API lists it back: one user message for plain text, and an id on every item."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        out.append({"id": item.get("id") or f"{_ITEM_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}",
+                    **{k: v for k, v in item.items() if k != "id"}, "type": kind})
+    return out
+
+
+@dataclass
+class StoredResponse:
+    """One response: its current body (a function of the live shape, so a running response shows its output so
+    far), the conversation a next turn continues, its input items, and for a background run its task and
+    stream."""
+
+    id: str
+    shape: Any  # responses.ResponseShape: its status, and body() (the response object as it stands)
+    before: list[dict[str, Any]]  # chat messages of the earlier turns
+    inputs: list[dict[str, Any]]  # this request's input items, with ids
+    background: bool = False
+    conversation: list[dict[str, Any]] | None = None  # set once finished: before + this input + this reply
+    task: asyncio.Task | None = None  # a background run
+    stop: Callable[[], None] | None = None  # ends a background run: its engine request aborted, status cancelled
+    frames: list[str] = field(default_factory=list)  # a background stream's SSE frames, in order
+    _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    @property
+    def running(self) -> bool:
+        return self.shape.status in RUNNING
+
+    async def publish(self, frame: str) -> None:
+        async with self._changed:
+            self.frames.append(frame)
+            self._changed.notify_all()
+
+    async def end(self) -> None:
+        """Wake every follower once the run is over (whatever its status)."""
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def follow(self, after: int) -> AsyncIterator[str]:
+        """The stream's frames after sequence number ``after`` (-1: from the start), then the live ones until the
+        run ends."""
+        i = after + 1
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda at=i: at < len(self.frames) or not self.running)
+                fresh = self.frames[i:]
+            for frame in fresh:
+                yield frame
+            i += len(fresh)
+            if not fresh and not self.running:
+                return
+
+    def input_list(self, limit: int, order: str, after: str | None) -> dict[str, Any]:
+        """GET .../input_items: one page of this response's input items."""
+        items = self.inputs if order == "asc" else self.inputs[::-1]
+        if after is not None:
+            at = next((i for i, it in enumerate(items) if it["id"] == after), None)
+            if at is None:
+                raise APIError(400, f"no input item {after!r} in response {self.id!r}", param="after")
+            items = items[at + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+class ResponseStore:
+    """At most ``capacity`` stored responses by id, the oldest finished ones dropped first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._by_id: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def get(self, rid: str) -> StoredResponse:
+        stored = self._by_id.get(rid)
+        if stored is None:
+            raise APIError(404, f"no response with id {rid!r} is stored on this server (never stored, deleted, or "
+                                f"dropped as the store keeps the newest {self.capacity})", "not_found_error",
+                           code="response_not_found")
+        return stored
+
+    def earlier(self, rid: str | None) -> list[dict[str, Any]]:
+        """The conversation a request with ``previous_response_id`` = ``rid`` continues."""
+        if not rid:
+            return []
+        if not self.enabled:
+            raise APIError(400, "previous_response_id needs stored responses, and this server keeps none "
+                                "(started with --responses-store-size 0)", param="previous_response_id")
+        try:
+            stored = self.get(rid)
+        except APIError as e:
+            e.param = "previous_response_id"
+            raise
+        if stored.conversation is None:
+            what = "is still running" if stored.running else f"ended {stored.shape.status}"
+            raise APIError(400, f"response {rid!r} {what}: only a completed or incomplete response can be continued",
+                           param="previous_response_id")
+        return stored.conversation
+
+    def room(self, rid: str | None, background: bool) -> None:
+        """Refuse before submitting what could not be stored: an id in use, or a background run when the store is
+        full of running ones (a response whose client waits for it is stored whatever the count: it ends with
+        its connection)."""
+        if rid is not None and rid in self._by_id:
+            raise APIError(409, f"a stored response already has the id {rid!r}", param="request_id")
+        if background and len(self._by_id) >= self.capacity and all(s.running for s in self._by_id.values()):
+            raise APIError(429, f"all {self.capacity} stored responses are still running", "rate_limit_error",
+                           headers={"Retry-After": "1"})
+
+    def put(self, stored: StoredResponse) -> None:
+        """Keep ``stored`` (its request is already running, so this never refuses: room() did, before it was
+        submitted; a store full of running responses grows past its capacity until they end)."""
+        self._by_id.pop(stored.id, None)
+        while len(self._by_id) >= self.capacity:
+            oldest = next((rid for rid, s in self._by_id.items() if not s.running), None)
+            if oldest is None:
+                break
+            del self._by_id[oldest]
+        self._by_id[stored.id] = stored
+
+    def delete(self, rid: str) -> None:
+        stored = self.get(rid)
+        if stored.stop is not None and stored.running:
+            stored.stop()
+        del self._by_id[rid]
+
+
+def frame(event: dict[str, Any]) -> str:
+    """One typed server-sent event (event: TYPE, then its JSON)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+def _query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise APIError(400, f"{name} must be an integer, got {raw!r}", param=name) from None
+    if not low <= value <= high:
+        raise APIError(400, f"{name} must be between {low} and {high}, got {value}", param=name)
+    return value
+
+
+def install(app: FastAPI, store: ResponseStore, api_key: str | None) -> None:
+    """GET / DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items."""
+
+    @app.get("/v1/responses/{rid}")
+    async def retrieve(rid: str, request: Request) -> Response:
+        check_auth(request, api_key)
+        stored = store.get(rid)
+        stream = request.query_params.get("stream", "false").lower()
+        if stream not in ("true", "false"):
+            raise APIError(400, f"stream must be true or false, got {stream!r}", param="stream")
+        if stream == "false":
+            return JSONResponse(stored.shape.body())
+        if not stored.background:
+            raise APIError(400, f"response {rid!r} did not run in the background: only a background response's "
+                                "events are kept to stream again", param="stream")
+        after = _query_int(request, "starting_after", -1, -1, 2**31)
+        return StreamingResponse(stored.follow(after), media_type="text/event-stream")
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete(rid: str, request: Request) -> Response:
+        check_auth(request, api_key)
+        store.delete(rid)
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+    @app.post("/v1/responses/{rid}/cancel")
+    async def cancel(rid: str, request: Request) -> Response:
+        check_auth(request, api_key)
+        stored = store.get(rid)
+        if not stored.background:
+            raise APIError(400, f"response {rid!r} did not run in the background: only background responses can "
+                                "be cancelled (a client stops its own by closing the connection)", param="response_id")
+        if stored.running and stored.stop is not None:
+            stored.stop()
+            await asyncio.wait([stored.task])  # its jobs aborted, its status set
+        return JSONResponse(stored.shape.body())
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def items(rid: str, request: Request) -> Response:
+        check_auth(request, api_key)
+        stored = store.get(rid)
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        limit = _query_int(request, "limit", 20, 1, 100)
+        return JSONResponse(stored.input_list(limit, order, request.query_params.get("after")))

@@ -1,0 +1,193 @@
+"""Stored responses (/v1/responses with previous_response_id, background runs, GET / DELETE / cancel /
+input_items) through a live server and the official client, and the store's own rules; no block is left in
+use, and a cancelled background run frees its blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from tests.helpers.server_util import KEY, metric, request, server, wait_idle
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from kvpage.entrypoints.openai.protocol import APIError  # noqa: E402
+from kvpage.entrypoints.openai.response_store import ResponseStore, StoredResponse, input_items  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[int]:
+    with server("--api-key", KEY, "--responses-store-size", "64") as port:
+        yield port
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{srv}/v1", api_key=KEY, max_retries=0)
+
+
+def _record(rid: str, status: str = "completed") -> StoredResponse:
+    shape = SimpleNamespace(status=status, body=lambda: {"id": rid, "status": shape.status})
+    return StoredResponse(rid, shape, [], input_items("x"), conversation=[] if status == "completed" else None)
+
+
+def test_the_store_drops_the_oldest_finished_response_first():
+    store = ResponseStore(3)
+    for rid, status in (("a", "completed"), ("b", "in_progress"), ("c", "completed")):
+        store.put(_record(rid, status))
+    store.put(_record("d"))  # full: "a" (the oldest finished) goes, the running "b" stays
+    with pytest.raises(APIError) as e:
+        store.get("a")
+    assert e.value.status == 404
+    assert store.get("b") and store.get("c") and len(store) == 3
+    with pytest.raises(APIError) as e:
+        store.room("c", False)
+    assert e.value.status == 409 and e.value.param == "request_id"
+    full = ResponseStore(2)
+    full.put(_record("x", "in_progress"))
+    full.put(_record("y", "queued"))
+    with pytest.raises(APIError) as e:
+        full.room("z", True)  # a background run is refused before anything is submitted
+    assert e.value.status == 429
+    full.room("z", False)  # one whose client waits is not
+    full.put(_record("z"))  # already running when it comes: kept beyond the capacity until others end
+    assert len(full) == 3
+
+
+def test_what_a_next_turn_may_continue():
+    store = ResponseStore(4)
+    store.put(_record("done"))
+    store.put(_record("running", "in_progress"))
+    store.put(_record("gone", "failed"))
+    assert store.earlier(None) == [] and store.earlier("done") == []
+    for rid, status in (("running", 400), ("gone", 400), ("nope", 404)):
+        with pytest.raises(APIError) as e:
+            store.earlier(rid)
+        assert e.value.status == status and e.value.param == "previous_response_id", e.value.message
+    with pytest.raises(APIError) as e:
+        ResponseStore(0).earlier("done")
+    assert e.value.status == 400 and "--responses-store-size 0" in e.value.message
+
+
+def test_input_items_pages():
+    rec = StoredResponse("r", SimpleNamespace(status="completed"), [], input_items(
+        [{"role": "user", "content": str(i)} for i in range(5)]))
+    first = rec.input_list(2, "asc", None)
+    assert [it["content"] for it in first["data"]] == ["0", "1"] and first["has_more"]
+    rest = rec.input_list(10, "asc", first["last_id"])
+    assert [it["content"] for it in rest["data"]] == ["2", "3", "4"] and not rest["has_more"]
+    assert [it["content"] for it in rec.input_list(2, "desc", None)["data"]] == ["4", "3"]
+    with pytest.raises(APIError) as e:
+        rec.input_list(2, "asc", "msg_nope")
+    assert e.value.param == "after"
+    assert input_items("hi")[0]["content"] == [{"type": "input_text", "text": "hi"}]
+
+
+def test_a_follower_sees_every_frame_and_the_end():
+    async def go() -> list[str]:
+        shape = SimpleNamespace(status="in_progress")
+        rec = StoredResponse("r", shape, [], [], background=True)
+        seen: list[str] = []
+
+        async def follow() -> None:
+            async for f in rec.follow(0):
+                seen.append(f)
+        reader = asyncio.create_task(follow())
+        for i in range(4):
+            await rec.publish(f"f{i}")
+            await asyncio.sleep(0)
+        shape.status = "completed"
+        await rec.end()
+        await asyncio.wait_for(reader, 5)
+        return seen
+    assert asyncio.run(go()) == ["f1", "f2", "f3"]
+
+
+def test_a_next_turn_reads_the_stored_conversation(client):
+    first = client.responses.create(model=MODEL, input="My name is Ada. Say hello.", temperature=0,
+                                    instructions="Answer in one short sentence.", max_output_tokens=16)
+    assert first.store is True and client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                     temperature=0, max_output_tokens=16)
+    assert second.previous_response_id == first.id
+    # the same conversation sent whole: the same prompt (the first turn's instructions are not carried over)
+    whole = client.responses.create(model=MODEL, temperature=0, max_output_tokens=16, store=False, input=[
+        {"role": "user", "content": "My name is Ada. Say hello."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}])
+    assert second.usage.input_tokens == whole.usage.input_tokens
+    assert second.output_text == whole.output_text
+    assert whole.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)
+    items = client.responses.input_items.list(second.id, order="asc")
+    assert [it.role for it in items.data] == ["user"] and items.data[0].content[0].text == "What is my name?"
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
+
+
+def test_a_background_response_runs_without_its_client(client):
+    r = client.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
+                                max_output_tokens=24, background=True)
+    assert r.status in ("queued", "in_progress") and r.background is True
+    deadline = time.monotonic() + 60
+    while r.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        r = client.responses.retrieve(r.id)
+    plain = client.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
+                                    max_output_tokens=24)
+    assert r.status == plain.status and r.output_text == plain.output_text and r.usage.output_tokens > 0
+    # streamed: every event kept, to read again from any point
+    events = list(client.responses.create(model=MODEL, input="Name three colours.", temperature=0,
+                                          max_output_tokens=16, background=True, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.background  # cut at 16 tokens
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    again = list(client.responses.retrieve(events[0].response.id, stream=True, starting_after=2))
+    assert [e.sequence_number for e in again] == [e.sequence_number for e in events[3:]]
+    assert again[-1].response.output_text == events[-1].response.output_text
+
+
+def test_a_cancelled_background_run_frees_its_blocks(srv, client):
+    r = client.responses.create(model=MODEL, input="Tell me a very long story about a ship.", max_output_tokens=900,
+                                background=True, extra_body={"ignore_eos": True})
+    time.sleep(1.0)
+    c = client.responses.cancel(r.id)
+    assert c.status == "cancelled"
+    assert client.responses.retrieve(r.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):  # a cancelled response has no reply to continue
+        client.responses.create(model=MODEL, input="x", previous_response_id=r.id)
+    done = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError):  # only a background run can be cancelled
+        client.responses.cancel(done.id)
+    wait_idle(srv)
+    assert metric(srv, "kvpage:kv_cache_blocks_used") == 0
+
+
+def test_refusals(srv):
+    for body, param in (({"input": "x", "background": True, "store": False}, "background"),
+                        ({"input": "x", "conversation": "conv_1"}, "conversation")):
+        status, err = request(srv, "POST", "/v1/responses", body)
+        assert status == 400 and err["error"]["param"] == param, err
+    for path in ("/v1/responses/nope", "/v1/responses/nope/input_items"):
+        status, err = request(srv, "GET", path)
+        assert status == 404, err
+    r = request(srv, "POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 2})[1]
+    for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order")):
+        status, err = request(srv, "GET", f"/v1/responses/{r['id']}/input_items?{query}")
+        assert status == 400 and err["error"]["param"] == param, err
+    status, err = request(srv, "GET", f"/v1/responses/{r['id']}?stream=true")
+    assert status == 400 and err["error"]["param"] == "stream"
+    assert request(srv, "GET", f"/v1/responses/{r['id']}", key=None)[0] == 401
+    wait_idle(srv)
+    assert metric(srv, "kvpage:kv_cache_blocks_used") == 0
