@@ -7,7 +7,8 @@ Without --url it starts its own server (default model, --kv-cache-memory 256MiB,
 traffic: streamed and plain completions and chats, sampled and greedy, n > 1, clients that disconnect
 mid-stream, malformed and hostile bodies, prompts over the context length, degenerate sampling settings,
 scoring requests (echo, logprobs, prompt_logprobs), beam search, stop strings and ids, allowed tokens, bad
-words, structured outputs (JSON, choices, regexes), forced tool calls, prompt truncation and cache salts, and
+words, structured outputs (JSON, choices, regexes), forced tool calls, prompt truncation and cache salts,
+/v1/responses turns (streamed, in the background, continuing stored ones with previous_response_id), and
 /tokenize calls, as Poisson arrivals (chats are expected to be refused by name when the model has no chat
 template). It reports requests by kind and outcome (a 5xx, a timeout or a broken stream is a failure), the KV
 blocks still in use once the server is idle (must be 0), and the server's memory growth (resident set size after
