@@ -3,8 +3,10 @@ greedy or sampled, n > 1 and under preemption; bad constraints are refused by na
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -172,6 +174,98 @@ def test_a_structural_tag_holds_what_follows_its_trigger(llm):
     assert out.token_ids and drained(llm)
     for bad, words in (({"structures": TAG["structures"], "triggers": ["<tool="]}, "none of the triggers"),
                        ({"structures": [], "triggers": ["<f"]}, "non-empty list"),
-                       ({"format": {"type": "triggered_tags"}}, "'format' form")):
+                       ({"format": {"type": "triggered_tags"}}, "triggers must be a non-empty list")):
         with pytest.raises(ValueError, match=words):
             llm.engine.grammars.compile(SO(structural_tag=bad))
+
+
+OBJ = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}
+FN = {"type": "tag", "begin": "<f=a>", "content": {"type": "json_schema", "json_schema": OBJ}, "end": "</f>"}
+
+
+def _format_reader(llm, fmt: dict):
+    """reads(text) -> (every token taken, the output may end there) under xgrammar's format form."""
+    tk = llm.engine.tokenizer
+
+    def reads(text: str) -> tuple[bool, bool]:
+        matcher = llm.engine.grammars.compile(SO(structural_tag={"type": "structural_tag", "format": fmt})).deep_copy()
+        ids = tk.encode(text, add_special_tokens=False)
+        took = matcher.try_consume_tokens(ids) == len(ids)
+        return took, took and matcher.is_accepting()
+    return reads
+
+
+def test_the_format_form_tags_sequences_and_free_text(llm):
+    think = {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "<think>", "content": {"type": "any_text"}, "end": ["</think>", "</t>"]},
+        {"type": "const_string", "value": "\n"}, {"type": "json_schema", "json_schema": OBJ}]}
+    reads = _format_reader(llm, think)
+    assert reads('<think>some thought, <b>tags</b> too</think>\n{"x": 3}') == (True, True)
+    assert reads('<think>short</t>\n{"x": 3}') == (True, True)  # either end closes it
+    assert reads("<think>still thinking") == (True, False)  # may go on, may not end here
+    assert not reads('<think>x</think>\nplain text')[0]
+    shaped = _format_reader(llm, {"type": "sequence", "elements": [
+        {"type": "regex", "pattern": "[A-Z]{3}"},
+        {"type": "repeat", "min": 1, "max": 2, "content": {"type": "const_string", "value": "!"}},
+        {"type": "optional", "content": {"type": "or", "elements": [{"type": "const_string", "value": " yes"},
+                                                                     {"type": "const_string", "value": " no"}]}}]})
+    assert shaped("ABC!") == (True, True) and shaped("ABC!! no") == (True, True)
+    assert not shaped("ABC!!!")[0] and not shaped("AB!")[0] and not shaped("ABC! maybe")[0]
+    assert shaped("ABC") == (True, False)  # one "!" at least
+
+
+def test_the_format_form_triggered_tags_and_separated_tags(llm):
+    def triggered(**flags):
+        return _format_reader(llm, {"type": "triggered_tags", "triggers": ["<f="], "tags": [FN], **flags})
+    call = '<f=a>{"x": 1}</f>'
+    free = triggered()
+    assert free(f"Let me call. {call} Done.") == (True, True) and free("No call.") == (True, True)
+    assert not free('Text <f=a>{"y": 1}')[0]  # once the trigger is written, the tag and its schema hold
+    assert not free("Text <f=b>")[0]
+    first = triggered(at_least_one=True)
+    assert not first("Text before")[0] and first(f"{call} then text") == (True, True)
+    once = triggered(stop_after_first=True)
+    assert once(f"Text {call}") == (True, True) and not once(f"Text {call} more")[0]
+    only = triggered(at_least_one=True, stop_after_first=True)
+    assert only(call) == (True, True) and not only(f" {call}")[0]
+    listed = _format_reader(llm, {"type": "tags_with_separator", "tags": [FN], "separator": ",", "at_least_one": True})
+    assert listed(f"{call},{call}") == (True, True) and listed(call) == (True, True)
+    assert listed("") == (True, False) and not listed(f"{call} x")[0]
+    out = llm.generate("A call: ", SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(
+        structural_tag={"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f="],
+                                                              "tags": [FN], "at_least_one": True,
+                                                              "stop_after_first": True}})),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text.startswith("<f=a>{") and drained(llm)
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "token", "token": 5}, "token-level"),
+    ({"type": "dispatch", "rules": []}, "dispatch"),
+    ({"type": "grammar", "grammar": "root ::= \"a\""}, "structured_outputs.grammar"),
+    ({"type": "sequence", "elements": [{"type": "any_text"}, {"type": "const_string", "value": "x"}]},
+     "any_text must end"),
+    ({"type": "tag", "begin": "<a>", "content": {"type": "any_text", "excludes": ["x"]}, "end": "</a>"}, "excludes"),
+    ({"type": "sequence", "elements": [{"type": "triggered_tags", "triggers": ["<f="], "tags": [FN]},
+                                       {"type": "const_string", "value": "x"}]}, "must come last"),
+    ({"type": "json_schema", "json_schema": OBJ, "style": "qwen_xml"}, "style 'json'"),
+    ({"type": "repeat", "min": 1, "max": 1000, "content": {"type": "const_string", "value": "x"}}, "repeat needs"),
+    ({"type": "triggered_tags", "triggers": ["<f", "<f="], "tags": [FN]}, "exactly one trigger"),
+    ({"type": "tag", "begin": {"type": "token", "token": 3}, "content": {"type": "any_text"}, "end": "x"},
+     "token begins"),
+    ({"type": "wizard"}, "unknown format type"),
+])
+def test_the_format_form_refuses_what_it_cannot_hold_by_name(llm, fmt, words):
+    with pytest.raises(ValueError, match=words):
+        llm.engine.grammars.compile(SO(structural_tag={"type": "structural_tag", "format": fmt}))
+
+
+def test_the_format_form_reads_every_case_as_xgrammar_does(llm):
+    """benchmarks/structural_tags.py's 45 texts under its formats: whether the whole text is taken and whether the
+    output may end there, as xgrammar 0.2.8 (vLLM 0.32's grammar engine) decided each, independently of kvpage."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "structural_tags.py"
+    spec = importlib.util.spec_from_file_location("structural_tags", path)
+    cases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cases)
+    for (fmt, text), expected in zip(cases.CASES, cases.XGRAMMAR, strict=True):
+        assert list(_format_reader(llm, fmt)(text)) == expected, (fmt["type"], text)

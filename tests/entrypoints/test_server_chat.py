@@ -190,4 +190,16 @@ def test_structural_tags_in_both_spellings(srv):
     status, err = request(srv, "POST", "/v1/completions", {**body, "response_format": {
         "type": "structural_tag", "structures": tag["structures"], "triggers": ["<tool="]}})
     assert status == 400 and "none of the triggers" in err["error"]["message"], err
+    # xgrammar's format form, as response_format and as structured_outputs' JSON text
+    call = {"type": "tag", "begin": "<function=weather>", "content": {"type": "json_schema", "json_schema": schema},
+            "end": "</function>"}
+    fmt = {"type": "triggered_tags", "triggers": ["<function="], "tags": [call], "at_least_one": True,
+           "stop_after_first": True}
+    for fields in ({"response_format": {"type": "structural_tag", "format": fmt}},
+                   {"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag", "format": fmt})}}):
+        status, out = request(srv, "POST", "/v1/completions", {**body, "prompt": "Call the weather tool:", **fields})
+        assert status == 200 and out["choices"][0]["text"].startswith("<function=weather>{"), (fields, out)
+    status, err = request(srv, "POST", "/v1/completions", {**body, "response_format": {
+        "type": "structural_tag", "format": {"type": "token", "token": 1}}})
+    assert status == 400 and "token-level" in err["error"]["message"], err
     wait_idle(srv)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpage.engine.structural_format import format_grammar
 from kvpage.sampling_params import StructuredOutputsParams
 
 GRAMMAR_CACHE = 64  # distinct constraints kept compiled
@@ -29,15 +30,17 @@ def _choice_grammar(choices: Sequence[str]) -> str:
 
 
 def structural_tag_grammar(spec: str | dict) -> str:
-    """A Lark grammar for a structural tag (vLLM's form: {"structures": [{"begin", "schema", "end"}], "triggers"}):
-    free text until a trigger, then one of the structures whose begin starts with it, its JSON, its end, and free
-    text again (llguidance's lazy lexemes)."""
+    """A Lark grammar for a structural tag. vLLM's first form, {"structures": [{"begin", "schema", "end"}],
+    "triggers"}: free text until a trigger, then one of the structures whose begin starts with it, its JSON, its
+    end, and free text again (llguidance's lazy lexemes); xgrammar's "format" form: structural_format.py."""
     from llguidance import StructTag
 
     tag = json.loads(spec) if isinstance(spec, str) else spec
-    if not isinstance(tag, dict) or "format" in tag:
+    if isinstance(tag, dict) and "format" in tag:  # xgrammar's newer form: a tree of formats
+        return format_grammar(tag)
+    if not isinstance(tag, dict):
         raise ValueError("structural_tag must be {'structures': [{'begin', 'schema', 'end'}], 'triggers': [...]} "
-                         "(the 'format' form is not supported)")
+                         "or {'type': 'structural_tag', 'format': {...}}")
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
         raise ValueError("structural_tag triggers must be a non-empty list of non-empty strings")
