@@ -103,11 +103,15 @@ def test_a_follower_sees_every_frame_and_the_end():
         for i in range(4):
             await rec.publish(f"f{i}")
             await asyncio.sleep(0)
-        shape.status = "completed"
+        shape.status = "completed"  # settled before its last frame is out: a follower woken now must wait on
+        async with rec._changed:
+            rec._changed.notify_all()
+        await asyncio.sleep(0.01)
+        await rec.publish("f4")
         await rec.end()
         await asyncio.wait_for(reader, 5)
         return seen
-    assert asyncio.run(go()) == ["f1", "f2", "f3"]
+    assert asyncio.run(go()) == ["f1", "f2", "f3", "f4"]
 
 
 def test_a_next_turn_reads_the_stored_conversation(client):

@@ -56,6 +56,7 @@ class StoredResponse:
     task: asyncio.Task | None = None  # a background run
     stop: Callable[[], None] | None = None  # ends a background run: its engine request aborted, status cancelled
     frames: list[str] = field(default_factory=list)  # a background stream's SSE frames, in order
+    ended: bool = False  # the background run is over and its last frame published
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     @property
@@ -68,8 +69,9 @@ class StoredResponse:
             self._changed.notify_all()
 
     async def end(self) -> None:
-        """Wake every follower once the run is over (whatever its status)."""
+        """Wake every follower once the run is over (whatever its status) and its last frame is out."""
         async with self._changed:
+            self.ended = True
             self._changed.notify_all()
 
     async def follow(self, after: int) -> AsyncIterator[str]:
@@ -78,12 +80,12 @@ class StoredResponse:
         i = after + 1
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda at=i: at < len(self.frames) or not self.running)
+                await self._changed.wait_for(lambda at=i: at < len(self.frames) or self.ended)
                 fresh = self.frames[i:]
             for frame in fresh:
                 yield frame
             i += len(fresh)
-            if not fresh and not self.running:
+            if not fresh and self.ended:
                 return
 
     def input_list(self, limit: int, order: str, after: str | None) -> dict[str, Any]:
