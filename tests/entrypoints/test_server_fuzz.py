@@ -130,7 +130,8 @@ responses = body({"input": field(st.one_of(text, st.lists(item, min_size=1, max_
     "text": field(st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
                   [{"format": {"type": "json_schema"}}, {"format": "x"}, {"format": {"type": "yaml"}}]),
     "previous_response_id": field(st.none(), ["resp_1"]), "store": field(st.booleans()),
-    "background": field(st.just(False), [True]), "truncation": field(st.just("disabled"), ["auto", "x"]),
+    "background": field(st.just(False), [True]), "include": field(st.just(["message.output_text.logprobs"]), [["x"]]),
+    "top_logprobs": field(st.integers(0, 5), [21, -1]), "truncation": field(st.just("disabled"), ["auto", "x"]),
     "metadata": field(st.dictionaries(text, text, max_size=2))})
 calls = st.one_of(st.tuples(st.just("/v1/completions"), completion), st.tuples(st.just("/v1/chat/completions"), chat),
                   st.tuples(st.just("/v1/responses"), responses),

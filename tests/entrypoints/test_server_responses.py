@@ -15,7 +15,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from kvpage.entrypoints.openai.protocol import APIError  # noqa: E402
-from kvpage.entrypoints.openai.responses import ResponseShape, ResponsesRequest, messages  # noqa: E402
+from kvpage.entrypoints.openai.response_shape import ResponseShape  # noqa: E402
+from kvpage.entrypoints.openai.responses import ResponsesRequest, messages  # noqa: E402
 from kvpage.entrypoints.openai.serving import ChatRun, Job  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -67,7 +68,8 @@ def test_an_empty_reply_is_an_empty_message_whole_and_streamed():
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "background": True, "store": False}, "background"),
-    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
@@ -143,3 +145,23 @@ def test_refusals_reach_the_client_and_leave_nothing_behind(srv, client):
     assert status == 404
     wait_idle(srv)
     assert metric(srv, "kvpage:kv_cache_blocks_used") == 0
+
+
+def test_output_text_logprobs_whole_and_streamed(srv, client):
+    ask = dict(model=MODEL, input="Name a colour.", temperature=0, max_output_tokens=8,
+               include=["message.output_text.logprobs"], top_logprobs=2)
+    r = client.responses.create(**ask)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and "".join(lp.token for lp in lps) == r.output_text
+    for lp in lps:  # greedy: the chosen token is the most likely one
+        assert len(lp.top_logprobs) == 2 and lp.logprob == lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
+    events = list(client.responses.create(**ask, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in lps]  # the same greedy tokens; their logprobs
+    assert all(abs(a.logprob - b.logprob) < 0.05 for a, b in zip(streamed, lps))  # alike (a cached prompt, bf16)
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert len(done.logprobs) == len(lps) and events[-1].response.output[0].content[0].logprobs
+    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).output[0].content[0].logprobs == []
+    status, err = request(srv, "POST", "/v1/responses", {"input": "x", "tools": [WEATHER], "tool_choice": "required",
+                                                         "include": ["message.output_text.logprobs"]})
+    assert status == 400 and err["error"]["param"] == "include", err

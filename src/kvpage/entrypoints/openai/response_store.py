@@ -48,7 +48,7 @@ class StoredResponse:
     stream."""
 
     id: str
-    shape: Any  # responses.ResponseShape: its status, and body() (the response object as it stands)
+    shape: Any  # response_shape.ResponseShape: its status, and body() (the response object as it stands)
     before: list[dict[str, Any]]  # chat messages of the earlier turns
     inputs: list[dict[str, Any]]  # this request's input items, with ids
     background: bool = False

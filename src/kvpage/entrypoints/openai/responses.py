@@ -1,20 +1,19 @@
 """OpenAI's Responses API (POST /v1/responses) over the chat path: a request's ``instructions`` and ``input`` items
 become a chat conversation (text messages, earlier function calls and their outputs), its fields the chat's
 sampling, output form (``text.format``) and tools, and the chat's reply comes back as output items (a message
-with its output_text, function calls), whole or as the API's typed stream events.
+with its output_text and, if asked for, its tokens' logprobs; function calls), whole or as the API's typed stream
+events (response_shape.py).
 
 Responses are stored (response_store.py) unless the request says ``store: false`` or the server keeps none: a
 later request continues one with ``previous_response_id``, and ``background: true`` runs one apart from the
-client's connection. Refused by name: conversations, reasoning settings, ``include``, ``truncation: "auto"``,
-prompt templates and input other than text.
+client's connection. Refused by name: conversations, reasoning settings, ``include`` other than the output
+text's logprobs (and those beside tool calls), ``truncation: "auto"``, prompt templates and input other than text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, Literal
@@ -24,9 +23,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpage.entrypoints.openai.protocol import APIError, ChatCompletionRequest
-from kvpage.entrypoints.openai.response_store import RUNNING, ResponseStore, StoredResponse, frame, input_items
+from kvpage.entrypoints.openai.response_shape import ResponseShape
+from kvpage.entrypoints.openai.response_store import ResponseStore, StoredResponse, frame, input_items
 from kvpage.entrypoints.openai.response_store import install as install_retrieval
-from kvpage.entrypoints.openai.serving import ChatRun, RequestRunner, stop
+from kvpage.entrypoints.openai.serving import ChatRun, RequestRunner, chat_logprobs, stop
+from kvpage.outputs import CompletionOutput
+from kvpage.sampling_params import MAX_LOGPROBS
 
 # sampling fields a Responses request may carry (OpenAI's and vLLM's extras), handed to the chat as they are
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -34,7 +36,8 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty
 
 
 # fields this server refuses unless they carry their neutral value
-_NOT_KEPT = {"conversation": (None,), "include": (None, []), "prompt": (None,), "top_logprobs": (None, 0)}
+_NOT_KEPT = {"conversation": (None,), "prompt": (None,)}
+LOGPROBS = "message.output_text.logprobs"  # the one ``include`` this server answers
 
 
 class ResponsesRequest(BaseModel):
@@ -53,6 +56,8 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     background: bool | None = None
     previous_response_id: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     truncation: Literal["disabled", "auto"] | None = None
 
     def check(self, storing: bool = True) -> None:
@@ -64,6 +69,14 @@ class ResponsesRequest(BaseModel):
                     if name == "conversation" else ""
                 raise APIError(400, f"{name} is not supported by this server{why}", param=name,
                                code="unsupported_parameter")
+        for extra_item in self.include or []:
+            if extra_item != LOGPROBS:
+                raise APIError(400, f"include {extra_item!r} is not supported (only {LOGPROBS!r}: this server has no "
+                                    "built-in tools, images or reasoning)", param="include",
+                               code="unsupported_parameter")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                           param="top_logprobs")
         if self.background and (not storing or self.store is False):
             why = "the request says store false" if self.store is False else \
                 "this server keeps none (started with --responses-store-size 0)"
@@ -76,6 +89,10 @@ class ResponsesRequest(BaseModel):
             raise APIError(400, "truncation 'auto' is not supported: send 'disabled' (an input that does not fit is "
                                 "a 400)", param="truncation", code="unsupported_parameter")
 
+    def logprobs(self) -> bool:
+        """Whether the output text's logprobs are asked for (include, or top_logprobs above 0)."""
+        return LOGPROBS in (self.include or []) or bool(self.top_logprobs)
+
     def chat(self, conversation: list[dict[str, Any]] | None = None, storing: bool = True) -> ChatCompletionRequest:
         """The chat request this asks for: the instructions, then ``conversation`` (earlier turns and this input;
         by default this input alone)."""
@@ -85,6 +102,8 @@ class ResponsesRequest(BaseModel):
         body: dict[str, Any] = {"messages": system + turns, "stream": self.stream or bool(self.background),
                                 "max_tokens": self.max_output_tokens, "model": self.model}
         body.update({k: v for k, v in (self.model_extra or {}).items() if k in _SAMPLING})
+        if self.logprobs():
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools is not None:
             body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:
@@ -160,131 +179,12 @@ def messages(instructions: str | None, items: str | list[dict[str, Any]]) -> lis
     return out
 
 
-def _hex(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-class ResponseShape:
-    """One response's output items, built whole or from a stream of chat deltas (ToolReply's), with the stream's
-    typed events."""
-
-    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, run: ChatRun, model: str,
-                 stored: bool = False) -> None:
-        # the run's id only: a stored response outlives its run, whose prompt token ids it need not hold
-        self.req, self.chat, self.id, self.model, self.stored = req, chat, run.id, model, stored
-        self.created = time.time()
-        self.items: list[dict[str, Any]] = []
-        self.seq = 0
-        self.text_item: dict[str, Any] | None = None  # the message being streamed
-        self.calls: dict[int, dict[str, Any]] = {}  # streamed call index -> its item
-        self.status = "queued" if req.background else "in_progress"
-        self.usage: dict[str, Any] | None = None
-        self.reason: str | None = None  # the chat's finish reason
-        self.error: dict[str, Any] | None = None
-
-    def settle(self, reason: str | None, usage: dict[str, Any]) -> None:
-        self.status = "incomplete" if reason == "length" else "completed"
-        self.reason, self.usage = reason, usage
-
-    def fail(self, e: BaseException) -> None:
-        """A run that ended without its reply: cancelled (by the client, or its connection gone) or failed."""
-        if self.status not in RUNNING:  # it had ended; what came after (a closed stream) changes nothing
-            return
-        if isinstance(e, APIError) and e.status != 499:
-            self.status, self.error = "failed", {"code": str(e.code or e.status), "message": e.message}
-        elif isinstance(e, APIError | asyncio.CancelledError | GeneratorExit):
-            self.status = "cancelled"
-        else:
-            self.status, self.error = "failed", {"code": "server_error", "message": f"internal error: {e!r}"}
-
-    def body(self) -> dict[str, Any]:
-        plan, req = self.chat.tool_plan(), self.req
-        return {"id": self.id, "object": "response", "created_at": int(self.created), "status": self.status,
-                "background": bool(req.background), "error": self.error,
-                "incomplete_details": {"reason": "max_output_tokens"} if self.reason == "length" else None,
-                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-                "model": self.model, "output": self.items, "parallel_tool_calls": plan.parallel,
-                "previous_response_id": req.previous_response_id, "reasoning": None, "store": self.stored,
-                "temperature": 1.0 if self.chat.temperature is None else self.chat.temperature,
-                "text": req.text or {"format": {"type": "text"}},
-                "tool_choice": req.tool_choice if req.tool_choice is not None else plan.kind,
-                "tools": req.tools or [], "top_p": 1.0 if self.chat.top_p is None else self.chat.top_p,
-                "truncation": "disabled", "usage": self.usage, "user": self.chat.user, "metadata": req.metadata or {}}
-
-    def whole(self, message: dict[str, Any], finish: str | None) -> None:
-        status = "incomplete" if finish == "length" else "completed"
-        if message.get("content") or not message.get("tool_calls"):  # an empty reply is an empty message
-            self.items.append({"type": "message", "id": _hex("msg"), "status": status, "role": "assistant",
-                               "content": [{"type": "output_text", "text": message.get("content") or "",
-                                            "annotations": [], "logprobs": []}]})
-        for call in message.get("tool_calls") or []:
-            self.items.append({"type": "function_call", "id": _hex("fc"), "call_id": call["id"],
-                               "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                               "status": "completed"})
-
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        self.seq += 1
-        return {"type": kind, "sequence_number": self.seq - 1, **fields}
-
-    def _close_text(self, status: str = "completed") -> list[dict[str, Any]]:
-        item, self.text_item = self.text_item, None
-        if item is None:
-            return []
-        part, at = item["content"][0], self.items.index(item)
-        item["status"] = status
-        ids = {"item_id": item["id"], "output_index": at}
-        return [self.event("response.output_text.done", **ids, content_index=0, text=part["text"], logprobs=[]),
-                self.event("response.content_part.done", **ids, content_index=0, part=part),
-                self.event("response.output_item.done", output_index=at, item=item)]
-
-    def _open_text(self) -> list[dict[str, Any]]:
-        self.text_item = {"type": "message", "id": _hex("msg"), "status": "in_progress", "role": "assistant",
-                          "content": []}
-        self.items.append(self.text_item)
-        at = len(self.items) - 1
-        events = [self.event("response.output_item.added", output_index=at, item={**self.text_item, "content": []})]
-        self.text_item["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-        events.append(self.event("response.content_part.added", item_id=self.text_item["id"], output_index=at,
-                                 content_index=0, part=dict(self.text_item["content"][0])))
-        return events
-
-    def step(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        """Events for one chat delta: text to the message item, call pieces to their function_call items."""
-        events = []
-        if delta.get("content"):
-            if self.text_item is None:
-                events += self._open_text()
-            self.text_item["content"][0]["text"] += delta["content"]
-            events.append(self.event("response.output_text.delta", item_id=self.text_item["id"],
-                                     output_index=self.items.index(self.text_item), content_index=0,
-                                     delta=delta["content"], logprobs=[]))
-        for piece in delta.get("tool_calls") or []:
-            events += self._close_text()
-            item = self.calls.get(piece["index"])
-            if item is None:
-                item = {"type": "function_call", "id": _hex("fc"), "call_id": piece["id"],
-                        "name": piece["function"]["name"], "arguments": "", "status": "in_progress"}
-                self.calls[piece["index"]] = item
-                self.items.append(item)
-                events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
-                                         item=dict(item)))
-            args = piece["function"].get("arguments") or ""
-            if args:
-                item["arguments"] += args
-                events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                         output_index=self.items.index(item), delta=args))
-        return events
-
-    def finish(self, reason: str | None) -> list[dict[str, Any]]:
-        events = self._open_text() if not self.items else []  # an empty reply is an empty message
-        events += self._close_text("incomplete" if reason == "length" else "completed")
-        for item in self.calls.values():
-            item["status"] = "completed"
-            at = self.items.index(item)
-            events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
-                                     arguments=item["arguments"]))
-            events.append(self.event("response.output_item.done", output_index=at, item=item))
-        return events
+def _logprobs(c: CompletionOutput, req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    """The output text's logprobs as this API gives them (chat's entries: token, logprob, bytes, top_logprobs)."""
+    if not req.logprobs():
+        return None
+    lps = chat_logprobs(c, req.top_logprobs or 0)
+    return lps["content"] if lps else []
 
 
 def _usage(run: ChatRun, n_out: int, cached: int) -> dict[str, Any]:
@@ -308,6 +208,9 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
         before = store.earlier(req.previous_response_id)
         turn = messages(None, req.input)
         chat = req.chat(before + turn, storing)
+        if req.logprobs() and chat.tool_plan().kind != "none":
+            raise APIError(400, "the output text's logprobs are not given beside tool calls: ask for them with no "
+                                "tools or tool_choice 'none'", param="include")
         if storing:
             store.room(f"resp-{chat.request_id}" if chat.request_id else None, bool(req.background))
         run = await start_chat(chat, "resp")
@@ -334,7 +237,7 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
                         n_out, cached = n_out + len(c.token_ids), out.num_cached_tokens
                         delta, _ = run.replies[0].delta(c.text, c.finish_reason)
                         finish = c.finish_reason or finish
-                        for event in shape.step(delta):
+                        for event in shape.step(delta, _logprobs(c, req)):
                             yield event
                 for event in shape.finish(finish):
                     yield event
@@ -359,7 +262,7 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
             raise
         c = out.outputs[0]
         message, _ = run.replies[0].message(c.text, c.finish_reason)
-        shape.whole(message, c.finish_reason)
+        shape.whole(message, c.finish_reason, _logprobs(c, req))
         settled(c.finish_reason, len(c.token_ids), out.num_cached_tokens)
         return JSONResponse(shape.body())
 
