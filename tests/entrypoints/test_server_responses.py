@@ -158,7 +158,7 @@ def test_output_text_logprobs_whole_and_streamed(srv, client):
     events = list(client.responses.create(**ask, stream=True))
     streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     assert [lp.token for lp in streamed] == [lp.token for lp in lps]  # the same greedy tokens; their logprobs
-    assert all(abs(a.logprob - b.logprob) < 0.05 for a, b in zip(streamed, lps))  # alike (a cached prompt, bf16)
+    assert all(abs(a.logprob - b.logprob) < 0.05 for a, b in zip(streamed, lps, strict=True))  # alike (cached, bf16)
     (done,) = [e for e in events if e.type == "response.output_text.done"]
     assert len(done.logprobs) == len(lps) and events[-1].response.output[0].content[0].logprobs
     assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).output[0].content[0].logprobs == []
