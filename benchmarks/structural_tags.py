@@ -41,6 +41,8 @@ star = {"type": "sequence", "elements": [{"type": "star", "content": {"type": "c
                                           {"type": "plus", "content": {"type": "regex", "pattern": "[0-9]"}}]}
 tag_or = {"type": "tag", "begin": "<a>", "content": {"type": "or", "elements": [
     {"type": "const_string", "value": "x"}, {"type": "any_text"}]}, "end": "</a>"}
+slash = {"type": "regex", "pattern": "[0-9]+/[0-9]+"}  # a slash in a pattern (Lark's regex delimiter)
+escaped = {"type": "regex", "pattern": "a\\/b"}
 tail_text = {"type": "sequence", "elements": [{"type": "const_string", "value": "Note: "}, {"type": "any_text"}]}
 CASES = [
     (think, '<think>some thought, <b>tags</b> too</think>\n{"x": 3}'), (think, '<think>short</t>\n{"x": 3}'),
@@ -59,13 +61,14 @@ CASES = [
     (star, "abab12"), (star, "1"), (star, "ab"), (star, "aba1"),
     (tag_or, "<a>x</a>"), (tag_or, "<a>anything here</a>"), (tag_or, "<a>x"), (tag_or, "<a>y</a>z"),
     (tail_text, "Note: whatever <f=a> comes"), (tail_text, "Note"), (tail_text, "Nope"),
+    (slash, "12/34"), (slash, "12-34"), (escaped, "a/b"), (escaped, "a\\b"),
 ]
 
 # xgrammar 0.2.8 (vLLM 0.32.0's), 2026-12-06: [takes the whole text, may end there] per case
 XGRAMMAR = [[c[0] == "T", c[1] == "T"] for c in (  # T/F: takes the text, may end there
     'TT', 'TT', 'TF', 'FF', 'FF', 'TT', 'TT', 'FF', 'FF', 'FF', 'TF', 'TT', 'TT', 'FF', 'FF', 'TT', 'TT', 'TT',
     'FF', 'TT', 'TF', 'TT', 'FF', 'TT', 'TT', 'FF', 'FF', 'TT', 'TT', 'TT', 'FF', 'TF', 'TF', 'FF', 'TT', 'TT',
-    'TF', 'FF', 'TT', 'TT', 'TF', 'FF', 'TT', 'TF', 'FF')]
+    'TF', 'FF', 'TT', 'TT', 'TF', 'FF', 'TT', 'TF', 'FF', 'TT', 'FF', 'TT', 'FF')]
 
 _XGRAMMAR_SCRIPT = """
 import json, sys

@@ -261,7 +261,7 @@ def test_the_format_form_refuses_what_it_cannot_hold_by_name(llm, fmt, words):
 
 
 def test_the_format_form_reads_every_case_as_xgrammar_does(llm):
-    """benchmarks/structural_tags.py's 45 texts under its formats: whether the whole text is taken and whether the
+    """benchmarks/structural_tags.py's 49 texts under its formats: whether the whole text is taken and whether the
     output may end there, as xgrammar 0.2.8 (vLLM 0.32's grammar engine) decided each, independently of kvpage."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "structural_tags.py"
     spec = importlib.util.spec_from_file_location("structural_tags", path)

@@ -68,8 +68,7 @@ class _Builder:
         return f"%json {json.dumps(schema)}", False
 
     def _regex(self, fmt: dict, where: str, stop: Any) -> tuple[str, bool]:
-        pattern = _string(fmt, "pattern", where)
-        return self.rule("/" + pattern.replace("/", "\\/") + "/"), False
+        return self.rule(_lark_regex(_string(fmt, "pattern", where))), False
 
     def _any_text(self, fmt: dict, where: str, stop: Any) -> tuple[str, bool]:
         _no_limits(fmt, where, ("excludes", "max_tokens", "max_chars"))
@@ -178,6 +177,15 @@ class _Builder:
         if once:
             return (one if first else f"({one})?"), False
         return (f"({one} ({sep} {one})*)" if first else f"({one} ({sep} {one})*)?"), False
+
+
+def _lark_regex(pattern: str) -> str:
+    """``pattern`` as a Lark regex literal: its unescaped slashes escaped (an escaped one stays as it is)."""
+    out, escaped = [], False
+    for ch in pattern:
+        out.append("\\/" if ch == "/" and not escaped else ch)
+        escaped = ch == "\\" and not escaped
+    return "/" + "".join(out) + "/"
 
 
 def _string(fmt: dict, key: str, where: str) -> str:
