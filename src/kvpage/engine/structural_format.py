@@ -124,10 +124,15 @@ class _Builder:
 
     # ------------------------------------------------------------------ tags
     def _tag(self, fmt: dict, where: str, stop: Any) -> tuple[str, bool]:
-        begin, ends = _tag_parts(fmt, where)
+        begin, _ = _tag_parts(fmt, where)
+        return self.rule(f"{_lit(begin)} {self._tag_body(fmt, where)}"), False
+
+    def _tag_body(self, fmt: dict, where: str) -> str:
+        """A tag's content and end, as one rule (a triggered tag's two openings share it)."""
+        _, ends = _tag_parts(fmt, where)
         content, ate = self.build(fmt.get("content"), f"{where}.content", ends)
         tail = "" if ate else " (" + " | ".join(_lit(e) for e in ends) + ")"
-        return self.rule(f"{_lit(begin)} {content}{tail}"), False
+        return self.rule(f"{content}{tail}")
 
     def _tags(self, fmt: dict, where: str) -> list[dict]:
         tags = fmt.get("tags")
@@ -154,10 +159,10 @@ class _Builder:
             if len(matching) != 1:
                 raise ValueError(f"structural_tag {at}: begin {begin!r} must start with exactly one trigger, "
                                  f"{len(matching)} do")
-            rest, _ = self._tag({**tag, "begin": begin[len(matching[0]):]}, at, None)
+            body = self._tag_body(tag, at)  # built once: a schema's grammar is not written twice
             lead = self.rule(f"{_TEXT} {_lit(matching[0])}", lazy=True)  # free text up to the trigger
-            led.append(self.rule(f"{lead} {rest}"))
-            direct.append(self._tag(tag, at, None)[0])
+            led.append(self.rule(f"{lead} {_lit(begin[len(matching[0]):])} {body}"))
+            direct.append(self.rule(f"{_lit(begin)} {body}"))
         any_led, any_direct = "(" + " | ".join(led) + ")", "(" + " | ".join(direct) + ")"
         text = self.rule(_TEXT)
         first, once = bool(fmt.get("at_least_one")), bool(fmt.get("stop_after_first"))

@@ -134,8 +134,9 @@ class RequestRunner:
         # The disconnect watcher posts a marker into the same queue, so each output costs one plain await on
         # the queue (a task and an asyncio.wait over two futures per streamed token cost the event loop more
         # than rendering the token did).
-        gone = asyncio.ensure_future(_until_disconnect(request) if request is not None else asyncio.Event().wait())
-        gone.add_done_callback(_post_disconnect(queue))
+        gone = None if request is None else asyncio.ensure_future(_until_disconnect(request))
+        if gone is not None:
+            gone.add_done_callback(_post_disconnect(queue))
         try:
             while open_ids:
                 item = await queue.get()
@@ -152,7 +153,8 @@ class RequestRunner:
                     raise APIError(500, f"the request failed in the engine: {item.error}", "server_error")
                 yield by_id[item.request_id], item
         finally:
-            gone.cancel()
+            if gone is not None:
+                gone.cancel()
             for rid in open_ids:
                 self.client.abort(rid)
 
