@@ -11,7 +11,14 @@ pytest.importorskip("pydantic")
 
 from kvpage.entrypoints.openai import tool_parsers
 from kvpage.entrypoints.openai.protocol import APIError, ChatCompletionRequest, conversation
-from kvpage.entrypoints.openai.tool_parsers import PARSERS, hermes_calls, llama3_json_calls, pythonic_calls
+from kvpage.entrypoints.openai.tool_parsers import (
+    PARSERS,
+    hermes_calls,
+    llama3_json_calls,
+    mistral_calls,
+    pythonic_calls,
+    qwen3_coder_calls,
+)
 from kvpage.entrypoints.openai.tools import ToolPlan, ToolReply, tool_plan
 from kvpage.entrypoints.serve import TOOL_CALL_PARSERS
 
@@ -125,6 +132,69 @@ def test_llama3_json_and_pythonic_replies_are_the_calls():
     for text in ("[weather(city=city_name)]", "[weather('Oslo')]", "[os.system(cmd='ls')]", "[rm()]",
                  "[weather(city='Oslo')", "Sure: [time()]", "[1, 2]", "[weather(**kw)]"):
         assert pythonic_calls(text, names) == (text, []), text
+
+
+def named_args(calls: list[dict]) -> list[tuple[str, object]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_mistral_reads_each_tokenizer_generations_calls():
+    fns = {"weather": WEATHER["function"], "time": TIME["function"]}
+    content, calls = mistral_calls('Checking.[TOOL_CALLS]weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]time[ARGS]{}', fns)
+    assert content == "Checking." and named_args(calls) == [("weather", {"city": "Oslo"}), ("time", {})]
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)  # Mistral's templates demand these ids
+    for text in ('[TOOL_CALLS]weather{"city": "Oslo"}',  # the "{" alone ends the name
+                 '[TOOL_CALLS]weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}',  # v13: an id echoed first
+                 '[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Oslo"}}]'):  # before v11: a JSON list
+        content, calls = mistral_calls(text, fns)
+        assert content is None and named_args(calls) == [("weather", {"city": "Oslo"})], text
+    assert mistral_calls("no calls", fns) == ("no calls", [])
+    for text in ("[TOOL_CALLS]rm[ARGS]{}", '[TOOL_CALLS]weather[ARGS]{"city": ', '[TOOL_CALLS]weather[ARGS]"Oslo"',
+                 '[TOOL_CALLS]weather[ARGS]{"city": "Oslo"} trailing', '[TOOL_CALLS][{"name": "rm", "arguments": {}}]',
+                 "[TOOL_CALLS][]", '[TOOL_CALLS][{"name": "weather", "arguments": "Oslo"}]'):
+        assert mistral_calls(text, fns) == (text, []), text
+
+
+def test_qwen3_coder_reads_xml_calls_with_their_schema_types():
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"},
+        "metric": {"type": "boolean"}, "opts": {"type": "object"}, "hours": {"type": "array"},
+        "note": {"type": ["integer", "null"]}}}
+    fns = {"forecast": {"name": "forecast", "parameters": schema}, "time": TIME["function"]}
+    text = ("Let me look.\n<tool_call>\n<function=forecast>\n<parameter=city>\nNew York\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=temp>\n-2.5\n</parameter>\n<parameter=metric>\nTrue\n"
+            "</parameter>\n<parameter=opts>\n{\"wind\": [1, 2]}\n</parameter>\n"
+            "<parameter=hours>\n[6, 12]\n</parameter>\n"
+            "<parameter=note>\nnull\n</parameter>\n<parameter=extra>\n007\n</parameter>\n</function>\n</tool_call>\n"
+            "<tool_call>\n<function=time>\n</function>\n</tool_call>")
+    content, calls = qwen3_coder_calls(text, fns)
+    assert content == "Let me look.\n" and named_args(calls) == [
+        ("forecast", {"city": "New York", "days": 3, "temp": -2.5, "metric": True, "opts": {"wind": [1, 2]},
+                      "hours": [6, 12], "note": None, "extra": "007"}),  # a key the schema lacks stays text
+        ("time", {})]
+    # a value that does not parse as its type stays text; a string keeps inner newlines and blanks
+    _, (call,) = qwen3_coder_calls("<tool_call><function=forecast><parameter=days>three</parameter>"
+                                   "<parameter=city>\n two\nlines \n</parameter></function></tool_call>", fns)
+    assert json.loads(call["function"]["arguments"]) == {"days": "three", "city": " two\nlines "}
+    # the reply may end inside the last block, function or parameter; a bare <function= opens a call too
+    assert named_args(qwen3_coder_calls("<tool_call>\n<function=forecast>\n<parameter=city>\nOslo", fns)[1]) == [
+        ("forecast", {"city": "Oslo"})]
+    assert named_args(qwen3_coder_calls("<function=time></function>", fns)[1]) == [("time", {})]
+    for bad in ("<tool_call><function=rm></function></tool_call>", "<tool_call>{\"name\": \"time\"}</tool_call>",
+                "<tool_call><function=time></function></tool_call> and then prose"):
+        assert qwen3_coder_calls(bad, fns) == (bad, []), bad
+
+
+def test_new_parsers_stream_text_up_to_their_openers():
+    auto = tool_plan([WEATHER], "auto", None)
+    deltas = streamed(auto, ["Sure. [TOOL", '_CALLS]weather[ARGS]{"city": ', '"Oslo"}'], parser="mistral")
+    assert [d for d, _ in deltas[:2]] == [{"content": "Sure. "}, {}]
+    (call,), reason = deltas[2][0]["tool_calls"], deltas[2][1]
+    assert reason == "tool_calls" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    deltas = streamed(auto, ["Hm <func", "tion=weather><parameter=city>Oslo</parameter></function>"],
+                      parser="qwen3_coder")
+    assert deltas[0] == ({"content": "Hm "}, None) and deltas[1][1] == "tool_calls"
+    assert json.loads(deltas[1][0]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
 
 
 def test_what_a_streamed_reply_may_send_before_it_shows_a_call():

@@ -7,8 +7,16 @@ may go out as text before the reply shows whether a call starts there.
   llama3_json  the reply is the calls: an optional <|python_tag|>, then {"name": ..., "parameters": {...}} objects
                ("arguments" is read too) separated by ";" (Llama 3.1 / 3.2 JSON tool templates);
   pythonic     the reply is a Python list of calls with keyword arguments of literal values,
-               [weather(city="Paris"), time()] (Llama 3.2 / 4 pythonic templates, and Gemma 3 templates that teach it).
+               [weather(city="Paris"), time()] (Llama 3.2 / 4 pythonic templates, and Gemma 3 templates that teach it);
+  mistral      [TOOL_CALLS] after any text, then name[ARGS]{...} or name{...} per call, each call after its own
+               [TOOL_CALLS] (v11+ tokenizers), or one JSON list of {"name", "arguments"} objects (earlier ones); the
+               calls get the 9-letter alphanumeric ids Mistral's templates demand;
+  qwen3_coder  <tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call> blocks after any
+               text (Qwen3-Coder / Qwen3.5 XML templates); a value is read as its parameter's schema type says
+               (string as written, integer, number, boolean, null, object / array as JSON), else as text; the last
+               block, function or parameter may be left open at the end of the reply.
 A reply whose calls do not all parse, or name a function the request does not offer, stays text with no calls.
+Readers take the request's functions by name (a name's schema types qwen3_coder's values).
 """
 
 from __future__ import annotations
@@ -16,12 +24,15 @@ from __future__ import annotations
 import ast
 import json
 import re
+import secrets
+import string
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 Calls = tuple[str | None, list[dict[str, Any]]]  # (the reply's text outside the calls, or None; the calls)
+Functions = Mapping[str, dict[str, Any]]  # the request's functions by name ({"name", "parameters", ...})
 
 _HERMES_OPEN = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -32,13 +43,13 @@ def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
 
 
-def make_call(name: str, arguments: Any) -> dict[str, Any]:
+def make_call(name: str, arguments: Any, id_: str | None = None) -> dict[str, Any]:
     """A call as the API returns it: the arguments as JSON text."""
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": text}}
+    return {"id": id_ or call_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
-def hermes_calls(text: str, names: set[str]) -> Calls:
+def hermes_calls(text: str, names: Functions) -> Calls:
     at = text.find(_HERMES_OPEN)
     if at < 0:
         return text, []
@@ -55,7 +66,7 @@ def hermes_calls(text: str, names: set[str]) -> Calls:
     return (content if content.strip() else None), calls
 
 
-def llama3_json_calls(text: str, names: set[str]) -> Calls:
+def llama3_json_calls(text: str, names: Functions) -> Calls:
     rest = text.strip()
     rest = rest.removeprefix(_PYTHON_TAG).lstrip()
     if not rest.startswith("{"):
@@ -74,7 +85,7 @@ def llama3_json_calls(text: str, names: set[str]) -> Calls:
     return None, calls
 
 
-def pythonic_calls(text: str, names: set[str]) -> Calls:
+def pythonic_calls(text: str, names: Functions) -> Calls:
     body = text.strip()
     if not (body.startswith("[") and body.endswith("]")):
         return text, []
@@ -93,6 +104,120 @@ def pythonic_calls(text: str, names: set[str]) -> Calls:
     return None, calls
 
 
+_TOOL_CALLS, _ARGS, _CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*")
+_ALNUM = string.ascii_letters + string.digits
+
+
+def mistral_id() -> str:
+    """Mistral's templates refuse a call id that is not 9 letters and digits."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+def _json_object_at(text: str) -> dict[str, Any] | None:
+    """The one JSON object that is all of ``text`` (surrounding blanks aside), else None."""
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text.strip())
+    except json.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) and not text.strip()[end:].strip() else None
+
+
+def mistral_calls(text: str, names: Functions) -> Calls:
+    at = text.find(_TOOL_CALLS)
+    if at < 0:
+        return text, []
+    calls = []
+    for part in text[at + len(_TOOL_CALLS):].split(_TOOL_CALLS):
+        body = part.strip()
+        if body.startswith("["):  # before v11: one JSON list of {"name", "arguments"} objects
+            try:
+                items = json.loads(body)
+            except json.JSONDecodeError:
+                return text, []
+            if not isinstance(items, list) or not items:
+                return text, []
+            for it in items:
+                if not (isinstance(it, dict) and it.get("name") in names and isinstance(it.get("arguments", {}), dict)):
+                    return text, []
+                calls.append(make_call(it["name"], it.get("arguments", {}), mistral_id()))
+            continue
+        m = _MISTRAL_NAME.match(body)
+        if m is None or m.group(1) not in names:
+            return text, []
+        rest = body[m.end():]
+        if rest.startswith(_CALL_ID):  # v13 templates echo an id before the arguments
+            rest = rest[len(_CALL_ID):]
+            rest = rest[rest.find(_ARGS):] if _ARGS in rest else rest[rest.find("{"):]
+        args = _json_object_at(rest.removeprefix(_ARGS))
+        if args is None:
+            return text, []
+        calls.append(make_call(m.group(1), args, mistral_id()))
+    content = text[:at]
+    return (content if content.strip() else None), calls
+
+
+_QWEN_OPEN, _QWEN_FUNCTION = "<tool_call>", "<function="
+_QWEN_CALL = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|(?=<function=)|$)", re.DOTALL)
+_QWEN_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
+_QWEN_SHELL = re.compile(r"\s*(?:</?tool_call>\s*)*")  # what may lie between and around the functions
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A qwen3_coder parameter's text as its schema's type (text when it names none, or does not parse)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    kinds = kind if isinstance(kind, list) else [kind]
+    if kind is None or "string" in kinds:
+        return value
+    raw = value.strip()
+    if raw == "null":
+        return None
+    for k in kinds:
+        try:
+            if k == "integer":
+                return int(raw)
+            if k == "number":
+                num = float(raw)
+                return int(raw) if num.is_integer() and raw.lstrip("-").isdigit() else num
+            if k == "boolean" and raw.lower() in ("true", "false"):
+                return raw.lower() == "true"
+            if k in ("object", "array"):
+                try:
+                    return json.loads(raw)
+                except json.JSONDecodeError:
+                    return ast.literal_eval(raw)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+    return value
+
+
+def qwen3_coder_calls(text: str, functions: Functions) -> Calls:
+    opens = [at for at in (text.find(_QWEN_OPEN), text.find(_QWEN_FUNCTION)) if at >= 0]
+    if not opens:
+        return text, []
+    at = min(opens)
+    calls, pos, body = [], 0, text[at:]
+    for m in _QWEN_CALL.finditer(body):
+        if not _QWEN_SHELL.fullmatch(body[pos:m.start()]):
+            return text, []
+        pos = m.end()
+        name = m.group(1).strip()
+        if name not in functions:
+            return text, []
+        props = (functions[name].get("parameters") or {}).get("properties") or {}
+        args = {}
+        for p in _QWEN_PARAM.finditer(m.group(2)):
+            key, value = p.group(1).strip(), p.group(2)
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            args[key] = _typed(value, props.get(key))
+        calls.append(make_call(name, args))
+    if not calls or not _QWEN_SHELL.fullmatch(body[pos:]):
+        return text, []
+    content = text[:at]
+    return (content if content.strip() else None), calls
+
+
 @dataclass(frozen=True)
 class CallForm:
     """A parser: what opens a call, whether a call may follow text (else only the reply's start may open one),
@@ -100,7 +225,7 @@ class CallForm:
 
     opens: tuple[str, ...]
     after_text: bool
-    read: Callable[[str, set[str]], Calls]
+    read: Callable[[str, Functions], Calls]
 
     def sendable(self, text: str) -> int:
         """How much of a reply so far may stream as text: up to the first opener, or to a trailing piece that may
@@ -122,5 +247,7 @@ PARSERS = {
     "hermes": CallForm((_HERMES_OPEN,), True, hermes_calls),
     "llama3_json": CallForm((_PYTHON_TAG, "{"), False, llama3_json_calls),
     "pythonic": CallForm(("[",), False, pythonic_calls),
+    "mistral": CallForm((_TOOL_CALLS,), True, mistral_calls),
+    "qwen3_coder": CallForm((_QWEN_OPEN, _QWEN_FUNCTION), True, qwen3_coder_calls),
 }
 TOOL_CALL_PARSERS = tuple(PARSERS)  # --tool-call-parser's choices

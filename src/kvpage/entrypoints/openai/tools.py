@@ -171,7 +171,7 @@ class ToolReply:
         if kind == "required":
             return None, _required_calls(text)
         if kind == "auto":
-            content, calls = PARSERS[self.parser or ""].read(text, set(self.plan.functions()))
+            content, calls = PARSERS[self.parser or ""].read(text, self.plan.functions())
             return content, calls if self.plan.parallel else calls[:1]
         return text, []
 
