@@ -28,15 +28,13 @@ class StandInEngine:
         self.ran = 0
         self.fatal_error: str | None = None
         self.aborted: list[str] = []
+        self.reported: list[str] = []  # aborted, reported by the next step (as LLMEngine does)
 
     def live_stats(self) -> dict[str, float]:
         return {"running": len(self.requests), "waiting": 0, "swapped": 0}
 
     def stats(self) -> dict[str, float]:
         return {**self.live_stats(), "steps_seen": self.ran}
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
 
     def add_request(self, request_id, prompt, params, priority=0, cache_salt=None) -> None:
         if not prompt["prompt_token_ids"]:
@@ -47,6 +45,10 @@ class StandInEngine:
         for rid in [ids] if isinstance(ids, str) else ids:
             if self.requests.pop(rid, None) is not None:
                 self.aborted.append(rid)
+                self.reported.append(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self.reported)
 
     def step(self) -> list[RequestOutput]:
         if self.slow is not None:
@@ -54,7 +56,9 @@ class StandInEngine:
         self.ran += 1
         if self.fail_at is not None and self.ran >= self.fail_at:
             raise RuntimeError("a bug in the step")
-        outs = []
+        outs = [RequestOutput(rid, None, [1], [CompletionOutput(0, "", [], finish_reason="abort")], True)
+                for rid in self.reported]
+        self.reported = []
         for rid in list(self.requests):
             self.requests[rid] += 1
             done = self.requests[rid] >= self.steps
@@ -172,6 +176,129 @@ def test_full_stats_are_taken_at_most_twice_a_second_while_busy_and_fresh_when_i
                 break
             await asyncio.sleep(0.02)
         assert client.stats["steps_seen"] == eng.ran == 40 and client.stats["running"] == 0
+        client.shutdown()
+
+    asyncio.run(main())
+
+
+async def resolved(fut: asyncio.Future, within: float = 0.3) -> bool:
+    """Whether ``fut`` resolves within ``within`` seconds (it keeps running if not)."""
+    done, _ = await asyncio.wait([fut], timeout=within)
+    return bool(done)
+
+
+def test_pause_abort_ends_open_requests_and_holds_new_ones_until_resume():
+    async def main():
+        engine = StandInEngine(steps=10_000)
+        client = AsyncEngine(engine)
+        q: asyncio.Queue = asyncio.Queue()
+        await client.submit("open", [1], SamplingParams(), q)
+        await client.pause("abort")
+        items = await follow(q)
+        assert items[-1].finished and items[-1].outputs[0].finish_reason == "abort" and engine.aborted == ["open"]
+        assert client.paused
+        held_q: asyncio.Queue = asyncio.Queue()
+        engine.steps = 3
+        held = asyncio.ensure_future(client.submit("held", [1], SamplingParams(), held_q))
+        assert not await resolved(held) and "held" not in engine.requests and client.num_open == 1
+        await client.resume()
+        await asyncio.wait_for(held, 5)
+        assert not client.paused and [i.finished for i in await follow(held_q)] == [False, False, True]
+        client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_pause_wait_returns_once_open_requests_finish():
+    async def main():
+        gate = threading.Event()
+        engine = StandInEngine(steps=3, slow=gate)
+        client = AsyncEngine(engine)
+        q: asyncio.Queue = asyncio.Queue()
+        await client.submit("open", [1], SamplingParams(), q)
+        pause = asyncio.ensure_future(client.pause("wait"))
+        late = asyncio.ensure_future(client.submit("late", [1], SamplingParams(), asyncio.Queue()))
+        assert not await resolved(pause, 0.1)  # the open request is still running
+        gate.set()
+        await asyncio.wait_for(pause, 5)
+        assert [i.finished for i in await follow(q)] == [False, False, True] and not engine.aborted
+        assert not await resolved(late) and not engine.requests  # held, not run
+        await client.resume()
+        await asyncio.wait_for(late, 5)
+        client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_pause_keep_freezes_open_requests_where_they_are():
+    async def main():
+        engine = StandInEngine(steps=10_000)
+        client = AsyncEngine(engine)
+        q: asyncio.Queue = asyncio.Queue()
+        await client.submit("kept", [1], SamplingParams(), q)
+        await client.pause("keep")
+        ran = engine.ran
+        await asyncio.sleep(0.2)
+        assert engine.ran == ran and "kept" in engine.requests and not engine.aborted  # no step while frozen
+        engine.steps = engine.requests["kept"] + 2
+        await client.resume()
+        items = await follow(q)
+        assert items[-1].finished and items[-1].outputs[0].finish_reason == "length" and engine.ran > ran
+        with pytest.raises(ValueError, match="mode must be one of"):
+            await client.pause("sometimes")
+        client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_held_requests_are_dropped_when_withdrawn_and_failed_on_shutdown():
+    async def main():
+        engine = StandInEngine(steps=3)
+        client = AsyncEngine(engine)
+        await client.pause("keep")
+        gone = asyncio.ensure_future(client.submit("gone", [1], SamplingParams(), asyncio.Queue()))
+        kept = asyncio.ensure_future(client.submit("kept", [1], SamplingParams(), asyncio.Queue()))
+        assert not await resolved(gone, 0.1)
+        gone.cancel()  # the client went away while its request was held: it is dropped, never run
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        for _ in range(100):
+            if client.num_open == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert client.num_open == 1
+        client.abort_all("the server is shutting down: grace period over")
+        with pytest.raises(ShuttingDownError, match="grace period"):
+            await asyncio.wait_for(kept, 5)
+        await client.resume()
+        assert not engine.requests and client.num_open == 0
+        client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_commands_withdrawn_before_the_engine_takes_them_leave_it_running():
+    """A sender cancelled while its command waits for the step to end (a closed connection, a shutdown): the engine
+    thread finds the command's future cancelled and must go on (resolving it raised and killed the thread)."""
+    async def main():
+        gate = threading.Event()
+        engine = StandInEngine(steps=2, slow=gate)
+        client = AsyncEngine(engine)
+        q: asyncio.Queue = asyncio.Queue()
+        await client.submit("busy", [1], SamplingParams(), q)  # the engine thread now sits in a slow step
+        withdrawn = [asyncio.ensure_future(client.call(lambda eng: 1)),
+                     asyncio.ensure_future(client.submit("gone", [1], SamplingParams(), asyncio.Queue())),
+                     asyncio.ensure_future(client.pause("keep"))]
+        await asyncio.sleep(0.05)
+        for task in withdrawn:
+            task.cancel()
+        gate.set()
+        assert await client.call(lambda eng: 2) == 2 and client.alive  # after the withdrawn ones, in order
+        assert client.paused  # a withdrawn pause still took effect (its sender no longer hears so)
+        await client.resume()
+        await follow(q)
+        await client.submit("next", [1], SamplingParams(), q)
+        assert (await follow(q))[-1].finished and client.alive
         client.shutdown()
 
     asyncio.run(main())

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpage import __version__
+from kvpage.entrypoints.openai.admin import install as install_admin
 from kvpage.entrypoints.openai.dashboard import install as install_dashboard
 from kvpage.entrypoints.openai.engine_client import AsyncEngine
 from kvpage.entrypoints.openai.http_input import InputLimits, check_auth, parse
@@ -72,7 +73,7 @@ class ServerConfig:
     limits: InputLimits = field(default_factory=InputLimits)
     chat_template: str | None = None  # --chat-template's text; None: the model's own
     trust_request_chat_template: bool = False  # serve a request's own chat_template (vLLM's flag of that name)
-    openapi: bool = True  # /openapi.json, behind the API key like every route but /health, /version and /metrics
+    openapi: bool = True  # /openapi.json, behind the API key like every route but /health, /ping, /version and /metrics
     dashboard: bool = True  # /dashboard: the live KV pool page, its snapshot and event stream (dashboard.py)
     tool_parser: str | None = None  # reads tool calls out of "auto" replies (--enable-auto-tool-choice; tools.py)
     # CORS, as vLLM's server defaults it (every origin, method and header; no credentials): browser clients on
@@ -95,6 +96,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
     metrics.on_step(client, [], 0.0)  # gauges exist from start-up, not from the first request
     runner = RequestRunner(client, metrics)
     created = int(time.time())
+    install_admin(app, client, config.api_key)
     if config.dashboard:
         install_dashboard(app, client, config.model_name, config.api_key)
     if config.allowed_origins:  # answers preflights before any route (and so before the key check)
@@ -227,28 +229,9 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         return run
 
     # ------------------------------------------------------------------ routes
-    @app.get("/health")
-    async def health() -> Response:
-        if not client.alive:
-            raise APIError(503, client.error or "engine not running", "server_error")
-        if client.draining is not None:
-            raise APIError(503, client.draining, "server_error")
-        return JSONResponse({})
-
-    @app.get("/version")
-    async def version() -> Response:  # as vLLM's server answers it; open, like /health
-        return JSONResponse({"version": __version__})
-
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request) -> Response:
-        """Forget every cached prefix block: the pool, the host and the disk tier (vLLM's admin endpoint)."""
-        check_auth(request, config.api_key)
-        n = await client.call(lambda eng: eng.reset_prefix_cache())
-        return JSONResponse({"status": "ok", "entries_cleared": n})
 
     @app.get("/openapi.json")
     async def openapi(request: Request) -> Response:

@@ -12,6 +12,10 @@ thread and stepping it on another made every model step 17% slower (AMX Xeon, 2 
 Every submission resolves: accepted, refused (queue full, draining, engine dead, bad request), or, once
 accepted, finished, failed or aborted. If the engine dies, every open and queued request gets an
 EngineDeadError at once and ``on_fatal`` tells the server to exit.
+
+Generation can be paused (vLLM's POST /pause): new submissions are then held, not refused, and reach the engine
+in order on resume; the open requests are aborted ("abort"), run to their end ("wait") or stay where they are
+with their KV blocks until resume ("keep").
 """
 
 from __future__ import annotations
@@ -24,17 +28,27 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.engine.llm_engine import LLMEngine
+from kvpage.entrypoints.openai.engine_commands import (
+    PAUSE_MODES,
+    Abort,
+    AbortAll,
+    Add,
+    Call,
+    Command,
+    Pause,
+    Resume,
+    settle,
+)
 from kvpage.errors import EngineDeadError, QueueFullError, ShuttingDownError
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "ShuttingDownError"]
+__all__ = ["PAUSE_MODES", "AsyncEngine", "EngineDeadError", "QueueFullError", "ShuttingDownError"]
 
 
 Item = RequestOutput | BaseException
@@ -42,36 +56,6 @@ Item = RequestOutput | BaseException
 # While requests run, the engine's full stats (they walk every block table) are taken after a step at most this
 # often and the O(1) ones (LLMEngine.live_stats) after every step; all of them whenever the engine is idle.
 FULL_STATS_SECONDS = 0.5
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
-    priority: int = 0
-    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _AbortAll:
-    reason: str
-
-
-@dataclass
-class _Call:
-    """Run ``fn(engine)`` on the engine thread between steps (admin actions such as resetting the prefix cache)."""
-
-    fn: Callable[[LLMEngine], Any]
-    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Item]]) -> None:
@@ -88,7 +72,7 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.on_step = on_step  # called in the engine thread after every step (metrics)
         self.on_fatal = on_fatal  # called once, in the engine thread, when the engine dies
-        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # Requests submitted, and applied by the engine thread as of the last published stats: the difference
         # is what the published "waiting" count does not include yet.
@@ -100,6 +84,12 @@ class AsyncEngine:
         self.error: str | None = None
         self.draining: str | None = None  # why new requests are refused (set by ``drain``)
         self._stopping = False
+        # Pause state, written by the engine thread alone: submissions held while paused (applied on resume), no
+        # step while frozen ("keep"), and the pauses that return once nothing is open ("wait", "abort").
+        self.paused = False
+        self._frozen = False
+        self._held: list[Add] = []
+        self._until_idle: list[Pause] = []
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(engine, built), name="kvpage-engine", daemon=True)
         self._thread.start()
@@ -124,7 +114,7 @@ class AsyncEngine:
         QueueFullError, ShuttingDownError, EngineDeadError, ValueError). Its RequestOutputs, and an
         EngineDeadError if the engine dies, then arrive on ``outputs``, which several requests may share.
         The caller aborts what it leaves."""
-        cmd = _Add(request_id, prompt_ids, params, cache_salt, asyncio.get_running_loop(), outputs, priority)
+        cmd = Add(request_id, prompt_ids, params, cache_salt, asyncio.get_running_loop(), outputs, priority)
         with self._lock:  # the engine thread fails queued commands under the same lock when it dies
             if self.error is not None or not self._thread.is_alive():
                 raise EngineDeadError(self.error or "the engine thread is not running")
@@ -142,16 +132,35 @@ class AsyncEngine:
             raise
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self._commands.put(Abort(request_id))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``fn(engine)`` run on the engine thread between two steps; its result (or exception)."""
-        cmd = _Call(fn)
+        cmd = Call(fn)
         with self._lock:
             if self.error is not None or not self._thread.is_alive():
                 raise EngineDeadError(self.error or "the engine thread is not running")
             self._commands.put(cmd)
         return await asyncio.wrap_future(cmd.done)
+
+    async def pause(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        """Pause generation: new requests are held until ``resume``; the open ones are aborted (they finish with
+        reason "abort"), run to their end, or frozen with their blocks ("abort" / "wait" / "keep"). Returns
+        once nothing runs any more (at once for "keep"); ``clear_cache`` then forgets the prefix cache."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        await self._command(Pause(mode, clear_cache))
+
+    async def resume(self) -> None:
+        """Go on after a pause: held requests reach the engine in the order they came, frozen ones run again."""
+        await self._command(Resume())
+
+    async def _command(self, cmd: Pause | Resume) -> None:
+        with self._lock:
+            if self.error is not None or not self._thread.is_alive():
+                raise EngineDeadError(self.error or "the engine thread is not running")
+            self._commands.put(cmd)
+        await asyncio.wrap_future(cmd.done)
 
     def drain(self, reason: str) -> None:
         """Refuse new requests from now on (open ones go on)."""
@@ -160,7 +169,7 @@ class AsyncEngine:
 
     def abort_all(self, reason: str) -> None:
         """Fail every open request with ``reason`` (their blocks return at the engine's next iteration)."""
-        self._commands.put(_AbortAll(reason))
+        self._commands.put(AbortAll(reason))
 
     def shutdown(self) -> None:
         self.drain("the server is shutting down")
@@ -169,20 +178,31 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------- engine side
-    def _apply(self, cmd: _Add | _Abort | _AbortAll | _Call) -> None:
+    def _apply(self, cmd: Command) -> None:
         eng = self.engine
-        if isinstance(cmd, _Call):
-            try:
-                cmd.done.set_result(cmd.fn(eng))
-            except Exception as e:
-                cmd.done.set_exception(e)
+        if isinstance(cmd, Pause | Resume):
+            if isinstance(cmd, Pause):
+                self._pause(cmd)
+            else:
+                self._resume(cmd)
             return
-        if isinstance(cmd, _Abort):
+        if isinstance(cmd, Add) and self.paused:
+            self._held.append(cmd)
+            return
+        if isinstance(cmd, Call):
+            try:
+                settle(cmd.done, cmd.fn(eng))
+            except Exception as e:
+                settle(cmd.done, error=e)
+            return
+        if isinstance(cmd, Abort):
             if cmd.request_id in eng.requests:
                 eng.abort_request(cmd.request_id)
+            self._release_held(lambda add: add.request_id == cmd.request_id, None)
             return
-        if isinstance(cmd, _AbortAll):  # each handler hears why; the engine frees the blocks
+        if isinstance(cmd, AbortAll):  # each handler hears why; the engine frees the blocks
             error = ShuttingDownError(cmd.reason)
+            self._release_held(lambda add: True, error)
             batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Item]]] = {}
             for loop, q in self._sinks.values():
                 batches.setdefault(loop, []).append((q, error))
@@ -195,10 +215,63 @@ class AsyncEngine:
             eng.add_request(cmd.request_id, {"prompt_token_ids": cmd.prompt_ids}, cmd.params,
                             priority=cmd.priority, cache_salt=cmd.cache_salt)
         except Exception as e:  # refused: nothing was allocated
-            cmd.done.set_exception(e)
+            settle(cmd.done, error=e)
             return
         self._sinks[cmd.request_id] = (cmd.loop, cmd.outputs)
-        cmd.done.set_result(None)
+        settle(cmd.done)  # a sender that withdrew meanwhile sent an abort, which follows
+
+    def _pause(self, cmd: Pause) -> None:
+        eng = self.engine
+        self.paused = True
+        self._frozen = cmd.mode == "keep"
+        if cmd.mode == "keep":  # an earlier pause still waiting for open requests returns too: they are frozen
+            for p in [*self._until_idle, cmd]:
+                settle(p.done)
+            self._until_idle = []
+            return
+        if cmd.mode == "abort" and eng.has_unfinished_requests():
+            eng.abort_request(list(eng.requests))
+            outs = eng.step()  # nothing is scheduled: it reports the aborted requests, finish reason "abort"
+            self._publish(outs, 0.0)
+            self._send(outs)
+        self._until_idle.append(cmd)
+        self._end_pauses_if_idle()
+
+    def _end_pauses_if_idle(self) -> None:
+        """The pauses waiting for the open requests to end, returned once none is left."""
+        if not self._until_idle or self.engine.has_unfinished_requests():
+            return
+        waiting, self._until_idle = self._until_idle, []
+        cleared = any(p.clear_cache for p in waiting)
+        for p in waiting:
+            try:
+                if cleared:
+                    self.engine.reset_prefix_cache()
+                    cleared = False
+                settle(p.done)
+            except Exception as e:
+                settle(p.done, error=e)
+
+    def _resume(self, cmd: Resume) -> None:
+        self.paused = self._frozen = False
+        held, self._held = self._held, []
+        for add in held:
+            self._apply(add)
+        for p in self._until_idle:  # a pause still waiting for open requests is overtaken: it returns
+            settle(p.done)
+        self._until_idle = []
+        settle(cmd.done)
+
+    def _release_held(self, which: Callable[[Add], bool], error: BaseException | None) -> None:
+        """Drop held submissions (an abort, a shutdown): their senders hear ``error`` (none: nobody waits)."""
+        keep = []
+        for add in self._held:
+            if not which(add):
+                keep.append(add)
+                continue
+            self._applied += 1  # it will never be applied: the waiting count must not keep it
+            settle(add.done, error=error or ShuttingDownError("the request was withdrawn"))
+        self._held = keep
 
     def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
         try:
@@ -215,7 +288,7 @@ class AsyncEngine:
         eng = self.engine
         try:
             while not self._stopping:
-                block = not eng.has_unfinished_requests()
+                block = self._frozen or not eng.has_unfinished_requests()
                 try:
                     cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
                     while True:
@@ -225,7 +298,8 @@ class AsyncEngine:
                         cmd = self._commands.get_nowait()
                 except queue.Empty:
                     pass
-                if not eng.has_unfinished_requests():
+                self._end_pauses_if_idle()
+                if self._frozen or not eng.has_unfinished_requests():
                     self._publish([], 0.0)
                     continue
                 t0 = time.perf_counter()
@@ -283,9 +357,11 @@ class AsyncEngine:
                     pending.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
+        pending += self._held + self._until_idle
+        self._held, self._until_idle = [], []
         for cmd in pending:
-            if isinstance(cmd, _Add | _Call) and not cmd.done.done():
-                cmd.done.set_exception(error)
+            if isinstance(cmd, Add | Call | Pause | Resume):
+                settle(cmd.done, error=error)
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Item]]] = {}
         for loop, q in self._sinks.values():
             batches.setdefault(loop, []).append((q, error))
