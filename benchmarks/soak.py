@@ -1,7 +1,7 @@
 """Soak test of `kvpage serve`: minutes of mixed traffic from careful and careless clients at a bounded rate.
 
     python benchmarks/soak.py [--duration 300] [--rate 4] [--concurrency 48] [--url http://127.0.0.1:8000]
-                              [--serve-args "--max-queue 64"] [--json-out soak.json]
+                              [--serve-args "--max-queue 64"] [--pauses] [--json-out soak.json]
 
 Without --url it starts its own server (default model, --kv-cache-memory 256MiB, --max-model-len 1024). The
 traffic: streamed and plain completions and chats, sampled and greedy, n > 1, clients that disconnect
@@ -13,7 +13,9 @@ words, structured outputs (JSON, choices, regexes), forced tool calls, prompt tr
 template). It reports requests by kind and outcome (a 5xx, a timeout or a broken stream is a failure), the KV
 blocks still in use once the server is idle (must be 0), and the server's memory growth (resident set size after
 warm-up vs at the end).
---serve-args "--model gemma-3-270m" soaks another model.
+--serve-args "--model gemma-3-270m" soaks another model. --pauses adds an operator who, every 5-15 s, pauses
+generation (POST /pause, mode abort, wait or keep at random) for 0.5-3 s and resumes it: every request must still
+end (an aborted one with finish reason "abort"), none may hang, and the pool must still empty.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class Soak:
         self.rss: list[tuple[float, float | None]] = []  # (seconds into the run, server RSS in MiB)
         self.chats = True  # False: the model has no chat template, and the server refuses chats by name
         self.responses: collections.deque[str] = collections.deque(maxlen=32)  # stored ids a next turn may continue
+        self.pauses = False  # an operator pauses and resumes generation now and then (operate())
 
     async def http(self, path: str, body: str | bytes, read_limit: int | None = None,
                    progress: list[float] | None = None) -> tuple[int, bytes]:
@@ -218,6 +221,21 @@ class Soak:
                 outcome, problem = "stream error event", f"{kind}: {got[-300:]!r}"
         self.record(kind, outcome, problem)
 
+    async def operate(self, end: float) -> None:
+        """Pause (a random mode) for 0.5-3 s every 5-15 s until ``end``, then resume; each call must answer 200."""
+        while time.monotonic() + 20 < end:
+            await asyncio.sleep(self.rng.uniform(5, 15))
+            mode = self.rng.choice(["abort", "wait", "keep"])
+            for path, hold in ((f"/pause?mode={mode}", self.rng.uniform(0.5, 3.0)), ("/resume", 0.0)):
+                try:
+                    status, got = await asyncio.wait_for(self.http(path, b""), TIMEOUT)
+                except TimeoutError:
+                    status, got = 0, b"timeout"
+                ok = status == 200
+                self.record("pause", f"{path.split('?')[0][1:]} {status}", None if ok else
+                            f"{path}: {status} {got[-200:]!r}")
+                await asyncio.sleep(hold)
+
     def record(self, kind: str, outcome: str, problem: str | None) -> None:
         self.outcomes[(kind, outcome)] += 1
         if problem is not None:
@@ -234,6 +252,7 @@ class Soak:
                 await self.one()
 
         end = time.monotonic() + duration
+        operator = asyncio.ensure_future(self.operate(end)) if self.pauses else None
         while time.monotonic() < end:
             task = asyncio.ensure_future(guarded())
             tasks.add(task)
@@ -242,6 +261,8 @@ class Soak:
             if pid is not None and time.monotonic() >= next_sample:
                 self.rss.append((time.monotonic() - start, rss_mib(pid)))
                 next_sample += 30.0
+        if operator is not None:
+            await operator
         if tasks:
             await asyncio.gather(*tasks)
 
@@ -278,6 +299,7 @@ def main() -> int:
     ap.add_argument("--serve-args", default="--max-queue 64", help="extra `kvpage serve` arguments")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pauses", action="store_true", help="an operator pauses and resumes generation now and then")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
     proc = None
@@ -311,6 +333,7 @@ def main() -> int:
     rss0 = rss_mib(pid)
     soak.outcomes.clear()
     t0 = time.time()
+    soak.pauses = args.pauses
     asyncio.run(soak.run(args.duration, args.rate, args.concurrency, pid))
     wall = time.time() - t0
     deadline = time.time() + 60
