@@ -130,6 +130,8 @@ def test_a_dying_engine_resolves_every_submission_and_says_why():
         assert not client.alive and "a bug in the step" in (client.error or "")
         with pytest.raises(EngineDeadError, match="a bug in the step"):
             await client.submit("late", [1], SamplingParams(), asyncio.Queue())
+        with pytest.raises(EngineDeadError, match="a bug in the step"):  # the server answers these with 503
+            await client.pause("keep")
 
     asyncio.run(main())
     # the engine thread tells the server after failing the requests: the streams may end first
