@@ -133,8 +133,27 @@ responses = body({"input": field(st.one_of(text, st.lists(item, min_size=1, max_
     "background": field(st.just(False), [True]), "include": field(st.just(["message.output_text.logprobs"]), [["x"]]),
     "top_logprobs": field(st.integers(0, 5), [21, -1]), "truncation": field(st.just("disabled"), ["auto", "x"]),
     "metadata": field(st.dictionaries(text, text, max_size=2))})
+block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": text, "name": st.just("f"),
+                           "input": field(st.just({"x": 1}), ["x", None])}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": text,
+                           "content": field(text, [[{"type": "image"}], 5])}),
+    st.fixed_dictionaries({"type": st.sampled_from(["image", "document", "thinking"])}))
+turn = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "user", "system"]),
+                              "content": field(st.one_of(text, st.lists(block, max_size=3)), [None, 5, []])})
+anthropic = body({"messages": field(st.lists(turn, min_size=1, max_size=3), [[], "x"]),
+                  "max_tokens": field(st.integers(1, 12), [0, -1, 10**6, "x"])}, {
+    **{k: SAMPLING[k] for k in ("temperature", "top_p", "top_k", "stream", "model")},
+    "system": field(text, [[{"type": "image"}], 5]), "stop_sequences": field(st.lists(text, max_size=2), ["x", [1]]),
+    "tools": field(st.just([{"name": "f", "input_schema": TOOLS[0]["function"]["parameters"]}]),
+                   [[{"type": "web_search_20250305", "name": "w"}], [{"description": "x"}], "x"]),
+    "tool_choice": field(st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "f"},
+                                          {"type": "none"}]),
+                         [{"type": "tool", "name": "nope"}, {"type": "x"}, "auto"]),
+    "thinking": field(st.just({"type": "disabled"}), [{"type": "enabled", "budget_tokens": 10}])})
 calls = st.one_of(st.tuples(st.just("/v1/completions"), completion), st.tuples(st.just("/v1/chat/completions"), chat),
-                  st.tuples(st.just("/v1/responses"), responses),
+                  st.tuples(st.just("/v1/responses"), responses), st.tuples(st.just("/v1/messages"), anthropic),
                   st.tuples(st.just("/tokenize"), tokenize), st.tuples(st.just("/detokenize"), detokenize))
 
 
@@ -152,6 +171,8 @@ def test_no_body_gets_a_5xx_or_hangs(port, call):
     assert resp.status < 500, (resp.status, raw[:500], body)
     if resp.status != 200:
         assert "error" in json.loads(raw), raw
+    elif resp.getheader("content-type", "").startswith("text/event-stream") and path == "/v1/messages":
+        assert raw.rstrip().rsplit("event: ", 1)[-1].startswith("message_stop"), raw[-300:]  # ends as that API ends
     elif resp.getheader("content-type", "").startswith("text/event-stream") and path == "/v1/responses":
         last = raw.rstrip().rsplit("event: ", 1)[-1]  # typed events: the last one ends the response
         assert last.startswith(("response.completed", "response.incomplete")), raw[-300:]

@@ -28,6 +28,7 @@ from kvpage.entrypoints.openai.admin import install as install_admin
 from kvpage.entrypoints.openai.dashboard import install as install_dashboard
 from kvpage.entrypoints.openai.engine_client import AsyncEngine
 from kvpage.entrypoints.openai.http_input import InputLimits, check_auth, parse
+from kvpage.entrypoints.openai.messages_api import install as install_messages
 from kvpage.entrypoints.openai.metrics import ServerMetrics
 from kvpage.entrypoints.openai.protocol import (
     APIError,
@@ -182,6 +183,11 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         except Exception as e:  # the template itself refused the conversation (e.g. roles out of order)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
+    async def chat_prompt(req: ChatCompletionRequest) -> list[int]:
+        """A chat's prompt token ids, rendered by the template and tokenized."""
+        text = await render_chat(req.conversation(), req)
+        return await encode(text, "messages", add_special_tokens=req.add_special_tokens)
+
     def truncate(ids: list[int], keep: int | None, side: str | None = None) -> list[int]:
         if keep is None:
             return ids
@@ -216,9 +222,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         plan.check_served(config.tool_parser)
         if plan.kind == "auto":  # the parser's markers may be special tokens
             req.skip_special_tokens = False
-        text = await render_chat(req.conversation(), req)
-        ids = truncate(await encode(text, "messages", add_special_tokens=req.add_special_tokens),
-                       req.truncate_prompt_tokens, req.truncation_side)
+        ids = truncate(await chat_prompt(req), req.truncate_prompt_tokens, req.truncation_side)
         max_tokens = engine.check_request(len(ids), req.requested_max_tokens(), fit_context=True)
         base, job_base = request_ids(prefix, req)
         run = ChatRun(base, [Job(0, f"{job_base}-0", ids)], asyncio.Queue(),
@@ -403,4 +407,5 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
         return sse_response(events())
 
     install_responses(app, body, start_chat, runner, config)
+    install_messages(app, body, start_chat, chat_prompt, runner, config.model_name)
     return app

@@ -32,13 +32,18 @@ class InputLimits:
 
 
 def check_auth(request: Request, api_key: str | None) -> None:
-    """Constant-time comparison of 'Authorization: Bearer KEY' (no timing hint about how much matched)."""
+    """Constant-time comparison of 'Authorization: Bearer KEY', or of 'x-api-key: KEY' as Anthropic's clients send
+    it (no timing hint about how much matched)."""
     if api_key is None:
         return
     header = request.headers.get("authorization", "")
-    if not hmac.compare_digest(header.encode("utf-8", "surrogateescape"), f"Bearer {api_key}".encode()):
-        what = "missing" if not header else "wrong"
-        raise APIError(401, f"{what} API key: send 'Authorization: Bearer <key>'", "authentication_error")
+    if hmac.compare_digest(header.encode("utf-8", "surrogateescape"), f"Bearer {api_key}".encode()):
+        return
+    other = request.headers.get("x-api-key")
+    if other is not None and hmac.compare_digest(other.encode("utf-8", "surrogateescape"), api_key.encode()):
+        return
+    what = "missing" if not header and other is None else "wrong"
+    raise APIError(401, f"{what} API key: send 'Authorization: Bearer <key>'", "authentication_error")
 
 
 async def read_body(request: Request, limits: InputLimits) -> bytes:
