@@ -8,11 +8,12 @@ traffic: streamed and plain completions and chats, sampled and greedy, n > 1, cl
 mid-stream, malformed and hostile bodies, prompts over the context length, degenerate sampling settings,
 scoring requests (echo, logprobs, prompt_logprobs), beam search, stop strings and ids, allowed tokens, bad
 words, structured outputs (JSON, choices, regexes), forced tool calls, prompt truncation and cache salts,
-/v1/responses turns (streamed, in the background, continuing stored ones with previous_response_id), and
-/tokenize calls, as Poisson arrivals (chats are expected to be refused by name when the model has no chat
-template). It reports requests by kind and outcome (a 5xx, a timeout or a broken stream is a failure), the KV
-blocks still in use once the server is idle (must be 0), and the server's memory growth (resident set size after
-warm-up vs at the end).
+/v1/responses turns (streamed, in the background, continuing stored ones with previous_response_id), Anthropic
+Messages API turns (/v1/messages: streamed or not, forced tool use, stop sequences), and /tokenize calls, as
+Poisson arrivals (chats and messages are expected to be refused by name when the model has no chat template).
+It reports requests by kind and outcome (a 5xx, a timeout or a broken stream is a failure), the KV blocks still in
+use once the server is idle (must be 0), and the server's memory growth (resident set size after warm-up vs at
+the end).
 --serve-args "--model gemma-3-270m" soaks another model. --pauses adds an operator who, every 5-15 s, pauses
 generation (POST /pause, mode abort, wait or keep at random) for 0.5-3 s and resumes it: every request must still
 end (an aborted one with finish reason "abort"), none may hang, and the pool must still empty.
@@ -107,7 +108,8 @@ class Soak:
     async def one(self) -> None:
         rng = self.rng
         kind = rng.choices(["stream", "chat", "n>1", "disconnect", "bad", "too-long", "degenerate", "tokenize",
-                            "scoring", "shaped", "responses"], [25, 20, 10, 10, 15, 5, 10, 5, 10, 10, 8])[0]
+                            "scoring", "shaped", "responses", "messages"],
+                           [25, 20, 10, 10, 15, 5, 10, 5, 10, 10, 8, 6])[0]
         sampled = rng.random() < 0.7
         sampling = {} if sampled else {"temperature": 0}
         path, body, expect, limit = "/v1/completions", None, {200}, None
@@ -127,6 +129,16 @@ class Soak:
                     "stream": rng.random() < 0.4, "background": rng.random() < 0.2, **sampling}
             if self.responses and rng.random() < 0.5:
                 body["previous_response_id"] = rng.choice(self.responses)
+        elif kind == "messages":  # Anthropic's Messages API: text turns, forced tool use, stop sequences
+            path = "/v1/messages"
+            body = {"messages": [{"role": "user", "content": text(rng, rng.randint(3, 60))}],
+                    "max_tokens": rng.randint(8, 64), "stream": rng.random() < 0.5, **sampling}
+            if rng.random() < 0.3:
+                body.update(tools=[{"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}],
+                            tool_choice=rng.choice([{"type": "tool", "name": "lookup"}, {"type": "any"},
+                                                    {"type": "none"}]))
+            elif rng.random() < 0.3:
+                body["stop_sequences"] = rng.sample(WORDS, 2)
         elif kind == "n>1":
             body = {"prompt": text(rng, rng.randint(5, 80)), "max_tokens": rng.randint(8, 48), "stream": True,
                     "n": rng.randint(2, 4), "seed": rng.randint(0, 1000)}
@@ -182,7 +194,7 @@ class Soak:
                 body, expect = {"prompt": prompt, **refused}, {400}
         else:
             path, body = "/tokenize", {"prompt": text(rng, rng.randint(1, 300))}
-        if path == "/v1/chat/completions" and not isinstance(body, str) and not self.chats:
+        if path in ("/v1/chat/completions", "/v1/messages") and not isinstance(body, str) and not self.chats:
             expect = {400}
         raw = body if isinstance(body, str) else json.dumps(body)
         progress = [0, time.monotonic()]
@@ -214,6 +226,9 @@ class Soak:
                 doc = json.loads(got.split(b"\r\n\r\n", 1)[1])
                 if doc.get("status") == "completed" and not doc.get("background"):  # a turn to continue
                     self.responses.append(doc["id"])
+        elif status == 200 and path == "/v1/messages" and b"text/event-stream" in got[:400]:
+            if not got.rstrip().rsplit(b"event: ", 1)[-1].startswith(b"message_stop"):
+                outcome, problem = "stream not stopped", f"{kind}: {got[-300:]!r}"
         elif status == 200 and b"text/event-stream" in got[:400]:
             if b"data: [DONE]" not in got:
                 outcome, problem = "stream without [DONE]", f"{kind}: {got[-300:]!r}"
