@@ -48,6 +48,7 @@ def test_pause_keep_wait_and_abort_hold_new_requests_until_resume(srv):
     s, got = stream_raw(srv, "/v1/completions", long)  # running: its first token is out
     assert request(srv, "POST", "/pause?mode=keep") == (200, {"status": "paused"})
     assert request(srv, "GET", "/is_paused") == (200, {"is_paused": True})
+    assert request(srv, "GET", "/dashboard/snapshot")[1]["paused"] is True  # the pool's page says so too
     assert metric(srv, "kvpage:kv_cache_blocks_used") > 0  # the kept request holds its blocks
     with ThreadPoolExecutor(2) as pool:
         held = pool.submit(request, srv, "POST", "/v1/completions",

@@ -57,7 +57,7 @@ class Dashboard:
                 frame["model"] = self.model_name
                 frame["history"] = list(self.history)
                 self._latest, self._taken = frame, time.monotonic()
-            return self._latest
+            return {**self._latest, "paused": self.client.paused}  # as of now, not of the frame
 
     async def events(self, request: Request):
         """Frames until the viewer leaves, the server drains for shutdown or the engine dies."""
