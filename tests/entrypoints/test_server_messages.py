@@ -67,6 +67,10 @@ def test_a_message_reads_as_the_chat_route_writes_it_whole_and_streamed(srv):
     streamed = "".join(e["delta"]["text"] for k, e in evs if k == "content_block_delta")
     assert streamed == msg["content"][0]["text"]
     assert evs[-2][1]["delta"]["stop_reason"] == "max_tokens" and evs[-2][1]["usage"]["output_tokens"] == 24
+    # vLLM's sampling extras go through: a seed repeats a sampled reply, ignore_eos runs to max_tokens
+    seeded = {"messages": ASK, "max_tokens": 12, "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    first, again = (json.loads(post(srv, "/v1/messages", seeded)[1]) for _ in range(2))
+    assert first["content"] == again["content"] and first["usage"]["output_tokens"] == 12
     # a stop sequence from the greedy text ends it there, named
     word = msg["content"][0]["text"].split()[1]
     _, text = post(srv, "/v1/messages", {**body, "stop_sequences": [word]})

@@ -4,11 +4,12 @@ offers it, so that clients written for that API (its SDKs, coding agents) can us
 A request's ``system`` and ``messages`` (text blocks, the assistant's ``tool_use`` blocks and the user's
 ``tool_result`` blocks) become a chat conversation; ``tools`` ({name, description, input_schema}) and
 ``tool_choice`` (auto, any, tool, none) the chat's tools and tool choice ("any" is chat's "required");
-``stop_sequences``, ``temperature``, ``top_p`` and ``top_k`` its sampling. The reply comes back as a message of
-content blocks (text, tool_use with its input as an object), ``stop_reason`` end_turn / max_tokens / stop_sequence /
-tool_use, whole or as the API's stream events (message_start, content_block_start / _delta / _stop, message_delta,
-message_stop). Errors take that API's shape ({"type": "error", "error": {"type", "message"}}). Refused by name:
-images and documents, extended thinking, server tools (any tool with a ``type``).
+``stop_sequences``, ``temperature``, ``top_p`` and ``top_k`` (and vLLM's extras: seed, penalties, ...) its
+sampling. The reply comes back as a message of content blocks (text, tool_use with its input as an object),
+``stop_reason`` end_turn / max_tokens / stop_sequence / tool_use, whole or as the API's stream events
+(message_start, content_block_start / _delta / _stop, message_delta, message_stop). Errors take that API's shape
+({"type": "error", "error": {"type", "message"}}). Refused by name: images and documents, extended thinking,
+server tools (a tool whose ``type`` is other than "custom").
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from kvpage.entrypoints.openai.serving import ChatRun, RequestRunner
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# the chat route's extras a Messages request may carry too (vLLM's sampling fields), handed over as they are
+_EXTRAS = ("seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens",
+           "priority", "cache_salt", "request_id")
 
 
 class MessagesRequest(BaseModel):
@@ -63,6 +67,7 @@ class MessagesRequest(BaseModel):
                              ("stop", self.stop_sequences)):
             if theirs is not None:
                 body[ours] = theirs
+        body.update({k: v for k, v in (self.model_extra or {}).items() if k in _EXTRAS})
         if self.tools:
             body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:
