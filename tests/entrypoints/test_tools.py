@@ -13,6 +13,7 @@ from kvpage.entrypoints.openai import tool_parsers
 from kvpage.entrypoints.openai.protocol import APIError, ChatCompletionRequest, conversation
 from kvpage.entrypoints.openai.tool_parsers import (
     PARSERS,
+    functiongemma_calls,
     hermes_calls,
     llama3_json_calls,
     mistral_calls,
@@ -183,6 +184,33 @@ def test_qwen3_coder_reads_xml_calls_with_their_schema_types():
     for bad in ("<tool_call><function=rm></function></tool_call>", "<tool_call>{\"name\": \"time\"}</tool_call>",
                 "<tool_call><function=time></function></tool_call> and then prose"):
         assert qwen3_coder_calls(bad, fns) == (bad, []), bad
+
+
+def test_functiongemma_reads_its_escaped_argument_syntax():
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"},
+        "hours": {"type": "array", "items": {"type": "integer"}},
+        "opts": {"type": "object", "properties": {"unit": {"type": "string"}, "hot": {"type": "boolean"}}}}}
+    fns = {"forecast": {"name": "forecast", "parameters": schema}, "time": TIME["function"]}
+    content, calls = functiongemma_calls(
+        "Checking.<start_function_call>call:forecast{city:<escape>New York, NY<escape>,days:3,"
+        "hours:[6,<escape>12<escape>],opts:{unit:<escape>C<escape>,hot:true}}<end_function_call>"
+        "<start_function_call>call:time{}<end_function_call>",
+        fns)
+    assert content == "Checking." and named_args(calls) == [
+        ("forecast", {"city": "New York, NY", "days": 3, "hours": [6, 12], "opts": {"unit": "C", "hot": True}}),
+        ("time", {})]
+    # escaped digits stay text where the schema says string; the end token may be missing at the end of the reply
+    assert named_args(functiongemma_calls("<start_function_call>call:forecast{city:<escape>007<escape>}", fns)[1]) == [
+        ("forecast", {"city": "007"})]
+    assert named_args(functiongemma_calls("<start_function_call>call:forecast{city:Oslo}", fns)[1]) == [
+        ("forecast", {"city": "Oslo"})]  # an unescaped word is text too
+    for bad in ("<start_function_call>call:rm{}<end_function_call>", "<start_function_call>call:forecast{city:",
+                "<start_function_call>call:forecast{city:<escape>Oslo}<end_function_call>",
+                "<start_function_call>call:forecast{city:<escape>Oslo<escape>}<end_function_call> and prose",
+                "<start_function_call>call:forecast(city='Oslo')<end_function_call>"):
+        assert functiongemma_calls(bad, fns) == (bad, []), bad
+    assert PARSERS["functiongemma"].sendable("Sure <start_func") == len("Sure ")
 
 
 def test_new_parsers_stream_text_up_to_their_openers():

@@ -14,7 +14,7 @@ from kvpage import envs
 from kvpage.engine.arg_utils import EngineArgs
 
 # --tool-call-parser's choices: the forms openai/tool_parsers.py reads (not imported: it needs the serve extras)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "functiongemma")
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,9 @@ may go out as text before the reply shows whether a call starts there.
                text (Qwen3-Coder / Qwen3.5 XML templates); a value is read as its parameter's schema type says
                (string as written, integer, number, boolean, null, object / array as JSON), else as text; the last
                block, function or parameter may be left open at the end of the reply.
+  functiongemma <start_function_call>call:NAME{key:<escape>text<escape>,n:3,opts:{...},xs:[...]}<end_function_call>
+               after any text (FunctionGemma, Gemma 3 270M tuned for calls); escaped text is read as its parameter's
+               schema type says, as qwen3_coder's values; the last call may be left open at the end of the reply.
 A reply whose calls do not all parse, or name a function the request does not offer, stays text with no calls.
 Readers take the request's functions by name (a name's schema types qwen3_coder's values).
 """
@@ -218,6 +221,86 @@ def qwen3_coder_calls(text: str, functions: Functions) -> Calls:
     return (content if content.strip() else None), calls
 
 
+_FG_OPEN, _FG_CLOSE, _FG_ESC = "<start_function_call>", "<end_function_call>", "<escape>"
+_FG_CALL = re.compile(r"<start_function_call>call:([A-Za-z0-9_.-]+)")
+_FG_BARE = re.compile(r"[^,}\]]*")
+
+
+def _fg_value(s: str, i: int, schema: Any) -> tuple[Any, int]:
+    """One FunctionGemma argument value at ``s[i:]`` and where it ends: <escape>text<escape> (read as its schema's
+    type, like qwen3_coder's values), {key:value,...}, [value,...], or a bare literal (number, true, false, null; a
+    bare word that is none of those is read as escaped text is)."""
+    if s.startswith(_FG_ESC, i):
+        end = s.find(_FG_ESC, i + len(_FG_ESC))
+        if end < 0:
+            raise ValueError("an <escape> is not closed")
+        return _typed(s[i + len(_FG_ESC):end], schema), end + len(_FG_ESC)
+    if s.startswith("{", i):
+        props = (schema or {}).get("properties") or {} if isinstance(schema, dict) else {}
+        return _fg_object(s, i, props)
+    if s.startswith("[", i):
+        items, i = [], i + 1
+        item_schema = schema.get("items") if isinstance(schema, dict) else None
+        while not s.startswith("]", i):
+            value, i = _fg_value(s, i, item_schema)
+            items.append(value)
+            if s.startswith(",", i):
+                i += 1
+            elif not s.startswith("]", i):
+                raise ValueError("a list item is not followed by , or ]")
+        return items, i + 1
+    m = _FG_BARE.match(s, i)
+    raw = m.group(0) if m else ""
+    if not raw.strip():
+        raise ValueError("an argument has no value")
+    try:
+        return json.loads(raw), i + len(raw)
+    except json.JSONDecodeError:  # an unescaped word: text, or its schema's type
+        return _typed(raw.strip(), schema), i + len(raw)
+
+
+def _fg_object(s: str, i: int, props: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``{key:value,...}`` at ``s[i]``, and where it ends."""
+    out, i = {}, i + 1
+    while not s.startswith("}", i):
+        colon = s.find(":", i)
+        if colon < 0 or not re.fullmatch(r"[A-Za-z0-9_.-]+", s[i:colon]):
+            raise ValueError("an argument name is not followed by :")
+        key = s[i:colon]
+        out[key], i = _fg_value(s, colon + 1, props.get(key))
+        if s.startswith(",", i):
+            i += 1
+        elif not s.startswith("}", i):
+            raise ValueError("an argument is not followed by , or }")
+    return out, i + 1
+
+
+def functiongemma_calls(text: str, functions: Functions) -> Calls:
+    at = text.find(_FG_OPEN)
+    if at < 0:
+        return text, []
+    calls, pos = [], at
+    while pos < len(text):
+        m = _FG_CALL.match(text, pos)
+        if m is None or m.group(1) not in functions or not text.startswith("{", m.end()):
+            return text, []
+        props = (functions[m.group(1)].get("parameters") or {}).get("properties") or {}
+        try:
+            args, pos = _fg_object(text, m.end(), props)
+        except (ValueError, json.JSONDecodeError, RecursionError):
+            return text, []
+        calls.append(make_call(m.group(1), args))
+        rest = text[pos:].lstrip()
+        rest = rest[len(_FG_CLOSE):].lstrip() if rest.startswith(_FG_CLOSE) else rest
+        if not rest:
+            break
+        if not rest.startswith(_FG_OPEN):
+            return text, []
+        pos = len(text) - len(rest)
+    content = text[:at]
+    return (content if content.strip() else None), calls
+
+
 @dataclass(frozen=True)
 class CallForm:
     """A parser: what opens a call, whether a call may follow text (else only the reply's start may open one),
@@ -249,5 +332,6 @@ PARSERS = {
     "pythonic": CallForm(("[",), False, pythonic_calls),
     "mistral": CallForm((_TOOL_CALLS,), True, mistral_calls),
     "qwen3_coder": CallForm((_QWEN_OPEN, _QWEN_FUNCTION), True, qwen3_coder_calls),
+    "functiongemma": CallForm((_FG_OPEN,), True, functiongemma_calls),
 }
 TOOL_CALL_PARSERS = tuple(PARSERS)  # --tool-call-parser's choices
