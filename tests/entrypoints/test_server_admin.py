@@ -49,12 +49,14 @@ def test_pause_keep_wait_and_abort_hold_new_requests_until_resume(srv):
     assert request(srv, "POST", "/pause?mode=keep") == (200, {"status": "paused"})
     assert request(srv, "GET", "/is_paused") == (200, {"is_paused": True})
     assert request(srv, "GET", "/dashboard/snapshot")[1]["paused"] is True  # the pool's page says so too
+    assert request(srv, "GET", "/load") == (200, {"server_load": 1})  # the kept request
     assert metric(srv, "kvpage:kv_cache_blocks_used") > 0  # the kept request holds its blocks
     with ThreadPoolExecutor(2) as pool:
         held = pool.submit(request, srv, "POST", "/v1/completions",
                            {"model": model_id, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
         time.sleep(0.5)
         assert not held.done()  # held, not refused
+        assert request(srv, "GET", "/load")[1] == {"server_load": 2}  # the held one counts too
         # a pause that waits for the open request: the kept one runs on to its end, the new one stays held
         waited = pool.submit(request, srv, "POST", "/pause?mode=wait")
         events = read_stream(s, got).decode()
@@ -69,3 +71,5 @@ def test_pause_keep_wait_and_abort_hold_new_requests_until_resume(srv):
     assert '"finish_reason":"abort"' in events.replace(" ", ""), events[-400:]
     assert request(srv, "POST", "/resume")[0] == 200 and request(srv, "GET", "/is_paused")[1] == {"is_paused": False}
     wait_idle(srv)
+    assert request(srv, "GET", "/load") == (200, {"server_load": 0})
+    assert request(srv, "GET", "/load", key=None)[0] == 401

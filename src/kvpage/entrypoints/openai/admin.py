@@ -1,5 +1,6 @@
 """The server's operator routes, as vLLM's server names them: health (/health, and /ping for load balancers that
-probe that path), the version, forgetting the prefix cache, and pausing generation (/pause, /resume, /is_paused).
+probe that path), the load (/load), the version, forgetting the prefix cache, and pausing generation (/pause,
+/resume, /is_paused).
 
 /health, /ping and /version are open (probes carry no key); the rest sit behind the API key. A pause holds new
 requests instead of refusing them (they reach the engine in order on /resume), so clients see a slow answer,
@@ -51,6 +52,13 @@ def install(app: FastAPI, client: AsyncEngine, api_key: str | None) -> None:
 
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's and some balancers' probe path
+
+    @app.get("/load")
+    async def load(request: Request) -> Response:
+        """vLLM's load figure for balancers: the requests the engine holds (running, waiting, swapped, held by a
+        pause, or submitted and not yet taken); a request with n > 1 counts n."""
+        check_auth(request, api_key)
+        return JSONResponse({"server_load": client.num_open})
 
     @app.get("/version")
     async def version() -> Response:  # as vLLM's server answers it; open, like /health
