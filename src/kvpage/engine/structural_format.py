@@ -31,6 +31,11 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _one_of(texts: list[str]) -> str:
+    """Any one of ``texts`` (a tag's end strings), as a Lark group of literals."""
+    return "(" + " | ".join(_lit(t) for t in texts) + ")"
+
+
 class _Builder:
     def __init__(self) -> None:
         self.rules: list[str] = []
@@ -73,7 +78,7 @@ class _Builder:
     def _any_text(self, fmt: dict, where: str, stop: Any) -> tuple[str, bool]:
         _no_limits(fmt, where, ("excludes", "max_tokens", "max_chars"))
         if isinstance(stop, list):  # the shortest text followed by one of the enclosing tag's ends
-            return self.rule(f"{_TEXT} ({' | '.join(_lit(e) for e in stop)})", lazy=True), True
+            return self.rule(f"{_TEXT} {_one_of(stop)}", lazy=True), True
         if stop == EOS:
             return self.rule(_TEXT), False
         raise ValueError(f"structural_tag {where}: any_text must end a tag's content or the whole format "
@@ -91,8 +96,7 @@ class _Builder:
     def _or(self, fmt: dict, where: str, stop: Any) -> tuple[str, bool]:
         alts = [self.build(el, f"{where}.elements[{i}]", stop) for i, el in enumerate(_formats(fmt, "elements", where))]
         if isinstance(stop, list) and any(ate for _, ate in alts):  # every branch then ends with the tag's end
-            ends = "(" + " | ".join(_lit(e) for e in stop) + ")"
-            return "(" + " | ".join(e if ate else f"{e} {ends}" for e, ate in alts) + ")", True
+            return "(" + " | ".join(e if ate else f"{e} {_one_of(stop)}" for e, ate in alts) + ")", True
         return "(" + " | ".join(e for e, _ in alts) + ")", False
 
     def _repeated(self, fmt: dict, where: str) -> str:
@@ -131,7 +135,7 @@ class _Builder:
         """A tag's content and end, as one rule (a triggered tag's two openings share it)."""
         _, ends = _tag_parts(fmt, where)
         content, ate = self.build(fmt.get("content"), f"{where}.content", ends)
-        tail = "" if ate else " (" + " | ".join(_lit(e) for e in ends) + ")"
+        tail = "" if ate else " " + _one_of(ends)
         return self.rule(f"{content}{tail}")
 
     def _tags(self, fmt: dict, where: str) -> list[dict]:

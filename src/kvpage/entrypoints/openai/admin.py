@@ -9,9 +9,6 @@ never an error; an operator drains or freezes the engine without dropping connec
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Any
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -19,8 +16,6 @@ from kvpage import __version__
 from kvpage.entrypoints.openai.engine_client import PAUSE_MODES, AsyncEngine
 from kvpage.entrypoints.openai.http_input import check_auth
 from kvpage.entrypoints.openai.protocol import APIError
-from kvpage.entrypoints.openai.serving import api_error
-from kvpage.errors import EngineDeadError
 
 
 def _flag(request: Request, name: str, default: bool) -> bool:
@@ -32,14 +27,6 @@ def _flag(request: Request, name: str, default: bool) -> bool:
     if value is None:
         raise APIError(400, f"{name} must be true or false, got {raw!r}", param=name)
     return value
-
-
-async def _engine(step: Awaitable[Any]) -> Any:
-    """An engine-thread command's result; a dead engine is the server's 503, not an internal error."""
-    try:
-        return await step
-    except EngineDeadError as e:
-        raise api_error(e) from None
 
 
 def install(app: FastAPI, client: AsyncEngine, api_key: str | None) -> None:
@@ -68,7 +55,7 @@ def install(app: FastAPI, client: AsyncEngine, api_key: str | None) -> None:
     async def reset_prefix_cache(request: Request) -> Response:
         """Forget every cached prefix block: the pool, the host and the disk tier (vLLM's admin endpoint)."""
         check_auth(request, api_key)
-        n = await _engine(client.call(lambda eng: eng.reset_prefix_cache()))
+        n = await client.call(lambda eng: eng.reset_prefix_cache())
         return JSONResponse({"status": "ok", "entries_cleared": n})
 
     @app.post("/pause")
@@ -84,13 +71,13 @@ def install(app: FastAPI, client: AsyncEngine, api_key: str | None) -> None:
         if clear and mode == "keep":
             raise APIError(400, "clear_cache cannot go with mode=keep: the kept requests hold cached blocks",
                            param="clear_cache")
-        await _engine(client.pause(mode, clear))
+        await client.pause(mode, clear)
         return JSONResponse({"status": "paused"})
 
     @app.post("/resume")
     async def resume(request: Request) -> Response:
         check_auth(request, api_key)
-        await _engine(client.resume())
+        await client.resume()
         return JSONResponse({"status": "resumed"})
 
     @app.get("/is_paused")

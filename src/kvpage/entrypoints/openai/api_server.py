@@ -56,7 +56,7 @@ from kvpage.entrypoints.openai.serving import (
     usage,
 )
 from kvpage.entrypoints.openai.tools import ToolReply, parse_tools
-from kvpage.errors import RequestRejected
+from kvpage.errors import EngineDeadError, QueueFullError, RequestRejected, ShuttingDownError
 from kvpage.model.chat_template import compile_chat_template
 from kvpage.outputs import CompletionOutput
 
@@ -109,10 +109,14 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    @app.exception_handler(RequestRejected)
-    async def _rejected(_: Request, e: RequestRejected) -> JSONResponse:
+    async def _engine_error(_: Request, e: Exception) -> JSONResponse:
+        """kvpage's typed errors (a refused request, a full queue, a drain, a dead engine) as api_error maps them,
+        wherever a route lets one through."""
         err = api_error(e)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    for kind in (RequestRejected, QueueFullError, ShuttingDownError, EngineDeadError):
+        app.add_exception_handler(kind, _engine_error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

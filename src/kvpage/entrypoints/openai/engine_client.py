@@ -136,12 +136,7 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``fn(engine)`` run on the engine thread between two steps; its result (or exception)."""
-        cmd = Call(fn)
-        with self._lock:
-            if self.error is not None or not self._thread.is_alive():
-                raise EngineDeadError(self.error or "the engine thread is not running")
-            self._commands.put(cmd)
-        return await asyncio.wrap_future(cmd.done)
+        return await self._command(Call(fn))
 
     async def pause(self, mode: str = "abort", clear_cache: bool = False) -> None:
         """Pause generation: new requests are held until ``resume``; the open ones are aborted (they finish with
@@ -155,12 +150,13 @@ class AsyncEngine:
         """Go on after a pause: held requests reach the engine in the order they came, frozen ones run again."""
         await self._command(Resume())
 
-    async def _command(self, cmd: Pause | Resume) -> None:
+    async def _command(self, cmd: Call | Pause | Resume) -> Any:
+        """Hand ``cmd`` to the engine thread and await what it resolves it with."""
         with self._lock:
             if self.error is not None or not self._thread.is_alive():
                 raise EngineDeadError(self.error or "the engine thread is not running")
             self._commands.put(cmd)
-        await asyncio.wrap_future(cmd.done)
+        return await asyncio.wrap_future(cmd.done)
 
     def drain(self, reason: str) -> None:
         """Refuse new requests from now on (open ones go on)."""

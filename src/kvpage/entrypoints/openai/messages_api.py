@@ -25,6 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpage.entrypoints.openai.protocol import APIError, ChatCompletionRequest
+from kvpage.entrypoints.openai.response_store import frame
+from kvpage.entrypoints.openai.responses import text_of
 from kvpage.entrypoints.openai.serving import ChatRun, RequestRunner
 
 # HTTP status -> the error type this API names it with
@@ -58,7 +60,8 @@ class MessagesRequest(BaseModel):
         if self.thinking and self.thinking.get("type") not in (None, "disabled"):
             raise APIError(400, "extended thinking is not supported: this model does not reason apart",
                            param="thinking")
-        turns = [{"role": "system", "content": _text(self.system, "system")}] if self.system else []
+        turns = [{"role": "system", "content": text_of(self.system, "system", "system", ("text",))}] \
+            if self.system else []
         for i, message in enumerate(self.messages):
             turns.extend(_turns(message, f"messages[{i}]"))
         body: dict[str, Any] = {"model": self.model, "messages": turns, "max_tokens": self.max_tokens,
@@ -88,22 +91,6 @@ class MessagesRequest(BaseModel):
             raise APIError(400, f"messages: {e}", param="messages") from None
 
 
-def _text(content: Any, where: str) -> str:
-    """Text, or text blocks joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where} must be text or a list of text blocks", param=where.split("[")[0])
-    parts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise APIError(400, f"{where}[{j}]: only text blocks are supported here, got {kind!r}",
-                           param=where.split("[")[0])
-        parts.append(block["text"])
-    return "".join(parts)
-
-
 def _turns(message: Any, where: str) -> list[dict[str, Any]]:
     """One message as chat messages: an assistant's text and tool_use blocks as one turn with tool calls, a user's
     tool_result blocks as tool messages (before the rest of its text)."""
@@ -126,7 +113,7 @@ def _turns(message: Any, where: str) -> list[dict[str, Any]]:
         elif kind == "tool_result" and role == "user":
             body = block.get("content", "")
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": _text(body, at) if body else ""})
+                            "content": text_of(body, f"{at}.content", "messages", ("text",)) if body else ""})
         else:
             raise APIError(400, f"{at}: content blocks of type {kind!r} are not supported in a {role} message (text, "
                                 "tool_use from the assistant and tool_result from the user are)", param="messages")
@@ -179,7 +166,44 @@ def _tool_id(chat_id: str) -> str:
 
 
 def _event(kind: str, **fields: Any) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+    return frame({"type": kind, **fields})
+
+
+class _Blocks:
+    """A streamed message's content blocks: which one is open, and the events that open, fill and close them
+    (text deltas go to an open text block, each new call gets a tool_use block of its own)."""
+
+    def __init__(self) -> None:
+        self.index, self.open, self.called = -1, None, False
+
+    def stop(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", index=self.index)]
+
+    def _start(self, kind: str, block: dict[str, Any]) -> list[str]:
+        events = self.stop()
+        self.index, self.open = self.index + 1, kind
+        return [*events, _event("content_block_start", index=self.index, content_block=block)]
+
+    def step(self, delta: dict[str, Any]) -> list[str]:
+        """The events of one chat delta (ToolReply's)."""
+        events = []
+        if delta.get("content"):
+            if self.open != "text":
+                events += self._start("text", {"type": "text", "text": ""})
+            events.append(_event("content_block_delta", index=self.index,
+                                 delta={"type": "text_delta", "text": delta["content"]}))
+        for call in delta.get("tool_calls") or []:
+            self.called = True
+            if "id" in call:  # a new call
+                events += self._start("tool_use", {"type": "tool_use", "id": _tool_id(call["id"]),
+                                                   "name": call["function"]["name"], "input": {}})
+            if call["function"].get("arguments"):
+                events.append(_event("content_block_delta", index=self.index, delta={
+                    "type": "input_json_delta", "partial_json": call["function"]["arguments"]}))
+        return events
 
 
 def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
@@ -223,7 +247,7 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
         async def events() -> AsyncIterator[str]:
             yield _event("message_start", message={**head, "content": [], "stop_reason": None, "stop_sequence": None,
                                                    "usage": {"input_tokens": n_in, "output_tokens": 0}})
-            index, open_kind, n_out, reason, stop_seq, called = -1, None, 0, None, None, False
+            blocks, n_out, reason, stop_seq = _Blocks(), 0, None, None
             try:
                 async with aclosing(runner.changes(request, run.jobs, run.outputs)) as it:
                     async for _, _, c in it:
@@ -232,34 +256,15 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
                         reason = finished or reason
                         if isinstance(c.stop_reason, str):
                             stop_seq = c.stop_reason
-                        if delta.get("content"):
-                            if open_kind != "text":
-                                if open_kind is not None:
-                                    yield _event("content_block_stop", index=index)
-                                index, open_kind = index + 1, "text"
-                                yield _event("content_block_start", index=index,
-                                             content_block={"type": "text", "text": ""})
-                            yield _event("content_block_delta", index=index,
-                                         delta={"type": "text_delta", "text": delta["content"]})
-                        for call in delta.get("tool_calls") or []:
-                            called = True
-                            if "id" in call:  # a new call: its own block
-                                if open_kind is not None:
-                                    yield _event("content_block_stop", index=index)
-                                index, open_kind = index + 1, "tool_use"
-                                yield _event("content_block_start", index=index, content_block={
-                                    "type": "tool_use", "id": _tool_id(call["id"]),
-                                    "name": call["function"]["name"], "input": {}})
-                            if call["function"].get("arguments"):
-                                yield _event("content_block_delta", index=index, delta={
-                                    "type": "input_json_delta", "partial_json": call["function"]["arguments"]})
+                        for event in blocks.step(delta):
+                            yield event
             except APIError as e:
                 if e.status != 499:
                     yield _event("error", error=error_body(e)["error"])
                 return
-            if open_kind is not None:
-                yield _event("content_block_stop", index=index)
-            yield _event("message_delta", delta={"stop_reason": _stop_reason(reason, stop_seq, called),
+            for event in blocks.stop():
+                yield event
+            yield _event("message_delta", delta={"stop_reason": _stop_reason(reason, stop_seq, blocks.called),
                                                  "stop_sequence": stop_seq}, usage={"output_tokens": n_out})
             yield _event("message_stop")
 

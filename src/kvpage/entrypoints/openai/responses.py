@@ -134,17 +134,21 @@ def _chat_tool(tool: Any, index: int) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def _text(content: Any, where: str) -> str:
+TEXT_PARTS = ("input_text", "output_text", "text")  # the part types whose text an input item's content joins
+
+
+def text_of(content: Any, where: str, param: str, kinds: tuple[str, ...] = TEXT_PARTS) -> str:
+    """Text, or a list of text parts (of ``kinds``) joined; anything else is a 400 naming ``where`` (``param``:
+    the request field it sits in). The Messages API's text blocks are read with it too."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where}.content must be text or a list of text parts", param="input")
+        raise APIError(400, f"{where} must be text or a list of text parts", param=param)
     parts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else part
-            raise APIError(400, f"{where}: only text parts are supported, got {kind!r}", param="input")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{where}[{j}]: only text parts are supported here, got {kind!r}", param=param)
         parts.append(part["text"])
     return "".join(parts)
 
@@ -161,7 +165,7 @@ def messages(instructions: str | None, items: str | list[dict[str, Any]]) -> lis
         if kind == "message":
             if "role" not in item:
                 raise APIError(400, f"{where}: a message needs a role", param="input")
-            out.append({"role": item["role"], "content": _text(item.get("content"), where)})
+            out.append({"role": item["role"], "content": text_of(item.get("content"), f"{where}.content", "input")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
@@ -172,7 +176,7 @@ def messages(instructions: str | None, items: str | list[dict[str, Any]]) -> lis
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else _text(output, where)})
+                        "content": text_of(output, f"{where}.output", "input")})
         else:
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported (message, function_call "
                                 "and function_call_output are)", param="input")
