@@ -10,7 +10,8 @@ scoring requests (echo, logprobs, prompt_logprobs), beam search, stop strings an
 words, structured outputs (JSON, choices, regexes), forced tool calls, prompt truncation and cache salts,
 /v1/responses turns (streamed, in the background, continuing stored ones with previous_response_id), Anthropic
 Messages API turns (/v1/messages: streamed or not, forced tool use, stop sequences), and /tokenize calls, as
-Poisson arrivals (chats and messages are expected to be refused by name when the model has no chat template).
+Poisson arrivals (chats, messages and responses are expected to be refused by name when the model has no chat
+template).
 It reports requests by kind and outcome (a 5xx, a timeout or a broken stream is a failure), the KV blocks still in
 use once the server is idle (must be 0), and the server's memory growth (resident set size after warm-up vs at
 the end).
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu_model
 
 TIMEOUT = 120.0
+CHAT_PATHS = ("/v1/chat/completions", "/v1/messages", "/v1/responses")  # refused by name without a chat template
 WORDS = ["paged", "memory", "block", "table", "cache", "prefix", "request", "token", "decode", "schedule", "pool",
          "share", "fork", "copy", "write", "river", "mountain", "story", "lighthouse", "winter", "market", "garden",
          "kernel", "vector"]
@@ -194,7 +196,7 @@ class Soak:
                 body, expect = {"prompt": prompt, **refused}, {400}
         else:
             path, body = "/tokenize", {"prompt": text(rng, rng.randint(1, 300))}
-        if path in ("/v1/chat/completions", "/v1/messages") and not isinstance(body, str) and not self.chats:
+        if path in CHAT_PATHS and not isinstance(body, str) and not self.chats:
             expect = {400}
         raw = body if isinstance(body, str) else json.dumps(body)
         progress = [0, time.monotonic()]
