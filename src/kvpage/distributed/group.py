@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +84,9 @@ class VocabParallelHead:
     """The lm head split by vocabulary: each rank multiplies its slice of the rows, rank 0 gathers the slices
     into the whole [rows, vocab] logits (the other ranks get None). Called as ``F.linear(x, weight)`` is."""
 
-    def __init__(self, weight: torch.Tensor, rank: int, size: int, stats: CommStats) -> None:
+    def __init__(self, weight: torch.Tensor, rank: int, size: int, stats: CommStats,
+                 product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> None:
+        self.product = product  # the slice's product (the worker's: in a few row counts, for oneDNN's sake)
         vocab = weight.shape[0]
         per = -(-vocab // size)
         self.widths = [max(0, min(vocab, (r + 1) * per) - min(vocab, r * per)) for r in range(size)]
@@ -92,7 +95,7 @@ class VocabParallelHead:
         self.rank, self.stats = rank, stats
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor | None:
-        part = F.linear(x, self.slice)
+        part = self.product(x, self.slice)
         t = time.perf_counter()
         if self.rank == 0:
             parts = [part] + [torch.empty(x.shape[0], w, dtype=part.dtype) for w in self.widths[1:]]

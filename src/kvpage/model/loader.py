@@ -15,6 +15,7 @@ from kvpage.distributed.shard import head_shard
 from kvpage.envs import KernelConfig
 from kvpage.model.config import ModelConfig, config_from_gguf, config_from_hf_dir, gguf_fields, open_gguf
 from kvpage.model.gemma3 import Gemma3ForCausalLM
+from kvpage.model.layers.row_buckets import bucket_linears, bucketed_product
 from kvpage.model.llama import LlamaForCausalLM
 from kvpage.model.quant import QuantWeight
 from kvpage.model.registry import DEFAULT_MODEL, resolve_model_path
@@ -174,6 +175,11 @@ def _load(model: str, path: Path, run_dtype: torch.dtype, attention_backend: str
     net.eval()
     net.ops = kernels(kernel_config)  # the logits post-processing uses them on every path
     _maybe_enable_fast_path(net, run_dtype, attention_backend, quant, fast, net.ops)
+    if getattr(net, "fast", None) is None and run_dtype != torch.float32:
+        # the plain path's bf16 products go to oneDNN, which compiles and keeps a primitive per row count
+        # (float32 ones go to MKL, which does not): a few row counts only (model/layers/row_buckets.py)
+        bucket_linears(net)
+        net.lm_product = bucketed_product
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %d layers) from %s in %.1f s", cfg.name, run_dtype, cfg.num_layers, path, seconds)
     return LoadedModel(cfg, net, tokenizer, run_dtype, path, seconds)

@@ -13,11 +13,12 @@ layer projections instead, at 1.1-1.7x oneDNN's speed there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
+from kvpage.model.layers.row_buckets import by_row_buckets
 from kvpage.model.quant import QuantWeight
 from kvpage.ops import ACT_GELU_TANH, ACT_NONE, ACT_SILU, I8_ALL_ROWS, Kernels
 from kvpage.pages import gather_on_huge_pages
@@ -28,6 +29,11 @@ ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
 
 
 _ALL_ROWS = I8_ALL_ROWS  # amx_max_rows (and i8_max_rows) when no limit is given
+
+
+def _onednn_product(packed: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """oneDNN's product on its packed weight, for by_row_buckets (oneDNN keeps a primitive per row count)."""
+    return lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
@@ -160,7 +166,7 @@ class PackedLinear(nn.Module):
         elif self.packed_parts:
             return torch.cat([part for _, part in self.forward_parts(x)], dim=1)
         else:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            out = by_row_buckets(x, _onednn_product(self.packed, self.bias))
         if not self.gated:
             return out
         return self.ops.silu_mul(out) if self.act == ACT_SILU else self.ops.gelu_mul(out)
@@ -190,7 +196,7 @@ class PackedLinear(nn.Module):
                 yield start, self.ops.bf16_linear(x, self.bf16[start // 16 : (start + width) // 16], width, None)
             return
         for start, p in self.packed_parts:
-            yield start, torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            yield start, by_row_buckets(x, _onednn_product(p, None))
 
 
 def gather_weights(linears: Sequence[PackedLinear]) -> int:
