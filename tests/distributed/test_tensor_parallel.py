@@ -266,3 +266,21 @@ def test_server_with_two_ranks_serves_and_stops_them(tiny_models, tmp_path):
         one = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0].text
     assert out["choices"][0]["text"] == one
+
+
+def test_an_idle_server_notices_a_lost_rank_and_exits(tiny_models):
+    """A rank killed while nothing runs: the server does not wait for the next request to find out (a health
+    check would say 200 until then); it fails and exits with 1, leaving no rank behind."""
+    from tests.helpers.server_util import request, serve_cmd, server_log, server_proc
+
+    with server_proc(serve_cmd, "--model", tiny_models["kv2"], "--dtype", "float32", "-tp", "2",
+                     "--max-model-len", "256") as (port, proc):
+        status, _ = request(port, "GET", "/health")
+        assert status == 200
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "kvpage.worker.follower"], capture_output=True,
+                               text=True).stdout.split()
+        assert len(ranks) == 1
+        os.kill(int(ranks[0]), signal.SIGKILL)
+        assert proc.wait(20) == 1
+        assert "tensor-parallel rank 1 exited" in server_log(proc)
+    assert _no_rank_processes()

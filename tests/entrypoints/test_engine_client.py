@@ -47,6 +47,9 @@ class StandInEngine:
                 self.aborted.append(rid)
                 self.reported.append(rid)
 
+    def check_health(self) -> str | None:
+        return None
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.reported)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,7 @@ from kvpage.model.layers.row_buckets import (
 def test_chunks_cover_the_rows_in_powers_of_two(rows):
     chunks = row_chunks(rows)
     assert chunks[0][0] == 0
-    for (start, size), (nxt, _) in zip(chunks, chunks[1:], strict=False):
+    for (start, size), (nxt, _) in itertools.pairwise(chunks):
         assert nxt == start + size  # back to back
     start, size = chunks[-1]
     assert start < rows <= start + size

@@ -130,6 +130,14 @@ class RankGroup:
             self.fail()
             raise RankFailure(f"a tensor-parallel rank failed: {e}") from e
 
+    def lost(self) -> str | None:
+        """A rank of this node that has exited while the group was up (polled between steps, so that an idle
+        server notices it too); a rank on another node is noticed by the next collective. None: all run."""
+        for r, p in self.procs.items():
+            if self.alive and p.poll() is not None:
+                return f"tensor-parallel rank {r} exited (code {p.returncode})"
+        return None
+
     def guard(self, error: BaseException) -> RankFailure:
         """A collective inside rank 0's step failed: shut the group down and say so."""
         self.fail()

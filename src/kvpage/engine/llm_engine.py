@@ -220,6 +220,14 @@ class LLMEngine:
         self._publish_events()
         return results
 
+    def check_health(self) -> str | None:
+        """Between steps (an idle server's loop): a tensor-parallel rank lost meanwhile ends the engine now, as a
+        failed step would (``fatal_error``, every open request failed), not at the next request. Returns
+        ``fatal_error``."""
+        if self.fatal_error is None and (why := self.worker.lost_rank()) is not None:
+            self.core.fail_all(f"RankFailure: {why}", fatal=True)
+        return self.fatal_error
+
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing on one rank), finish the disk tier's writes; idempotent."""
         self.worker.shutdown()

@@ -246,6 +246,13 @@ class Worker:
                 raise self.ranks.guard(e) from e
             raise
 
+    def lost_rank(self) -> str | None:
+        """Why the tensor-parallel group is gone while no step ran (a rank exited); the group is then shut down."""
+        why = None if self.ranks is None else self.ranks.lost()
+        if why is not None:
+            self.ranks.fail()
+        return why
+
     def prompt_scores(self, step: StepLogits | None) -> dict[str, list[PromptScore]]:
         return {} if step is None else step.prompt_scores
 

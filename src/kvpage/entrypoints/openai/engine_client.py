@@ -297,6 +297,9 @@ class AsyncEngine:
                 self._end_pauses_if_idle()
                 if self._frozen or not eng.has_unfinished_requests():
                     self._publish([], 0.0)
+                    if (error := eng.check_health()) is not None:  # a rank lost while idle: dead now
+                        self._die(error)
+                        return
                     continue
                 t0 = time.perf_counter()
                 outs = eng.step()
