@@ -284,3 +284,15 @@ def test_an_idle_server_notices_a_lost_rank_and_exits(tiny_models):
         assert proc.wait(20) == 1
         assert "tensor-parallel rank 1 exited" in server_log(proc)
     assert _no_rank_processes()
+
+
+def test_a_script_that_never_closes_its_llm_stops_its_ranks_in_order(tiny_models):
+    """No `with`, no shutdown(): at exit the ranks get their stop, not a broken connection to report."""
+    script = (f"from kvpage.engine.llm import LLM\nllm = LLM({tiny_models['kv2']!r}, dtype='float32', "
+              "kv_cache_memory='64MiB', max_model_len=256, tensor_parallel_size=2)\n"
+              "print(llm.generate(['the cat sat'], use_tqdm=False)[0].outputs[0].text != None)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "True"
+    assert "stops" not in run.stderr and "Connection closed" not in run.stderr, run.stderr
+    assert _no_rank_processes()

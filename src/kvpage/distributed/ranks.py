@@ -9,6 +9,7 @@ copies and swaps before it) is what every rank executes, so block tables agree b
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -99,6 +100,7 @@ class RankGroup:
             self._kill()
             raise
         self.alive = True
+        atexit.register(self.shutdown)  # a script that never closes its LLM still stops its ranks in order
         torch.set_num_threads(threads_per_rank(config))
 
     def _wait_joined(self) -> None:
@@ -157,6 +159,7 @@ class RankGroup:
 
     def shutdown(self) -> None:
         """Stop every rank; idempotent."""
+        atexit.unregister(self.shutdown)
         if self.alive:
             self.alive = False
             with contextlib.suppress(Exception):  # a broken group: the ranks are killed below
