@@ -40,7 +40,7 @@ def test_a_servers_row_counts_reach_few_shapes():
 
 
 @settings(deadline=None, max_examples=40)
-@given(st.integers(1, 700), st.sampled_from([(3, 5), (2, 3, 5)]))
+@given(st.integers(0, 700), st.sampled_from([(3, 5), (2, 3, 5)]))
 def test_bucketed_product_equals_one_call(rows, shape):
     torch.manual_seed(rows)
     x = torch.randn(rows, *shape[1:], dtype=torch.float64)
@@ -54,7 +54,7 @@ def test_bucketed_product_equals_one_call(rows, shape):
     got = by_row_buckets(x, product)
     assert got.shape == (rows, *shape[1:-1], 7)
     torch.testing.assert_close(got, F.linear(x, w))
-    assert set(seen) <= {size for _, size in row_chunks(x.numel() // shape[-1])}
+    assert set(seen) <= {size for _, size in row_chunks(x.numel() // shape[-1])} | {0}
 
 
 def test_plain_path_linears_keep_their_parameters():

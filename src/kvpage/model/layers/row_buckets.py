@@ -46,7 +46,7 @@ def by_row_buckets(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tens
         return out.reshape(*lead, out.shape[-1])
     rows = x.shape[0]
     chunks = row_chunks(rows)
-    if len(chunks) == 1 and chunks[0][1] == rows:
+    if not chunks or (len(chunks) == 1 and chunks[0][1] == rows):  # no rows (no primitive), or a bucket's count
         return product(x)
     parts = []
     for start, size in chunks:
