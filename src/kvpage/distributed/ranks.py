@@ -135,8 +135,10 @@ class RankGroup:
     def lost(self) -> str | None:
         """A rank of this node that has exited while the group was up (polled between steps, so that an idle
         server notices it too); a rank on another node is noticed by the next collective. None: all run."""
+        if not self.alive:
+            return None
         for r, p in self.procs.items():
-            if self.alive and p.poll() is not None:
+            if p.poll() is not None:
                 return f"tensor-parallel rank {r} exited (code {p.returncode})"
         return None
 

@@ -7,7 +7,6 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from kvpage.attention.kv_quant import is_quantized
 from kvpage.config import CacheConfig, ModelRunConfig, fast_path, resolve_dtype
@@ -26,7 +25,6 @@ from kvpage.kv import KVCacheManager, KVPoolConfig
 from kvpage.kv.disk_tier import DiskTier
 from kvpage.kv.host_tier import HostTier
 from kvpage.kv.offload import PrefixTiers
-from kvpage.model.layers.row_buckets import bucketed_product
 from kvpage.model.loader import load_model
 from kvpage.model.logits import LogitsBuffer
 from kvpage.model.registry import load_model_config
@@ -101,8 +99,8 @@ class Worker:
             if self.kernel_config.tp_vocab_head:
                 model = self.lm.model
                 weight = model.embed_tokens.weight if getattr(model, "lm_head", None) is None else model.lm_head.weight
-                product = F.linear if weight.dtype == torch.float32 else bucketed_product  # bf16 goes to oneDNN
-                self.vocab_head = VocabParallelHead(weight, self.tp[0], self.tp[1], self.comm, product)
+                # its slice multiplied as the loader chose for the whole head (row buckets where oneDNN runs it)
+                self.vocab_head = VocabParallelHead(weight, self.tp[0], self.tp[1], self.comm, model.lm_product)
                 model.lm_product = self.vocab_head
         cfg = self.lm.config
         limit = cfg.max_position_embeddings or mc.max_model_len

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from kvpage.model.layers.row_buckets import by_row_buckets
+from kvpage.model.layers.row_buckets import by_row_buckets, padded_rows
 from kvpage.model.quant import QuantWeight
 from kvpage.ops import ACT_GELU_TANH, ACT_NONE, ACT_SILU, I8_ALL_ROWS, Kernels
 from kvpage.pages import gather_on_huge_pages
@@ -195,8 +195,9 @@ class PackedLinear(nn.Module):
                 width = min(self.bf16_split, self.n - start)
                 yield start, self.ops.bf16_linear(x, self.bf16[start // 16 : (start + width) // 16], width, None)
             return
+        xp = padded_rows(x)  # once for every slice
         for start, p in self.packed_parts:
-            yield start, by_row_buckets(x, _onednn_product(p, None))
+            yield start, _onednn_product(p, None)(xp)[: x.shape[0]]
 
 
 def gather_weights(linears: Sequence[PackedLinear]) -> int:

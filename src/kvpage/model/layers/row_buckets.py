@@ -30,6 +30,18 @@ def row_bucket(rows: int) -> int:
     return bucket
 
 
+def padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (2-D) with its rows zero-padded to row_bucket's count; ``x`` itself when it has that many (or none)."""
+    rows = x.shape[0]
+    bucket = row_bucket(rows)
+    if rows == 0 or bucket == rows:
+        return x
+    padded = x.new_empty((bucket, x.shape[1]))
+    padded[:rows] = x
+    padded[rows:].zero_()
+    return padded
+
+
 def by_row_buckets(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``product(x)`` for a product that treats rows independently (a linear layer), called only with row counts
     row_bucket gives (zero rows pad below). Leading dimensions beyond the last are flattened into rows."""
@@ -37,14 +49,8 @@ def by_row_buckets(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tens
         lead = x.shape[:-1]
         out = by_row_buckets(x.reshape(-1, x.shape[-1]), product)
         return out.reshape(*lead, out.shape[-1])
-    rows = x.shape[0]
-    bucket = row_bucket(rows)
-    if rows == 0 or bucket == rows:  # no rows (no primitive), or a bucket's count already
-        return product(x)
-    padded = x.new_empty((bucket, x.shape[1]))
-    padded[:rows] = x
-    padded[rows:].zero_()
-    return product(padded)[:rows]
+    padded = padded_rows(x)
+    return product(padded) if padded is x else product(padded)[: x.shape[0]]
 
 
 def bucketed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
