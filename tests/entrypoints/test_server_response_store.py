@@ -5,6 +5,8 @@ use, and a cancelled background run frees its blocks."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -17,7 +19,12 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from kvpage.entrypoints.openai.protocol import APIError  # noqa: E402
-from kvpage.entrypoints.openai.response_store import ResponseStore, StoredResponse, input_items  # noqa: E402
+from kvpage.entrypoints.openai.response_store import (  # noqa: E402
+    ResponseStore,
+    StoredResponse,
+    input_items,
+    json_size,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -59,6 +66,39 @@ def test_the_store_drops_the_oldest_finished_response_first():
     full.room("z", False)  # one whose client waits is not
     full.put(_record("z"))  # already running when it comes: kept beyond the capacity until others end
     assert len(full) == 3
+
+
+def test_the_store_keeps_its_text_within_the_byte_budget():
+    store = ResponseStore(100, max_bytes=1000)
+    a, b = _record("a"), _record("b", "in_progress")
+    store.put(a)
+    store.put(b)
+    assert a.nbytes == json_size(a.inputs) > 0 and store.nbytes == a.nbytes + b.nbytes
+    asyncio.run(b.publish("x" * 900))  # a running background run's frames: over budget, "a" (finished) goes
+    assert len(store) == 1 and store.get("b") and store.nbytes == b.nbytes > 900
+    asyncio.run(b.publish("y" * 200))  # still running: kept past the budget, never dropped
+    assert store.nbytes == b.nbytes > 1000 and store.get("b")
+    b.shape.status = "completed"
+    b.settle([{"role": "assistant", "content": "done"}])  # finished and over budget: the oldest finished goes
+    with pytest.raises(APIError) as e:
+        store.get("b")
+    assert e.value.status == 404 and "within 1000 bytes" in e.value.message
+    c = _record("c")
+    store.put(c)
+    assert store.nbytes == c.nbytes
+    c.settle([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}])
+    assert c.nbytes == json_size(c.inputs) + json_size(c.conversation) and store.nbytes == c.nbytes
+    store.delete("c")
+    assert store.nbytes == 0 and len(store) == 0
+    asyncio.run(b.publish("z"))  # a dropped response no longer counts against the store
+    assert store.nbytes == 0
+
+
+def test_the_byte_budget_flag_is_checked_before_the_model_loads():
+    for value, words in (("lots", "cannot read size 'lots'"), ("0", "more than 0 bytes")):
+        done = subprocess.run([sys.executable, "-m", "kvpage.entrypoints.cli", "serve", "--responses-store-memory",
+                               value], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "--responses-store-memory" in done.stderr and words in done.stderr, done
 
 
 def test_what_a_next_turn_may_continue():
@@ -185,7 +225,7 @@ def test_refusals(srv):
         assert status == 400 and err["error"]["param"] == param, err
     for path in ("/v1/responses/nope", "/v1/responses/nope/input_items"):
         status, err = request(srv, "GET", path)
-        assert status == 404, err
+        assert status == 404 and f"within {256 * 2**20} bytes" in err["error"]["message"], err  # the default
     r = request(srv, "POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 2})[1]
     for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order")):
         status, err = request(srv, "GET", f"/v1/responses/{r['id']}/input_items?{query}")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvpage import envs
 from kvpage.engine.arg_utils import EngineArgs
+from kvpage.units import parse_size
 
 # --tool-call-parser's choices: the forms openai/tool_parsers.py reads (not imported: it needs the serve extras)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "functiongemma")
@@ -65,6 +66,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--responses-store-size", type=int, default=1024,
                    help="/v1/responses kept in memory for previous_response_id, background runs and GET "
                         "/v1/responses/{id}, the oldest finished dropped first (default 1024; 0 keeps none)")
+    p.add_argument("--responses-store-memory", default="256MiB",
+                   help="about how much of their text (conversations, input items, background runs' events) the "
+                        "stored responses may hold, the oldest finished dropped first (default 256MiB)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)
@@ -118,6 +122,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
     if args.responses_store_size < 0:
         raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
+    try:
+        args.responses_store_memory = parse_size(args.responses_store_memory)
+    except ValueError as e:
+        raise ValueError(f"--responses-store-memory: {e}") from None
+    if args.responses_store_memory <= 0:
+        raise ValueError("--responses-store-memory must be more than 0 bytes (--responses-store-size 0 keeps no "
+                         "responses)")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.allow_credentials and "*" in args.allowed_origins:
@@ -152,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
                           tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                           allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                          responses_store_size=args.responses_store_size)
+                          responses_store_size=args.responses_store_size,
+                          responses_store_memory=args.responses_store_memory)
     return serve_engine(lambda: LLMEngine(engine_args), config, args.host, args.port, max_queue=args.max_queue,
                         shutdown_timeout=args.shutdown_timeout, http_timeout=args.http_timeout,
                         log_level=args.uvicorn_log_level)

@@ -84,6 +84,7 @@ class ServerConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id, background runs, GET (0: none)
+    responses_store_memory: int | None = 256 * 2**20  # about this much of their text at most (None: no limit)
 
 
 def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:

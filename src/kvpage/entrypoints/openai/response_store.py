@@ -3,8 +3,10 @@
 
 A stored response keeps its conversation (earlier turns, this input and this reply, without the instructions,
 which OpenAI's API does not carry over to the next turn) so that a later request can continue it. The store
-holds at most ``capacity`` responses in memory, dropping the oldest finished one first: a server that runs for
-months keeps a bounded amount (``kvpage serve --responses-store-size``; 0 keeps none). A background response
+holds at most ``capacity`` responses and about ``max_bytes`` of their text (conversations, input items and a
+background run's kept frames, counted as JSON text), dropping the oldest finished one first: a server that runs
+for months keeps a bounded amount whatever its clients send (``kvpage serve --responses-store-size`` and
+``--responses-store-memory``; a size of 0 keeps none). Running responses are never dropped. A background response
 runs as a task that no client connection owns; its stream's events are kept, already serialized, so that a
 client can follow it from any point (GET ?stream=true&starting_after=N) and a disconnect loses nothing.
 """
@@ -57,7 +59,20 @@ class StoredResponse:
     stop: Callable[[], None] | None = None  # ends a background run: its engine request aborted, status cancelled
     frames: list[str] = field(default_factory=list)  # a background stream's SSE frames, in order
     ended: bool = False  # the background run is over and its last frame published
+    nbytes: int = 0  # the text it keeps (frames, conversation, input items), as the store's budget counts it
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    _owner: ResponseStore | None = None  # the store whose budget it counts against, while it is stored
+
+    def grow(self, n: int) -> None:
+        """Count ``n`` more bytes against the store's budget (which may drop older finished responses)."""
+        self.nbytes += n
+        if self._owner is not None:
+            self._owner.grew(n)
+
+    def settle(self, conversation: list[dict[str, Any]]) -> None:
+        """The finished conversation a next turn continues, counted against the budget."""
+        self.conversation = conversation
+        self.grow(json_size(conversation))
 
     @property
     def running(self) -> bool:
@@ -67,6 +82,7 @@ class StoredResponse:
         async with self._changed:
             self.frames.append(frame)
             self._changed.notify_all()
+        self.grow(len(frame))
 
     async def end(self) -> None:
         """Wake every follower once the run is over (whatever its status) and its last frame is out."""
@@ -101,11 +117,19 @@ class StoredResponse:
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
-class ResponseStore:
-    """At most ``capacity`` stored responses by id, the oldest finished ones dropped first."""
+def json_size(obj: Any) -> int:
+    """What ``obj`` weighs in the store's budget: the length of its JSON text."""
+    return len(json.dumps(obj, ensure_ascii=False))
 
-    def __init__(self, capacity: int) -> None:
+
+class ResponseStore:
+    """At most ``capacity`` stored responses by id and about ``max_bytes`` of their text (None: no byte limit),
+    the oldest finished ones dropped first."""
+
+    def __init__(self, capacity: int, max_bytes: int | None = None) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # the stored responses' text, as json_size and their frames count it
         self._by_id: OrderedDict[str, StoredResponse] = OrderedDict()
 
     @property
@@ -118,8 +142,9 @@ class ResponseStore:
     def get(self, rid: str) -> StoredResponse:
         stored = self._by_id.get(rid)
         if stored is None:
+            budget = "" if self.max_bytes is None else f" within {self.max_bytes} bytes"
             raise APIError(404, f"no response with id {rid!r} is stored on this server (never stored, deleted, or "
-                                f"dropped as the store keeps the newest {self.capacity})", "not_found_error",
+                                f"dropped as the store keeps the newest {self.capacity}{budget})", "not_found_error",
                            code="response_not_found")
         return stored
 
@@ -153,20 +178,39 @@ class ResponseStore:
 
     def put(self, stored: StoredResponse) -> None:
         """Keep ``stored`` (its request is already running, so this never refuses: room() did, before it was
-        submitted; a store full of running responses grows past its capacity until they end)."""
-        self._by_id.pop(stored.id, None)
-        while len(self._by_id) >= self.capacity:
-            oldest = next((rid for rid, s in self._by_id.items() if not s.running), None)
-            if oldest is None:
-                break
-            del self._by_id[oldest]
+        submitted; a store full of running responses grows past its limits until they end)."""
+        if stored.id in self._by_id:
+            self._drop(stored.id)
+        stored.nbytes += json_size(stored.inputs)
+        stored._owner = self
         self._by_id[stored.id] = stored
+        self.nbytes += stored.nbytes
+        self._shrink(keep=stored.id)
+
+    def grew(self, n: int) -> None:
+        """A stored response keeps ``n`` more bytes (a frame, its finished conversation)."""
+        self.nbytes += n
+        if self.max_bytes is not None and self.nbytes > self.max_bytes:
+            self._shrink()
+
+    def _shrink(self, keep: str | None = None) -> None:
+        """Drop the oldest finished responses (but ``keep``) while the store is over its count or its bytes."""
+        while len(self._by_id) > self.capacity or (self.max_bytes is not None and self.nbytes > self.max_bytes):
+            oldest = next((rid for rid, s in self._by_id.items() if not s.running and rid != keep), None)
+            if oldest is None:
+                return
+            self._drop(oldest)
+
+    def _drop(self, rid: str) -> None:
+        stored = self._by_id.pop(rid)
+        stored._owner = None
+        self.nbytes -= stored.nbytes
 
     def delete(self, rid: str) -> None:
         stored = self.get(rid)
         if stored.stop is not None and stored.running:
             stored.stop()
-        del self._by_id[rid]
+        self._drop(rid)
 
 
 def frame(event: dict[str, Any]) -> str:

@@ -201,7 +201,7 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
             start_chat: Callable[[ChatCompletionRequest, str], Awaitable[ChatRun]],
             runner: RequestRunner, config: Any) -> ResponseStore:
     """POST /v1/responses and the stored responses' routes; the store, for the caller to look into."""
-    store = ResponseStore(config.responses_store_size)
+    store = ResponseStore(config.responses_store_size, config.responses_store_memory)
     install_retrieval(app, store, config.api_key)
 
     @app.post("/v1/responses")
@@ -227,7 +227,7 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
         def settled(reason: str | None, n_out: int, cached: int) -> None:
             shape.settle(reason, _usage(run, n_out, cached))
             if record is not None:
-                record.conversation = before + turn + messages(None, shape.items)
+                record.settle(before + turn + messages(None, shape.items))
 
         async def events(client: Request | None) -> AsyncIterator[dict[str, Any]]:
             """The typed events of the run (``client``: the connection whose loss aborts it; None: none)."""
