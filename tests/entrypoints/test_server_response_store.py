@@ -101,6 +101,24 @@ def test_the_byte_budget_flag_is_checked_before_the_model_loads():
         assert done.returncode == 2 and "--responses-store-memory" in done.stderr and words in done.stderr, done
 
 
+def test_a_live_store_drops_what_passes_its_byte_budget():
+    with server("--api-key", KEY, "--responses-store-memory", "4KiB") as port:
+        ids = []
+        for i in range(3):  # each keeps its ~1 KB input twice (input items, conversation)
+            status, r = request(port, "POST", "/v1/responses", {"input": f"{i} " + "word " * 200,
+                                                                 "max_output_tokens": 4})
+            assert status == 200, r
+            ids.append(r["id"])
+        status, err = request(port, "GET", f"/v1/responses/{ids[0]}")
+        assert status == 404 and f"within {4 * 1024} bytes" in err["error"]["message"], err
+        assert request(port, "GET", f"/v1/responses/{ids[-1]}")[0] == 200
+        status, r = request(port, "POST", "/v1/responses", {"input": "and?", "max_output_tokens": 4,
+                                                             "previous_response_id": ids[-1]})
+        assert status == 200, r
+        wait_idle(port)
+        assert metric(port, "kvpage:kv_cache_blocks_used") == 0
+
+
 def test_what_a_next_turn_may_continue():
     store = ResponseStore(4)
     store.put(_record("done"))
