@@ -94,6 +94,21 @@ def test_the_store_keeps_its_text_within_the_byte_budget():
     assert store.nbytes == 0
 
 
+def test_a_store_over_budget_with_every_response_running_drops_once_one_ends():
+    store = ResponseStore(100, max_bytes=500)
+    runs = [_record(rid, "in_progress") for rid in "pqr"]
+    for r in runs:
+        store.put(r)
+        asyncio.run(r.publish("e" * 300))  # every one running: all kept past the budget
+    assert len(store) == 3 and store.nbytes > 900
+    runs[0].shape.status = "failed"  # ended without a conversation to keep (a failure, a cancel)
+    store.put(_record("s", "in_progress"))  # the next put drops it
+    assert len(store) == 3 and store.nbytes == sum(store.get(rid).nbytes for rid in "qrs")
+    runs[1].shape.status = "completed"
+    runs[1].settle([{"role": "assistant", "content": "ok"}])  # a settle drops the oldest finished: itself
+    assert [rid for rid in "pqrs" if rid in store._by_id] == ["r", "s"]
+
+
 def test_the_byte_budget_flag_is_checked_before_the_model_loads():
     for value, words in (("lots", "cannot read size 'lots'"), ("0", "more than 0 bytes")):
         done = subprocess.run([sys.executable, "-m", "kvpage.entrypoints.cli", "serve", "--responses-store-memory",

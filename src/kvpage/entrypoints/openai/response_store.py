@@ -63,16 +63,17 @@ class StoredResponse:
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     _owner: ResponseStore | None = None  # the store whose budget it counts against, while it is stored
 
-    def grow(self, n: int) -> None:
-        """Count ``n`` more bytes against the store's budget (which may drop older finished responses)."""
+    def grow(self, n: int, finished: bool = False) -> None:
+        """Count ``n`` more bytes against the store's budget (which may drop older finished responses);
+        ``finished``: this response has just finished (so the store has one it may drop)."""
         self.nbytes += n
         if self._owner is not None:
-            self._owner.grew(n)
+            self._owner.grew(n, finished)
 
     def settle(self, conversation: list[dict[str, Any]]) -> None:
         """The finished conversation a next turn continues, counted against the budget."""
         self.conversation = conversation
-        self.grow(json_size(conversation))
+        self.grow(json_size(conversation), finished=True)
 
     @property
     def running(self) -> bool:
@@ -130,6 +131,9 @@ class ResponseStore:
         self.capacity = capacity
         self.max_bytes = max_bytes
         self.nbytes = 0  # the stored responses' text, as json_size and their frames count it
+        # Over budget with every response running: nothing to drop until one is put or settles, so the events
+        # that running responses publish meanwhile do not each scan the store.
+        self._all_running = False
         self._by_id: OrderedDict[str, StoredResponse] = OrderedDict()
 
     @property
@@ -185,12 +189,14 @@ class ResponseStore:
         stored._owner = self
         self._by_id[stored.id] = stored
         self.nbytes += stored.nbytes
+        self._all_running = False
         self._shrink(keep=stored.id)
 
-    def grew(self, n: int) -> None:
-        """A stored response keeps ``n`` more bytes (a frame, its finished conversation)."""
+    def grew(self, n: int, finished: bool = False) -> None:
+        """A stored response keeps ``n`` more bytes (a frame; its conversation when it has ``finished``)."""
         self.nbytes += n
-        if self.max_bytes is not None and self.nbytes > self.max_bytes:
+        self._all_running &= not finished
+        if self.max_bytes is not None and self.nbytes > self.max_bytes and not self._all_running:
             self._shrink()
 
     def _shrink(self, keep: str | None = None) -> None:
@@ -198,6 +204,7 @@ class ResponseStore:
         while len(self._by_id) > self.capacity or (self.max_bytes is not None and self.nbytes > self.max_bytes):
             oldest = next((rid for rid, s in self._by_id.items() if not s.running and rid != keep), None)
             if oldest is None:
+                self._all_running = keep is None
                 return
             self._drop(oldest)
 
