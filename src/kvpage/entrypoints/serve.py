@@ -11,8 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvpage import envs
-from kvpage.engine.arg_utils import EngineArgs
-from kvpage.units import parse_size
+from kvpage.engine.arg_utils import EngineArgs, size_gib_default
 
 # --tool-call-parser's choices: the forms openai/tool_parsers.py reads (not imported: it needs the serve extras)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "functiongemma")
@@ -68,7 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "/v1/responses/{id}, the oldest finished dropped first (default 1024; 0 keeps none)")
     p.add_argument("--responses-store-memory", default="256MiB",
                    help="about how much of their text (conversations, input items, background runs' events) the "
-                        "stored responses may hold, the oldest finished dropped first (default 256MiB)")
+                        "stored responses may hold, the oldest finished dropped first (bare number = GiB; default "
+                        "256MiB)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if args.responses_store_size < 0:
         raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
     try:
-        args.responses_store_memory = parse_size(args.responses_store_memory)
+        args.responses_store_memory = size_gib_default(args.responses_store_memory)
     except ValueError as e:
         raise ValueError(f"--responses-store-memory: {e}") from None
     if args.responses_store_memory <= 0:

@@ -60,6 +60,8 @@ class StoredResponse:
     frames: list[str] = field(default_factory=list)  # a background stream's SSE frames, in order
     ended: bool = False  # the background run is over and its last frame published
     nbytes: int = 0  # the text it keeps (frames, conversation, input items), as the store's budget counts it
+    before_bytes: int = 0  # the earlier turns' share of that (the continued response's conversation_bytes)
+    conversation_bytes: int = 0  # the conversation's share, once finished
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     _owner: ResponseStore | None = None  # the store whose budget it counts against, while it is stored
 
@@ -70,10 +72,12 @@ class StoredResponse:
         if self._owner is not None:
             self._owner.grew(n, finished)
 
-    def settle(self, conversation: list[dict[str, Any]]) -> None:
-        """The finished conversation a next turn continues, counted against the budget."""
-        self.conversation = conversation
-        self.grow(json_size(conversation), finished=True)
+    def settle(self, turn: list[dict[str, Any]]) -> None:
+        """The finished conversation a next turn continues (the earlier turns, then ``turn``: this input and this
+        reply), counted against the budget; only the new turn is measured (the earlier ones were, when stored)."""
+        self.conversation = self.before + turn
+        self.conversation_bytes = self.before_bytes + json_size(turn)
+        self.grow(self.conversation_bytes, finished=True)
 
     @property
     def running(self) -> bool:
@@ -169,6 +173,10 @@ class ResponseStore:
             raise APIError(400, f"response {rid!r} {what}: only a completed or incomplete response can be continued",
                            param="previous_response_id")
         return stored.conversation
+
+    def earlier_bytes(self, rid: str | None) -> int:
+        """What the conversation that ``earlier(rid)`` returned weighs in the budget."""
+        return self.get(rid).conversation_bytes if rid else 0
 
     def room(self, rid: str | None, background: bool) -> None:
         """Refuse before submitting what could not be stored: an id in use, or a background run when the store is

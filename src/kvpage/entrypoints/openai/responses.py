@@ -221,13 +221,14 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
         shape = ResponseShape(req, chat, run, config.model_name, storing)
         record = None
         if storing:
-            record = StoredResponse(run.id, shape, before, input_items(req.input), bool(req.background))
+            record = StoredResponse(run.id, shape, before, input_items(req.input), bool(req.background),
+                                    before_bytes=store.earlier_bytes(req.previous_response_id))
             store.put(record)
 
         def settled(reason: str | None, n_out: int, cached: int) -> None:
             shape.settle(reason, _usage(run, n_out, cached))
             if record is not None:
-                record.settle(before + turn + messages(None, shape.items))
+                record.settle(turn + messages(None, shape.items))
 
         async def events(client: Request | None) -> AsyncIterator[dict[str, Any]]:
             """The typed events of the run (``client``: the connection whose loss aborts it; None: none)."""
