@@ -202,6 +202,32 @@ def _run_until_done(engine: LLMEngine, limit: float = 60) -> dict[str, str | Non
     return errors
 
 
+def test_idle_heap_trim_reaches_every_rank_and_a_lost_rank_ends_the_engine(tiny_models):
+    """release_idle_memory sends every rank a trim plan: they trim and keep following (the next requests give
+    the same tokens); with a rank gone the call does not raise, and the engine ends as a failed step would."""
+    engine = _engine(tiny_models["kv2"], tp_timeout=4.0)
+
+    def run(tag: str) -> list[list[int]]:
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"{tag}{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {ro.request_id: list(ro.outputs[0].token_ids) for ro in engine.step() if ro.finished}
+        return [done[f"{tag}{i}"] for i in range(len(PROMPTS))]
+
+    first = run("a")
+    engine.release_idle_memory()
+    assert run("b") == first and engine.fatal_error is None
+    proc = engine.worker.ranks.procs[1]
+    proc.kill()
+    proc.wait(10)
+    engine.release_idle_memory()
+    engine.check_health()
+    assert engine.fatal_error and "tensor-parallel" in engine.fatal_error
+    assert _no_rank_processes() and engine.kv.stats().used_blocks == 0
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_a_lost_rank_fails_the_requests_and_stops_every_rank(tiny_models, fault):
     engine = _engine(tiny_models["kv2"], tp_timeout=4.0)

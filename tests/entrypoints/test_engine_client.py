@@ -29,6 +29,7 @@ class StandInEngine:
         self.fatal_error: str | None = None
         self.aborted: list[str] = []
         self.reported: list[str] = []  # aborted, reported by the next step (as LLMEngine does)
+        self.trims: list[int] = []  # steps run when the client handed idle memory back
 
     def live_stats(self) -> dict[str, float]:
         return {"running": len(self.requests), "waiting": 0, "swapped": 0}
@@ -49,6 +50,9 @@ class StandInEngine:
 
     def check_health(self) -> str | None:
         return None
+
+    def release_idle_memory(self) -> None:
+        self.trims.append(self.ran)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.reported)
@@ -304,6 +308,27 @@ def test_commands_withdrawn_before_the_engine_takes_them_leave_it_running():
         await follow(q)
         await client.submit("next", [1], SamplingParams(), q)
         assert (await follow(q))[-1].finished and client.alive
+        client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_idle_memory_is_handed_back_once_per_idle_spell():
+    """After the last request of a busy spell the engine frees its heap once (LLMEngine.release_idle_memory:
+    every rank's malloc_trim), not before any step ran, not again while idle, and not mid-spell."""
+    async def main():
+        engine = StandInEngine(steps=3)
+        client = AsyncEngine(engine)
+        await asyncio.sleep(0.7)  # idle from the start: nothing to hand back
+        assert engine.trims == []
+        for spell in range(2):
+            queues = [asyncio.Queue() for _ in range(3)]
+            for i, q in enumerate(queues):
+                await client.submit(f"s{spell}-{i}", [1], SamplingParams(), q)
+            await asyncio.gather(*(follow(q) for q in queues))
+            await asyncio.sleep(1.2)  # two idle polls at least
+        assert len(engine.trims) == 2, engine.trims
+        assert engine.trims[0] >= 3 and engine.trims[1] >= engine.trims[0] + 3  # each after its spell's steps
         client.shutdown()
 
     asyncio.run(main())

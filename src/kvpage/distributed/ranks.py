@@ -36,7 +36,7 @@ class RankFailure(RuntimeError):
 
 @dataclass(frozen=True)
 class StepPlan:
-    kind: str  # "step" (forward pass), "ops" (block operations alone), "stop"
+    kind: str  # "step" (forward pass), "ops" (block operations alone), "trim" (idle: free heap to the OS), "stop"
     batch: list | None = None  # the step's ScheduledSeq entries
     ops: Any = None  # the step's BlockOps
 

@@ -13,6 +13,7 @@ from kvpage.core.engine_core import EngineCore
 from kvpage.core.scheduler import Scheduler
 from kvpage.core.sequence import Request
 from kvpage.core.step import StepFeatures, step_log_entry
+from kvpage.distributed.ranks import RankFailure
 from kvpage.engine.arg_utils import EngineArgs
 from kvpage.engine.kv_events import KVEventCallback, ZmqEventPublisher, publish
 from kvpage.engine.output_processor import TextOutputProcessor, make_request_output
@@ -219,6 +220,14 @@ class LLMEngine:
             log.append(step_log_entry(features[0], time.perf_counter() - t0))
         self._publish_events()
         return results
+
+    def release_idle_memory(self) -> None:
+        """Out of work (an idle server's loop, once per idle spell): every rank's freed heap back to the OS. A
+        rank lost meanwhile ends the engine as check_health does."""
+        try:
+            self.worker.trim_heap()
+        except RankFailure as e:
+            self.core.fail_all(f"RankFailure: {e}", fatal=True)
 
     def check_health(self) -> str | None:
         """Between steps (an idle server's loop): a tensor-parallel rank lost meanwhile ends the engine now, as a

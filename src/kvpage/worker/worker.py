@@ -30,6 +30,7 @@ from kvpage.model.logits import LogitsBuffer
 from kvpage.model.registry import load_model_config
 from kvpage.ops.build import build_tag
 from kvpage.units import format_bytes
+from kvpage.worker.heap import trim_heap
 from kvpage.worker.kv_cache import KVCache, kv_bytes_per_block, kv_dtype_name, kv_torch_dtype, model_layout
 from kvpage.worker.kv_calibration import calibrate_kv_transforms
 from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq, StepLogits
@@ -244,6 +245,12 @@ class Worker:
                 raise self.ranks.guard(e) from e
             raise
 
+    def trim_heap(self) -> None:
+        """The engine has run out of work: every rank hands its freed heap back to the OS (worker/heap.py)."""
+        if self.ranks is not None and self.ranks.alive:
+            self.ranks.send(StepPlan("trim"))
+        trim_heap()
+
     def lost_rank(self) -> str | None:
         """Why the tensor-parallel group is gone while no step ran (a rank exited); the group is then shut down."""
         why = None if self.ranks is None else self.ranks.lost()
@@ -290,6 +297,8 @@ class Worker:
                     self.vocab_head(rows.to(self.lm.dtype))
         elif plan.kind == "ops":
             self.runner.apply_block_ops(plan.ops)
+        elif plan.kind == "trim":
+            trim_heap()
         else:
             raise ValueError(f"unknown step plan {plan.kind!r}")
 

@@ -282,6 +282,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         eng = self.engine
+        stepped = False  # a step ran since the engine was last idle
         try:
             while not self._stopping:
                 block = self._frozen or not eng.has_unfinished_requests()
@@ -297,12 +298,16 @@ class AsyncEngine:
                 self._end_pauses_if_idle()
                 if self._frozen or not eng.has_unfinished_requests():
                     self._publish([], 0.0)
+                    if stepped and not eng.has_unfinished_requests():  # once per idle spell, not while paused
+                        eng.release_idle_memory()
+                        stepped = False
                     if (error := eng.check_health()) is not None:  # a rank lost while idle: dead now
                         self._die(error)
                         return
                     continue
                 t0 = time.perf_counter()
                 outs = eng.step()
+                stepped = True
                 self._publish(outs, time.perf_counter() - t0)
                 self._send(outs)
                 if eng.fatal_error is not None:
