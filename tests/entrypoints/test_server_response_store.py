@@ -253,9 +253,11 @@ def test_a_cancelled_background_run_frees_its_blocks(srv, client):
 
 def test_refusals(srv):
     for body, param in (({"input": "x", "background": True, "store": False}, "background"),
-                        ({"input": "x", "conversation": "conv_1"}, "conversation")):
+                        ({"input": "x", "conversation": "conv_1", "previous_response_id": "r"}, "conversation")):
         status, err = request(srv, "POST", "/v1/responses", body)
         assert status == 400 and err["error"]["param"] == param, err
+    status, err = request(srv, "POST", "/v1/responses", {"input": "x", "conversation": "conv_1"})
+    assert status == 404 and err["error"]["param"] == "conversation", err
     for path in ("/v1/responses/nope", "/v1/responses/nope/input_items"):
         status, err = request(srv, "GET", path)
         assert status == 404 and f"within {256 * 2**20} bytes" in err["error"]["message"], err  # the default
@@ -266,5 +268,75 @@ def test_refusals(srv):
     status, err = request(srv, "GET", f"/v1/responses/{r['id']}?stream=true")
     assert status == 400 and err["error"]["param"] == "stream"
     assert request(srv, "GET", f"/v1/responses/{r['id']}", key=None)[0] == 401
+    wait_idle(srv)
+    assert metric(srv, "kvpage:kv_cache_blocks_used") == 0
+
+
+def _chat(items):
+    from kvpage.entrypoints.openai.responses import messages
+    return messages(None, items)
+
+
+def test_the_conversation_store_keeps_the_most_recently_used_within_its_limits():
+    from kvpage.entrypoints.openai.conversations import ConversationStore, check_items
+
+    store = ConversationStore(2, max_bytes=3000)
+    text = lambda s: [{"role": "user", "content": s}]  # noqa: E731
+    a = store.create(check_items(text("a" * 500), _chat), {})
+    b = store.create(check_items(text("b" * 500), _chat), {"k": "v"})
+    store.get(a.id)  # a is now the most recently used: a third conversation drops b
+    c = store.create([], {})
+    assert len(store) == 2 and store.get(a.id) is a and store.get(c.id) is c
+    with pytest.raises(APIError) as e:
+        store.get(b.id)
+    assert e.value.status == 404 and "2 most recently used within 3000 bytes" in e.value.message
+    store.append(c, check_items(text("c" * 2500), _chat))  # over the bytes: a goes, never c itself
+    assert [conv.id for conv in store._by_id.values()] == [c.id]
+    assert store.nbytes == c.nbytes == json_size({}) + json_size(c.items)
+    store.remove_item(c, c.items[0]["id"])
+    store.delete(c.id)
+    assert len(store) == 0 and store.nbytes == 0
+    store.append(b, text("late"))  # a turn that ends after its conversation was dropped: nothing counted
+    assert store.nbytes == 0
+    with pytest.raises(APIError) as e:
+        check_items([{"role": "user", "content": "x"}, {"type": "reasoning"}], _chat)
+    assert e.value.param == "items" and "items[1]" in e.value.message
+    with pytest.raises(APIError, match="at most 20"):
+        check_items(text("x") * 21, _chat)
+
+
+def test_conversations_through_the_official_client(srv, client):
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada."},
+                                              {"type": "message", "role": "assistant", "content": "Hello Ada!"}],
+                                       metadata={"topic": "names"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+    assert client.conversations.retrieve(conv.id).created_at == conv.created_at
+    assert client.conversations.update(conv.id, metadata={"topic": "x"}).metadata == {"topic": "x"}
+    r = client.responses.create(model=MODEL, input="What is my name?", conversation=conv.id, temperature=0,
+                                max_output_tokens=12)
+    assert r.conversation.id == conv.id
+    whole = client.responses.create(model=MODEL, temperature=0, max_output_tokens=12, store=False, input=[
+        {"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": "Hello Ada!"},
+        {"role": "user", "content": "What is my name?"}])
+    assert (r.usage.input_tokens, r.output_text) == (whole.usage.input_tokens, whole.output_text)
+    items = list(client.conversations.items.list(conv.id, order="asc", limit=2))  # pages of two, followed
+    assert [it.role for it in items] == ["user", "assistant", "user", "assistant"]
+    assert items[3].id == r.output[0].id and items[3].content[0].text == r.output_text
+    added = client.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Hi"}])
+    assert client.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id).id == added.data[0].id
+    client.conversations.items.delete(added.data[0].id, conversation_id=conv.id)
+    assert len(list(client.conversations.items.list(conv.id))) == 4
+    for path, body, param in ((f"/v1/conversations/{conv.id}/items", {"items": [{"type": "web_search_call"}]},
+                               "items"),
+                              ("/v1/conversations", {"metadata": {"k": 1}}, "metadata"),
+                              (f"/v1/conversations/{conv.id}", {}, "metadata")):
+        status, err = request(srv, "POST", path, body)
+        assert status == 400 and err["error"]["param"] == param, err
+    assert request(srv, "GET", f"/v1/conversations/{conv.id}/items/msg_nope")[0] == 404
+    assert request(srv, "GET", f"/v1/conversations/{conv.id}", key=None)[0] == 401
+    assert client.conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL, input="x", conversation=conv.id)
+    assert e.value.body["param"] == "conversation"
     wait_idle(srv)
     assert metric(srv, "kvpage:kv_cache_blocks_used") == 0

@@ -66,7 +66,7 @@ def test_an_empty_reply_is_an_empty_message_whole_and_streamed():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "conversation": "conv_1", "previous_response_id": "resp-1"}, "conversation"),
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),

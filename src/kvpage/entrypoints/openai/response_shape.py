@@ -23,9 +23,10 @@ class ResponseShape:
     typed events."""
 
     def __init__(self, req: Any, chat: Any, run: Any, model: str,
-                 stored: bool = False) -> None:
+                 stored: bool = False, conversation: str | None = None) -> None:
         # the run's id only: a stored response outlives its run, whose prompt token ids it need not hold
         self.req, self.chat, self.id, self.model, self.stored = req, chat, run.id, model, stored
+        self.conversation = conversation  # the Conversations API's conversation this turn joins
         self.created = time.time()
         self.items: list[dict[str, Any]] = []
         self.seq = 0
@@ -56,6 +57,7 @@ class ResponseShape:
         plan, req = self.chat.tool_plan(), self.req
         return {"id": self.id, "object": "response", "created_at": int(self.created), "status": self.status,
                 "background": bool(req.background), "error": self.error,
+                "conversation": {"id": self.conversation} if self.conversation else None,
                 "incomplete_details": {"reason": "max_output_tokens"} if self.reason == "length" else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "model": self.model, "output": self.items, "parallel_tool_calls": plan.parallel,

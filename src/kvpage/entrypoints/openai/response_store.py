@@ -233,7 +233,7 @@ def frame(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-def _query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+def query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
         return default
@@ -261,7 +261,7 @@ def install(app: FastAPI, store: ResponseStore, api_key: str | None) -> None:
         if not stored.background:
             raise APIError(400, f"response {rid!r} did not run in the background: only a background response's "
                                 "events are kept to stream again", param="stream")
-        after = _query_int(request, "starting_after", -1, -1, 2**31)
+        after = query_int(request, "starting_after", -1, -1, 2**31)
         return StreamingResponse(stored.follow(after), media_type="text/event-stream")
 
     @app.delete("/v1/responses/{rid}")
@@ -289,5 +289,5 @@ def install(app: FastAPI, store: ResponseStore, api_key: str | None) -> None:
         order = request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
             raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
-        limit = _query_int(request, "limit", 20, 1, 100)
+        limit = query_int(request, "limit", 20, 1, 100)
         return JSONResponse(stored.input_list(limit, order, request.query_params.get("after")))

@@ -6,8 +6,10 @@ events (response_shape.py).
 
 Responses are stored (response_store.py) unless the request says ``store: false`` or the server keeps none: a
 later request continues one with ``previous_response_id``, and ``background: true`` runs one apart from the
-client's connection. Refused by name: conversations, reasoning settings, ``include`` other than the output
-text's logprobs (and those beside tool calls), ``truncation: "auto"``, prompt templates and input other than text.
+client's connection; ``conversation`` names a conversation of the Conversations API (conversations.py), whose items
+come before the input and which gets the input and the reply once the response finishes. Refused by name:
+reasoning settings, ``include`` other than the output text's logprobs (and those beside tool calls),
+``truncation: "auto"``, prompt templates and input other than text.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from kvpage.entrypoints.openai.conversations import ConversationStore
+from kvpage.entrypoints.openai.conversations import install as install_conversations
 from kvpage.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from kvpage.entrypoints.openai.response_shape import ResponseShape
-from kvpage.entrypoints.openai.response_store import ResponseStore, StoredResponse, frame, input_items
+from kvpage.entrypoints.openai.response_store import ResponseStore, StoredResponse, frame, input_items, json_size
 from kvpage.entrypoints.openai.response_store import install as install_retrieval
 from kvpage.entrypoints.openai.serving import ChatRun, RequestRunner, chat_logprobs, stop
 from kvpage.outputs import CompletionOutput
@@ -36,7 +40,7 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty
 
 
 # fields this server refuses unless they carry their neutral value
-_NOT_KEPT = {"conversation": (None,), "prompt": (None,)}
+_NOT_KEPT = {"prompt": (None,)}
 LOGPROBS = "message.output_text.logprobs"  # the one ``include`` this server answers
 
 
@@ -59,16 +63,18 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     top_logprobs: int | None = None
     truncation: Literal["disabled", "auto"] | None = None
+    conversation: str | dict[str, Any] | None = None
 
     def check(self, storing: bool = True) -> None:
         """Refuse what this server cannot honour (``storing``: whether this response will be stored)."""
         extra = self.model_extra or {}
         for name, neutral in _NOT_KEPT.items():
             if extra.get(name) not in neutral:
-                why = " (conversations are not kept; continue a response with previous_response_id)" \
-                    if name == "conversation" else ""
-                raise APIError(400, f"{name} is not supported by this server{why}", param=name,
+                raise APIError(400, f"{name} is not supported by this server", param=name,
                                code="unsupported_parameter")
+        if self.conversation is not None and self.previous_response_id:
+            raise APIError(400, "conversation and previous_response_id cannot both be given: a response continues "
+                                "one or the other", param="conversation")
         for extra_item in self.include or []:
             if extra_item != LOGPROBS:
                 raise APIError(400, f"include {extra_item!r} is not supported (only {LOGPROBS!r}: this server has no "
@@ -203,14 +209,18 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
     """POST /v1/responses and the stored responses' routes; the store, for the caller to look into."""
     store = ResponseStore(config.responses_store_size, config.responses_store_memory)
     install_retrieval(app, store, config.api_key)
+    conversations = ConversationStore(config.responses_store_size, config.responses_store_memory)
+    install_conversations(app, conversations, config.api_key, functools.partial(messages, None))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         req: ResponsesRequest = await parse(request, ResponsesRequest)
         storing = store.enabled and req.store is not False
         req.check(storing)
-        before = store.earlier(req.previous_response_id)
-        turn = messages(None, req.input)
+        conv = None if req.conversation is None else conversations.get(req.conversation, param="conversation")
+        before = store.earlier(req.previous_response_id) if conv is None else \
+            messages(None, conv.items) if conv.items else []
+        turn, inputs = messages(None, req.input), input_items(req.input)
         chat = req.chat(before + turn, storing)
         if req.logprobs() and chat.tool_plan().kind != "none":
             raise APIError(400, "the output text's logprobs are not given beside tool calls: ask for them with no "
@@ -218,17 +228,19 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
         if storing:
             store.room(f"resp-{chat.request_id}" if chat.request_id else None, bool(req.background))
         run = await start_chat(chat, "resp")
-        shape = ResponseShape(req, chat, run, config.model_name, storing)
+        shape = ResponseShape(req, chat, run, config.model_name, storing, conv.id if conv is not None else None)
         record = None
         if storing:
-            record = StoredResponse(run.id, shape, before, input_items(req.input), bool(req.background),
-                                    before_bytes=store.earlier_bytes(req.previous_response_id))
+            earlier = store.earlier_bytes(req.previous_response_id) if conv is None else json_size(before)
+            record = StoredResponse(run.id, shape, before, inputs, bool(req.background), before_bytes=earlier)
             store.put(record)
 
         def settled(reason: str | None, n_out: int, cached: int) -> None:
             shape.settle(reason, _usage(run, n_out, cached))
             if record is not None:
                 record.settle(turn + messages(None, shape.items))
+            if conv is not None:  # this turn joins the conversation (a no-op if it was deleted meanwhile)
+                conversations.append(conv, inputs + shape.items)
 
         async def events(client: Request | None) -> AsyncIterator[dict[str, Any]]:
             """The typed events of the run (``client``: the connection whose loss aborts it; None: none)."""
