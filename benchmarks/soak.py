@@ -8,7 +8,8 @@ traffic: streamed and plain completions and chats, sampled and greedy, n > 1, cl
 mid-stream, malformed and hostile bodies, prompts over the context length, degenerate sampling settings,
 scoring requests (echo, logprobs, prompt_logprobs), beam search, stop strings and ids, allowed tokens, bad
 words, structured outputs (JSON, choices, regexes), forced tool calls, prompt truncation and cache salts,
-/v1/responses turns (streamed, in the background, continuing stored ones with previous_response_id), Anthropic
+/v1/responses turns (streamed, in the background, continuing stored ones with previous_response_id), Conversations
+API calls (conversations created, edited, listed, deleted and continued by responses), Anthropic
 Messages API turns (/v1/messages: streamed or not, forced tool use, stop sequences), and /tokenize calls, as
 Poisson arrivals (chats, messages and responses are expected to be refused by name when the model has no chat
 template).
@@ -81,17 +82,18 @@ class Soak:
         self.rss: list[tuple[float, float | None]] = []  # (seconds into the run, server RSS in MiB)
         self.chats = True  # False: the model has no chat template, and the server refuses chats by name
         self.responses: collections.deque[str] = collections.deque(maxlen=32)  # stored ids a next turn may continue
+        self.conversations: collections.deque[str] = collections.deque(maxlen=8)  # Conversations API ids
         self.pauses = False  # an operator pauses and resumes generation now and then (operate())
 
     async def http(self, path: str, body: str | bytes, read_limit: int | None = None,
-                   progress: list[float] | None = None) -> tuple[int, bytes]:
+                   progress: list[float] | None = None, method: str = "POST") -> tuple[int, bytes]:
         """POST with Connection: close; the status and the whole body (or its first ``read_limit`` bytes, then
         the connection is dropped, as a client that goes away). ``progress`` gets [bytes read, time of the last
         read] as they come, so a timeout can tell a slow answer from a silent one."""
         data = body.encode() if isinstance(body, str) else body
         reader, writer = await asyncio.open_connection(self.host, self.port)
         auth = f"Authorization: Bearer {self.key}\r\n" if self.key else ""
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n{auth}"
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n{auth}"
                      f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
         await writer.drain()
         got = b""
@@ -107,14 +109,35 @@ class Soak:
         status = int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else 0
         return status, got
 
+    def conversation_call(self, rng: random.Random, sampling: dict) -> tuple[str, str, dict | str, set[int]]:
+        """One Conversations API call: a new conversation (sometimes with items), items added or listed, a
+        deletion, or most often a /v1/responses turn that continues one (a 404 if another client deleted it, a
+        400 once the conversation outgrows the context: responses here do not truncate)."""
+        say = {"type": "message", "role": "user", "content": text(rng, rng.randint(3, 40))}
+        cid = rng.choice(self.conversations) if self.conversations else None
+        pick = rng.random()
+        if cid is None or pick < 0.15:
+            return "POST", "/v1/conversations", {"items": [say] if rng.random() < 0.5 else [],
+                                                 "metadata": {"soak": "yes"}}, {200}
+        if pick < 0.25:
+            return "POST", f"/v1/conversations/{cid}/items", {"items": [say]}, {200, 404}
+        if pick < 0.3:
+            return "GET", f"/v1/conversations/{cid}/items?limit=5", "", {200, 404}
+        if pick < 0.35:
+            self.conversations.remove(cid)
+            return "DELETE", f"/v1/conversations/{cid}", "", {200, 404}
+        return "POST", "/v1/responses", {"input": say["content"], "conversation": cid, "stream": rng.random() < 0.4,
+                                         "max_output_tokens": rng.randint(8, 48), **sampling}, {200, 400, 404}
+
     async def one(self) -> None:
         rng = self.rng
         kind = rng.choices(["stream", "chat", "n>1", "disconnect", "bad", "too-long", "degenerate", "tokenize",
-                            "scoring", "shaped", "responses", "messages"],
-                           [25, 20, 10, 10, 15, 5, 10, 5, 10, 10, 8, 6])[0]
+                            "scoring", "shaped", "responses", "messages", "conversation"],
+                           [25, 20, 10, 10, 15, 5, 10, 5, 10, 10, 8, 6, 6])[0]
         sampled = rng.random() < 0.7
         sampling = {} if sampled else {"temperature": 0}
         path, body, expect, limit = "/v1/completions", None, {200}, None
+        method = "POST"
         if kind == "stream":
             body = {"prompt": text(rng, rng.randint(5, 200)), "max_tokens": rng.randint(8, 128), "stream": True,
                     **sampling}
@@ -131,6 +154,8 @@ class Soak:
                     "stream": rng.random() < 0.4, "background": rng.random() < 0.2, **sampling}
             if self.responses and rng.random() < 0.5:
                 body["previous_response_id"] = rng.choice(self.responses)
+        elif kind == "conversation":  # OpenAI's Conversations API: created, edited, continued, deleted
+            method, path, body, expect = self.conversation_call(rng, sampling)
         elif kind == "messages":  # Anthropic's Messages API: text turns, forced tool use, stop sequences
             path = "/v1/messages"
             body = {"messages": [{"role": "user", "content": text(rng, rng.randint(3, 60))}],
@@ -197,11 +222,11 @@ class Soak:
         else:
             path, body = "/tokenize", {"prompt": text(rng, rng.randint(1, 300))}
         if path in CHAT_PATHS and not isinstance(body, str) and not self.chats:
-            expect = {400}
+            expect = {400, *(expect - {200})}
         raw = body if isinstance(body, str) else json.dumps(body)
         progress = [0, time.monotonic()]
         try:
-            status, got = await asyncio.wait_for(self.http(path, raw, limit, progress), TIMEOUT)
+            status, got = await asyncio.wait_for(self.http(path, raw, limit, progress, method), TIMEOUT)
         except TimeoutError:  # still a failure; the outcome says whether the answer was coming or had stopped
             silent = time.monotonic() - progress[1]
             how = "timeout, still answering" if progress[0] and silent < 10 else "timeout, silent"
@@ -228,6 +253,8 @@ class Soak:
                 doc = json.loads(got.split(b"\r\n\r\n", 1)[1])
                 if doc.get("status") == "completed" and not doc.get("background"):  # a turn to continue
                     self.responses.append(doc["id"])
+        elif status == 200 and path == "/v1/conversations":
+            self.conversations.append(json.loads(got.split(b"\r\n\r\n", 1)[1])["id"])
         elif status == 200 and path == "/v1/messages" and b"text/event-stream" in got[:400]:
             if not got.rstrip().rsplit(b"event: ", 1)[-1].startswith(b"message_stop"):
                 outcome, problem = "stream not stopped", f"{kind}: {got[-300:]!r}"

@@ -132,7 +132,11 @@ responses = body({"input": field(st.one_of(text, st.lists(item, min_size=1, max_
     "previous_response_id": field(st.none(), ["resp_1"]), "store": field(st.booleans()),
     "background": field(st.just(False), [True]), "include": field(st.just(["message.output_text.logprobs"]), [["x"]]),
     "top_logprobs": field(st.integers(0, 5), [21, -1]), "truncation": field(st.just("disabled"), ["auto", "x"]),
-    "metadata": field(st.dictionaries(text, text, max_size=2))})
+    "metadata": field(st.dictionaries(text, text, max_size=2)),
+    "conversation": field(st.none(), ["conv_1", {"id": 5}, 5, {}])})
+conversation = body({}, {"items": field(st.lists(item, max_size=3), ["x", [5], [{"role": "wizard", "content": "x"}]]),
+                         "metadata": field(st.dictionaries(text, text, max_size=2),
+                                           [{"k": 1}, "x", {str(i): "v" for i in range(17)}])})
 block = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": text}),
     st.fixed_dictionaries({"type": st.just("tool_use"), "id": text, "name": st.just("f"),
@@ -154,7 +158,8 @@ anthropic = body({"messages": field(st.lists(turn, min_size=1, max_size=3), [[],
     "thinking": field(st.just({"type": "disabled"}), [{"type": "enabled", "budget_tokens": 10}])})
 calls = st.one_of(st.tuples(st.just("/v1/completions"), completion), st.tuples(st.just("/v1/chat/completions"), chat),
                   st.tuples(st.just("/v1/responses"), responses), st.tuples(st.just("/v1/messages"), anthropic),
-                  st.tuples(st.just("/tokenize"), tokenize), st.tuples(st.just("/detokenize"), detokenize))
+                  st.tuples(st.just("/tokenize"), tokenize), st.tuples(st.just("/detokenize"), detokenize),
+                  st.tuples(st.just("/v1/conversations"), conversation))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

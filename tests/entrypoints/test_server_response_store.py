@@ -303,6 +303,8 @@ def test_the_conversation_store_keeps_the_most_recently_used_within_its_limits()
     assert e.value.param == "items" and "items[1]" in e.value.message
     with pytest.raises(APIError, match="at most 20"):
         check_items(text("x") * 21, _chat)
+    with pytest.raises(APIError, match=r"items\[0\]: a message's role"):
+        check_items([{"role": "wizard", "content": "x"}], _chat)
 
 
 def test_conversations_through_the_official_client(srv, client):

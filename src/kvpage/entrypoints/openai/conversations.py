@@ -27,6 +27,7 @@ from kvpage.entrypoints.openai.protocol import APIError
 from kvpage.entrypoints.openai.response_store import input_items, json_size, query_int
 
 MAX_ITEMS_PER_CALL = 20  # OpenAI's limit on the items of one create or add call
+MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 
 
 @dataclass
@@ -86,6 +87,10 @@ def check_items(items: Any, to_chat: ToChat, param: str = "items") -> list[dict[
         raise APIError(400, f"{param} must be a list of items", param=param)
     if len(items) > MAX_ITEMS_PER_CALL:
         raise APIError(400, f"at most {MAX_ITEMS_PER_CALL} items can be added at once, got {len(items)}", param=param)
+    for i, it in enumerate(items):
+        if it.get("type", "message") == "message" and it.get("role") not in MESSAGE_ROLES:
+            raise APIError(400, f"{param}[{i}]: a message's role is one of {', '.join(MESSAGE_ROLES)}, got "
+                                f"{it.get('role')!r}", param=param)
     if items:
         try:
             to_chat(items)
