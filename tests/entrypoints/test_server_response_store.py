@@ -5,6 +5,7 @@ use, and a cancelled background run frees its blocks."""
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -307,6 +308,12 @@ def test_the_conversation_store_keeps_the_most_recently_used_within_its_limits()
         check_items([{"role": "wizard", "content": "x"}], _chat)
 
 
+def stored(srv: int, name: str, kind: str) -> float:
+    """A /metrics gauge of what the stores keep, for one kind (responses or conversations)."""
+    text = request(srv, "GET", "/metrics")[1]
+    return float(re.search(rf'^kvpage:{name}{{.*kind="{kind}".*}} (\S+)$', text, re.M).group(1))
+
+
 def test_conversations_through_the_official_client(srv, client):
     conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada."},
                                               {"type": "message", "role": "assistant", "content": "Hello Ada!"}],
@@ -336,7 +343,11 @@ def test_conversations_through_the_official_client(srv, client):
         assert status == 400 and err["error"]["param"] == param, err
     assert request(srv, "GET", f"/v1/conversations/{conv.id}/items/msg_nope")[0] == 404
     assert request(srv, "GET", f"/v1/conversations/{conv.id}", key=None)[0] == 401
+    kept = stored(srv, "responses_stored", "conversations")
+    assert stored(srv, "responses_stored_bytes", "conversations") > len(r.output_text) and kept >= 1
+    assert stored(srv, "responses_stored_bytes", "responses") > 0
     assert client.conversations.delete(conv.id).deleted
+    assert stored(srv, "responses_stored", "conversations") == kept - 1
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model=MODEL, input="x", conversation=conv.id)
     assert e.value.body["param"] == "conversation"

@@ -411,6 +411,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
 
         return sse_response(events())
 
-    install_responses(app, body, start_chat, runner, config)
+    responses, conversations = install_responses(app, body, start_chat, runner, config)
+    metrics.watch_stores(responses=responses, conversations=conversations)
     install_messages(app, body, start_chat, chat_prompt, runner, config.model_name)
     return app

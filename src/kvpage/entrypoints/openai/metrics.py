@@ -65,6 +65,11 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between successive tokens of a request")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token")
         self.step_time = histogram("engine_step_seconds", "Duration of one engine step")
+        self.stored = Gauge("kvpage:responses_stored", "What /v1/responses and /v1/conversations keep in memory: "
+                            "stored responses and conversations, by kind", [*lab, "kind"], registry=r)
+        self.stored_bytes = Gauge("kvpage:responses_stored_bytes", "Their text (JSON) as the stores' memory limits "
+                                  "count it, by kind", [*lab, "kind"], registry=r)
+        self._stores: dict[str, Any] = {}  # kind -> a store with len() and nbytes (read when scraped)
         self.model = model_name
         self._last: dict[str, Any] = {}
         self._last_tier: dict[str, int] = {}
@@ -140,5 +145,12 @@ class ServerMetrics:
     def add_prompt_tokens(self, n: int) -> None:
         self.prompt_tokens.labels(self.model).inc(n)
 
+    def watch_stores(self, **stores: Any) -> None:
+        """Stores (each with len() and nbytes) whose size every scrape reports, by kind."""
+        self._stores.update(stores)
+
     def render(self) -> bytes:
+        for kind, store in self._stores.items():
+            self.stored.labels(self.model, kind).set(len(store))
+            self.stored_bytes.labels(self.model, kind).set(store.nbytes)
         return generate_latest(self.registry)

@@ -205,8 +205,9 @@ def _usage(run: ChatRun, n_out: int, cached: int) -> dict[str, Any]:
 
 def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
             start_chat: Callable[[ChatCompletionRequest, str], Awaitable[ChatRun]],
-            runner: RequestRunner, config: Any) -> ResponseStore:
-    """POST /v1/responses and the stored responses' routes; the store, for the caller to look into."""
+            runner: RequestRunner, config: Any) -> tuple[ResponseStore, ConversationStore]:
+    """POST /v1/responses, the stored responses' routes and the Conversations API; the two stores, for the caller
+    to look into."""
     store = ResponseStore(config.responses_store_size, config.responses_store_memory)
     install_retrieval(app, store, config.api_key)
     conversations = ConversationStore(config.responses_store_size, config.responses_store_memory)
@@ -283,7 +284,7 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
         settled(c.finish_reason, len(c.token_ids), out.num_cached_tokens)
         return JSONResponse(shape.body())
 
-    return store
+    return store, conversations
 
 
 async def _background(record: StoredResponse, shape: ResponseShape, events: AsyncIterator[dict[str, Any]]) -> None:
