@@ -10,6 +10,7 @@ import pytest
 
 from kvpage.entrypoints.openai.engine_client import (
     FULL_STATS_SECONDS,
+    IDLE_TRIM_SECONDS,
     AsyncEngine,
     EngineDeadError,
     ShuttingDownError,
@@ -314,21 +315,29 @@ def test_commands_withdrawn_before_the_engine_takes_them_leave_it_running():
 
 
 def test_idle_memory_is_handed_back_once_per_idle_spell():
-    """After the last request of a busy spell the engine frees its heap once (LLMEngine.release_idle_memory:
-    every rank's malloc_trim), not before any step ran, not again while idle, and not mid-spell."""
+    """After the last request of a busy spell, once the engine has been idle for IDLE_TRIM_SECONDS, it frees its
+    heap once (LLMEngine.release_idle_memory: every rank's malloc_trim); not before any step ran, not at once
+    (a client's next request may be on its way), and not again while it stays idle."""
+    async def until(cond, limit: float) -> None:
+        deadline = time.monotonic() + limit
+        while not cond() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     async def main():
         engine = StandInEngine(steps=3)
         client = AsyncEngine(engine)
-        await asyncio.sleep(0.7)  # idle from the start: nothing to hand back
+        await asyncio.sleep(IDLE_TRIM_SECONDS + 0.7)  # idle from the start: nothing to hand back
         assert engine.trims == []
         for spell in range(2):
             queues = [asyncio.Queue() for _ in range(3)]
             for i, q in enumerate(queues):
                 await client.submit(f"s{spell}-{i}", [1], SamplingParams(), q)
             await asyncio.gather(*(follow(q) for q in queues))
-            await asyncio.sleep(1.2)  # two idle polls at least
-        assert len(engine.trims) == 2, engine.trims
-        assert engine.trims[0] >= 3 and engine.trims[1] >= engine.trims[0] + 3  # each after its spell's steps
+            ended = time.monotonic()
+            await until(lambda n=spell: len(engine.trims) > n, IDLE_TRIM_SECONDS + 3)
+            assert len(engine.trims) == spell + 1 and time.monotonic() - ended >= IDLE_TRIM_SECONDS - 0.1
+        await asyncio.sleep(IDLE_TRIM_SECONDS + 0.7)
+        assert len(engine.trims) == 2 and engine.trims[0] >= 3 and engine.trims[1] >= engine.trims[0] + 3
         client.shutdown()
 
     asyncio.run(main())
