@@ -69,6 +69,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="about how much of their text (conversations, input items, background runs' events) the "
                         "stored responses may hold, the oldest finished dropped first (bare number = GiB; default "
                         "256MiB)")
+    p.add_argument("--sse-keep-alive-interval", type=float, default=0.0,
+                   help="seconds of silence after which a streamed response gets a keep-alive beat (an SSE comment; "
+                        "Anthropic's ping event on /v1/messages), so that proxies with an idle timeout do not close "
+                        "streams that wait in the queue or in a long prefill (default 0: none, as vLLM's server)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)
@@ -117,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    for flag in ("shutdown_timeout", "http_timeout"):
+    for flag in ("shutdown_timeout", "http_timeout", "sse_keep_alive_interval"):
         if not getattr(args, flag) >= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
     if args.responses_store_size < 0:
@@ -164,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                           allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                           responses_store_size=args.responses_store_size,
-                          responses_store_memory=args.responses_store_memory)
+                          responses_store_memory=args.responses_store_memory,
+                          sse_keep_alive_interval=args.sse_keep_alive_interval)
     return serve_engine(lambda: LLMEngine(engine_args), config, args.host, args.port, max_queue=args.max_queue,
                         shutdown_timeout=args.shutdown_timeout, http_timeout=args.http_timeout,
                         log_level=args.uvicorn_log_level)

@@ -4,9 +4,9 @@ Why: a step's large tensors (a prompt step's activations, gathered logits) come 
 them from its heap once its adaptive mmap threshold has risen past their size; when they are freed, the pages
 stay with the process. A tensor-parallel server under mixed traffic grew each rank by ~300 MiB in five
 minutes that way (docs/tensor_parallel.md), none of it in use. ``malloc_trim(0)`` returns every whole free
-page inside the heaps (madvise), which costs a walk over the free chunks (17-40 ms after a spell of 64 requests),
-so the server does it once it has been idle for a while, never between the steps of a busy engine. Elsewhere (another C library) nothing
-happens.
+page inside the heaps (madvise), which costs a walk over the free chunks (17-40 ms after a spell of 64
+requests), so the server does it once it has been idle for a while, never between the steps of a busy engine.
+Elsewhere (another C library) nothing happens.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from kvpage.entrypoints.openai.admin import install as install_admin
 from kvpage.entrypoints.openai.dashboard import install as install_dashboard
 from kvpage.entrypoints.openai.engine_client import AsyncEngine
 from kvpage.entrypoints.openai.http_input import InputLimits, check_auth, parse
+from kvpage.entrypoints.openai.keep_alive import SSEKeepAlive
 from kvpage.entrypoints.openai.messages_api import install as install_messages
 from kvpage.entrypoints.openai.metrics import ServerMetrics
 from kvpage.entrypoints.openai.protocol import (
@@ -85,6 +86,7 @@ class ServerConfig:
     allow_credentials: bool = False
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id, background runs, GET (0: none)
     responses_store_memory: int | None = 256 * 2**20  # about this much of their text at most (None: no limit)
+    sse_keep_alive_interval: float = 0.0  # a beat on event streams silent this long (keep_alive.py; 0: none)
 
 
 def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -101,6 +103,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
     install_admin(app, client, config.api_key)
     if config.dashboard:
         install_dashboard(app, client, config.model_name, config.api_key)
+    app.add_middleware(SSEKeepAlive, interval=config.sse_keep_alive_interval)  # a no-op at 0
     if config.allowed_origins:  # answers preflights before any route (and so before the key check)
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
                            allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
