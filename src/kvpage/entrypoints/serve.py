@@ -69,6 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="about how much of their text (conversations, input items, background runs' events) the "
                         "stored responses may hold, the oldest finished dropped first (bare number = GiB; default "
                         "256MiB)")
+    p.add_argument("--responses-store-file", default=None, metavar="FILE",
+                   help="keep stored responses and conversations across restarts: written to FILE when the server "
+                        "stops, read back when it starts (default: none, they live in memory only)")
     p.add_argument("--sse-keep-alive-interval", type=float, default=0.0,
                    help="seconds of silence after which a streamed response gets a keep-alive beat (an SSE comment; "
                         "Anthropic's ping event on /v1/messages), so that proxies with an idle timeout do not close "
@@ -126,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
     if args.responses_store_size < 0:
         raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
+    saved = None
+    if args.responses_store_file is not None:  # read before the model loads: a bad file stops start-up at once
+        from kvpage.entrypoints.openai.store_file import read
+        saved = read(args.responses_store_file)
     try:
         args.responses_store_memory = size_gib_default(args.responses_store_memory)
     except ValueError as e:
@@ -169,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
                           allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                           responses_store_size=args.responses_store_size,
                           responses_store_memory=args.responses_store_memory,
+                          responses_store_file=args.responses_store_file, responses_saved=saved,
                           sse_keep_alive_interval=args.sse_keep_alive_interval)
     return serve_engine(lambda: LLMEngine(engine_args), config, args.host, args.port, max_queue=args.max_queue,
                         shutdown_timeout=args.shutdown_timeout, http_timeout=args.http_timeout,
@@ -192,7 +200,8 @@ def serve_engine(engine, config, host: str, port: int, max_queue: int | None = N
         config.model_name = engine.model_config.name
     metrics = ServerMetrics(config.model_name)
     client.on_step = metrics.on_step
-    inflight = InflightCounter(build_app(client, config, metrics))
+    app = build_app(client, config, metrics)
+    inflight = InflightCounter(app)
     uv_config = uvicorn.Config(inflight, host=host, port=port, log_level=log_level,
                                http=header_timeout_protocol(http_timeout) if http_timeout > 0 else "h11",
                                lifespan="off")
@@ -208,8 +217,22 @@ def serve_engine(engine, config, host: str, port: int, max_queue: int | None = N
     finally:
         client.shutdown()
         engine.shutdown()  # the other tensor-parallel ranks, if any
+        if getattr(config, "responses_store_file", None):
+            save_stores(config.responses_store_file, *app.state.stores)
     if server.exit_code:
         print(f"kvpage: exiting with {server.exit_code}: {client.error}", file=sys.stderr, flush=True)
     else:
         print(f"kvpage: stopped; {engine.kv.stats().used_blocks} KV blocks in use", file=sys.stderr, flush=True)
     return server.exit_code
+
+
+def save_stores(path: str, responses, conversations) -> None:
+    """--responses-store-file: what the stores hold, written as the server stops (store_file.py)."""
+    from kvpage.entrypoints.openai.store_file import write
+
+    try:
+        n_resp, n_conv = write(path, responses, conversations)
+    except OSError as e:
+        print(f"kvpage: could not write --responses-store-file {path}: {e}", file=sys.stderr, flush=True)
+        return
+    print(f"kvpage: kept {n_resp} responses and {n_conv} conversations in {path}", file=sys.stderr, flush=True)

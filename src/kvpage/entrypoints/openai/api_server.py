@@ -86,6 +86,8 @@ class ServerConfig:
     allow_credentials: bool = False
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id, background runs, GET (0: none)
     responses_store_memory: int | None = 256 * 2**20  # about this much of their text at most (None: no limit)
+    responses_store_file: str | None = None  # where they are kept across restarts (store_file.py), and what it held
+    responses_saved: Any = None
     sse_keep_alive_interval: float = 0.0  # a beat on event streams silent this long (keep_alive.py; 0: none)
 
 
@@ -414,7 +416,7 @@ def build_app(client: AsyncEngine, config: ServerConfig, metrics: ServerMetrics 
 
         return sse_response(events())
 
-    responses, conversations = install_responses(app, body, start_chat, runner, config)
-    metrics.watch_stores(responses=responses, conversations=conversations)
+    app.state.stores = install_responses(app, body, start_chat, runner, config)  # (responses, conversations)
+    metrics.watch_stores(**dict(zip(("responses", "conversations"), app.state.stores, strict=True)))
     install_messages(app, body, start_chat, chat_prompt, runner, config.model_name)
     return app

@@ -121,6 +121,16 @@ class ConversationStore:
         self.append(conv, items)
         return conv
 
+    def restore(self, conv: Conversation) -> None:
+        """Keep a conversation read back from a store file (store_file.py), as the most recently used."""
+        self._by_id[conv.id] = conv
+        self.nbytes += conv.nbytes
+        self._grow(conv, 0)  # this start's limits: the least recently used others dropped
+
+    def values(self) -> list[Conversation]:
+        """The conversations, least recently used first."""
+        return list(self._by_id.values())
+
     def get(self, cid: Any, param: str = "conversation_id") -> Conversation:
         """The conversation ``cid`` names (its id, or an object carrying it as ``id``), now the most recent."""
         if isinstance(cid, dict):

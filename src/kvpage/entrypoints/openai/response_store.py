@@ -200,6 +200,17 @@ class ResponseStore:
         self._all_running = False
         self._shrink(keep=stored.id)
 
+    def restore(self, stored: StoredResponse) -> None:
+        """Keep a finished response read back from a store file (store_file.py), its size as it was counted."""
+        stored._owner = self
+        self._by_id[stored.id] = stored
+        self.nbytes += stored.nbytes
+        self._shrink(keep=stored.id)
+
+    def values(self) -> list[StoredResponse]:
+        """The stored responses, oldest first."""
+        return list(self._by_id.values())
+
     def grew(self, n: int, finished: bool = False) -> None:
         """A stored response keeps ``n`` more bytes (a frame; its conversation when it has ``finished``)."""
         self.nbytes += n

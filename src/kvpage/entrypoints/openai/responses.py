@@ -31,6 +31,7 @@ from kvpage.entrypoints.openai.response_shape import ResponseShape
 from kvpage.entrypoints.openai.response_store import ResponseStore, StoredResponse, frame, input_items, json_size
 from kvpage.entrypoints.openai.response_store import install as install_retrieval
 from kvpage.entrypoints.openai.serving import ChatRun, RequestRunner, chat_logprobs, stop
+from kvpage.entrypoints.openai.store_file import restore
 from kvpage.outputs import CompletionOutput
 from kvpage.sampling_params import MAX_LOGPROBS
 
@@ -212,6 +213,8 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
     install_retrieval(app, store, config.api_key)
     conversations = ConversationStore(config.responses_store_size, config.responses_store_memory)
     install_conversations(app, conversations, config.api_key, functools.partial(messages, None))
+    if config.responses_saved is not None:  # what --responses-store-file held when the server started
+        restore(config.responses_saved, store, conversations)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
