@@ -14,8 +14,8 @@ Messages API turns (/v1/messages: streamed or not, forced tool use, stop sequenc
 Poisson arrivals (chats, messages and responses are expected to be refused by name when the model has no chat
 template).
 It reports requests by kind and outcome (a 5xx, a timeout or a broken stream is a failure), the KV blocks still in
-use once the server is idle (must be 0), and the server's memory growth (resident set size after warm-up vs at
-the end).
+use once the server is idle (must be 0), and the server's memory growth (resident set size after warm-up, as the
+traffic ends, and idle 3 s later, once the server has handed freed heap back).
 --serve-args "--model gemma-3-270m" soaks another model. --pauses adds an operator who, every 5-15 s, pauses
 generation (POST /pause, mode abort, wait or keep at random) for 0.5-3 s and resumes it: every request must still
 end (an aborted one with finish reason "abort"), none may hang, and the pool must still empty.
@@ -385,6 +385,8 @@ def main() -> int:
                                                                                          "kv_cache_blocks_used")):
         time.sleep(0.5)
     leaked = gauge(host, port, "kv_cache_blocks_used")
+    rss_busy = rss_mib(pid)
+    time.sleep(3.0)  # the server hands freed heap back after a second of idleness (engine_client.IDLE_TRIM_SECONDS)
     rss1 = rss_mib(pid)
     healthy = '"error"' not in get(host, port, "/health")
     total = sum(soak.outcomes.values())
@@ -398,7 +400,8 @@ def main() -> int:
         print(f"  {f}")
     print(f"KV blocks in use once idle: {leaked:g} (must be 0); server healthy after: {healthy}")
     if rss0 is not None and rss1 is not None:
-        print(f"server resident memory: {rss0:.0f} MiB after warm-up, {rss1:.0f} MiB at the end "
+        print(f"server resident memory: {rss0:.0f} MiB after warm-up, {rss_busy:.0f} MiB as the traffic ended, "
+              f"{rss1:.0f} MiB idle 3 s later "
               f"({rss1 - rss0:+.0f} MiB); every 30 s: " + ", ".join(f"{r:.0f}" for _, r in soak.rss if r))
     if args.json_out:
         args.json_out.write_text(json.dumps({

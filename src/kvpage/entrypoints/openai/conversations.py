@@ -123,6 +123,8 @@ class ConversationStore:
 
     def restore(self, conv: Conversation) -> None:
         """Keep a conversation read back from a store file (store_file.py), as the most recently used."""
+        if self.capacity == 0:
+            return
         self._by_id[conv.id] = conv
         self.nbytes += conv.nbytes
         self._grow(conv, 0)  # this start's limits: the least recently used others dropped
@@ -152,9 +154,10 @@ class ConversationStore:
 
     def append(self, conv: Conversation, items: list[dict[str, Any]]) -> None:
         """Add ``items`` at the end (a no-op for a conversation deleted or dropped meanwhile)."""
+        if self._by_id.get(conv.id) is not conv:
+            return
         conv.items.extend(items)
-        if self._by_id.get(conv.id) is conv:
-            self._grow(conv, json_size(items) if items else 0)
+        self._grow(conv, json_size(items) if items else 0)
 
     def update(self, conv: Conversation, metadata: dict[str, str]) -> None:
         self._grow(conv, json_size(metadata) - json_size(conv.metadata))
