@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvpage.entrypoints.openai.http_input import check_auth
 from kvpage.entrypoints.openai.protocol import APIError
-from kvpage.entrypoints.openai.response_store import input_items, json_size, query_int
+from kvpage.entrypoints.openai.response_store import input_items, item_page, json_size, listing, page_query
 
 MAX_ITEMS_PER_CALL = 20  # OpenAI's limit on the items of one create or add call
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
@@ -50,18 +50,7 @@ class Conversation:
 
     def page(self, limit: int, order: str, after: str | None) -> dict[str, Any]:
         """GET .../items: one page of the items, oldest first (asc) or newest first (desc)."""
-        items = self.items if order == "asc" else self.items[::-1]
-        if after is not None:
-            at = next((i for i, it in enumerate(items) if it["id"] == after), None)
-            if at is None:
-                raise APIError(400, f"no item {after!r} in conversation {self.id!r}", param="after")
-            items = items[at + 1:]
-        return listing(items[:limit], len(items) > limit)
-
-
-def listing(page: list[dict[str, Any]], has_more: bool = False) -> dict[str, Any]:
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": has_more}
+        return item_page(self.items, limit, order, after, f"item of conversation {self.id!r}")
 
 
 def check_metadata(metadata: Any) -> dict[str, str]:
@@ -228,12 +217,7 @@ def install(app: FastAPI, store: ConversationStore, api_key: str | None, to_chat
     @app.get("/v1/conversations/{cid}/items")
     async def list_items(cid: str, request: Request) -> Response:
         check_auth(request, api_key)
-        conv = store.get(cid)
-        order = request.query_params.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
-        limit = query_int(request, "limit", 20, 1, 100)
-        return JSONResponse(conv.page(limit, order, request.query_params.get("after")))
+        return JSONResponse(store.get(cid).page(*page_query(request)))
 
     @app.post("/v1/conversations/{cid}/items")
     async def add_items(cid: str, request: Request) -> Response:

@@ -111,15 +111,32 @@ class StoredResponse:
 
     def input_list(self, limit: int, order: str, after: str | None) -> dict[str, Any]:
         """GET .../input_items: one page of this response's input items."""
-        items = self.inputs if order == "asc" else self.inputs[::-1]
-        if after is not None:
-            at = next((i for i, it in enumerate(items) if it["id"] == after), None)
-            if at is None:
-                raise APIError(400, f"no input item {after!r} in response {self.id!r}", param="after")
-            items = items[at + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        return item_page(self.inputs, limit, order, after, f"input item of response {self.id!r}")
+
+
+def item_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None, what: str) -> dict[str, Any]:
+    """One page of ``items`` (kept oldest first) as the API lists them: ``order`` "asc" or "desc", at most ``limit``,
+    those after the item whose id is ``after`` (a 400 naming it if ``what`` has none)."""
+    items = items if order == "asc" else items[::-1]
+    if after is not None:
+        at = next((i for i, it in enumerate(items) if it["id"] == after), None)
+        if at is None:
+            raise APIError(400, f"no {what} has the id {after!r}", param="after")
+        items = items[at + 1:]
+    return listing(items[:limit], len(items) > limit)
+
+
+def listing(page: list[dict[str, Any]], has_more: bool = False) -> dict[str, Any]:
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": has_more}
+
+
+def page_query(request: Request) -> tuple[int, str, str | None]:
+    """A listing route's ``limit`` (1-100, default 20), ``order`` ("desc", the default, or "asc") and ``after``."""
+    order = request.query_params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    return query_int(request, "limit", 20, 1, 100), order, request.query_params.get("after")
 
 
 def json_size(obj: Any) -> int:
@@ -296,9 +313,4 @@ def install(app: FastAPI, store: ResponseStore, api_key: str | None) -> None:
     @app.get("/v1/responses/{rid}/input_items")
     async def items(rid: str, request: Request) -> Response:
         check_auth(request, api_key)
-        stored = store.get(rid)
-        order = request.query_params.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
-        limit = query_int(request, "limit", 20, 1, 100)
-        return JSONResponse(stored.input_list(limit, order, request.query_params.get("after")))
+        return JSONResponse(store.get(rid).input_list(*page_query(request)))
