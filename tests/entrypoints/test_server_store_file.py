@@ -33,6 +33,8 @@ def _response(rid: str, text: str) -> StoredResponse:
 def test_a_file_round_trip_keeps_sizes_order_and_obeys_the_new_limits(tmp_path):
     path = str(tmp_path / "store.json")
     assert read(path) is None  # no file yet: start empty
+    with pytest.raises(ValueError, match="directory is missing"):
+        read(str(tmp_path / "nowhere" / "store.json"))
     responses, conversations = ResponseStore(8), ConversationStore(8)
     for i in range(3):
         responses.restore(_response(f"resp-{i}", "x" * (10 * i)))

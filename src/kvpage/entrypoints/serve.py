@@ -9,6 +9,7 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvpage import envs
 from kvpage.engine.arg_utils import EngineArgs, size_gib_default
@@ -226,7 +227,7 @@ def serve_engine(engine, config, host: str, port: int, max_queue: int | None = N
     return server.exit_code
 
 
-def save_stores(path: str, responses, conversations) -> None:
+def save_stores(path: str, responses: Any, conversations: Any) -> None:
     """--responses-store-file: what the stores hold, written as the server stops (store_file.py)."""
     from kvpage.entrypoints.openai.store_file import write
 

@@ -49,6 +49,9 @@ def read(path: str) -> Saved | None:
     """The file's contents (None: no file yet); a file that is not one of ours is a ValueError naming it."""
     p = Path(path)
     if not p.exists():
+        if not p.resolve().parent.is_dir() or not os.access(p.resolve().parent, os.W_OK):
+            raise ValueError(f"--responses-store-file {path}: its directory is missing or not writable, so the "
+                             "stores could not be written when the server stops")
         return None
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
