@@ -159,7 +159,7 @@ def test_draining_refuses_new_work_and_abort_all_fails_open_requests():
         client.abort_all("shutting down: grace period over")
         items = await follow(q)
         assert isinstance(items[-1], ShuttingDownError) and "grace period" in str(items[-1])
-        for _ in range(100):
+        for _ in range(500):  # the engine thread steps a 10,000-step request flat out meanwhile
             if engine.aborted:
                 break
             await asyncio.sleep(0.01)
