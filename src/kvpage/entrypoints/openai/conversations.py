@@ -7,7 +7,7 @@ Why: clients built on the Responses API (agents, SDK helpers) keep long-lived st
 the Responses API's input items (messages with text, function calls and their outputs), validated as the chat
 they become before they are kept. Like stored responses, conversations live in memory, at most ``capacity`` of
 them and about ``max_bytes`` of their items' JSON text, the least recently used dropped first (404 afterwards,
-naming the limits); a restart forgets them.
+naming the limits); they outlive a restart only with ``--responses-store-file`` (store_file.py).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from kvpage.entrypoints.openai.http_input import check_auth
 from kvpage.entrypoints.openai.protocol import APIError
@@ -67,6 +68,14 @@ def check_metadata(metadata: Any) -> dict[str, str]:
 
 
 ToChat = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]  # the chat messages of items (responses.py)
+Parse = Callable[[Request, type], Awaitable[Any]]  # the server's body reader: key, size and JSON limits, model
+
+
+class ConversationBody(BaseModel):
+    """A create, update or add-items body; its fields are checked by check_items and check_metadata."""
+
+    items: Any = None
+    metadata: Any = None
 
 
 def check_items(items: Any, to_chat: ToChat, param: str = "items") -> list[dict[str, Any]]:
@@ -173,24 +182,13 @@ class ConversationStore:
             self.nbytes -= self._by_id.pop(victim).nbytes
 
 
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise APIError(400, "the body must be a JSON object") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object")
-    return body
-
-
-def install(app: FastAPI, store: ConversationStore, api_key: str | None, to_chat: ToChat) -> None:
+def install(app: FastAPI, store: ConversationStore, api_key: str | None, parse: Parse, to_chat: ToChat) -> None:
     """The Conversations API's routes: create, retrieve, update, delete; list, add, retrieve and delete items."""
 
     @app.post("/v1/conversations")
     async def create(request: Request) -> Response:
-        check_auth(request, api_key)
-        body = await _json(request)
-        conv = store.create(check_items(body.get("items") or [], to_chat), check_metadata(body.get("metadata")))
+        body = await parse(request, ConversationBody)
+        conv = store.create(check_items(body.items or [], to_chat), check_metadata(body.metadata))
         return JSONResponse(conv.body())
 
     @app.get("/v1/conversations/{cid}")
@@ -200,12 +198,11 @@ def install(app: FastAPI, store: ConversationStore, api_key: str | None, to_chat
 
     @app.post("/v1/conversations/{cid}")
     async def update(cid: str, request: Request) -> Response:
-        check_auth(request, api_key)
-        body = await _json(request)
-        if "metadata" not in body:
+        body = await parse(request, ConversationBody)
+        if "metadata" not in body.model_fields_set:
             raise APIError(400, "metadata is required", param="metadata")
         conv = store.get(cid)
-        store.update(conv, check_metadata(body["metadata"]))
+        store.update(conv, check_metadata(body.metadata))
         return JSONResponse(conv.body())
 
     @app.delete("/v1/conversations/{cid}")
@@ -221,10 +218,9 @@ def install(app: FastAPI, store: ConversationStore, api_key: str | None, to_chat
 
     @app.post("/v1/conversations/{cid}/items")
     async def add_items(cid: str, request: Request) -> Response:
-        check_auth(request, api_key)
-        body = await _json(request)
+        body = await parse(request, ConversationBody)
         conv = store.get(cid)
-        items = check_items(body.get("items"), to_chat)
+        items = check_items(body.items, to_chat)
         store.append(conv, items)
         return JSONResponse(listing(items))
 

@@ -28,7 +28,7 @@ from kvpage.entrypoints.openai.conversations import ConversationStore
 from kvpage.entrypoints.openai.conversations import install as install_conversations
 from kvpage.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from kvpage.entrypoints.openai.response_shape import ResponseShape
-from kvpage.entrypoints.openai.response_store import ResponseStore, StoredResponse, frame, input_items, json_size
+from kvpage.entrypoints.openai.response_store import ResponseStore, StoredResponse, frame, input_items
 from kvpage.entrypoints.openai.response_store import install as install_retrieval
 from kvpage.entrypoints.openai.serving import ChatRun, RequestRunner, chat_logprobs, stop
 from kvpage.entrypoints.openai.store_file import restore
@@ -212,7 +212,7 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
     store = ResponseStore(config.responses_store_size, config.responses_store_memory)
     install_retrieval(app, store, config.api_key)
     conversations = ConversationStore(config.responses_store_size, config.responses_store_memory)
-    install_conversations(app, conversations, config.api_key, functools.partial(messages, None))
+    install_conversations(app, conversations, config.api_key, parse, functools.partial(messages, None))
     if config.responses_saved is not None:  # what --responses-store-file held when the server started
         restore(config.responses_saved, store, conversations)
 
@@ -235,7 +235,8 @@ def install(app: FastAPI, parse: Callable[[Request, type], Awaitable[Any]],
         shape = ResponseShape(req, chat, run, config.model_name, storing, conv.id if conv is not None else None)
         record = None
         if storing:
-            earlier = store.earlier_bytes(req.previous_response_id) if conv is None else json_size(before)
+            # the earlier turns' size as counted when they were kept (a conversation's: its items), not re-measured
+            earlier = store.earlier_bytes(req.previous_response_id) if conv is None else conv.nbytes
             record = StoredResponse(run.id, shape, before, inputs, bool(req.background), before_bytes=earlier)
             store.put(record)
 
