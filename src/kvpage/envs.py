@@ -37,6 +37,11 @@ VARIABLES: tuple[EnvVar, ...] = (
            "(same bits)", "decode_layers", ("compiled", "python")),
     EnvVar("KVPAGE_AMX_LINEAR", bool, True, "the AMX tile GEMM for bf16 projections where the CPU has AMX; 0 keeps "
            "oneDNN's packed GEMM", "amx_linear"),
+    EnvVar("KVPAGE_AMX_LINEAR_MAX_ROWS", int, 1536, "where the AMX tile GEMM runs, layer projections of steps of "
+           "more rows than this (prompt steps near the 2,048-token budget) with an inner dimension of at most 1,536 "
+           "take oneDNN's packed GEMM (0.75-0.86x the tile GEMM's time at 2,048 rows on the AMX Xeon), for a second "
+           "packing of those weights (+180 MB resident for SmolLM2); 0: the tile GEMM at every row count",
+           "amx_linear_max_rows"),
     EnvVar("KVPAGE_I8_GEMM", str, "auto", "bf16 models' many-row projections multiply the checkpoint's Q4 / Q8 "
            "blocks with int8 activation codes (AVX-512 VNNI, CPUs without AMX): 'auto' on Intel CPUs, where it is "
            "2.3-2.8x oneDNN's bf16 GEMM, never on AMD's Zen 4 (kvpage's bf16 panel GEMM is faster there at every row "
@@ -130,6 +135,7 @@ class KernelConfig:
     quant_int16: bool = True
     decode_layers: str = "compiled"
     amx_linear: bool = True
+    amx_linear_max_rows: int = 1536
     i8_gemm: str = "auto"
     bf16_gemm: str = "auto"
     f32_gemm: bool = True

@@ -98,6 +98,33 @@ def test_compiled_amx_layers_equal_the_python_loop(load_fast, prompts, hf_greedy
         assert torch.equal(a, b)
 
 
+def test_compiled_amx_layers_keep_to_the_row_limit(load_fast, prompts, hf_greedy):
+    """With the layers' row limit (KVPAGE_AMX_LINEAR_MAX_ROWS) below a decode step's rows, that step takes the
+    Python loop, whose projections go to oneDNN above the limit; at or above it, the compiled stack."""
+    amx_ops("amx_linear_available")
+    names = sorted(prompts)
+    seqs = [prompts[n] + hf_greedy[n] for n in names] * 2
+    start = min(len(prompts[n]) for n in names)
+    for limit, on_stack in ((len(seqs) - 1, False), (len(seqs), True)):
+        lm = load_fast(KernelConfig(amx_linear_max_rows=limit), dtype="bfloat16")
+        fast = lm.model.fast
+        assert fast.amx_layers is not None and fast.amx_layers_max_rows == limit
+        calls: list[int] = []
+
+        class Counting:
+            def __init__(self, stack, seen: list[int]) -> None:
+                self.stack, self.seen = stack, seen
+
+            def run(self, *args):
+                self.seen.append(args[0].shape[0])
+                return self.stack.run(*args)
+
+        fast.amx_layers = Counting(fast.amx_layers, calls)
+        steps = batched_decode_logits(lm, seqs, start)
+        assert len(steps) > 1 and all(torch.isfinite(s).all() for s in steps)
+        assert bool(calls) == on_stack
+
+
 def test_compiled_decode_layers_pass_the_keys_rounding_feedback(load_fast, prompts, hf_greedy):
     """int8 pages whose transform is only the keys' rounding feedback (attention/kv_quant.py keys_feedback) keep
     the compiled stack, which hands each layer's matrices to its write: the same logits, bit for bit, as the

@@ -137,8 +137,10 @@ def test_packed_linear_routes_by_rows():
         y = lin(x[:rows])
         assert ((y.float() - ref[:rows]).abs() <= 2 ** -8 * ref[:rows].abs() + 0.01).all()
     assert calls == [40]  # 41 rows went to oneDNN
-    everywhere = PackedLinear(w, None, ops=ops)  # default: AMX at every row count, no oneDNN copy
-    assert everywhere.packed is None and everywhere.amx_max_rows >= 1 << 40
+    everywhere = PackedLinear(w, None, ops=kernels(KernelConfig(amx_linear_max_rows=0)))  # no oneDNN copy
+    assert everywhere.packed is None and everywhere.amx_max_rows >= 1 << 40 and everywhere.amx_plain_rows >= 1 << 40
+    layer = PackedLinear(w, None, ops=ops)  # the default: prompt steps past 1,536 rows on oneDNN's packing
+    assert layer.packed is not None and layer.amx_max_rows == layer.amx_plain_rows == 1536
     assert PackedLinear(_rand(80, 64, seed=1), None, ops=ops).amx is None  # 80 % 32 != 0: oneDNN only
     gated = PackedLinear(w, None, ops=ops, amx_max_rows=40, gated=True)  # [gate; up], 48 each
     assert gated.out_features == 48
@@ -196,3 +198,34 @@ def test_packed_linear_streams_only_where_asked():
     assert torch.equal(head(x), want)
     assert torch.equal(torch.cat([part for _, part in sliced.forward_parts(x)], dim=1), want)
     assert seen == [False, True, True, True, True]  # plain, head, then the slices of 96, 96, 64 columns
+
+
+def test_row_limit_from_the_kernel_configuration():
+    """KVPAGE_AMX_LINEAR_MAX_ROWS (KernelConfig.amx_linear_max_rows) sets the row limit of every projection that
+    does not give its own: calls of more rows take oneDNN's packing, close to the tile GEMM's product; an lm head
+    (streamed output, its own limit) is not affected."""
+    _ops()
+    ops = kernels(KernelConfig(amx_linear_max_rows=40))
+    w, x = _rand(96, 64, seed=11), _rand(64, 64, seed=12)
+    lin = PackedLinear(w, None, ops=ops)
+    assert lin.amx_max_rows == lin.amx_plain_rows == 40 and lin.packed is not None
+    tile = ops.amx_linear(x, lin.amx)
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def amx_linear(self, *a):
+            calls.append(a[0].shape[0])
+            return ops.amx_linear(*a)
+
+    lin.ops = Spy()
+    assert torch.equal(lin(x[:40]), tile[:40])  # the tile GEMM up to the limit
+    above = lin(x[:41])  # oneDNN: the same product up to the order of its sums
+    assert calls == [40]
+    assert torch.allclose(above.float(), tile[:41].float(), rtol=2 ** -7, atol=2 ** -7)
+    head = PackedLinear(w, None, ops=ops, stream_out=True)
+    assert head.amx_max_rows >= 1 << 40 and head.packed is None and head.amx_plain_rows == 0
+    long_k = PackedLinear(_rand(32, 2048, seed=13), None, ops=ops)  # K past ONEDNN_PROMPT_MAX_K: tile GEMM only
+    assert long_k.amx_max_rows >= 1 << 40 and long_k.packed is None

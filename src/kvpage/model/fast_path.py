@@ -61,6 +61,7 @@ class FastPath:
             self.plan.append(_FastLayer(layer, nxt.weight if nxt else self.final_norm_f32,
                                         nxt.eps if nxt else model.norm.eps))
         compiled = ops.config.decode_layers == "compiled"
+        self.amx_layers_max_rows = 0
         self.decode_layers = self._compiled_decode_layers() if compiled else None
         self.amx_layers = self._compiled_amx_layers() if compiled else None
 
@@ -93,7 +94,9 @@ class FastPath:
         decode step of ~55-85 ms (30 layers x ~10 calls, with their slicing and views), under the GIL with the
         second core idle (docs/model.md)."""
         linears = [(la.self_attn.qkv, la.self_attn.o_packed, la.mlp.gate_up, la.mlp.down) for la in self.model.layers]
-        if not all(w.amx_plain for ws in linears for w in ws):
+        # steps of more rows than the layers' row limit (KVPAGE_AMX_LINEAR_MAX_ROWS) take the Python loop
+        self.amx_layers_max_rows = min(w.amx_plain_rows for ws in linears for w in ws)
+        if not self.amx_layers_max_rows:
             return None
         stack = self._stack()
         if stack is None:
@@ -120,7 +123,7 @@ class FastPath:
         meta = metas[0]
         # the compiled stack calls the backend's kernels itself: it passes the keys' rounding feedback of a quantized
         # cache's transform (attention/kv_transform.py) to its writes, but maps no rows: layers that do take the loop
-        stack = self.decode_layers if few else self.amx_layers
+        stack = self.decode_layers if few else self.amx_layers if t <= self.amx_layers_max_rows else None
         if stack is not None and meta.decode_only:
             feedback = self._stack_feedback(kv_caches[0].dtype)
             if feedback is not None:

@@ -1,8 +1,10 @@
 """The inference linear layer of the fast path: pre-packed weights, the path chosen by row count.
 
-kvpage's AMX tile GEMM (csrc/linear/linear_amx.cpp) runs the layer projections at every row count (1.2-1.6x
-oneDNN's packed GEMM for 1-1024 rows, 0.97x at 2048, on the AMX Xeon: benchmarks/linear.py, BENCHMARKS.md);
-the kernel configuration's amx_linear=False turns it off (side-by-side runs). On AVX-512 VNNI CPUs without
+kvpage's AMX tile GEMM (csrc/linear/linear_amx.cpp) runs the layer projections up to 1,536 rows (1.1-1.6x
+oneDNN's packed GEMM at 128-1,024 rows on the AMX Xeon: benchmarks/linear.py, BENCHMARKS.md); prompt steps of
+more rows take oneDNN, which is faster there (0.75-0.86x the time at 2,048 rows; KVPAGE_AMX_LINEAR_MAX_ROWS, the
+kernel configuration's amx_linear_max_rows), except products with a long inner dimension (ONEDNN_PROMPT_MAX_K);
+the kernel configuration's amx_linear=False turns the tile GEMM off (side-by-side runs). On AVX-512 VNNI CPUs without
 AMX, bf16 models with the checkpoint's Q4 / Q8 blocks run their many-row products on those blocks with int8
 activation codes (csrc/linear/gemm_i8.cpp: ~2.5x oneDNN's bf16 GEMM on the Xeon without AMX), for the row counts
 where it pays: the kernel configuration's i8_gemm ("auto": every row count on Intel CPUs; ops/kernels.py
@@ -29,6 +31,12 @@ ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
 
 
 _ALL_ROWS = I8_ALL_ROWS  # amx_max_rows (and i8_max_rows) when no limit is given
+# Steps of more rows than KVPAGE_AMX_LINEAR_MAX_ROWS multiply on oneDNN only where the inner dimension is at most
+# this: timed call by call inside offline runs (both products of each 2,048-row call, alternating which goes first;
+# AMX Xeon, 2026-12-06), oneDNN took 0.56-0.68x the tile GEMM's time on SmolLM2's q|k|v and o and Gemma 3's
+# q|k|v (K 576 / 640), 0.83-0.91x on the gate|up products and SmolLM2's down (K 1,536), but 1.29x on Gemma 3's
+# down (K 2,048), which stays on the tile GEMM (and needs no second packing).
+ONEDNN_PROMPT_MAX_K = 1536
 
 
 def _onednn_product(packed: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -75,6 +83,9 @@ class PackedLinear(nn.Module):
         self.amx_max_rows = -1
         self.packed: torch.Tensor | None = None
         n, k = weight.shape
+        if (amx_max_rows is None and ops is not None and ops.config.amx_linear_max_rows and not stream_out
+                and k <= ONEDNN_PROMPT_MAX_K):
+            amx_max_rows = ops.config.amx_linear_max_rows  # layer projections: oneDNN's packing above it too
         if (weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and not (gated and bias is not None)
                 and ops is not None and ops.amx_linear_ok):
             self.amx = ops.amx_pack_gate_up(weight) if gated else ops.amx_pack_weight(weight)
@@ -130,11 +141,12 @@ class PackedLinear(nn.Module):
             self.packed = None
 
     @property
-    def amx_plain(self) -> bool:
-        """Whether every call of more rows than the quantized steps take is one plain tile-GEMM product: a packed
-        operand, no row limit, no slices, no streamed output (what a compiled layer stack calls in its place)."""
-        return (self.amx is not None and self.amx_max_rows == _ALL_ROWS and self.amx_split is None
-                and not self.stream_out)
+    def amx_plain_rows(self) -> int:
+        """Up to how many rows every call of more rows than the quantized steps take is one plain tile-GEMM
+        product (a packed operand, no slices, no streamed output: what a compiled layer stack calls in its
+        place); 0 where none is."""
+        plain = self.amx is not None and self.amx_split is None and not self.stream_out
+        return self.amx_max_rows if plain else 0
 
     def _on_amx(self, rows: int) -> bool:
         q = self.quant
