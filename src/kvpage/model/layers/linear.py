@@ -83,8 +83,8 @@ class PackedLinear(nn.Module):
         self.amx_max_rows = -1
         self.packed: torch.Tensor | None = None
         n, k = weight.shape
-        if (amx_max_rows is None and ops is not None and ops.config.amx_linear_max_rows and not stream_out
-                and k <= ONEDNN_PROMPT_MAX_K):
+        if (amx_max_rows is None and ops is not None and ops.amx_linear_ok and ops.config.amx_linear_max_rows
+                and not stream_out and k <= ONEDNN_PROMPT_MAX_K):
             amx_max_rows = ops.config.amx_linear_max_rows  # layer projections: oneDNN's packing above it too
         if (weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0 and not (gated and bias is not None)
                 and ops is not None and ops.amx_linear_ok):
