@@ -218,7 +218,7 @@ def serve_engine(engine, config, host: str, port: int, max_queue: int | None = N
     finally:
         client.shutdown()
         engine.shutdown()  # the other tensor-parallel ranks, if any
-        if getattr(config, "responses_store_file", None):
+        if config.responses_store_file:
             save_stores(config.responses_store_file, *app.state.stores)
     if server.exit_code:
         print(f"kvpage: exiting with {server.exit_code}: {client.error}", file=sys.stderr, flush=True)

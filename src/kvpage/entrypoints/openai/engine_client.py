@@ -286,8 +286,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         eng = self.engine
-        stepped = False  # a step ran since the engine last handed memory back
-        idle_since = time.monotonic()
+        last_step: float | None = None  # when the last step ran, None once memory was handed back after it
         try:
             while not self._stopping:
                 block = self._frozen or not eng.has_unfinished_requests()
@@ -303,18 +302,17 @@ class AsyncEngine:
                 self._end_pauses_if_idle()
                 if self._frozen or not eng.has_unfinished_requests():
                     self._publish([], 0.0)
-                    if (stepped and not eng.has_unfinished_requests()  # once per idle spell, not while paused
-                            and time.monotonic() - idle_since >= IDLE_TRIM_SECONDS):
+                    if (last_step is not None and not eng.has_unfinished_requests()  # once per idle spell,
+                            and time.monotonic() - last_step >= IDLE_TRIM_SECONDS):  # not while paused
                         eng.release_idle_memory()
-                        stepped = False
+                        last_step = None
                     if (error := eng.check_health()) is not None:  # a rank lost while idle: dead now
                         self._die(error)
                         return
                     continue
                 t0 = time.perf_counter()
                 outs = eng.step()
-                stepped = True
-                idle_since = time.monotonic()
+                last_step = time.monotonic()
                 self._publish(outs, time.perf_counter() - t0)
                 self._send(outs)
                 if eng.fatal_error is not None:

@@ -158,7 +158,7 @@ class PackedLinear(nn.Module):
         if self._on_amx(rows):
             if self.amx_split is not None:
                 return torch.cat([part for _, part in self.forward_parts(x)], dim=1)
-            return self.ops.amx_linear(x, self.amx, self.amx_bias, self.act, self.stream_out)
+            return self.tile_product(x)
         if q is not None and rows <= self.quant_max_tokens:
             if self.bias is None and (self.fused_silu or not self.gated):  # SiLU in the kernel's epilogue
                 return self.ops.quant_linear(x, q.qs, q.d, q.m, False, self.gated)
@@ -178,7 +178,19 @@ class PackedLinear(nn.Module):
         elif self.packed_parts:
             return torch.cat([part for _, part in self.forward_parts(x)], dim=1)
         else:
-            out = by_row_buckets(x, _onednn_product(self.packed, self.bias))
+            return self.onednn_product(x)
+        return self._activate(out)
+
+    def tile_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole output on the AMX tile GEMM (with a gated layer's activation in its epilogue)."""
+        return self.ops.amx_linear(x, self.amx, self.amx_bias, self.act, self.stream_out)
+
+    def onednn_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole output on oneDNN's packing (rows in row_bucket's sizes), a gated layer's activation after."""
+        return self._activate(by_row_buckets(x, _onednn_product(self.packed, self.bias)))
+
+    def _activate(self, out: torch.Tensor) -> torch.Tensor:
+        """A gated layer's act(gate) * up from a product's [gate; up] halves; other layers' output as it is."""
         if not self.gated:
             return out
         return self.ops.silu_mul(out) if self.act == ACT_SILU else self.ops.gelu_mul(out)
