@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from kvpage.model.layers.linear import PackedLinear
+from kvpage.model.layers.linear import PackedLinear, packing_available
 from kvpage.model.layers.row_buckets import (
     MIN_ROWS,
     RowBucketedLinear,
@@ -61,7 +61,7 @@ def test_plain_path_linears_keep_their_parameters():
     torch.testing.assert_close(net(x), F.linear(F.linear(x, net[0].weight, net[0].bias), net[1][0].weight))
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN")
+@pytest.mark.skipif(not packing_available(), reason="no bf16 oneDNN packing on this CPU (it needs AVX-512)")
 def test_packed_linears_onednn_path_takes_bucketed_rows(monkeypatch):
     """PackedLinear without compiled kernels multiplies on oneDNN: only row_chunks' sizes reach it."""
     w = torch.randn(64, 32).to(torch.bfloat16)
