@@ -4,7 +4,8 @@ per prompt, enable_gqa, the qkv views as they are). kvpage's kernel is the AMX p
 written, in the engine's layout here (packed on Intel CPUs, rows on AMD's: KVPAGE_KV_LAYOUT; paged_attention;
 the write is not timed, the engine makes it on either path).
 
-SmolLM2's shape (9 query heads over 3 KV heads, head size 64), bf16, one prompt per call at each length and
+SmolLM2's shape (9 query heads over 3 KV heads, head size 64), bf16 (--dtype float32: float32 queries over a
+float32 row cache, what AVX2-only CPUs run; the paged kernel, whatever the CPU), one prompt per call at each length and
 one call for a step's worth of ShareGPT-like prompts (lognormal lengths, median ~160, capped at 1024, as in
 benchmarks/throughput.py); medians of alternating rounds.
 
@@ -14,6 +15,7 @@ prefill), their keys in the packed paged cache (16-token blocks, randomly placed
 with --window W both under a sliding window of W positions (Gemma 3's local layers: --gemma --window 512).
 
     python benchmarks/prefill.py [--lengths 64 160 220 400 1000] [--rounds 15] [--gemma] [--window W]
+                                 [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from kvpage.ops.kernels import kernels
 from kvpage.worker.kv_cache import as_block_major
 
 HEADS, KV_HEADS, D = 9, 3, 64
+DT = torch.bfloat16  # the queries' and the cache's dtype (--dtype)
 
 
 def views(total: int, seed: int):
-    qkv = torch.randn(total, (HEADS + 2 * KV_HEADS) * D, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    qkv = torch.randn(total, (HEADS + 2 * KV_HEADS) * D, generator=torch.Generator().manual_seed(seed)).to(DT)
     q = qkv[:, : HEADS * D].view(total, HEADS, D)
     k = qkv[:, HEADS * D : (HEADS + KV_HEADS) * D].view(total, KV_HEADS, D)
     v = qkv[:, (HEADS + KV_HEADS) * D :].view(total, KV_HEADS, D)
@@ -52,15 +55,22 @@ def main() -> None:
     ap.add_argument("--gemma", action="store_true", help="Gemma 3's shape instead: 4 query heads / 1 KV head of "
                     "size 256")
     ap.add_argument("--window", type=int, default=0, help="a sliding window for the chunks after cached keys")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="queries and cache: float32 is what AVX2-only CPUs run (the paged kernel over float32 rows)")
     args = ap.parse_args()
-    global HEADS, KV_HEADS, D
+    global HEADS, KV_HEADS, D, DT
     if args.gemma:
         HEADS, KV_HEADS, D = 4, 1, 256
+    DT = getattr(torch, args.dtype)
+    bf16 = args.dtype == "bfloat16"
     ops = load_kernels()
-    if ops is None or not (ops.prefill_amx_available() or ops.has_packed_layout()):
-        raise SystemExit("needs the compiled kernels with AMX tile products or the packed bf16 layout")
-    amx = ops.prefill_amx_available()
-    packed = kernels().packed_layout  # the engine's layout here (rows on AMD CPUs)
+    if ops is None:
+        raise SystemExit("needs the compiled kernels")
+    if bf16 and not (ops.prefill_amx_available() or ops.has_packed_layout()):
+        raise SystemExit("bf16 needs the compiled kernels with AMX tile products or the packed bf16 layout "
+                         "(--dtype float32 runs anywhere)")
+    amx = bf16 and ops.prefill_amx_available()
+    packed = bf16 and kernels().packed_layout  # the engine's layout here (rows on AMD CPUs)
     rng = random.Random(0)
     step = []  # one step's prompts, up to 2048 tokens (the engine's max_num_batched_tokens)
     while True:
@@ -70,14 +80,14 @@ def main() -> None:
         step.append(n)
     cases = [(f"{n}", [n]) for n in args.lengths] + [(f"step of {len(step)} prompts ({sum(step)} tokens)", step)]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {HEADS} query heads / {KV_HEADS} KV heads, head size {D}, bf16")
+          f"{torch.get_num_threads()} threads; {HEADS} query heads / {KV_HEADS} KV heads, head size {D}, {args.dtype}")
     kernel = "prefill_attention (AMX)" if amx else f"paged_attention ({'packed' if packed else 'row'} cache)"
     print(f"| prompt tokens | SDPA per prompt (us) | {kernel} (us) | SDPA / kvpage | kvpage TFLOP/s |")
     print("|---|---:|---:|---:|---:|")
     for name, lengths in cases:
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         q, k, v = views(sum(lengths), seed=len(lengths))
-        out = torch.empty(q.shape, dtype=torch.bfloat16)
+        out = torch.empty(q.shape, dtype=DT)
         paged = None if amx else paged_prompts(k, v, lengths, packed)
 
         def sdpa(q=q, k=k, v=v, out=out, starts=starts, lengths=lengths) -> float:
@@ -108,12 +118,12 @@ def paged_prompts(k: torch.Tensor, v: torch.Tensor, lengths: list[int], packed: 
     the block tables, query starts and lengths that paged_attention takes for them."""
     per = [-(-n // bs) for n in lengths]
     perm = torch.randperm(sum(per), generator=torch.Generator().manual_seed(1))
-    rows = torch.zeros(2, sum(per), bs, KV_HEADS, D, dtype=torch.bfloat16)
+    rows = torch.zeros(2, sum(per), bs, KV_HEADS, D, dtype=DT)
     tables = torch.zeros(len(lengths), max(per), dtype=torch.int64)
     b = s = 0
     for i, (n, nb) in enumerate(zip(lengths, per, strict=True)):
         ids = perm[b : b + nb]
-        flat = torch.zeros(2, nb * bs, KV_HEADS, D, dtype=torch.bfloat16)
+        flat = torch.zeros(2, nb * bs, KV_HEADS, D, dtype=DT)
         flat[0, :n], flat[1, :n] = k[s : s + n], v[s : s + n]
         rows[:, ids] = flat.view(2, nb, bs, KV_HEADS, D)
         tables[i, :nb] = ids
