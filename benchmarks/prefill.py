@@ -37,11 +37,10 @@ from kvpage.ops.kernels import kernels
 from kvpage.worker.kv_cache import as_block_major
 
 HEADS, KV_HEADS, D = 9, 3, 64
-DT = torch.bfloat16  # the queries' and the cache's dtype (--dtype)
 
 
-def views(total: int, seed: int):
-    qkv = torch.randn(total, (HEADS + 2 * KV_HEADS) * D, generator=torch.Generator().manual_seed(seed)).to(DT)
+def views(total: int, seed: int, dtype: torch.dtype = torch.bfloat16):
+    qkv = torch.randn(total, (HEADS + 2 * KV_HEADS) * D, generator=torch.Generator().manual_seed(seed)).to(dtype)
     q = qkv[:, : HEADS * D].view(total, HEADS, D)
     k = qkv[:, HEADS * D : (HEADS + KV_HEADS) * D].view(total, KV_HEADS, D)
     v = qkv[:, (HEADS + KV_HEADS) * D :].view(total, KV_HEADS, D)
@@ -58,10 +57,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="queries and cache: float32 is what AVX2-only CPUs run (the paged kernel over float32 rows)")
     args = ap.parse_args()
-    global HEADS, KV_HEADS, D, DT
+    global HEADS, KV_HEADS, D
     if args.gemma:
         HEADS, KV_HEADS, D = 4, 1, 256
-    DT = getattr(torch, args.dtype)
     bf16 = args.dtype == "bfloat16"
     ops = load_kernels()
     if ops is None:
@@ -86,8 +84,8 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for name, lengths in cases:
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        q, k, v = views(sum(lengths), seed=len(lengths))
-        out = torch.empty(q.shape, dtype=DT)
+        q, k, v = views(sum(lengths), seed=len(lengths), dtype=getattr(torch, args.dtype))
+        out = torch.empty_like(q)
         paged = None if amx else paged_prompts(k, v, lengths, packed)
 
         def sdpa(q=q, k=k, v=v, out=out, starts=starts, lengths=lengths) -> float:
@@ -118,12 +116,12 @@ def paged_prompts(k: torch.Tensor, v: torch.Tensor, lengths: list[int], packed: 
     the block tables, query starts and lengths that paged_attention takes for them."""
     per = [-(-n // bs) for n in lengths]
     perm = torch.randperm(sum(per), generator=torch.Generator().manual_seed(1))
-    rows = torch.zeros(2, sum(per), bs, KV_HEADS, D, dtype=DT)
+    rows = torch.zeros(2, sum(per), bs, KV_HEADS, D, dtype=k.dtype)
     tables = torch.zeros(len(lengths), max(per), dtype=torch.int64)
     b = s = 0
     for i, (n, nb) in enumerate(zip(lengths, per, strict=True)):
         ids = perm[b : b + nb]
-        flat = torch.zeros(2, nb * bs, KV_HEADS, D, dtype=DT)
+        flat = torch.zeros(2, nb * bs, KV_HEADS, D, dtype=k.dtype)
         flat[0, :n], flat[1, :n] = k[s : s + n], v[s : s + n]
         rows[:, ids] = flat.view(2, nb, bs, KV_HEADS, D)
         tables[i, :nb] = ids
