@@ -304,13 +304,17 @@ def test_fp8_decode_paths_keep_the_loops_precision_over_long_contexts(dtype, dim
 
 
 @needs_cxx
-@pytest.mark.parametrize("dtype,window", [(torch.int8, None), (torch.float8_e4m3fn, None), (torch.int8, 24)])
-def test_fresh_prompts_over_quantized_pages_attend_over_their_own_kv(dtype, window):
+@pytest.mark.parametrize("dtype,window,act", [
+    (torch.int8, None, torch.bfloat16), (torch.float8_e4m3fn, None, torch.bfloat16), (torch.int8, 24, torch.bfloat16),
+    (torch.int8, None, torch.float32), (torch.float8_e4m3fn, None, torch.float32)])
+def test_fresh_prompts_over_quantized_pages_attend_over_their_own_kv(dtype, window, act):
     """A step with decodes, a chunk after cached keys and two whole fresh prompts over quantized pages: the
-    paged rows equal the reference backend on the pages; the fresh prompts attend over their own bf16 K/V
-    (never rounded to codes), on the bf16 paged kernel through the scratch cache where the backend takes that
-    route (no AMX prompt kernel), as torch's causal SDPA over the same K/V computes them. With a sliding window,
-    on the AMX prompt kernel under the window where the CPU has it, else every row reads the pages."""
+    paged rows equal the reference backend on the pages; the fresh prompts attend over their own K/V (never
+    rounded to codes), on the paged kernel through a scratch cache of the activations' dtype where the backend
+    takes that route (bf16 activations where the loops have bf16 dot products, float32 ones where float caches'
+    fresh prompts take the paged kernel too: AVX2 builds; never beside the AMX prompt kernel), as torch's causal
+    SDPA over the same K/V computes them. With a sliding window, on the AMX prompt kernel under the window where
+    the CPU has it, else every row reads the pages."""
     backend = CpuPagedAttention(kernels(KernelConfig(kv_layout="rows")))
     heads, kv_heads, dim, bs = 9, 3, 64, 16
     q_lens, seq_lens = [1, 1, 70, 80, 67], [40, 300, 100, 80, 67]
@@ -319,10 +323,10 @@ def test_fresh_prompts_over_quantized_pages_attend_over_their_own_kv(dtype, wind
     tables = scatter_tables(rng, [-(-c // bs) for c in seq_lens], list(range(1, 40)))
     common = step_metadata(tables, q_lens, seq_lens, bs, window)
     cache = quantize_rows(torch.randn(2, 40, bs, kv_heads, dim), dtype)
-    q = torch.randn(sum(q_lens), heads, dim).bfloat16()
-    k = torch.randn(sum(q_lens), kv_heads, dim).bfloat16()
-    v = torch.randn(sum(q_lens), kv_heads, dim).bfloat16()
-    meta = backend.metadata_builder(cache, torch.bfloat16, heads, window).build(common)
+    q = torch.randn(sum(q_lens), heads, dim).to(act)
+    k = torch.randn(sum(q_lens), kv_heads, dim).to(act)
+    v = torch.randn(sum(q_lens), kv_heads, dim).to(act)
+    meta = backend.metadata_builder(cache, act, heads, window).build(common)
     ref = ReferenceAttention().forward(q.float(), k.float(), v.float(), cache.clone(), common, dim**-0.5)
     out = backend.forward(q, k, v, cache.clone(), meta, dim**-0.5).float()
     if window is not None and not backend.amx_prefill:
@@ -330,16 +334,22 @@ def test_fresh_prompts_over_quantized_pages_attend_over_their_own_kv(dtype, wind
         torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
         return
     assert meta.fresh_prefills == ((72, 80), (152, 67)) and meta.cached_prefills == ((2, 70),)
-    scratch = backend.paged_prompts and not backend.amx_prefill
+    paged_route = backend.paged_prompts if act == torch.bfloat16 else backend.invariant
+    scratch = paged_route and not backend.amx_prefill
     assert (meta.fresh_plan is not None) == scratch
+    if scratch:
+        assert meta.fresh_scratch.dtype == act  # the prompts' own K/V as they came, never rounded
+    if act == torch.float32 and load_kernels().f32_gemm_available():
+        assert scratch  # AVX2 builds: float32 fresh prompts on the paged kernel, not one SDPA call per prompt
     torch.testing.assert_close(out[:72], ref[:72], rtol=3e-2, atol=3e-2)
+    tol = 3e-2 if act == torch.bfloat16 else 1e-4  # float32 K/V and products: only summation order differs
     for start, n in meta.fresh_prefills:
         qt, kt, vt = (x[start:start + n].float().transpose(0, 1)[None] for x in (q, k, v))
         back = torch.arange(n)[:, None] - torch.arange(n)[None, :]
         mask = (back >= 0) & (back < (window or n))
         dense = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=dim**-0.5,
                                                                  enable_gqa=True)[0].transpose(0, 1)
-        torch.testing.assert_close(out[start:start + n], dense, rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(out[start:start + n], dense, rtol=tol, atol=tol)
 
 
 @needs_cxx

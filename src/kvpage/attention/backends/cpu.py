@@ -2,7 +2,7 @@
 
 Decode rows go to the paged kernel; whole fresh prompts and prompt chunks after cached keys go to the AMX
 prompt kernels where the CPU has them, else to the paged kernel (fresh prompts over quantized pages: over a
-scratch bf16 cache of their own K/V) or, on builds without AVX512_BF16, torch's SDPA. ``CpuMetadataBuilder``
+scratch cache of their own K/V in the activations' dtype) or torch's SDPA. ``CpuMetadataBuilder``
 makes those choices and plans the paged kernel's tasks once per step; ``forward`` only follows them, layer
 after layer.
 """
@@ -98,12 +98,17 @@ class CpuMetadataBuilder:
             or (backend.invariant and not self.prompts_read_cache and not is_quantized(kv_cache.dtype))
         self.prefill_min: int | None = (None if all_paged
                                         else 16 if self.prompts_read_cache else PREFILL_KERNEL_MIN)
-        # Quantized pages without a window: whole fresh prompts attend over their own bf16 K/V (never rounded
-        # to codes, as vLLM's prefill does) on the bf16 paged kernel, through a scratch cache that holds just
-        # those prompts in rows of SCRATCH_BLOCK tokens, instead of torch's SDPA (whose float32 products took
-        # 7% of the int8 engine's time on offline sharegpt, Zen 5 EPYC).
-        self.fresh_on_scratch = (backend.paged_prompts and not backend.amx_prefill and window is None
-                                 and is_quantized(kv_cache.dtype) and dtype == torch.bfloat16)
+        # Quantized pages without a window: whole fresh prompts attend over their own K/V (never rounded to
+        # codes, as vLLM's prefill does) on the paged kernel, through a scratch cache of the activations' dtype
+        # that holds just those prompts in rows of SCRATCH_BLOCK tokens, instead of torch's SDPA: bf16 where the
+        # loops have bf16 dot products (SDPA's float32 products took 7% of the int8 engine's time on offline
+        # sharegpt, Zen 5 EPYC), float32 where float caches send fresh prompts to the paged kernel too (AVX2
+        # builds: one SDPA call per prompt per layer cost int8 pages ~5% of an offline sharegpt run on a Zen 3,
+        # benchmarks/same_process.py, 2026-12-07).
+        self.fresh_on_scratch = (((backend.paged_prompts and dtype == torch.bfloat16)
+                                  or (backend.invariant and dtype == torch.float32))
+                                 and not backend.amx_prefill and window is None and is_quantized(kv_cache.dtype))
+        self.scratch_dtype = dtype
 
     def _plan(self, tables: torch.Tensor, qsl: torch.Tensor, lens: torch.Tensor, block_size: int | None = None):
         return self.ops.plan_attention(tables, qsl, lens, self.num_heads, self.num_blocks,
@@ -150,7 +155,7 @@ class CpuMetadataBuilder:
             tables[i, :c] = torch.arange(firsts[i], firsts[i] + c)
         meta.fresh_first_rows = tuple(b * SCRATCH_BLOCK for b in firsts[:-1])
         meta.fresh_scratch = torch.empty(2, firsts[-1], SCRATCH_BLOCK, self.kv_heads, self.head_dim,
-                                         dtype=torch.bfloat16)
+                                         dtype=self.scratch_dtype)
         meta.fresh_plan = self.ops.plan_attention(tables, torch.tensor([0, *accumulate(lens)]), torch.tensor(lens),
                                                   self.num_heads, firsts[-1], SCRATCH_BLOCK, None)
 
