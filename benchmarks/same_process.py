@@ -28,7 +28,7 @@ from kvpage.config import DEFAULT_MODEL
 from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
 from profile_step import timed_kernels
-from throughput import CHATS, SAMPLING, build_workload
+from throughput import CHATS, ENGINE_ARGS, SAMPLING, build_workload
 
 
 def main() -> None:
@@ -51,8 +51,7 @@ def main() -> None:
     params = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, **SAMPLING[args.sampling]) for r in reqs]
     llms: dict[str, LLM] = {}
     for dt in args.kv_dtypes:
-        llms[dt] = LLM(model=args.model or DEFAULT_MODEL, kv_cache_memory="4GiB", max_model_len=2048,
-                       max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_dtype=dt, kv_prefault=True)
+        llms[dt] = LLM(model=args.model or DEFAULT_MODEL, **ENGINE_ARGS, kv_cache_dtype=dt, kv_prefault=True)
         llms[dt].generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
         if args.cached_prompts:
             llms[dt].generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)

@@ -96,6 +96,9 @@ def build_workload(name: str, seed: int = 0, model: str | None = None) -> list[d
 
 SAMPLING = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "top_p": 0.95, "top_k": 50}}
 
+# kvpage's engine settings for every throughput run (same_process.py loads its engines with them too)
+ENGINE_ARGS = {"kv_cache_memory": "4GiB", "max_model_len": 2048, "max_num_seqs": 256, "max_num_batched_tokens": 2048}
+
 # Each runner reads the workload JSON on stdin and prints {"seconds": ..., "tokens": ...} as its last line;
 # $KVPAGE_BENCH_SAMPLING holds the sampling settings as JSON.
 KVPAGE = r"""
@@ -104,8 +107,7 @@ from kvpage.engine.llm import LLM
 from kvpage.sampling_params import SamplingParams
 reqs = json.load(sys.stdin)
 sampling = json.loads(os.environ["KVPAGE_BENCH_SAMPLING"])
-llm = LLM(model=os.environ.get("KVPAGE_BENCH_MODEL") or "SmolLM2-135M-Instruct", kv_cache_memory="4GiB",
-          max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
+llm = LLM(model=os.environ.get("KVPAGE_BENCH_MODEL") or "SmolLM2-135M-Instruct", **__ENGINE_ARGS__,
           kv_cache_dtype=os.environ.get("KVPAGE_BENCH_KV_DTYPE") or "auto",
           kv_prefault=os.environ.get("KVPAGE_BENCH_PREFAULT", "1") != "0",
           kv_huge_pages=None if os.environ.get("KVPAGE_BENCH_HUGE_PAGES", "1") != "0" else False)
@@ -116,7 +118,7 @@ outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs],
 dt = time.perf_counter() - t
 print(json.dumps({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                   "dtype": str(llm.engine.worker.lm.dtype), "stats": llm.engine.stats()}))
-"""
+""".replace("__ENGINE_ARGS__", repr(ENGINE_ARGS))
 
 HF_COMMON = r"""
 import json, os, sys, time
