@@ -126,6 +126,8 @@ def test_tool_use_forced_and_earlier_turns(srv):
      "tool_choice"),
     ({"messages": ASK, "max_tokens": 4}, {"x-api-key": "wrong"}, 401, "authentication_error", "API key"),
     ({"messages": ASK, "max_tokens": 4, "model": "other"}, None, 404, "not_found_error", "does not exist"),
+    # a lone surrogate as a key is quoted in the message: escaped, never a 500 from the JSON encoder
+    ({"messages": {"\ud800": ""}, "max_tokens": 1}, None, 400, "invalid_request_error", "lone UTF-16 surrogate"),
 ])
 def test_errors_take_the_messages_api_shape(srv, body, headers, status, kind, words):
     got, text = post(srv, "/v1/messages", body, headers)

@@ -136,7 +136,7 @@ def _chat_tool(tool: Any, index: int) -> dict[str, Any]:
 
 def error_body(e: APIError) -> dict[str, Any]:
     kind = _ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
+    return {"type": "error", "error": {"type": kind, "message": e.printable_message}}
 
 
 def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:

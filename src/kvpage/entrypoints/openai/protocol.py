@@ -32,8 +32,13 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
+    @property
+    def printable_message(self) -> str:
+        """The message as every error body writes it (any API shape): client text in it kept JSON-encodable."""
+        return _printable(self.message)
+
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": _printable(self.message), "type": self.type,
+        return {"error": {"message": self.printable_message, "type": self.type,
                           "param": None if self.param is None else _printable(self.param),
                           "code": self.code or self.status}}
 
