@@ -18,8 +18,10 @@ from kvpage.worker.model_runner import BlockOps, ModelRunner, ScheduledSeq
 
 class PagedGreedy:
     def __init__(self, lm: LoadedModel, *, block_size: int = 16, num_blocks: int = 1024, chunk: int | None = None,
-                 prefix_caching: bool = True, swap_blocks: int = 0, kv_dtype: torch.dtype | None = None) -> None:
+                 prefix_caching: bool = True, swap_blocks: int = 0, kv_dtype: torch.dtype | None = None,
+                 argmax_only: bool = False) -> None:
         self.lm = lm
+        self.argmax_only = argmax_only  # steps ask the runner for the argmax alone, as the engine's greedy steps do
         layout = model_layout(lm.config)  # the model's KV groups (sliding windows keep only their window)
         self.m = KVPoolConfig(num_blocks, block_size, watermark=0.0, enable_prefix_caching=prefix_caching,
                               num_swap_blocks=swap_blocks).build(None, layout)
@@ -82,12 +84,12 @@ class PagedGreedy:
             tables = self.m.block_tables(sid)
             batch.append(ScheduledSeq(sid, s.token_ids[c : c + n], c, tables[0], need_logits=c + n == len(s.token_ids),
                                       block_tables=tables))
-        logits = self.runner.execute(batch, ops)
+        logits = self.runner.execute(batch, ops, self.argmax_only)
         for sid in list(self.active):
             self.computed[sid] += counts[sid]
             self.m.cache_computed_blocks(self.seqs[sid], self.computed[sid])
             if sid in logits:
-                tok = int(torch.argmax(logits[sid]))
+                tok = int(logits.argmax_rows[logits.row(sid)]) if self.argmax_only else int(torch.argmax(logits[sid]))
                 self.seqs[sid].token_ids.append(tok)
                 self.outputs[sid].append(tok)
                 if len(self.outputs[sid]) >= self.max_new[sid] or tok in self.stop_ids:

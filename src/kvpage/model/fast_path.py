@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpage.model.layers.linear import PackedLinear, gather_weights
+from kvpage.model.lm_screen import LmScreen
 from kvpage.model.logits import LogitsBuffer, LogitsResult, RowDraws, postprocess_raw
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.ops import Kernels
@@ -50,6 +51,7 @@ class FastPath:
                                       ops=ops, amx_max_rows=AMX_LOGITS_MAX_ROWS, split_rows=LOGITS_SPLIT_ROWS,
                                       stream_out=True)
         self.lm_quant = self.lm_packed.quant  # the blocks as the packed head keeps them (as panels, say)
+        self.lm_screen = LmScreen.build(ops, weight)  # greedy steps' argmax on float32 heads (AVX2 builds)
         if ops.config.weight_huge_pages:  # before the plan binds the few-token projections' blocks
             gather_weights([w for layer in model.layers for w in (layer.self_attn.qkv, layer.self_attn.o_packed,
                                                                   layer.mlp.gate_up, layer.mlp.down)]
@@ -159,6 +161,11 @@ class FastPath:
         few = few_token_logits(self.ops, self.lm_quant, self.lm_weight, hidden, argmax_only, buffer, draws)
         if few is not None:
             return few
+        if argmax_only and self.lm_screen is not None and 0 < hidden.shape[0] * self.lm_screen.weight.shape[0] * 4 <= (
+                ROW_MAJOR_LOGITS_MAX_BYTES):  # the screen's bounds take [rows, vocab] float32 in one piece
+            tokens = self.lm_screen.argmax(self.ops, hidden)
+            if tokens is not None:
+                return LogitsResult(None, tokens, None)
         return packed_logits(self.ops, self.lm_packed, self.lm_weight, hidden, argmax_only, buffer, draws=draws)
 
 

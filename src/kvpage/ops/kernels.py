@@ -113,6 +113,8 @@ class Kernels:
         self.packed_fp8_layout = module.has_packed_int8_layout() and chosen(fp8_pays)
         self.amx_linear_ok = config.amx_linear and module.amx_linear_available()
         self.f32_gemm_ok = config.f32_gemm and module.f32_gemm_available()
+        # greedy steps' lm-head argmax screened in integers, exact against the panel GEMM's bits (lm_screen.cpp)
+        self.lm_screen_ok = config.lm_screen and self.f32_gemm_ok
         # bf16 projections on AVX512_BF16 CPUs where the AMX tile GEMM does not take them ("auto": where measured)
         self.bf16_gemm_ok = (module.bf16_gemm_available() and not self.amx_linear_ok
                              and (config.bf16_gemm == "1" or (config.bf16_gemm == "auto" and bf16_gemm_pays())))
@@ -248,6 +250,17 @@ class Kernels:
 
     def f32_linear(self, x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
         return self._c.f32_linear(x, packed, n, bias)
+
+    def lm_screen_prepare(self, weight: Tensor) -> list[Tensor]:
+        """A float32 [vocab, hidden] head as 7-bit codes per row: codes, scale, code_sum, err_norm, w_norm."""
+        return self._c.lm_screen_prepare(weight)
+
+    def lm_screen_argmax(self, hidden: Tensor, weight: Tensor, prepared: Sequence[Tensor], outliers: Tensor,
+                         w_out: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's argmax of hidden . weight^T as f32_linear's bits (first index on ties), and how many tokens
+        each row multiplied exactly; w_out is f32_pack_weight of the head's ``outliers`` columns."""
+        tokens, candidates = self._c.lm_screen_argmax(hidden, weight, *prepared, outliers, w_out)
+        return tokens, candidates
 
     # norms, RoPE, activation, logits (ops/csrc/fused_ops.cpp)
     def rms_norm(self, residual: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -119,6 +119,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_linear", &kvpage::gemm::f32_linear, "float32 x . W^T (+ bias) from a panel-packed weight", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
 
+  // linear/lm_screen.cpp
+  m.def("lm_screen_prepare", &kvpage::gemm::lm_screen_prepare,
+        "a float32 lm head as int8 codes per row: codes, scale, code_sum, err_norm, w_norm",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("lm_screen_argmax", &kvpage::gemm::lm_screen_argmax,
+        "each row's argmax of hidden . W^T as the float32 panel GEMM's bits, from an int8 screen with exact bounds",
+        py::call_guard<py::gil_scoped_release>());
+
   // linear/gemm_bf16.cpp
   m.def("bf16_gemm_available", &kvpage::gemm::bf16_gemm_available, "whether bf16_linear runs in this build (AVX512_BF16)");
   m.def("bf16_pack_weight", &kvpage::gemm::bf16_pack_weight,

@@ -112,6 +112,13 @@ namespace kvpage::gemm {
 bool f32_gemm_available();
 torch::Tensor f32_pack_weight(const torch::Tensor& w);
 torch::Tensor f32_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N, c10::optional<torch::Tensor> bias);
+// linear/lm_screen.cpp: greedy argmax of a float32 lm head from int8 codes and exact bounds
+std::vector<torch::Tensor> lm_screen_prepare(const torch::Tensor& w);
+std::vector<torch::Tensor> lm_screen_argmax(torch::Tensor hidden, const torch::Tensor& weight,
+                                            const torch::Tensor& codes, const torch::Tensor& scale,
+                                            const torch::Tensor& code_sum, const torch::Tensor& err_norm,
+                                            const torch::Tensor& w_norm, const torch::Tensor& outliers,
+                                            const torch::Tensor& w_out);
 bool bf16_gemm_available();
 // gated: w = [gate; up] with its panels interleaved (gate 16j.., up 16j..), for bf16_linear's act
 torch::Tensor bf16_pack_weight(const torch::Tensor& w, bool gated);
