@@ -56,7 +56,7 @@ VARIABLES: tuple[EnvVar, ...] = (
            "oneDNN's", "f32_gemm"),
     EnvVar("KVPAGE_LM_SCREEN", bool, True, "greedy steps on AVX2 builds find each row's argmax of the float32 lm head "
            "from 7-bit integer products with exact error bounds, then multiply in float32 only the few tokens that can "
-           "still be the largest (the panel GEMM's bits, so the same tokens; ~0.5x the head's time on a Zen 3); 0 "
+           "still be the largest (the panel GEMM's bits, so the same tokens; ~0.6x the head's time on a Zen 3); 0 "
            "multiplies the whole head", "lm_screen"),
     EnvVar("KVPAGE_AMX_DECODE", bool, True, "AMX tile products for decode attention where the CPU and OS allow them; "
            "0 keeps the AVX-512 loops", "amx_decode"),

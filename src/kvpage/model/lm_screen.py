@@ -19,8 +19,8 @@ import torch
 from kvpage.ops import Kernels
 
 # The hidden state's channels multiplied exactly instead of coded: SmolLM2's final hidden rows have a largest
-# |value| ~15x their RMS; with its 32 largest channels out, ~3.6x, and a row has ~10-60 candidates of 49,152
-# (docs/model.md).
+# |value| ~15x their RMS; with its 32 largest channels out, ~3.6x, and a row has tens to a few hundred candidates
+# of 49,152 (docs/model.md).
 OUTLIER_CHANNELS = 32
 # int32 sums of up to this many products of 7-bit codes stay exact (hidden sizes above it keep the whole product)
 MAX_HIDDEN = 8192
@@ -34,7 +34,7 @@ class LmScreen:
     prepared: list[torch.Tensor]
     outliers: torch.Tensor | None = None
     w_out: torch.Tensor | None = None
-    candidates: list[int] = field(default_factory=lambda: [0, 0])  # rows screened, tokens multiplied exactly
+    candidates: list[int] = field(default_factory=lambda: [0, 0])  # rows screened, tokens multiplied in float32
 
     @classmethod
     def build(cls, ops: Kernels, weight: torch.Tensor) -> LmScreen | None:

@@ -258,7 +258,7 @@ class Kernels:
     def lm_screen_argmax(self, hidden: Tensor, weight: Tensor, prepared: Sequence[Tensor], outliers: Tensor,
                          w_out: Tensor) -> tuple[Tensor, Tensor]:
         """Each row's argmax of hidden . weight^T as f32_linear's bits (first index on ties), and how many tokens
-        each row multiplied exactly; w_out is f32_pack_weight of the head's ``outliers`` columns."""
+        each row multiplied in float32 (its candidates); w_out is f32_pack_weight of the head's ``outliers`` columns."""
         tokens, candidates = self._c.lm_screen_argmax(hidden, weight, *prepared, outliers, w_out)
         return tokens, candidates
 
