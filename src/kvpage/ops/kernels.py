@@ -259,8 +259,7 @@ class Kernels:
                          w_out: Tensor) -> tuple[Tensor, Tensor]:
         """Each row's argmax of hidden . weight^T as f32_linear's bits (first index on ties), and how many tokens
         each row multiplied in float32 (its candidates); w_out is f32_pack_weight of the head's ``outliers`` columns."""
-        tokens, candidates = self._c.lm_screen_argmax(hidden, weight, *prepared, outliers, w_out)
-        return tokens, candidates
+        return tuple(self._c.lm_screen_argmax(hidden, weight, *prepared, outliers, w_out))
 
     # norms, RoPE, activation, logits (ops/csrc/fused_ops.cpp)
     def rms_norm(self, residual: Tensor, weight: Tensor, eps: float) -> Tensor:

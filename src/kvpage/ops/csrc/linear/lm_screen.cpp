@@ -151,9 +151,10 @@ void dot_rows(const uint8_t* u, const int8_t* q, int64_t Kp, int64_t n, int32_t*
 
 #endif
 
-// A hidden row's codes and the two factors of its bound: bound_n = a |e_n| + b |W_n|.
+// A hidden row's codes and the two factors of its bound: bound_n = a |e_n| + b |W_n|; hn = |h|.
 struct RowCodes {
   float t, a, b;
+  double hn;
 };
 
 RowCodes row_codes(const float* h, int64_t K, int64_t Kp, const uint8_t* is_out, double slack, uint8_t* u) {
@@ -178,7 +179,7 @@ RowCodes row_codes(const float* h, int64_t K, int64_t Kp, const uint8_t* is_out,
   for (int64_t i = K; i < Kp; ++i) u[i] = 64;  // padding: weight codes 0 there
   const double up = 1.0 + 1e-6;  // float32 rounding of the factors, upwards
   return {t, static_cast<float>(t * std::sqrt(cn) * up),
-          static_cast<float>((std::sqrt(dn) + slack * std::sqrt(hn)) * up)};
+          static_cast<float>((std::sqrt(dn) + slack * std::sqrt(hn)) * up), std::sqrt(hn)};
 }
 
 }  // namespace
@@ -255,14 +256,10 @@ std::vector<torch::Tensor> lm_screen_argmax(torch::Tensor hidden, const torch::T
   std::vector<uint8_t> u(M * Kp);
   std::vector<RowCodes> rc(M);
   std::vector<float> hout(M * O);  // each row's outlier channels
-  std::vector<double> hnorm(M);    // |h|
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       rc[m] = row_codes(hp + m * K, K, Kp, is_out.data(), slack, u.data() + m * Kp);
       for (int64_t j = 0; j < O; ++j) hout[m * O + j] = hp[m * K + op[j]];
-      double hn = 0.;
-      for (int64_t i = 0; i < K; ++i) hn += static_cast<double>(hp[m * K + i]) * hp[m * K + i];
-      hnorm[m] = std::sqrt(hn);
     }
   });
   // pass 1: every row's upper bounds (into ub) and its largest lower bound, block by block of the vocabulary
@@ -341,7 +338,7 @@ std::vector<torch::Tensor> lm_screen_argmax(torch::Tensor hidden, const torch::T
       // the two orders' rounding (twice gamma_K |h| |W_n|) take the panel GEMM's exact chain
       val.resize(idx.size());
       fast_products(hp + m * K, wp, K, idx.data(), static_cast<int64_t>(idx.size()), val.data());
-      const float tol = static_cast<float>(2.0 * slack * hnorm[m] * (1.0 + 1e-6));
+      const float tol = static_cast<float>(2.0 * slack * rc[m].hn * (1.0 + 1e-6));
       float top = -std::numeric_limits<float>::infinity();
       for (size_t c = 0; c < idx.size(); ++c) top = std::max(top, val[c] - tol * np[idx[c]]);
       size_t keep = 0;
