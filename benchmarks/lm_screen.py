@@ -1,11 +1,13 @@
 """Greedy steps' lm head on float32 machines: the whole float32 product and its argmax against the integer screen
-(model/lm_screen.py), alternating calls in one process, on SmolLM2's own final hidden rows: a fixed text's
-(prose, markup and code) and a prompt of random tokens (what `vllm bench serve`'s random dataset sends).
+(model/lm_screen.py), alternating calls in one process, on the model's own final hidden rows (SmolLM2 unless
+--model names another, e.g. gemma-3-270m): a fixed text's (prose, markup and code) and a prompt of random tokens
+(what `vllm bench serve`'s random dataset sends).
 
-    python benchmarks/lm_screen.py [--rows 16 64 128] [--rounds 9]
+    python benchmarks/lm_screen.py [--model gemma-3-270m] [--rows 16 64 128] [--rounds 9]
 
 AVX2 + FMA builds without AVX-512 only (where the float32 panel GEMM runs). Reports the medians per step, their
-ratio, and how many of the 49,152 tokens each row multiplied in float32; every call's argmax is checked equal.
+ratio, and how many of the vocabulary's tokens each row multiplied in float32; every call's argmax is checked
+equal.
 """
 
 from __future__ import annotations
@@ -28,19 +30,24 @@ TEXT = Path(__file__).resolve().parent / "data" / "kv_quant_text.txt"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128])
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args()
-    lm = load_model("SmolLM2-135M-Instruct", dtype="float32", fast=True, kernel_config=KernelConfig())
+    lm = load_model(args.model, dtype="float32", fast=True, kernel_config=KernelConfig())
     fast = lm.model.fast
     if fast is None or fast.lm_screen is None:
         sys.exit("the screen runs on AVX2 + FMA builds without AVX-512 (float32 heads): not this machine")
     screen = fast.lm_screen
     ids = lm.tokenizer.encode(TEXT.read_text())[:1024]
     noise = torch.randint(0, lm.config.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    bos = lm.tokenizer.bos_token_id
+    if bos is not None and ids[:1] == [bos]:  # a model that asks for BOS (Gemma 3) gets it before the noise too
+        noise = [bos, *noise[1:]]
     sources = {"random tokens": chunked_hidden(lm, noise, torch.float32, chunk=256),
                "text": chunked_hidden(lm, ids, torch.float32, chunk=256)}
-    print(f"machine: {cpu_model()}; medians of {args.rounds} alternating calls, ms per step")
+    print(f"machine: {cpu_model()}; {args.model}, vocabulary {fast.lm_weight.shape[0]}; medians of {args.rounds} "
+          "alternating calls, ms per step")
     print(f"{'rows from':>14} {'rows':>5} {'whole head':>11} {'screen':>8} {'ratio':>6} {'float32 per row':>15}")
     for name, hidden in sources.items():
         for rows in args.rows:

@@ -86,7 +86,7 @@ def test_ties_take_the_first_index(ops):
 
 
 def test_near_ties_below_the_codes_resolution(ops):
-    """Two tokens whose logits differ far below what 7-bit codes resolve: both are candidates, the float32 product
+    """Two tokens whose logits differ far below what the codes resolve: both are candidates, the float32 product
     of each decides as the panel GEMM's would."""
     g = torch.Generator().manual_seed(12)
     weight = torch.randn(800, 576, generator=g) * 0.05

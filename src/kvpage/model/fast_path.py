@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpage.model.layers.linear import PackedLinear, gather_weights
-from kvpage.model.lm_screen import LmScreen
+from kvpage.model.lm_screen import LmScreen, screened_tokens
 from kvpage.model.logits import LogitsBuffer, LogitsResult, RowDraws, postprocess_raw
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.ops import Kernels
@@ -161,11 +161,8 @@ class FastPath:
         few = few_token_logits(self.ops, self.lm_quant, self.lm_weight, hidden, argmax_only, buffer, draws)
         if few is not None:
             return few
-        if argmax_only and self.lm_screen is not None and 0 < hidden.shape[0] * self.lm_screen.weight.shape[0] * 4 <= (
-                ROW_MAJOR_LOGITS_MAX_BYTES):  # the screen's bounds take [rows, vocab] float32 in one piece
-            tokens = self.lm_screen.argmax(self.ops, hidden)
-            if tokens is not None:
-                return LogitsResult(None, tokens, None)
+        if (screened := screened_tokens(self.lm_screen, self.ops, hidden, argmax_only)) is not None:
+            return screened
         return packed_logits(self.ops, self.lm_packed, self.lm_weight, hidden, argmax_only, buffer, draws=draws)
 
 

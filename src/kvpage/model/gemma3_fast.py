@@ -16,6 +16,7 @@ import torch
 
 from kvpage.model.fast_path import AMX_LOGITS_MAX_ROWS, LOGITS_SPLIT_ROWS, few_token_logits, packed_logits
 from kvpage.model.layers.linear import PackedLinear, gather_weights
+from kvpage.model.lm_screen import LmScreen, screened_tokens
 from kvpage.model.logits import LogitsBuffer, LogitsResult, RowDraws
 from kvpage.model.quant import QuantWeight, concat
 from kvpage.ops import Kernels
@@ -82,6 +83,8 @@ class Gemma3FastPath:
         head_q = (quant or {}).get("embed_tokens.weight")
         self.lm_quant = (head_q if head_q is not None and head_q.few_token_ok
                          and self.lm_weight.dtype == torch.bfloat16 else None)
+        # greedy steps' argmax on float32 heads (AVX2 builds): the head is ~60% of a decode row's products here
+        self.lm_screen = LmScreen.build(ops, self.lm_weight)
         self.embed_scale = torch.tensor(model.config.hidden_size**0.5, dtype=self.lm_weight.dtype)
         if ops.config.weight_huge_pages:
             gather_weights([w for p in self.layers for w in (p.qkv, p.o, p.gate_up, p.down)] + [self.lm_packed])
@@ -114,4 +117,6 @@ class Gemma3FastPath:
         few = few_token_logits(self.ops, self.lm_quant, self.lm_weight, hidden, argmax_only, buffer, draws)
         if few is not None:
             return few
+        if (screened := screened_tokens(self.lm_screen, self.ops, hidden, argmax_only)) is not None:
+            return screened
         return packed_logits(self.ops, self.lm_packed, self.lm_weight, hidden, argmax_only, buffer, draws=draws)

@@ -3,11 +3,11 @@
 //   lm_screen_prepare(w [N, K] float32) -> codes int8 [N, Kp], scale, code_sum, err_norm, w_norm
 //   lm_screen_argmax(hidden [M, K], w, prepared..., outliers [k], w_out [k, N]) -> argmax [M], candidates [M]
 //
-// Each vocabulary row is kept as int8 codes times a per-row scale (W_n = s_n q_n + e_n). A hidden row h is split
-// into its outlier channels O (a fixed set of the model's few large channels, multiplied exactly in float32 from
-// w_out) and the rest, rounded to 7-bit codes c with step t (h_rest = t c + d). Byte products (vpmaddubsw: the
-// codes offset to 1..127 times the weight codes, pairs at most 2 x 127 x 127, clear of the 16-bit saturation)
-// give c . q_n exactly in int32, and
+// Each vocabulary row is kept as int8 codes times a per-row scale (W_n = s_n q_n + e_n). A hidden row h is
+// split into its outlier channels O (a fixed set of the model's few large channels, multiplied exactly in float32
+// from w_out) and the rest, rounded to 7-bit codes c with step t (h_rest = t c + d). Byte products (vpmaddubsw:
+// the codes offset to 1..127 times the weight codes, pairs at most 2 x 127 x 127, clear of the 16-bit
+// saturation) give c . q_n exactly in int32, and
 //   approx_n = h_O . W_n,O + t s_n (c . q_n)
 //   |f_n - approx_n| <= t |c| |e_n| + |d| |W_n| + g |h| |W_n|   (Cauchy-Schwarz; g ~ (K + O) 2^-24 covers the
 //                                                                  float32 rounding of f_n and approx_n)
@@ -42,7 +42,10 @@ namespace {
 
 constexpr int64_t kPanel = 16;      // f32_pack_weight's panel width
 constexpr int64_t kCodeMax = 63;    // hidden codes -63..63, offset by 64 into 1..127
-constexpr float kWeightMax = 63.f;  // weight codes -63..63: two pair sums (<= 2 x 127 x 63 each) fit 16 bits
+// weight codes -127..127. Codes of 7 bits (-63..63), whose two pair sums fit 16 bits and could be added before
+// one widening multiply-add, had twice the rounding: 4x-13x the candidates, each a float32 row read from memory,
+// and the head's time at 1.0-1.6x this one's (docs/model.md)
+constexpr float kWeightMax = 127.f;
 constexpr int64_t kNB = 96;          // vocabulary rows per block (their codes stay in L2 while every row reads them)
 // float32's own rounding, relative to |h| |W_n|: a k-order FMA chain over K terms is within gamma_K = K u / (1 - K u)
 // of the real product (u = 2^-24), and the screen's outlier part within gamma_O; 10% and a few u more cover the
@@ -110,8 +113,8 @@ void fast_products(const float* h, const float* w, int64_t K, const int64_t* idx
 }
 
 // Integer dot products of MT hidden code rows (u, Kp apart) with NT weight code rows (q, Kp apart):
-// out[mt * ldo + nt] = sum_k u[k] q[k] (u offset by 64: the caller takes 64 x the code sums off). Two byte
-// products' pair sums (each at most 2 x 127 x 63) are added in 16 bits before one widening multiply-add.
+// out[mt * ldo + nt] = sum_k u[k] q[k] (u offset by 64: the caller takes 64 x the code sums off). Each byte
+// product's pair sums (at most 2 x 127 x 127) widened by one multiply-add against ones.
 template <int MT, int NT>
 inline void dot_tile(const uint8_t* u, const int8_t* q, int64_t Kp, int32_t* out, int64_t ldo) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -124,9 +127,10 @@ inline void dot_tile(const uint8_t* u, const int8_t* q, int64_t Kp, int32_t* out
     for (int mt = 0; mt < MT; ++mt) u0[mt] = ld(u + mt * Kp + k), u1[mt] = ld(u + mt * Kp + k + 32);
     for (int nt = 0; nt < NT; ++nt)
       for (int mt = 0; mt < MT; ++mt) {
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(u0[mt], ld(q + nt * Kp + k)),
-                                           _mm256_maddubs_epi16(u1[mt], ld(q + nt * Kp + k + 32)));
-        acc[mt][nt] = _mm256_add_epi32(acc[mt][nt], _mm256_madd_epi16(t, ones));
+        const __m256i p0 = _mm256_maddubs_epi16(u0[mt], ld(q + nt * Kp + k));
+        const __m256i p1 = _mm256_maddubs_epi16(u1[mt], ld(q + nt * Kp + k + 32));
+        acc[mt][nt] = _mm256_add_epi32(acc[mt][nt], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
+                                                                     _mm256_madd_epi16(p1, ones)));
       }
   }
   for (int mt = 0; mt < MT; ++mt) {
@@ -262,12 +266,18 @@ std::vector<torch::Tensor> lm_screen_argmax(torch::Tensor hidden, const torch::T
       for (int64_t j = 0; j < O; ++j) hout[m * O + j] = hp[m * K + op[j]];
     }
   });
-  // pass 1: every row's upper bounds (into ub) and its largest lower bound, block by block of the vocabulary
-  thread_local std::vector<float> ub_buf;  // [M, N], reused from step to step
-  ub_buf.resize(static_cast<size_t>(M * N));
-  float* const ub = ub_buf.data();  // the address taken here: a thread_local is another thread's own elsewhere
+  // pass 1, block by block of the vocabulary: every row's approximate products and bounds; a row's running
+  // floor (the largest lower bound its thread has seen) rises as blocks pass, and only the tokens whose upper
+  // bound reaches it are kept (index and upper bound, per thread and row): tens per row of a block-by-block walk
+  // instead of a [rows, vocab] buffer of every upper bound (25 MB at 128 rows of SmolLM2's head, 134 MB of
+  // Gemma 3's 262k-row one)
+  struct Kept {
+    int32_t n;
+    float ub;
+  };
   const int threads = at::get_num_threads();
   std::vector<float> lmax(static_cast<size_t>(threads) * M, -std::numeric_limits<float>::infinity());
+  std::vector<std::vector<Kept>> kept(static_cast<size_t>(threads) * M);
   const int8_t* qp = codes.data_ptr<int8_t>();
   const float *sp = scale.data_ptr<float>(), *ep = err_norm.data_ptr<float>(), *np = w_norm.data_ptr<float>();
   const float* wo = w_out.data_ptr<float>();  // [panels, O, 16]
@@ -276,7 +286,10 @@ std::vector<torch::Tensor> lm_screen_argmax(torch::Tensor hidden, const torch::T
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int32_t> dots(M * kNB);
     std::vector<float> outs(M * kNB);  // the outlier channels' products, float32
-    float* lm = lmax.data() + static_cast<size_t>(at::get_thread_num()) * M;
+    alignas(32) float ubl[kNB];         // one row's upper bounds in this block
+    const size_t th = static_cast<size_t>(at::get_thread_num());
+    float* lm = lmax.data() + th * M;
+    std::vector<Kept>* keep = kept.data() + th * M;
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kNB, nb = std::min(kNB, N - n0);
       int64_t m = 0;
@@ -288,7 +301,6 @@ std::vector<torch::Tensor> lm_screen_argmax(torch::Tensor hidden, const torch::T
       for (m = 0; m < M; ++m) {
         const float* xo = outs.data() + m * kNB;
         const int32_t* d = dots.data() + m * kNB;
-        float* up = ub + m * N + n0;
         const __m256 vt = _mm256_set1_ps(rc[m].t), va = _mm256_set1_ps(rc[m].a), vb = _mm256_set1_ps(rc[m].b);
         const __m256 grow = _mm256_set1_ps(1.f + 1e-5f), rel = _mm256_set1_ps(1e-6f);
         const __m256 sign = _mm256_set1_ps(-0.f);
@@ -302,7 +314,7 @@ std::vector<torch::Tensor> lm_screen_argmax(torch::Tensor hidden, const torch::T
           x = _mm256_fmadd_ps(_mm256_mul_ps(vt, _mm256_loadu_ps(sp + n)), _mm256_cvtepi32_ps(cq), x);
           __m256 bd = _mm256_fmadd_ps(va, _mm256_loadu_ps(ep + n), _mm256_mul_ps(vb, _mm256_loadu_ps(np + n)));
           bd = _mm256_fmadd_ps(rel, _mm256_andnot_ps(sign, x), _mm256_mul_ps(bd, grow));
-          _mm256_storeu_ps(up + i, _mm256_add_ps(x, bd));
+          _mm256_store_ps(ubl + i, _mm256_add_ps(x, bd));
           lo = _mm256_max_ps(lo, _mm256_sub_ps(x, bd));
         }
         float l = kvpage::hmax8(lo);
@@ -311,15 +323,26 @@ std::vector<torch::Tensor> lm_screen_argmax(torch::Tensor hidden, const torch::T
           float x = xo[i];
           x += rc[m].t * sp[n] * static_cast<float>(d[i] - 64 * qs[n]);
           const float bd = (rc[m].a * ep[n] + rc[m].b * np[n]) * (1.f + 1e-5f) + 1e-6f * std::fabs(x);
-          up[i] = x + bd;
+          ubl[i] = x + bd;
           l = std::max(l, x - bd);
         }
-        lm[m] = std::max(lm[m], l);
+        const float floor_ = std::max(lm[m], l);
+        lm[m] = floor_;
+        const __m256 vf = _mm256_set1_ps(floor_);
+        for (i = 0; i + 8 <= nb; i += 8) {
+          unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(ubl + i), vf, _CMP_GE_OQ)));
+          for (; bits; bits &= bits - 1) {
+            const int64_t j = i + __builtin_ctz(bits);
+            keep[m].push_back({static_cast<int32_t>(n0 + j), ubl[j]});
+          }
+        }
+        for (; i < nb; ++i)
+          if (ubl[i] >= floor_) keep[m].push_back({static_cast<int32_t>(n0 + i), ubl[i]});
       }
     }
   });
-  // pass 2: each row's candidates (upper bound >= the largest lower bound) multiplied exactly, the first
-  // largest kept
+  // pass 2: each row's candidates (upper bound >= the largest lower bound of all blocks), in token order,
+  // multiplied exactly, the first largest kept
   const float* wp = weight.data_ptr<float>();
   int64_t* ap = argmax.data_ptr<int64_t>();
   int64_t* cp = cands.data_ptr<int64_t>();
@@ -330,9 +353,10 @@ std::vector<torch::Tensor> lm_screen_argmax(torch::Tensor hidden, const torch::T
       float floor_ = -std::numeric_limits<float>::infinity();
       for (int th = 0; th < threads; ++th) floor_ = std::max(floor_, lmax[static_cast<size_t>(th) * M + m]);
       idx.clear();
-      const float* up = ub + m * N;
-      for (int64_t n = 0; n < N; ++n)
-        if (up[n] >= floor_) idx.push_back(n);
+      for (int th = 0; th < threads; ++th)
+        for (const Kept& k : kept[static_cast<size_t>(th) * M + m])
+          if (k.ub >= floor_) idx.push_back(k.n);
+      std::sort(idx.begin(), idx.end());
       const auto screened = static_cast<int64_t>(idx.size());
       // the candidates' float32 products in any order first; only those that can still be the largest within
       // the two orders' rounding (twice gamma_K |h| |W_n|) take the panel GEMM's exact chain
