@@ -55,9 +55,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("KVPAGE_F32_GEMM", bool, True, "kvpage's float32 panel GEMM for float32 projections on AVX2 builds; 0 keeps "
            "oneDNN's", "f32_gemm"),
     EnvVar("KVPAGE_LM_SCREEN", bool, True, "greedy steps on AVX2 builds find each row's argmax of the float32 lm head "
-           "from 7-bit integer products with exact error bounds, then multiply in float32 only the few tokens that can "
-           "still be the largest (the panel GEMM's bits, so the same tokens; ~0.6x the head's time on a Zen 3); 0 "
-           "multiplies the whole head", "lm_screen"),
+           "from integer products of 7-bit hidden and 8-bit head codes with exact error bounds, then multiply in "
+           "float32 only the few tokens that can still be the largest (the panel GEMM's bits, so the same tokens; "
+           "0.5-0.7x the head's time on a Zen 3, SmolLM2 and Gemma 3); 0 multiplies the whole head", "lm_screen"),
     EnvVar("KVPAGE_AMX_DECODE", bool, True, "AMX tile products for decode attention where the CPU and OS allow them; "
            "0 keeps the AVX-512 loops", "amx_decode"),
     EnvVar("KVPAGE_SPLIT_SHORT", bool, True, "one stream's short contexts are cut over the threads; 0 keeps one task "
