@@ -268,9 +268,8 @@ std::vector<torch::Tensor> lm_screen_argmax(torch::Tensor hidden, const torch::T
   });
   // pass 1, block by block of the vocabulary: every row's approximate products and bounds; a row's running
   // floor (the largest lower bound its thread has seen) rises as blocks pass, and only the tokens whose upper
-  // bound reaches it are kept (index and upper bound, per thread and row): tens per row of a block-by-block walk
-  // instead of a [rows, vocab] buffer of every upper bound (25 MB at 128 rows of SmolLM2's head, 134 MB of
-  // Gemma 3's 262k-row one)
+  // bound reaches it are kept (index and upper bound, per thread and row), instead of a [rows, vocab] buffer of
+  // every upper bound (25 MB at 128 rows of SmolLM2's head, 134 MB of Gemma 3's 262k-row one)
   struct Kept {
     int32_t n;
     float ub;
@@ -330,7 +329,8 @@ std::vector<torch::Tensor> lm_screen_argmax(torch::Tensor hidden, const torch::T
         lm[m] = floor_;
         const __m256 vf = _mm256_set1_ps(floor_);
         for (i = 0; i + 8 <= nb; i += 8) {
-          unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(ubl + i), vf, _CMP_GE_OQ)));
+          const __m256 reach = _mm256_cmp_ps(_mm256_load_ps(ubl + i), vf, _CMP_GE_OQ);
+          unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(reach));
           for (; bits; bits &= bits - 1) {
             const int64_t j = i + __builtin_ctz(bits);
             keep[m].push_back({static_cast<int32_t>(n0 + j), ubl[j]});
