@@ -9,14 +9,14 @@ from kvpage.envs import KernelConfig
 
 @pytest.fixture()
 def load_fast():
-    """Loads a model (SmolLM2 unless named) for one test under a kernel configuration: float32 on the fast path
-    (what dtype auto runs on a CPU without AVX512_BF16) unless a dtype is given."""
+    """Loads the model for one test under a kernel configuration: float32 on the fast path (what dtype auto runs
+    on a CPU without AVX512_BF16) unless a dtype is given."""
     from kvpage.model import loader
 
     before = set(loader._LOADED)
 
-    def load(config: KernelConfig | None = None, dtype: str = "float32", model: str = "SmolLM2-135M-Instruct"):
-        lm = loader.load_model(model, dtype=dtype, fast=True, kernel_config=config)
+    def load(config: KernelConfig | None = None, dtype: str = "float32"):
+        lm = loader.load_model("SmolLM2-135M-Instruct", dtype=dtype, fast=True, kernel_config=config)
         if lm.model.fast_ops is None:
             pytest.skip("no compiled kernels or oneDNN packing here")
         return lm

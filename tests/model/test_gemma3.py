@@ -287,6 +287,41 @@ def test_int8_pages_past_the_window(gemma_path, prompts):
         assert ops.last_decode_kernel() == ("amx-int8-packed" if on_tiles else "avx512-int8-packed")
 
 
+def test_fast_path_greedy_through_the_lm_screen(gemma_path, prompts, reference):
+    """dtype auto on a CPU without AVX512_BF16 is float32 on the fast path, whose greedy steps take the lm head's
+    argmax from the integer screen (model/lm_screen.py): transformers' tokens below and past the window, and on
+    Gemma 3's own hidden rows (text, then random tokens) the whole 262,144-token product's argmax at 192, 24 and
+    9 rows, with few tokens a row multiplied in float32."""
+    from kvpage.config import cpu_has_bf16
+    from kvpage.worker.scoring import chunked_hidden
+
+    if cpu_has_bf16():
+        pytest.skip("dtype auto is bf16 on this CPU: the screen runs on float32 heads (AVX2 builds)")
+    llm = LLM(model=GEMMA, dtype="auto", kv_cache_memory="768MiB", max_model_len=2048)
+    lm = llm.engine.worker.lm
+    fast = lm.model.fast
+    if fast is None or fast.lm_screen is None:
+        pytest.skip("the screen runs on AVX2 builds' float32 heads (where f32_linear runs)")
+    before = list(fast.lm_screen.candidates)
+    assert generate(llm, prompts) == reference
+    assert fast.lm_screen.candidates[0] > before[0]  # the greedy steps went through the screen
+    assert_drained(llm)
+    tk = lm.tokenizer
+    text = tk.encode("Paging splits memory into blocks of equal size; a sequence keeps a table of its blocks. "
+                     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 3)
+    noise = torch.randint(3, 262_000, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    hidden = chunked_hidden(lm, text + noise, torch.float32, chunk=64)
+    assert hidden.shape[0] >= 192
+    before = list(fast.lm_screen.candidates)
+    for rows in (hidden[-192:], hidden[:24], hidden[-9:]):
+        got = fast.compute_logits_ex(rows.contiguous(), argmax_only=True)
+        whole = fast.compute_logits_ex(rows.contiguous(), argmax_only=False)
+        assert got.logits is None and torch.equal(got.argmax, whole.argmax)
+    screened, exact = (a - b for a, b in zip(fast.lm_screen.candidates, before, strict=True))
+    assert screened == 192 + 24 + 9
+    assert exact / screened < 2_000  # of 262,144: the screen leaves few tokens to multiply in float32
+
+
 def test_gemma_runs_by_its_short_name(gemma_path, reference):
     """The short name finds the packaged file, and a text prompt gets its BOS: transformers' first tokens."""
     llm = LLM(model="gemma-3-270m", dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)

