@@ -62,4 +62,3 @@ def test_greedy_tokens_with_and_without_the_screen(load_fast, prompts):
         got = driver.run()
         out.append([got[i] for i in ids])
     assert out[0] == out[1]
-
