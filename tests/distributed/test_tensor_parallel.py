@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from kvpage.engine.arg_utils import EngineArgs
 from kvpage.engine.llm import LLM
@@ -55,8 +56,11 @@ def test_tiny_models_match_one_rank(tiny_models, name, tp):
     """Even shards (2 KV heads over 2 ranks), one KV head replicated, three KV heads replicated with padded
     query slots, and more ranks than KV heads."""
     one = _greedy(tiny_models[name], 1, n=2)
+    threads = torch.get_num_threads()
     assert _greedy(tiny_models[name], tp, n=2) == one
     assert _no_rank_processes()
+    # rank 0 ran on its share of the cores; the process has all of its own back for what it runs next
+    assert torch.get_num_threads() == threads
 
 
 def _prompt_logprobs(model: str, tp: int) -> list:
@@ -230,6 +234,7 @@ def test_idle_heap_trim_reaches_every_rank_and_a_lost_rank_ends_the_engine(tiny_
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_a_lost_rank_fails_the_requests_and_stops_every_rank(tiny_models, fault):
+    threads = torch.get_num_threads()
     engine = _engine(tiny_models["kv2"], tp_timeout=4.0)
     proc = engine.worker.ranks.procs[1]
     for i, p in enumerate(PROMPTS):
@@ -246,6 +251,7 @@ def test_a_lost_rank_fails_the_requests_and_stops_every_rank(tiny_models, fault)
     assert proc.poll() is not None and _no_rank_processes()
     assert engine.kv.stats().used_blocks == 0
     engine.shutdown()
+    assert torch.get_num_threads() == threads
 
 
 def test_a_rank_that_never_comes_fails_start_up_within_the_timeout(tiny_models):
@@ -257,9 +263,10 @@ def test_a_rank_that_never_comes_fails_start_up_within_the_timeout(tiny_models):
 
 
 def test_start_up_failure_on_every_rank_is_reported_and_leaves_nothing(tiny_models):
+    threads = torch.get_num_threads()
     with pytest.raises(ValueError, match="less than one sequence of max_model_len"):
         LLM(tiny_models["kv2"], dtype="float32", kv_cache_memory="4KiB", max_model_len=256, tensor_parallel_size=2)
-    assert _no_rank_processes()
+    assert _no_rank_processes() and torch.get_num_threads() == threads
 
 
 @pytest.mark.slow

@@ -90,6 +90,7 @@ class RankGroup:
         self.config = config = config.with_port()
         self.size = config.tensor_parallel_size
         self.alive = False
+        self._threads_before: int | None = None  # the process's torch threads while the group holds a share
         self.procs: dict[int, subprocess.Popen] = {r: start_rank(r, config, follower_args)
                                                     for r in config.local_ranks if r != 0}
         try:
@@ -101,6 +102,9 @@ class RankGroup:
             raise
         self.alive = True
         atexit.register(self.shutdown)  # a script that never closes its LLM still stops its ranks in order
+        # rank 0 takes its share of the cores while the group lives; the process's own count comes back when it
+        # stops, or every later engine in the process (a script's next LLM, a test run's next test) ran on one core
+        self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads_per_rank(config))
 
     def _wait_joined(self) -> None:
@@ -151,6 +155,12 @@ class RankGroup:
         self.alive = False
         self._kill()
         leave_group()
+        self._restore_threads()
+
+    def _restore_threads(self) -> None:
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     def _kill(self) -> None:
         for p in self.procs.values():
@@ -171,3 +181,4 @@ class RankGroup:
                     p.wait(10)
             leave_group()
         self._kill()
+        self._restore_threads()
