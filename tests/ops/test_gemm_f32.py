@@ -37,6 +37,17 @@ def check(ops, m: int, n: int, k: int, bias: bool, seed: int) -> None:
     assert bool(((got.double() - exact).abs() <= tol).all()), float((got.double() - exact).abs().max())
 
 
+@pytest.mark.parametrize("n,k", [(16, 64), (40, 64), (33, 130), (1, 1), (48, 576), (17, 1)])
+def test_pack_lays_out_panels_of_w_transposed_with_zero_columns_past_n(ops, n, k):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * 1000 + k))
+    p = (n + 15) // 16
+    expected = torch.zeros(p * 16, k)
+    expected[:n] = w
+    expected = expected.view(p, 16, k).transpose(1, 2)  # panel q, k, column j = W[16q + j, k]
+    assert torch.equal(ops.f32_pack_weight(w), expected)
+    assert torch.equal(ops.f32_pack_weight(w.t().contiguous().t()), expected)  # a transposed view packs alike
+
+
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 128, 131, 300])
 @pytest.mark.parametrize("n,k", [(960, 576), (50, 33), (16, 1536), (17, 8)])
 def test_f32_linear_matches_float64(ops, m, n, k):
