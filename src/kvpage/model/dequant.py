@@ -47,8 +47,7 @@ def _dequantize(data: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Ten
         if qtype == Q.Q8_0:  # 2-byte f16 scale + 32 int8
             blocks = raw.reshape(-1, 34)
             d = _f16(blocks[:, :2])
-            x = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
-            out = x * d
+            out = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32).mul_(d)  # in place: one fresh copy
         elif qtype == Q.Q4_0:  # f16 scale + 16 bytes of nibbles, value = d * (q - 8)
             blocks = raw.reshape(-1, 18)
             d = _f16(blocks[:, :2])
