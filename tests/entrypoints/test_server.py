@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[int]:
-    with server("--api-key", KEY, "--max-n", "4") as port:
+    with server("--api-key", KEY, "--max-n", "4", huge_pages=True) as port:  # the server as users start it
         yield port
 
 

@@ -64,7 +64,8 @@ def main() -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     a = p.parse_args()
-    return serve_engine(lambda: FaultyEngine(EngineArgs(kv_cache_memory="128MiB", max_model_len=1024)),
+    return serve_engine(lambda: FaultyEngine(EngineArgs(kv_cache_memory="128MiB", max_model_len=1024,
+                                                             kv_huge_pages=False)),
                         ServerConfig(""), "127.0.0.1", a.port, shutdown_timeout=a.shutdown_timeout)
 
 

@@ -24,18 +24,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Test servers keep the KV cache and the packed weights on the allocator's pages: on these VMs each fresh 2 MiB
+# page costs ~7 ms to fault in (~1.7 s of a SmolLM2 server's ~7 s start), and what the HTTP tests check does not
+# depend on page size. The huge-page paths have their own tests (tests/test_pages.py, test_weight_arena.py,
+# tests/worker/test_worker.py), and test_server.py's module server runs the defaults (``huge_pages=True``).
+SMALL_PAGES = ("--no-kv-huge-pages",)
+SMALL_PAGES_ENV = {"KVPAGE_WEIGHT_HUGE_PAGES": "0"}
+
+
 def serve_cmd(port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "kvpage.entrypoints.cli", "serve", "--port", str(port), "--kv-cache-memory",
-            "256MiB", "--max-model-len", "1024", *extra]
+            "256MiB", "--max-model-len", "1024", *SMALL_PAGES, *extra]
+
+
+def serve_cmd_defaults(port: int, *extra: str) -> list[str]:
+    """serve_cmd on the default pages (2 MiB pages for the KV cache and the weights where the OS gives them)."""
+    return [a for a in serve_cmd(port, *extra) if a not in SMALL_PAGES]
 
 
 def start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """The server's output goes to an unnamed file, not a pipe: nobody reads a pipe while the test runs, and a
     full one (64 KiB of log) would block the server's next write, and with it every request."""
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by server_proc, which owns the process)
+    small = SMALL_PAGES_ENV if SMALL_PAGES[0] in cmd else {}  # the weights' pages follow the KV cache's
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-                                 **(env or {})})
+                                 **small, **(env or {})})
     proc.log = log  # type: ignore[attr-defined]
     return proc
 
@@ -64,8 +78,8 @@ def wait_up(proc: subprocess.Popen, port: int, key: str | None = None) -> None:
 
 
 @contextmanager
-def server(*extra: str, env: dict[str, str] | None = None) -> Iterator[int]:
-    with server_proc(serve_cmd, *extra, env=env) as (port, _):
+def server(*extra: str, env: dict[str, str] | None = None, huge_pages: bool = False) -> Iterator[int]:
+    with server_proc(serve_cmd_defaults if huge_pages else serve_cmd, *extra, env=env) as (port, _):
         yield port
 
 

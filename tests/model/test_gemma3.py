@@ -293,11 +293,15 @@ def test_fast_path_greedy_through_the_lm_screen(gemma_path, prompts, reference):
     Gemma 3's own hidden rows (text, then random tokens) the whole 262,144-token product's argmax at 192, 24 and
     9 rows, with few tokens a row multiplied in float32."""
     from kvpage.config import cpu_has_bf16
+    from kvpage.envs import KernelConfig
     from kvpage.worker.scoring import chunked_hidden
 
     if cpu_has_bf16():
         pytest.skip("dtype auto is bf16 on this CPU: the screen runs on float32 heads (AVX2 builds)")
-    llm = LLM(model=GEMMA, dtype="auto", kv_cache_memory="768MiB", max_model_len=2048)
+    # the packed weights (1 GB) stay on the allocator's pages: faulting in fresh 2 MiB pages took ~7 of this
+    # test's seconds on a VM, and the screen's tokens do not depend on page size (test_weight_arena.py has those)
+    llm = LLM(model=GEMMA, dtype="auto", kv_cache_memory="256MiB", max_model_len=2048,
+              kernels=KernelConfig(weight_huge_pages=False))
     lm = llm.engine.worker.lm
     fast = lm.model.fast
     if fast is None or fast.lm_screen is None:
