@@ -36,12 +36,6 @@ def test_routes_keep_the_key_rule(srv):
     assert isinstance(snap["history"], list)
 
 
-def test_no_dashboard_flag():
-    with server("--no-dashboard") as port:
-        assert request(port, "GET", "/dashboard")[0] == 404
-        assert request(port, "GET", "/dashboard/snapshot")[0] == 404
-
-
 def _load(port: int, stop: threading.Event) -> None:
     """One long request: while the six of them decode, the running count holds still (a count that changes
     between two polls of /metrics could be missed by them, and the page would seem wrong). Long enough to

@@ -1,5 +1,6 @@
 """A model without a chat template, served: chats refused by name (pointing to --chat-template), and
-add_special_tokens deciding the BOS of a text prompt (a tiny random Llama whose tokenizer adds one)."""
+add_special_tokens deciding the BOS of a text prompt (a tiny random Llama whose tokenizer adds one). The same
+server runs with --no-dashboard (one server start fewer than a server of its own for that flag)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,15 @@ def srv(tmp_path_factory) -> Iterator[int]:
     config = json.loads((path / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    with server("--api-key", KEY, "--model", str(path), "--dtype", "float32", "--max-model-len", "256") as port:
+    with server("--api-key", KEY, "--model", str(path), "--dtype", "float32", "--max-model-len", "256",
+                "--no-dashboard") as port:
         yield port
+
+
+def test_no_dashboard_flag(srv):
+    assert request(srv, "GET", "/dashboard")[0] == 404
+    assert request(srv, "GET", "/dashboard/snapshot")[0] == 404
+    assert request(srv, "GET", "/v1/models")[0] == 200  # the API itself is there
 
 
 def test_chats_are_refused_by_name_without_a_template(srv):
