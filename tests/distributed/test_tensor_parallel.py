@@ -97,7 +97,7 @@ def test_smollm2_tp3_matches_tp1_with_prefix_cache_chunks_and_preemption():
     # 20 blocks per rank (one KV head of 64 floats x 30 layers x 4 tokens = 60 KiB a block): four requests of
     # ~26 tokens (7 blocks each) cannot all stay
     with LLM("SmolLM2-135M-Instruct", dtype="float32", tensor_parallel_size=3, kv_cache_memory="1200KiB",
-             **kw) as llm:
+             reserve_certain_growth=False, **kw) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, n=2, ignore_eos=True),
                             use_tqdm=False)
         stats = llm.engine.stats()

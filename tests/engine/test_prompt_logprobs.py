@@ -88,7 +88,7 @@ def test_n_samples_streamed_and_tiny_prompts(llm, reference):
 def test_recompute_preemption_scores_each_position_once(reference):
     ids, lsm = reference
     tight = LLM(kv_cache_memory=12 * BLOCK_BYTES_FP32, max_model_len=192, dtype="float32", block_size=16,
-                max_num_batched_tokens=32, preemption_mode="recompute")
+                max_num_batched_tokens=32, preemption_mode="recompute", reserve_certain_growth=False)
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=2 if i % 2 else None)
               for i in range(4)]
     outs = tight.generate([TEXT] * 4, params, use_tqdm=False)

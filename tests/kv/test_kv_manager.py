@@ -217,3 +217,26 @@ def test_bad_arguments_are_named():
         m.free("nope")
     with pytest.raises(ValueError, match="unknown KV policy"):
         make_kv_manager("contiguous", 4)
+
+
+# ------------------------------------------------------------------ growth
+def test_growth_blocks_counts_what_each_policy_still_hands_out():
+    from kvpage.kv import StaticReservationManager
+    from kvpage.kv.hybrid import HybridKVManager
+    from kvpage.kv.sliding import SlidingWindowKVManager
+    from kvpage.kv.specs import group_layers
+
+    paged = KVCacheManager(32, 4)
+    seq = KVSequence("s", list(range(1, 11)))
+    assert paged.growth_blocks("s", 30) == 8  # not admitted: from nothing to 8 blocks
+    assert paged.growth_blocks("s", 30, held_tokens=8) == 6  # a prefix hit's two blocks held already
+    paged.allocate_slots(seq, 10)
+    assert paged.growth_blocks("s", 30) == 5 and paged.growth_blocks("s", 12) == 0
+    window = SlidingWindowKVManager(32, 4, window=6)  # holds ceil(5 / 4) + 1 = 3 blocks at most
+    assert window.growth_blocks("s", 30) == 3
+    window.allocate_slots(KVSequence("s", list(range(1, 11))), 10)
+    assert window.growth_blocks("s", 30) == 0
+    static = StaticReservationManager(32, 4, max_model_len=32)
+    assert static.growth_blocks("s", 30) == 0  # a reservation holds all of it from admission on
+    hybrid = HybridKVManager(group_layers([6, None]), 32, 4)
+    assert hybrid.growth_blocks("s", 30) == 3 + 8  # the window's group and the full one

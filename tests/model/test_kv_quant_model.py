@@ -38,7 +38,7 @@ def test_engine_runs_quantized_pages_with_hits_forks_and_swaps(kv_dtype):
     # how many others share its step, so a preempted run must give the roomy run's tokens exactly
     same_path = KernelConfig(quant_max_tokens=0)
     llm = LLM(kv_cache_dtype=kv_dtype, kv_cache_memory=24 * block, max_model_len=256, swap_space=48 * block,
-              preemption_mode="swap", kernels=same_path)
+              preemption_mode="swap", kernels=same_path, reserve_certain_growth=False)
     assert llm.engine.worker.kv_cache.tensors[0].dtype == kv_torch_dtype(kv_dtype)
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     prompts = [f"{p} ({i})" for i in range(2) for p in PROMPTS]

@@ -3,6 +3,7 @@ simulate`` command."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -246,15 +247,19 @@ def test_workload_spec_validation():
     assert math.isinf(WorkloadSpec().rate)
 
 
-def test_simulator_schedules_exactly_like_the_engine():
+@pytest.mark.parametrize("reserve", [False, True])
+def test_simulator_schedules_exactly_like_the_engine(reserve):
     """The same requests on the same pool: the real engine (embedded model) and the simulator take the
-    same steps, batch the same number of tokens in each, and preempt the same number of times."""
+    same steps, batch the same number of tokens in each, and preempt the same number of times; with admission
+    keeping room for the outputs' known lengths (ignore_eos), neither preempts."""
     from kvpage.engine.llm import LLM
     from kvpage.sampling_params import SamplingParams
 
     reqs = generate(WorkloadSpec("lognormal", 16, seed=5, prompt_median=40, output_median=24, max_prompt=120,
                                  max_output=60))
-    llm = LLM(kv_cache_memory=40 * 16 * 23040, max_model_len=256, max_num_batched_tokens=128)
+    reqs = [dataclasses.replace(r, ignore_eos=True) for r in reqs]
+    llm = LLM(kv_cache_memory=40 * 16 * 23040, max_model_len=256, max_num_batched_tokens=128,
+              reserve_certain_growth=reserve)
     eng = llm.engine
     rng = random.Random(0)
     eng.step_log = []
@@ -265,9 +270,12 @@ def test_simulator_schedules_exactly_like_the_engine():
         eng.step()
     real = [s["num_tokens"] for s in eng.step_log]
     cfg = SimConfig.of(num_blocks=eng.kv.num_blocks, max_model_len=256, max_num_batched_tokens=128,
-                       check_invariants=True)
+                       check_invariants=True, reserve_certain_growth=reserve)
     res = Simulator(cfg, reqs, ONE_SECOND).run()
-    assert eng.stats()["preemptions"] > 0, "the pool should be tight enough to preempt"
+    if reserve:
+        assert eng.stats()["preemptions"] == 0
+    else:
+        assert eng.stats()["preemptions"] > 0, "the pool should be tight enough to preempt"
     assert [s.num_tokens for s in res.steps] == real
     assert res.num_preemptions == eng.stats()["preemptions"]
 

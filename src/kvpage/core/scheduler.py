@@ -9,11 +9,12 @@ later with its generated tokens) or by swap (blocks moved to the host tier, brou
 
 from __future__ import annotations
 
-import bisect
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvpage.core.admission import GrowthReserve
+from kvpage.core.queue import SeqQueue
 from kvpage.core.sequence import Sequence, SequenceStatus
 from kvpage.errors import InvalidRequestError, KVCapacityError, PromptTooLongError
 from kvpage.kv import NO_HIT, KVManager
@@ -32,6 +33,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
     policy: SchedulingPolicy = "fcfs"
+    # admit only where the pool also holds the growth running sequences are certain of (core/admission.py)
+    reserve_certain_growth: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -85,44 +88,13 @@ class SchedulerOutput:
         return not (self.work or self.swap_out or self.swap_in or self.copies or self.persists or self.disk_loads)
 
 
-class _Queue:
-    """Sequences kept sorted by (priority, arrival, sample index)."""
-
-    def __init__(self) -> None:
-        self.items: list[Sequence] = []
-        self._keys: list[tuple[int, int, int]] = []
-
-    def add(self, seq: Sequence) -> None:
-        k = seq.sort_key
-        i = bisect.bisect_right(self._keys, k)
-        self.items.insert(i, seq)
-        self._keys.insert(i, k)
-
-    def remove(self, seq: Sequence) -> bool:
-        for i, s in enumerate(self.items):
-            if s is seq:
-                del self.items[i], self._keys[i]
-                return True
-        return False
-
-    def pop(self, i: int = -1) -> Sequence:
-        del self._keys[i]
-        return self.items.pop(i)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> Sequence:
-        return self.items[i]
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting = _Queue()
-        self.running = _Queue()
-        self.swapped = _Queue()
+        self.waiting = SeqQueue()
+        self.running = SeqQueue()
+        self.swapped = SeqQueue()
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
         self._pending_copies: list[tuple[int, int]] = []  # fork copies to perform before the next step
@@ -250,6 +222,7 @@ class Scheduler:
                     out.copies.extend(alloc.copies)
                     out.work.append(ScheduledWork(seq, n, seq.num_computed_tokens))
                     budget -= n
+        reserve = GrowthReserve(self.kv, self.config.max_model_len) if self.config.reserve_certain_growth else None
         while len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.request.beam is not None and any(w.seq.request is seq.request for w in out.work):
@@ -260,6 +233,8 @@ class Scheduler:
             n = min(want, budget)
             if not chunked and n < want:
                 break
+            if reserve is not None and not reserve.admits(seq, hit, running.items):
+                break  # it would take room running sequences will certainly need: a preemption bought ahead
             alloc = self.kv.allocate_slots(seq, n, hit)
             if alloc is None:
                 break  # first come, first served: later arrivals wait behind it
@@ -270,6 +245,8 @@ class Scheduler:
                 seq.request.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             running.add(seq)
+            if reserve is not None:
+                reserve.admitted(seq)
             out.work.append(ScheduledWork(seq, n, cached))
             budget -= n
         if not out.work and len(running) and len(self.waiting) and running[-1].request is not self.waiting[0].request:

@@ -46,6 +46,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = "recompute"
     scheduling_policy: SchedulingPolicy = "fcfs"
+    reserve_certain_growth: bool = True  # admission keeps room for growth running requests are certain of
     watermark: float = 0.01
     seed: int = 0
     attention_backend: str = "auto"
@@ -81,7 +82,8 @@ class EngineArgs:
             batched = 2048 if self.enable_chunked_prefill else max_model_len
         return SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=batched,
                                max_num_seqs=self.max_num_seqs, enable_chunked_prefill=self.enable_chunked_prefill,
-                               preemption_mode=self.preemption_mode, policy=self.scheduling_policy)
+                               preemption_mode=self.preemption_mode, policy=self.scheduling_policy,
+                               reserve_certain_growth=self.reserve_certain_growth)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, kv_cache_memory=size_gib_default(self.kv_cache_memory),
@@ -137,6 +139,11 @@ class EngineArgs:
                        default=d.enable_chunked_prefill)
         g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+        g.add_argument("--reserve-certain-growth", action=argparse.BooleanOptionalAction,
+                       default=d.reserve_certain_growth,
+                       help="admit a request only where the KV pool also holds what running requests will "
+                            "certainly still take (the rest of a prompt, min_tokens, max_tokens under ignore_eos "
+                            "without stops), instead of admitting into room a preemption must win back later")
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that do not set their own")
         g.add_argument("--kv-policy", default=d.kv_policy, choices=ALLOCATORS,
                        help="static = reserve max_model_len per request (baseline for comparisons)")

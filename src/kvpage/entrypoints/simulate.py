@@ -58,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="lognormal", choices=WORKLOADS)
     w.add_argument("--trace", help="JSONL trace: arrival, prompt_len, output_len[, prefix_id, prefix_len, n, "
-                                   "beam_width] per line (overrides --workload)")
+                                   "beam_width, priority, ignore_eos] per line (overrides --workload)")
     w.add_argument("--num-requests", type=int, default=512)
     w.add_argument("--rate", type=_rate, default=math.inf, help="Poisson arrivals per second (default: all at t=0)")
     w.add_argument("--prompt-median", type=float, help="lognormal median prompt length")
@@ -98,6 +98,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    default=_D.scheduler.enable_chunked_prefill)
     k.add_argument("--scheduling-policy", default=_D.scheduler.policy, choices=["fcfs", "priority"],
                    help="priority: lower trace 'priority' values run first (as the engine's)")
+    k.add_argument("--reserve-certain-growth", action=argparse.BooleanOptionalAction,
+                   default=_D.scheduler.reserve_certain_growth,
+                   help="admission keeps room for growth running requests are certain of (as the engine's)")
 
     c = p.add_argument_group("cost model")
     c.add_argument("--model", default=DEFAULT_MODEL, help="model name, preset, .gguf or HF directory (config only)")
@@ -216,7 +219,7 @@ def build_config(args: argparse.Namespace, model: ModelSpec) -> SimConfig:
         watermark=args.watermark, preemption_mode=args.preemption, num_swap_blocks=swap, offload_blocks=offload,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
-        beam_prune=args.beam_prune, seed=args.seed, layout=layout,
+        reserve_certain_growth=args.reserve_certain_growth, beam_prune=args.beam_prune, seed=args.seed, layout=layout,
     )
 
 

@@ -90,6 +90,9 @@ class HybridKVManager:
         """Blocks a sequence of ``num_tokens`` tokens holds between steps, over every group."""
         return sum(g.spec.max_blocks(self.block_size, num_tokens) for g in self.layout.groups)
 
+    def growth_blocks(self, seq_id: str, num_tokens: int, held_tokens: int = 0) -> int:
+        return sum(g.growth_blocks(seq_id, num_tokens, held_tokens) for g in self.groups)
+
     def reservation_blocks(self, seq: SequenceLike) -> int:
         return sum(g.reservation_blocks(seq) for g in self.groups)
 

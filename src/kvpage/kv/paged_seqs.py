@@ -1,5 +1,5 @@
-"""A paged manager's sequences: the state it keeps per sequence, swapping them to the host tier and back, and
-what their blocks hold (fills, stats).
+"""A paged manager's sequences: the state it keeps per sequence, swapping them to the host tier and back, what
+their blocks hold (fills, stats) and what they will still take (growth).
 
 Split from paged.py; ``PagedSeqs`` is a base of ``KVCacheManager`` and reads its pool, host tier and tables.
 """
@@ -43,7 +43,8 @@ class _SwappedState:
 
 
 class PagedSeqs:
-    """swap_out / swap_in, fills and stats of ``KVCacheManager`` (the attributes below are the manager's)."""
+    """swap_out / swap_in, growth, fills and stats of ``KVCacheManager`` (the attributes below are the
+    manager's)."""
 
     pool: BlockPool
     block_size: int
@@ -51,6 +52,17 @@ class PagedSeqs:
     _host_free: HostTier
     _seqs: dict[str, _SeqState]
     _swapped: dict[str, _SwappedState]
+
+    def growth_blocks(self, seq_id: str, num_tokens: int, held_tokens: int = 0) -> int:
+        """Blocks the pool must still give ``seq_id`` for it to hold ``num_tokens`` tokens between steps: from
+        the slots it has, or from ``held_tokens`` (a prefix hit's) for a sequence not admitted yet."""
+        state = self._seqs.get(seq_id)
+        start = state.num_tokens if state is not None else held_tokens
+        return max(0, self._held_blocks(num_tokens) - self._held_blocks(start))
+
+    def _held_blocks(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` tokens holds between steps (a sliding window: its window's)."""
+        return -(-num_tokens // self.block_size)
 
     def swap_out(self, seq: SequenceLike | str) -> list[tuple[int, int]] | None:
         """Move a running sequence to the host pool: (device, host) copies, or None if it is full."""

@@ -38,6 +38,9 @@ class SlidingWindowKVManager(KVCacheManager):
         """Blocks a sequence holds at most between steps: ceil((W - 1) / block_size) + 1."""
         return cdiv(self.window - 1, self.block_size) + 1
 
+    def _held_blocks(self, num_tokens: int) -> int:
+        return min(cdiv(num_tokens, self.block_size), self.max_held_blocks())
+
     def _drop_passed(self, sid: str, next_pos: int) -> int:
         """Release the blocks no query from ``next_pos`` on reads (oldest first into the free queue, so the
         prefix cache evicts them first); returns how many."""

@@ -81,6 +81,10 @@ class StaticReservationManager(KVCacheManager):
         ids = [b.block_id for b in state.table]
         return [ids[g * n : (g + 1) * n] for g in range(self.num_groups)]
 
+    def growth_blocks(self, seq_id: str, num_tokens: int, held_tokens: int = 0) -> int:
+        """None: a reservation holds, from admission on, all its sequence may ever take."""
+        return 0
+
     def _admission_reserve(self) -> int:
         """No reserve: the watermark protects running sequences' growth, and a reservation already holds
         everything its sequence will ever need, so keeping blocks back would only cost the baseline a slot

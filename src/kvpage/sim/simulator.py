@@ -156,7 +156,9 @@ class Simulator:
                 self.result.rejected.append((spec.request_id, str(e)))
                 continue
             ids = self.tokens.prompt(spec)
-            params = SamplingParams(n=spec.num_samples, max_tokens=spec.output_len, ignore_eos=True, temperature=1.0)
+            # no EOS id here: max_tokens ends the output either way; ignore_eos says whether the engine knew it
+            params = SamplingParams(n=spec.num_samples, max_tokens=spec.output_len, ignore_eos=spec.ignore_eos,
+                                    temperature=1.0)
             req = self.core.add_request(spec.request_id, None, ids, params, spec.arrival, spec.priority)
             self._requests[spec.request_id] = (spec, req)
             if spec.prefix_id is not None:

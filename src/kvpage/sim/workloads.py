@@ -21,12 +21,15 @@ class SimRequest:
     request_id: str
     arrival: float  # seconds from the start
     prompt_len: int
-    output_len: int  # tokens each sample generates (as with ignore_eos and max_tokens)
+    output_len: int  # tokens each sample generates (it stops there, as at an EOS)
     prefix_id: str | None = None  # requests with the same id share their first prefix_len tokens
     prefix_len: int = 0
     n: int = 1  # parallel samples forked from the prompt
     beam_width: int = 0  # > 0: beam-like candidates that get pruned and re-forked while decoding
     priority: int = 0  # lower runs first, under the priority scheduling policy (as the engine's requests)
+    # the engine knows output_len ahead (ignore_eos with max_tokens, as benchmark clients send): admission
+    # keeps room for it (core/admission.py); otherwise the output may end at any token, as with EOS
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -122,13 +125,14 @@ def generate(spec: WorkloadSpec) -> list[SimRequest]:
 
 
 TRACE_FIELDS = ("request_id", "arrival", "prompt_len", "output_len", "prefix_id", "prefix_len", "n", "beam_width",
-                "priority")
+                "priority", "ignore_eos")
 
 
 def load_trace(path: str | Path) -> list[SimRequest]:
     """JSONL, one request per line: ``arrival`` (s), ``prompt_len``, ``output_len``, optional ``prefix_id``,
-    ``prefix_len``, ``n``, ``beam_width``, ``priority``, ``request_id``. A prefix_id without prefix_len shares the
-    shortest prompt among the requests carrying that id."""
+    ``prefix_len``, ``n``, ``beam_width``, ``priority``, ``request_id``, ``ignore_eos`` (true: the engine knows the
+    output's length ahead). A prefix_id without prefix_len shares the shortest prompt among the requests carrying
+    that id."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
@@ -151,6 +155,8 @@ def load_trace(path: str | Path) -> list[SimRequest]:
         for key in ("prompt_len", "output_len", "prefix_len", "n", "beam_width", "priority"):
             if key in row and (not isinstance(row[key], int) or isinstance(row[key], bool)):
                 raise ValueError(f"{path}:{lineno}: {key} must be an integer, got {row[key]!r}")
+        if not isinstance(row.get("ignore_eos", False), bool):
+            raise ValueError(f"{path}:{lineno}: ignore_eos must be true or false, got {row['ignore_eos']!r}")
         if not isinstance(row["arrival"], int | float) or isinstance(row["arrival"], bool):
             raise ValueError(f"{path}:{lineno}: arrival must be a number of seconds, got {row['arrival']!r}")
         rows.append((lineno, row))
@@ -168,7 +174,7 @@ def load_trace(path: str | Path) -> list[SimRequest]:
             out.append(SimRequest(
                 str(row.get("request_id", f"line{lineno}")), float(row["arrival"]), row["prompt_len"],
                 row["output_len"], pid, row.get("prefix_len", shortest[pid] if pid else 0),
-                row.get("n", 1), row.get("beam_width", 0), row.get("priority", 0),
+                row.get("n", 1), row.get("beam_width", 0), row.get("priority", 0), row.get("ignore_eos", False),
             ))
         except ValueError as e:
             raise ValueError(f"{path}:{lineno}: {e}") from None
