@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from kvpage.kv.block import KVBlock
 from kvpage.kv.prefix_hash import BlockHash
 from kvpage.kv.sequence import SequenceLike
+from kvpage.kv.slot_mapping import cdiv
 from kvpage.kv.stats import KVStats, make_stats
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class PagedSeqs:
 
     def _held_blocks(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` tokens holds between steps (a sliding window: its window's)."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def swap_out(self, seq: SequenceLike | str) -> list[tuple[int, int]] | None:
         """Move a running sequence to the host pool: (device, host) copies, or None if it is full."""

@@ -39,7 +39,7 @@ class SlidingWindowKVManager(KVCacheManager):
         return cdiv(self.window - 1, self.block_size) + 1
 
     def _held_blocks(self, num_tokens: int) -> int:
-        return min(cdiv(num_tokens, self.block_size), self.max_held_blocks())
+        return min(super()._held_blocks(num_tokens), self.max_held_blocks())
 
     def _drop_passed(self, sid: str, next_pos: int) -> int:
         """Release the blocks no query from ``next_pos`` on reads (oldest first into the free queue, so the
